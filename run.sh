@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One entry point for the set-up commands in the README.
+#   bash run.sh test   install what the tests need, lint, run the test suite (what CI runs)
+#   bash run.sh demo   install, build a demo library, train a small model, index it and serve it
+# The virtual environment lives in $GARE_VENV (default ~/.cache/gare/venv) so that clones share it.
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV="${GARE_VENV:-$HOME/.cache/gare/venv}"
+PY="${PYTHON:-python3}"
+
+install() {
+  if [ ! -x "$VENV/bin/python" ]; then
+    echo "creating virtual environment $VENV"
+    "$PY" -m venv "$VENV"
+  fi
+  # torch 2.14.1 + torchvision 0.29.1 is the pair whose wheels match here (open_clip needs torchvision).
+  "$VENV/bin/pip" install -q --disable-pip-version-check "torch==2.14.1" "torchvision==0.29.1"
+  "$VENV/bin/pip" install -q --disable-pip-version-check -e ".[$1]"
+}
+
+case "${1:-}" in
+  test)
+    install test
+    export HF_HUB_OFFLINE=1
+    "$VENV/bin/ruff" check training indexer service tests bench
+    "$VENV/bin/python" -m pytest -q -m "not slow" "${@:2}"
+    ;;
+  demo)
+    install dist
+    export HF_HUB_OFFLINE=1
+    exec "$VENV/bin/python" -m training.demo "${@:2}"
+    ;;
+  *)
+    echo "usage: bash run.sh test|demo [args]" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,37 @@
+"""Shared test setup: no network, deterministic threads, the tiny registered model."""
+
+from __future__ import annotations
+
+import os
+
+# A failed hub lookup retries DNS for ~46 s; nothing in the tests may download.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg():
+    from training.config import get_model_config
+
+    return get_model_config("gare-test-tiny")
+
+
+@pytest.fixture()
+def tiny_model(tiny_cfg):
+    from training.model import GARE
+
+    torch.manual_seed(0)
+    model = GARE.build(tiny_cfg).eval()
+    # psi starts at N(0, 0.02): Δ would be ~0 and every psi test trivially pass; give it real weights.
+    with torch.no_grad():
+        for name, p in model.psi.named_parameters():
+            if name.endswith("weight") and p.ndim == 2:
+                p.normal_(0, 0.3)
+            elif name.startswith(("ln", )):
+                p.normal_(1.0 if name.endswith("weight") else 0.0, 0.2)
+            else:
+                p.normal_(0, 0.1)
+    return model
