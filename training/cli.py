@@ -39,6 +39,132 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_synth(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from .synth import SynthConfig, generate_corpus, presets
+
+    base = presets[args.preset] if args.preset else SynthConfig()
+    over = {k: v for k, v in {"n_videos": args.n_videos, "seed": args.seed, "width": args.size, "height": args.size,
+                               "duration": args.duration, "hard_negative_rate": args.hard_negative_rate,
+                               "near_duplicate_rate": args.near_duplicate_rate}.items() if v is not None}
+    cfg = dataclasses.replace(base, **over)
+    info = generate_corpus(args.out, cfg)
+    print(json.dumps({k: v for k, v in info.items() if k != "videos"} if isinstance(info, dict) else info, indent=2, default=str)[:2000])
+    return 0
+
+
+def _data_spec(args: argparse.Namespace) -> dict | None:
+    if args.synth:
+        return {"kind": "synth", "root": args.synth}
+    if args.msrvtt_anno:
+        return {"kind": "msrvtt", "anno_dir": args.msrvtt_anno, "videos_dir": args.videos, "data_json": args.data_json}
+    if args.train_manifest or args.test_manifest:
+        return {"kind": "manifest", "train": args.train_manifest, "test": args.test_manifest}
+    return None
+
+
+def _add_data_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data (one of)")
+    g.add_argument("--synth", help="a corpus folder written by `gare-train synth`")
+    g.add_argument("--msrvtt-anno", help="folder with MSRVTT_train.9k.csv, MSRVTT_JSFUSION_test.csv (and MSRVTT_data.json)")
+    g.add_argument("--videos", help="MSR-VTT videos folder (<video_id>.mp4)")
+    g.add_argument("--data-json", help="MSRVTT_data.json if not in --msrvtt-anno")
+    g.add_argument("--train-manifest", help="your captions: CSV (video,caption[,start,end]) or JSONL")
+    g.add_argument("--test-manifest")
+
+
+def _cmd_fit(args: argparse.Namespace) -> int:
+    from .fit import TrainConfig, Trainer
+
+    over = {"model": args.model, "out_dir": args.out, "epochs": args.epochs, "max_steps": args.max_steps,
+            "batch_size": args.batch_size, "lr": args.lr, "precision": args.precision, "device": args.device,
+            "num_workers": args.num_workers, "seed": args.seed, "save_every": args.save_every,
+            "ncl_train": True if args.ncl_train else None, "queue_size": args.queue_size,
+            "init_checkpoint": args.init_checkpoint}
+    data = _data_spec(args)
+    if data:
+        over["data"] = data
+    if args.pretrained is not None:
+        over["model_overrides"] = {"pretrained": args.pretrained}
+    cfg = TrainConfig.from_sources(args.config, over)
+    if not cfg.data:
+        raise ValueError("no training data: give --synth, --msrvtt-anno/--videos, --train-manifest or data: in --config")
+    summary = Trainer(cfg, resume=args.resume, progress=not args.no_progress).fit()
+    print(json.dumps({k: v for k, v in summary.items() if k != "skipped"} | {"skipped": len(summary["skipped"])}, indent=2))
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from .checkpoint import load_model
+    from .data import load_dataset
+    from .evaluate import encode_set, evaluate_encoded, write_report
+    from .model import resolve_device
+
+    data = _data_spec(args)
+    if not data:
+        raise ValueError("no evaluation data: give --synth, --msrvtt-anno/--videos or --test-manifest")
+    model, ckpt = load_model(args.checkpoint, resolve_device(args.device))
+    rs = load_dataset(data, args.split)
+    enc = encode_set(model, rs, batch_size=args.batch_size, num_workers=args.num_workers, precision=args.precision,
+                     progress=True)
+    queue = ckpt.queues.get("text")
+    result = evaluate_encoded(model, enc, queue if args.ncl else None)
+    result["checkpoint"] = str(args.checkpoint)
+    result["dataset"] = rs.name
+    paths = write_report(result, args.out, title=f"GARE evaluation: {rs.name}")
+    print(paths["md"].read_text())
+    print(f"wrote {', '.join(str(p) for p in paths.values())}")
+    return 0
+
+
+def _register_train_commands(sub) -> None:
+    sy = sub.add_parser("synth", help="generate a benchmark corpus of real mp4 files with captions")
+    sy.add_argument("out")
+    sy.add_argument("--preset", choices=["tiny", "bench"], default=None)
+    sy.add_argument("--n-videos", type=int)
+    sy.add_argument("--seed", type=int)
+    sy.add_argument("--size", type=int, help="frame width and height (even)")
+    sy.add_argument("--duration", type=float)
+    sy.add_argument("--hard-negative-rate", type=float)
+    sy.add_argument("--near-duplicate-rate", type=float)
+    sy.set_defaults(fn=_cmd_synth)
+
+    fit = sub.add_parser("fit", help="train GARE (SPEC §3); torchrun for several GPUs/processes")
+    fit.add_argument("--config", help="YAML with TrainConfig fields; flags override it")
+    fit.add_argument("--model", help="registered model config (gare-vit-b-32, gare-cpu-small, gare-test-tiny)")
+    fit.add_argument("--pretrained", help="openai | a local CLIP weights file | none")
+    fit.add_argument("--init-checkpoint", help="start from a GARE checkpoint's weights")
+    fit.add_argument("--out", help="output folder (checkpoints, config.yaml, history)")
+    _add_data_args(fit)
+    fit.add_argument("--epochs", type=int)
+    fit.add_argument("--max-steps", type=int)
+    fit.add_argument("--batch-size", type=int)
+    fit.add_argument("--lr", type=float)
+    fit.add_argument("--precision", choices=["fp32", "bf16", "fp16"])
+    fit.add_argument("--device")
+    fit.add_argument("--num-workers", type=int)
+    fit.add_argument("--seed", type=int)
+    fit.add_argument("--save-every", type=int)
+    fit.add_argument("--queue-size", type=int)
+    fit.add_argument("--ncl-train", action="store_true", help="train with Sinkhorn-adjusted logits")
+    fit.add_argument("--resume", help="a last.safetensors / best.safetensors of the same configuration")
+    fit.add_argument("--no-progress", action="store_true")
+    fit.set_defaults(fn=_cmd_fit)
+
+    ev = sub.add_parser("eval", help="R@k tables (dual, +psi, +NCL, both), deviation and coverage figures")
+    ev.add_argument("checkpoint")
+    _add_data_args(ev)
+    ev.add_argument("--split", default="test", choices=["train", "test"])
+    ev.add_argument("--out", default="eval")
+    ev.add_argument("--device", default="auto")
+    ev.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    ev.add_argument("--batch-size", type=int, default=32)
+    ev.add_argument("--num-workers", type=int, default=2)
+    ev.add_argument("--no-ncl", dest="ncl", action="store_false", help="skip the NCL rows")
+    ev.set_defaults(fn=_cmd_eval)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gare-train", description="Train, evaluate and convert GARE models.")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -58,13 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("checkpoint")
     info.set_defaults(fn=_cmd_info)
 
-    for register in _EXTRA_COMMANDS:
-        register(sub)
+    _register_train_commands(sub)
     return p
-
-
-# Later subcommands register themselves here (synth, fit, eval) without making this module heavy.
-_EXTRA_COMMANDS: list = []
 
 
 def main(argv: list[str] | None = None) -> int:

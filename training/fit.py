@@ -1,0 +1,433 @@
+"""`gare-train fit`: the training loop (SPEC §3). Imported only by the CLI, never by the light modules.
+
+Distributed: launched with torchrun, every rank decodes and encodes its share of the batch, the features are
+all-gathered (gradients flow back to the local share, as in the reference) so each rank scores the global
+batch, and gradients are averaged across ranks before clipping. gloo on CPU, nccl on GPU.
+
+Resume is exact: the data order and caption choice are pure functions of (seed, epoch), and the model,
+optimizer, scheduler, RNG states, NCL queues and the position in the epoch are saved together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import yaml
+
+from .checkpoint import CheckpointError, load_tree, read_checkpoint, save_checkpoint, save_tree
+from .config import LossConfig, get_model_config
+from .data import PairDataset, carve_validation, collate_pairs, epoch_order, load_dataset
+from .loss import gare_loss
+from .model import GARE, autocast, resolve_device
+from .sinkhorn import sinkhorn_biases
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainConfig:
+    model: str = "gare-vit-b-32"  # a registered ModelConfig name
+    model_overrides: dict[str, Any] = field(default_factory=dict)  # e.g. {"pretrained": "/path/ViT-B-32.pt"}
+    init_checkpoint: str | None = None  # start from a GARE checkpoint's weights (fine-tuning)
+    data: dict[str, Any] = field(default_factory=dict)  # see training.data.load_dataset
+    out_dir: str = "runs/gare"
+    epochs: int = 5
+    max_steps: int | None = None  # stop early (smoke tests, time-boxed benchmarks)
+    batch_size: int = 128  # global batch
+    lr: float = 1e-4
+    coef_lr: float = 1e-3  # CLIP parameters train at lr * coef_lr
+    warmup_proportion: float = 0.1
+    weight_decay: float = 0.2
+    grad_clip: float = 1.0
+    loss: dict[str, float] = field(default_factory=dict)  # LossConfig overrides
+    queue_size: int = 16384
+    ncl_train: bool = False  # train with Sinkhorn-adjusted logits (NCL §3.3)
+    ncl_iters: int = 4
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (CUDA)
+    device: str = "auto"
+    num_workers: int = 2
+    seed: int = 42
+    val_fraction: float = 0.1
+    save_every: int = 0  # steps; 0: only at epoch ends
+    log_every: int = 10
+
+    # Fields that may change on resume without changing the run.
+    RESUMABLE_CHANGES = ("out_dir", "num_workers", "device", "save_every", "log_every", "max_steps", "epochs")
+
+    def fingerprint(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        for k in self.RESUMABLE_CHANGES:
+            d.pop(k, None)
+        return d
+
+    @classmethod
+    def from_sources(cls, yaml_path: str | None, overrides: dict[str, Any]) -> TrainConfig:
+        d: dict[str, Any] = {}
+        if yaml_path:
+            with open(yaml_path) as fh:
+                d = yaml.safe_load(fh) or {}
+        d.update({k: v for k, v in overrides.items() if v is not None})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown training options: {sorted(unknown)}")
+        return cls(**d)
+
+
+# ---------------------------------------------------------------- distributed helpers
+class _GatherWithLocalGrad(torch.autograd.Function):
+    """all_gather whose backward hands each rank the gradient of its own slice (the reference AllGather)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.rank, ctx.n = dist.get_rank(), x.shape[0]
+        out = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(out, x.contiguous())
+        return torch.cat(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad[ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n]
+
+
+def gather(x: torch.Tensor) -> torch.Tensor:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return x
+    if x.requires_grad:
+        return _GatherWithLocalGrad.apply(x)
+    out = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, x.contiguous())
+    return torch.cat(out)
+
+
+def _average_gradients(params: list[torch.nn.Parameter]) -> None:
+    world = dist.get_world_size()
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= world
+    off = 0
+    for p, g in zip(params, grads, strict=True):
+        n = g.numel()
+        p.grad = flat[off:off + n].view_as(p).clone()
+        off += n
+
+
+# ---------------------------------------------------------------- optimisation
+def build_optimizer(model: GARE, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW (β .9/.98, eps 1e-6); decay 0.2 except biases and norms (1-D); CLIP at lr * coef_lr."""
+    groups: dict[tuple[str, bool], list[torch.nn.Parameter]] = {}
+    for group, named in model.param_groups().items():
+        for _, p in named:
+            if p.requires_grad:
+                groups.setdefault((group, p.ndim >= 2), []).append(p)
+    param_groups = []
+    for (group, decay), params in sorted(groups.items()):
+        param_groups.append({
+            "params": params,
+            "lr": cfg.lr * (cfg.coef_lr if group == "clip" else 1.0),
+            "weight_decay": cfg.weight_decay if decay else 0.0,
+            "name": f"{group}-{'decay' if decay else 'no_decay'}",
+        })
+    return torch.optim.AdamW(param_groups, betas=(0.9, 0.98), eps=1e-6)
+
+
+def warmup_cosine(total_steps: int, warmup_proportion: float):
+    warm = max(1, int(total_steps * warmup_proportion))
+
+    def f(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        progress = (step - warm) / max(1, total_steps - warm)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return f
+
+
+class FeatureQueue:
+    """FIFO of the most recent `size` embeddings (NCL's stand-in for the unknown test queries)."""
+
+    def __init__(self, size: int, dim: int) -> None:
+        self.size, self.buf, self.n, self.ptr = size, torch.zeros(size, dim), 0, 0
+
+    def push(self, x: torch.Tensor) -> None:
+        x = x.detach().float().cpu()[-self.size:]
+        idx = (self.ptr + torch.arange(len(x))) % self.size
+        self.buf[idx] = x
+        self.ptr = int((self.ptr + len(x)) % self.size)
+        self.n = min(self.size, self.n + len(x))
+
+    def tensor(self) -> torch.Tensor:
+        """Oldest first."""
+        if self.n < self.size:
+            return self.buf[: self.n].clone()
+        return torch.cat([self.buf[self.ptr:], self.buf[: self.ptr]])
+
+    def state(self) -> dict[str, Any]:
+        return {"buf": self.buf, "n": self.n, "ptr": self.ptr}
+
+    def load(self, st: dict[str, Any]) -> None:
+        self.buf, self.n, self.ptr = st["buf"].clone(), int(st["n"]), int(st["ptr"])
+
+
+def _rng_state() -> dict[str, Any]:
+    st = {"torch": torch.get_rng_state(), "python": json.dumps(random.getstate()),
+          "numpy": json.dumps(np.random.get_state()[1].tolist()), "numpy_pos": int(np.random.get_state()[2])}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def _set_rng_state(st: dict[str, Any]) -> None:
+    torch.set_rng_state(st["torch"])
+    py = json.loads(st["python"])
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    np.random.set_state(("MT19937", np.array(json.loads(st["numpy"]), dtype=np.uint32), st["numpy_pos"], 0, 0.0))
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(list(st["cuda"]))
+
+
+# ---------------------------------------------------------------- the loop
+class Trainer:
+    def __init__(self, cfg: TrainConfig, *, resume: str | None = None, progress: bool = True) -> None:
+        self.cfg = cfg
+        self.progress = progress
+        self.distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+        if self.distributed and not dist.is_initialized():
+            backend = "nccl" if torch.cuda.is_available() and cfg.device != "cpu" else "gloo"
+            dist.init_process_group(backend)
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world = dist.get_world_size() if self.distributed else 1
+        if cfg.batch_size % self.world:
+            raise ValueError(f"batch_size={cfg.batch_size} is not divisible by the world size {self.world}")
+        if self.distributed and torch.cuda.is_available() and cfg.device != "cpu":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = resolve_device(cfg.device)
+        self.out = Path(cfg.out_dir)
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+
+        model_cfg = get_model_config(cfg.model, **cfg.model_overrides)
+        if cfg.init_checkpoint:
+            ck = read_checkpoint(cfg.init_checkpoint)
+            model_cfg = ck.config
+            self.model = GARE.build(model_cfg, pretrained="none")
+            self.model.load_state_dict(ck.state_dict)
+        else:
+            self.model = GARE.build(model_cfg)
+        self.model.to(self.device)
+        self.loss_cfg = LossConfig(**cfg.loss)
+
+        full = load_dataset(cfg.data, "train")
+        self.train_set, self.val_set = carve_validation(full, cfg.val_fraction, cfg.seed)
+        self.pairs = PairDataset(self.train_set, max_frames=model_cfg.max_frames,
+                                 framerate=model_cfg.video_framerate, image_size=model_cfg.image_size, seed=cfg.seed)
+        self.steps_per_epoch = len(self.pairs) // cfg.batch_size
+        if self.steps_per_epoch == 0:
+            raise ValueError(f"{len(self.pairs)} training clips is fewer than one batch of {cfg.batch_size}")
+        self.total_steps = self.steps_per_epoch * cfg.epochs
+        self.optimizer = build_optimizer(self.model, cfg)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_cosine(self.total_steps, cfg.warmup_proportion))
+        d = model_cfg.embed_dim
+        self.text_queue, self.video_queue = FeatureQueue(cfg.queue_size, d), FeatureQueue(cfg.queue_size, d)
+        self.step, self.best_val, self.skipped = 0, -1.0, []
+        self.history: list[dict[str, Any]] = []
+        if resume:
+            self._resume(resume)
+
+    # -------------------------------------------------------------- state
+    def _paths(self, name: str) -> tuple[Path, Path]:
+        return self.out / f"{name}.safetensors", self.out / f"{name}.state.safetensors"
+
+    def save(self, name: str) -> Path:
+        if self.rank != 0:
+            return self._paths(name)[0]
+        model_path, state_path = self._paths(name)
+        queues = {"text": self.text_queue.tensor(), "video": self.video_queue.tensor()}
+        info = {"step": self.step, "epoch": self.step // self.steps_per_epoch, "best_val_r1": self.best_val}
+        save_checkpoint(model_path, self.model, queues=queues, train_args=self.cfg.fingerprint(), info=info)
+        save_tree(state_path, {
+            "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+            "rng": _rng_state(), "step": self.step, "best_val": self.best_val,
+            "text_queue": self.text_queue.state(), "video_queue": self.video_queue.state(),
+            "config": json.dumps(self.cfg.fingerprint(), sort_keys=True), "history": json.dumps(self.history),
+        })
+        return model_path
+
+    def _resume(self, path: str) -> None:
+        model_path = Path(path)
+        state_path = model_path.with_name(model_path.name.replace(".safetensors", ".state.safetensors"))
+        if not state_path.exists():
+            raise CheckpointError(f"{state_path} not found: cannot resume from {model_path} (only fine-tune with init_checkpoint)")
+        state = load_tree(state_path)
+        mine = json.dumps(self.cfg.fingerprint(), sort_keys=True)
+        if state["config"] != mine:
+            theirs = json.loads(state["config"])
+            diff = {k: (theirs.get(k), v) for k, v in self.cfg.fingerprint().items() if theirs.get(k) != v}
+            raise CheckpointError(f"refusing to resume: {model_path} comes from a different configuration: {diff}")
+        ck = read_checkpoint(model_path)
+        self.model.load_state_dict(ck.state_dict)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.text_queue.load(state["text_queue"])
+        self.video_queue.load(state["video_queue"])
+        self.step, self.best_val = int(state["step"]), float(state["best_val"])
+        self.history = json.loads(state["history"])
+        _set_rng_state(state["rng"])
+        log.info("resumed from %s at step %d", model_path, self.step)
+
+    # -------------------------------------------------------------- steps
+    def _loader(self, epoch: int, skip_batches: int):
+        self.pairs.epoch = epoch
+        order = epoch_order(len(self.pairs), self.cfg.seed, epoch)[: self.steps_per_epoch * self.cfg.batch_size]
+        local = self.cfg.batch_size // self.world
+        # Global batch g holds order[g*B:(g+1)*B]; this rank takes its contiguous share of each.
+        mine = []
+        for g in range(skip_batches, self.steps_per_epoch):
+            base = g * self.cfg.batch_size + self.rank * local
+            mine.extend(order[base:base + local])
+        return torch.utils.data.DataLoader(
+            torch.utils.data.Subset(self.pairs, mine), batch_size=local, shuffle=False,
+            num_workers=self.cfg.num_workers, collate_fn=collate_pairs,
+            persistent_workers=False, timeout=600 if self.cfg.num_workers else 0,
+            # its own generator: worker seeding must not consume the global RNG that dropout uses,
+            # or a resumed run would draw different dropout masks than an uninterrupted one
+            generator=torch.Generator().manual_seed(self.cfg.seed * 100_003 + epoch),
+        )
+
+    def train_step(self, batch: dict[str, Any]) -> dict[str, float]:
+        model, dev = self.model, self.device
+        model.train()
+        with autocast(dev, self.cfg.precision):
+            t = model.encode_text(model.tokenize(batch["captions"]))
+            Fv, vbar = model.encode_video(batch["frames"], batch["mask"])
+        mask = batch["mask"].to(dev)
+        t, Fv, vbar, mask = gather(t.float()), gather(Fv.float()), gather(vbar.float()), gather(mask)
+        s, delta = model.pair_logits(t, Fv, mask, vbar)
+        if self.cfg.ncl_train and self.text_queue.n > 0:
+            # NCL §3.3: add detached Sinkhorn video biases (from the queue of past queries) to the logits.
+            gamma = float(1.0 / model.clip.logit_scale.exp())
+            q = torch.cat([self.text_queue.tensor().to(dev), t.detach()])
+            _, b = sinkhorn_biases(F.normalize(q, dim=-1), F.normalize(vbar.detach(), dim=-1), gamma, self.cfg.ncl_iters)
+            s = s + b.to(dev)[None, :]
+        terms = gare_loss(s, delta, model.clip.logit_scale, self.loss_cfg)
+        self.optimizer.zero_grad(set_to_none=True)
+        terms["total"].backward()
+        params = [p for p in model.parameters() if p.requires_grad]
+        if self.distributed:
+            _average_gradients(params)
+        gnorm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        model.clamp_logit_scale()
+        self.text_queue.push(t)
+        self.video_queue.push(vbar)
+        self.step += 1
+        out = {k: float(v.detach()) for k, v in terms.items()}
+        out["grad_norm"] = float(gnorm)
+        out["logit_scale"] = float(model.clip.logit_scale.detach().exp())
+        return out
+
+    def validate(self) -> dict[str, Any]:
+        from .evaluate import encode_set, evaluate_encoded
+
+        enc = encode_set(self.model.eval(), self.val_set, batch_size=32, num_workers=self.cfg.num_workers)
+        return evaluate_encoded(self.model, enc, self.text_queue.tensor())
+
+    def fit(self) -> dict[str, Any]:
+        cfg = self.cfg
+        if self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            with open(self.out / "config.yaml", "w") as fh:
+                yaml.safe_dump(dataclasses.asdict(cfg), fh, sort_keys=True)
+        bar = None
+        stop_at = min(self.total_steps, cfg.max_steps) if cfg.max_steps else self.total_steps
+        if self.progress and self.rank == 0:
+            from tqdm import tqdm
+
+            bar = tqdm(total=stop_at, initial=self.step, desc="fit", unit="step", dynamic_ncols=True)
+        t_last, n_last = time.perf_counter(), 0
+        while self.step < stop_at:
+            epoch, in_epoch = divmod(self.step, self.steps_per_epoch)
+            for batch in self._loader(epoch, in_epoch):
+                self.skipped += batch["failed"]
+                n_ok = torch.tensor([len(batch["captions"])])
+                if self.distributed:
+                    dist.all_reduce(n_ok, op=dist.ReduceOp.MIN)
+                if int(n_ok) < 2:
+                    # a whole local batch failed to decode; every rank skips the step together
+                    self.step += 1
+                    self.scheduler.step()
+                    continue
+                if self.distributed and int(n_ok) != len(batch["captions"]):
+                    # keep gathered shapes equal across ranks: trim to the smallest local batch
+                    k = int(n_ok)
+                    batch = {**batch, "frames": batch["frames"][:k], "mask": batch["mask"][:k], "captions": batch["captions"][:k]}
+                terms = self.train_step(batch)
+                n_last += len(batch["captions"]) * self.world
+                if bar is not None:
+                    now = time.perf_counter()
+                    bar.update(1)
+                    bar.set_postfix(
+                        loss=f"{terms['total']:.3f}", info=f"{terms['info']:.3f}", ib=f"{terms['ib']:.1f}",
+                        dir=f"{terms['dir']:.3f}", eps=f"{terms['eps']:.3f}",
+                        lr=f"{max(self.scheduler.get_last_lr()):.2e}", clips_s=f"{n_last / max(now - t_last, 1e-9):.1f}",
+                    )
+                    t_last, n_last = now, 0
+                self.history.append({"step": self.step, **terms})
+                if cfg.save_every and self.step % cfg.save_every == 0:
+                    self.save("last")
+                if self.step >= stop_at or self.step % self.steps_per_epoch == 0:
+                    break
+            if self.step % self.steps_per_epoch == 0:
+                self._end_of_epoch()
+            elif self.step >= stop_at:
+                self.save("last")  # stopped mid-epoch (max_steps): a resumable checkpoint, no validation
+        if bar is not None:
+            bar.close()
+        summary = {"steps": self.step, "best_val_r1": self.best_val, "skipped": self.skipped,
+                   "first_loss": self.history[0]["total"] if self.history else None,
+                   "last_loss": self.history[-1]["total"] if self.history else None}
+        if self.rank == 0:
+            (self.out / "history.json").write_text(json.dumps(self.history))
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+            if self.skipped:
+                log.warning("%d clips could not be decoded and were skipped: %s", len(self.skipped), self.skipped[:5])
+        if self.distributed:
+            dist.barrier()
+        return summary
+
+    def _end_of_epoch(self) -> None:
+        r1 = -1.0
+        if self.rank == 0 and len(self.val_set.clips):
+            # validation must not move the RNG that training draws dropout masks from
+            with torch.random.fork_rng(devices=[]):
+                res = self.validate()
+            r1 = res["rows"]["+ psi"]["t2v"]["R1"]
+            log.info("step %d: validation t2v R@1 %.2f (dual-tower %.2f)", self.step, r1, res["rows"]["dual-tower"]["t2v"]["R1"])
+        if self.distributed:
+            r = torch.tensor([r1])
+            dist.broadcast(r, 0)
+            r1 = float(r)
+        improved = r1 > self.best_val
+        if improved:
+            self.best_val = r1
+        self.save("last")
+        if improved:
+            self.save("best")
