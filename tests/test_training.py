@@ -121,7 +121,7 @@ def test_resume_refuses_a_different_configuration(corpus, tmp_path):
     out = tmp_path / "r"
     assert _fit(out, corpus, "--max-steps", "2", "--save-every", "2") == 0
     with pytest.raises(CheckpointError, match="different configuration.*lr"):
-        from training.fit import Trainer, TrainConfig
+        from training.fit import TrainConfig, Trainer
 
         cfg = TrainConfig(model="gare-test-tiny", data={"kind": "synth", "root": str(corpus)}, out_dir=str(out),
                           epochs=2, batch_size=4, num_workers=0, lr=5e-4)
@@ -176,3 +176,13 @@ def test_dataset_kinds(corpus):
     assert len(rs.clips) == len(rs.captions) > 0
     with pytest.raises(ValueError, match="unknown dataset kind"):
         load_dataset({"kind": "webvid"}, "train")
+
+
+def test_ncl_adjusted_training_logits(corpus, tmp_path):
+    plain, ncl = tmp_path / "plain", tmp_path / "ncl"
+    assert _fit(plain, corpus, "--max-steps", "3") == 0
+    assert _fit(ncl, corpus, "--max-steps", "3", "--ncl-train") == 0
+    hp, hn = json.loads((plain / "history.json").read_text()), json.loads((ncl / "history.json").read_text())
+    assert hp[0]["info"] == pytest.approx(hn[0]["info"], abs=1e-6)  # empty queue at step 1: no adjustment
+    assert abs(hp[2]["info"] - hn[2]["info"]) > 1e-5  # then the Sinkhorn biases change the logits
+    assert read_checkpoint(ncl / "last.safetensors").queues["text"].shape[0] == 12

@@ -123,5 +123,6 @@ register_model(
         max_frames=8,
         image_size=64,
         temporal_layers=2,
+        video_framerate=2.0,  # the synthetic clips are a few seconds long
     ),
 )
