@@ -121,7 +121,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _register_train_commands(sub) -> None:
     sy = sub.add_parser("synth", help="generate a benchmark corpus of real mp4 files with captions")
     sy.add_argument("out")
-    sy.add_argument("--preset", choices=["tiny", "bench"], default=None)
+    sy.add_argument("--preset", choices=["tiny", "small", "bench"], default=None)
     sy.add_argument("--n-videos", type=int)
     sy.add_argument("--seed", type=int)
     sy.add_argument("--size", type=int, help="frame width and height (even)")
