@@ -203,3 +203,19 @@ def test_naive_agrees_with_fig4_pseudocode_shape():
     # alpha and beta were normalised to sum 1
     assert abs(torch.exp(a / 0.2).sum().item() - 1) < 1e-12
     assert abs(torch.exp(b / 0.2).sum().item() - 1) < 1e-12
+
+
+def test_bias_fold_makes_inner_product_equal_cos_plus_bias():
+    from training.sinkhorn import fold_biases, fold_query
+
+    rng = np.random.default_rng(0)
+    units = rng.normal(size=(50, 8)).astype(np.float32)
+    units /= np.linalg.norm(units, axis=1, keepdims=True)
+    q = rng.normal(size=(4, 8)).astype(np.float32)
+    q /= np.linalg.norm(q, axis=1, keepdims=True)
+    b = rng.normal(scale=0.05, size=50).astype(np.float32)
+    for c in (1.0, 0.1, 10.0):
+        ip = fold_query(q, c) @ fold_biases(units, b, c).T
+        np.testing.assert_allclose(ip, q @ units.T + b[None, :], atol=1e-6)
+    with pytest.raises(ValueError):
+        fold_biases(units, b[:3])

@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -257,3 +258,27 @@ def normalization_error(
     if r.numel() == 0:
         return 0.0
     return float(torch.mean(torch.abs(1.0 - r)))
+
+
+# ---------------------------------------------------------------- NCL biases inside stage 1
+def fold_biases(units: np.ndarray | Tensor, biases: np.ndarray | Tensor, c: float = 1.0) -> np.ndarray:
+    """Gallery side of the exact bias fold: [v̂_j ; b_j / c] (n, d + 1) float32.
+
+    With the query folded as [t̂ ; c] (`fold_query`), the inner product is cos(t, v_j) + b_j, so an inner-product
+    ANN ranks candidates by the biased score and stage 1 already chooses them with the biases. Any c > 0 is
+    exact; c = 1 keeps the extra coordinate as small as the biases themselves (|b| << 1 for γ = 0.01), so
+    the folded vectors stay near unit norm and IVF/HNSW behave as on the plain vectors.
+    """
+    if c <= 0:
+        raise ValueError(f"c must be > 0, got {c}")
+    u = np.asarray(units, dtype=np.float32)
+    b = np.asarray(biases, dtype=np.float32).reshape(-1, 1)
+    if len(u) != len(b):
+        raise ValueError(f"{len(u)} vectors but {len(b)} biases")
+    return np.ascontiguousarray(np.concatenate([u, b / c], axis=1))
+
+
+def fold_query(queries: np.ndarray | Tensor, c: float = 1.0) -> np.ndarray:
+    """Query side of the fold: [t̂ ; c] (q, d + 1) float32 (t̂ already unit-normalised)."""
+    q = np.asarray(queries, dtype=np.float32)
+    return np.ascontiguousarray(np.concatenate([q, np.full((len(q), 1), c, dtype=np.float32)], axis=1))
