@@ -177,7 +177,9 @@ def load_dataset(spec: dict[str, Any], split: str) -> RetrievalSet:
         return load_manifest(spec[split], name=f"manifest-{split}")
     if kind == "synth":
         root = Path(spec["root"])
-        return load_msrvtt(root, root / "videos", split, data_json=root / "MSRVTT_data.json", train_csv="train.csv", test_csv="test.csv")
+        rs = load_msrvtt(root, root / "videos", split, data_json=root / "MSRVTT_data.json", train_csv="train.csv", test_csv="test.csv")
+        rs.name = f"synth-{split}"
+        return rs
     raise ValueError(f"unknown dataset kind {kind!r}; use msrvtt, manifest or synth")
 
 
