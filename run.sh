@@ -28,7 +28,7 @@ case "${1:-}" in
   demo)
     install dist
     export HF_HUB_OFFLINE=1
-    exec "$VENV/bin/python" -m training.demo "${@:2}"
+    exec "$VENV/bin/python" -m service.demo "${@:2}"
     ;;
   *)
     echo "usage: bash run.sh test|demo [args]" >&2
