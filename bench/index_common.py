@@ -1,0 +1,86 @@
+"""Shared helpers for the indexer benchmarks (bench/index_*.py): machine info and result files."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def machine() -> dict[str, Any]:
+    import faiss
+    import numpy as np
+    import torch
+
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "faiss_threads": faiss.omp_get_max_threads(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "faiss": getattr(faiss, "__version__", "?"),
+        "numpy": np.__version__,
+    }
+
+
+def command_line() -> str:
+    return "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], REPO), *sys.argv[1:]])
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process (Linux /proc)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def write_results(name: str, title: str, markdown_body: str, data: dict[str, Any], started: float) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    info = machine()
+    elapsed = time.time() - started
+    header = (
+        f"# {title}\n\n"
+        f"Command (from the repository root): `{command_line()}`\n\n"
+        f"Machine: {info['cpu']}, {info['cores']} cores, GPU: {info['gpu'] or 'none'}; torch {info['torch']}, "
+        f"faiss {info['faiss']}, numpy {info['numpy']}. Benchmark wall time: {elapsed:.0f} s. "
+        f"Date: {time.strftime('%Y-%m-%d', time.gmtime())}.\n\n"
+    )
+    md = RESULTS / f"{name}.md"
+    md.write_text(header + markdown_body.rstrip() + "\n")
+    payload = {"command": command_line(), "machine": info, "elapsed_s": round(elapsed, 1), **data}
+    (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    print(md.read_text())
+    return md
+
+
+def table(headers: list[str], rows: list[list[Any]]) -> str:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}" if abs(v) < 1000 else f"{v:,.0f}"
+        return str(v)
+
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]
+    return "\n".join(out) + "\n"

@@ -1,0 +1,115 @@
+"""Store psi's per-video K/V in the index or not? Rerank latency against bytes per video.
+
+Reranking K candidates runs psi for every (query, candidate) pair; psi's key/value projections depend on
+the video only (`model.video_kv(F)`), so they can be computed at query time from the stored frames F, or
+precomputed at index time (`gare-index build --store-kv`, keys.npy + values.npy, float16).
+This measures model.score for K candidates read from float16 memmaps (page cache warm), both ways, at the
+ViT-B/32 sizes (d = 512, f = 12, random weights: the cost does not depend on them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+from index_common import table, write_results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--videos", type=int, default=20000, help="videos in the memmapped gallery")
+    ap.add_argument("--candidates", type=int, nargs="+", default=[64, 256, 1024])
+    ap.add_argument("--queries", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for the rerank")
+    args = ap.parse_args()
+    started = time.time()
+
+    import numpy as np
+    import torch
+
+    from training.config import get_model_config
+    from training.model import GARE
+
+    torch.manual_seed(0)
+    cfg = get_model_config("gare-vit-b-32", pretrained="none")
+    model = GARE.build(cfg).eval()
+    d, f, n = cfg.embed_dim, cfg.max_frames, args.videos
+    rng = np.random.default_rng(0)
+    tmp = Path(tempfile.mkdtemp(prefix="gare-kv-bench-"))
+    frames = np.lib.format.open_memmap(tmp / "frames.npy", mode="w+", dtype=np.float16, shape=(n, f, d))
+    keys = np.lib.format.open_memmap(tmp / "keys.npy", mode="w+", dtype=np.float16, shape=(n, f, d))
+    values = np.lib.format.open_memmap(tmp / "values.npy", mode="w+", dtype=np.float16, shape=(n, f, d))
+    masks = np.ones((n, f), dtype=np.uint8)
+    with torch.no_grad():
+        for s in range(0, n, 2048):
+            fr = torch.from_numpy(rng.standard_normal((min(2048, n - s), f, d)).astype(np.float32) * 0.1)
+            k, v = model.video_kv(fr)
+            frames[s : s + len(fr)] = fr.numpy().astype(np.float16)
+            keys[s : s + len(fr)] = k.numpy().astype(np.float16)
+            values[s : s + len(fr)] = v.numpy().astype(np.float16)
+    for a in (frames, keys, values):
+        a.flush()
+    del frames, keys, values
+    frames = np.load(tmp / "frames.npy", mmap_mode="r")
+    keys = np.load(tmp / "keys.npy", mmap_mode="r")
+    values = np.load(tmp / "values.npy", mmap_mode="r")
+    for a in (frames, keys, values):  # warm the page cache: the service's steady state
+        np.asarray(a).sum()
+
+    torch.set_num_threads(args.threads)  # one request = one thread (OpenMP jitter on a shared box otherwise)
+    rows_out = []
+    data = []
+    for nq in args.queries:
+        t = torch.nn.functional.normalize(torch.randn(nq, d), dim=1)
+        for kc in args.candidates:
+            res = {}
+            for mode in ("frames only (kv computed)", "precomputed K/V"):
+                gather, compute = [], []
+                for r in range(args.repeats + 1):
+                    rows = np.sort(rng.choice(n, size=kc, replace=False))
+                    t0 = time.perf_counter()
+                    fr = torch.from_numpy(np.asarray(frames[rows], dtype=np.float32))
+                    mk = torch.from_numpy(masks[rows])
+                    kv = None
+                    if mode == "precomputed K/V":
+                        kv = (torch.from_numpy(np.asarray(keys[rows], dtype=np.float32)),
+                              torch.from_numpy(np.asarray(values[rows], dtype=np.float32)))
+                    t1 = time.perf_counter()
+                    with torch.no_grad():
+                        model.score(t, fr, mk, kv=kv)
+                    t2 = time.perf_counter()
+                    if r:  # the first run is a warm-up
+                        gather.append(t1 - t0)
+                        compute.append(t2 - t1)
+                # minimum over repeats: the machine is shared and the computation is deterministic
+                g, c = 1000 * float(np.min(gather)), 1000 * float(np.min(compute))
+                res[mode] = (g + c, g, c)
+            a, b = res["frames only (kv computed)"], res["precomputed K/V"]
+            rows_out.append([nq, kc, f"{a[0]:.1f} ({a[1]:.1f} + {a[2]:.1f})", f"{b[0]:.1f} ({b[1]:.1f} + {b[2]:.1f})",
+                             a[0] / b[0]])
+            data.append({"queries": nq, "candidates": kc, "frames_only_ms": a[0], "frames_only_gather_ms": a[1],
+                         "frames_only_score_ms": a[2], "kv_ms": b[0], "kv_gather_ms": b[1], "kv_score_ms": b[2],
+                         "speedup": a[0] / b[0]})
+            print(rows_out[-1], flush=True)
+
+    per_video_frames = f * d * 2
+    body = (
+        f"Gallery: {n:,} videos as float16 memmaps (page cache warm), d = {d}, f = {f}, all frames real; "
+        f"times are the minimum over {args.repeats} reranks of (gather from the memmaps) + (`model.score`), "
+        f"torch threads = {torch.get_num_threads()} (one request per thread).\n\n"
+        + table(["queries", "candidates K", "frames only: ms (gather + score)", "with stored K/V: ms (gather + score)",
+                 "speed-up"], rows_out)
+        + "\nBytes per video on disk (and in the page cache when hot): frames "
+        f"{per_video_frames:,} B; with K/V {3 * per_video_frames:,} B (3x). For 1M videos: "
+        f"{per_video_frames * 1e6 / 2**30:.1f} GiB vs {3 * per_video_frames * 1e6 / 2**30:.1f} GiB.\n"
+    )
+    write_results("index_kv", "psi K/V precomputation: rerank latency vs bytes", body,
+                  {"videos": n, "d": d, "f": f, "rows": data, "bytes_per_video_frames": per_video_frames,
+                   "bytes_per_video_with_kv": 3 * per_video_frames}, started)
+
+
+if __name__ == "__main__":
+    main()

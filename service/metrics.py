@@ -1,0 +1,96 @@
+"""Prometheus metrics, one CollectorRegistry per app (tests create many apps in one process).
+
+- ``gare_http_requests_total{route,method,code}`` and ``gare_http_errors_total{route,code}`` (code >= 400);
+- ``gare_http_request_duration_seconds{route}``: latency per route;
+- ``gare_search_stage_seconds{stage}``: queue, encode, ann, rerank, total per query;
+- ``gare_batch_size``: queries per micro-batch;
+- ``gare_index_entries`` and ``gare_index_info{version,index_type,checkpoint}``; ``gare_reloads_total{result}``.
+
+Routes are labelled by their template (``/v1/videos/{video_id}``), never by the raw path, so the label
+set stays bounded; unmatched paths are labelled ``unmatched``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+__all__ = ["Metrics", "MetricsMiddleware", "CONTENT_TYPE_LATEST"]
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "gare_http_requests", "HTTP requests by route, method and status code", ["route", "method", "code"], registry=r
+        )
+        self.errors = Counter("gare_http_errors", "HTTP responses with status >= 400", ["route", "code"], registry=r)
+        self.latency = Histogram(
+            "gare_http_request_duration_seconds", "request latency by route", ["route"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.stage = Histogram(
+            "gare_search_stage_seconds", "search time per stage and query", ["stage"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.batch_size = Histogram("gare_batch_size", "queries per micro-batch", buckets=BATCH_BUCKETS, registry=r)
+        self.entries = Gauge("gare_index_entries", "entries in the served index version", registry=r)
+        self.info = Gauge(
+            "gare_index_info", "the served index version (value 1)", ["version", "index_type", "checkpoint"], registry=r
+        )
+        self.reloads = Counter("gare_reloads", "index reloads by result", ["result"], registry=r)
+        self.thumb_cache = Counter("gare_thumbnail_cache", "thumbnail cache lookups", ["result"], registry=r)
+
+    def observe_stages(self, timings_s: dict[str, float]) -> None:
+        for stage, v in timings_s.items():
+            self.stage.labels(stage).observe(max(0.0, float(v)))
+
+    def set_index(self, version: str, index_type: str, checkpoint: str, n: int) -> None:
+        self.info.clear()
+        self.info.labels(version, index_type, checkpoint).set(1)
+        self.entries.set(n)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _route_label(scope: dict[str, Any]) -> str:
+    route = scope.get("route")
+    path = getattr(route, "path", None)
+    return path if isinstance(path, str) else "unmatched"
+
+
+class MetricsMiddleware:
+    """Pure ASGI middleware: counts every HTTP response (errors included) and times it by route."""
+
+    def __init__(self, app: Any, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = {"code": 500}
+
+        async def send_wrapper(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = _route_label(scope)
+            code = str(status["code"])
+            m = self.metrics
+            m.requests.labels(route, scope.get("method", ""), code).inc()
+            if status["code"] >= 400:
+                m.errors.labels(route, code).inc()
+            m.latency.labels(route).observe(time.perf_counter() - start)

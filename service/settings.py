@@ -1,0 +1,167 @@
+"""Service settings: defaults < config file (YAML/JSON) < environment (``GARE_*``) < command line.
+
+Every field can be set as ``GARE_<FIELD>`` (``GARE_INDEX``, ``GARE_REQUIRE_KEY_FOR_SEARCH=true``, ...),
+as a key in the ``--config`` file (YAML or JSON mapping; unknown keys are an error), or on the command line
+of ``gare-serve``. API keys are never kept in clear: :func:`load_api_key_hashes` turns ``GARE_API_KEYS``
+(comma-separated) and ``GARE_API_KEYS_FILE`` (one key a line, ``#`` comments) into sha256 hex digests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "GARE_"
+
+
+class SettingsError(ValueError):
+    """A configuration problem the operator must fix (message is shown as is)."""
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", validate_default=True)
+
+    # what to serve
+    index: Path | None = Field(None, description="index directory (the one holding CURRENT)")
+    checkpoint: Path | None = Field(
+        None, description="checkpoint file; default: the path the index manifest names. Its sha256 must match the manifest"
+    )
+    device: str = Field("auto", description="torch device: auto (cuda when present), cpu, cuda, cuda:1, ...")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="text encoder precision; auto = fp16 on CUDA, fp32 on CPU. The rerank always runs in fp32"
+    )
+    rerank_impl: Literal["fused", "model"] = Field(
+        "fused",
+        description="fused: psi with its key/value projections folded onto the query side (same scores, ~5x "
+        "less work per candidate); model: model.score() as is (uses the index's stored K/V when present)",
+    )
+    torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's choice)")
+    use_gpu_ann: bool | None = Field(None, description="search FAISS on the GPU (default: when faiss has one)")
+    verify_index: bool = Field(False, description="re-hash every index file when opening a version")
+    library_root: Path | None = Field(
+        None, description="paths in responses are shown relative to this folder (default: file name only)"
+    )
+
+    # network
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    cors_origins: str = Field("", description="comma-separated allowed origins ('*' for any); empty = CORS closed")
+
+    # security and limits
+    api_keys: str = Field("", repr=False, description="comma-separated API keys (kept only as sha256 hashes)")
+    api_keys_file: Path | None = Field(None, description="file with one API key a line")
+    require_key_for_search: bool = False
+    max_body_bytes: int = Field(256 * 1024, ge=1024)
+    max_query_chars: int = Field(512, ge=1, le=100_000)
+    max_k: int = Field(1000, ge=1, le=100_000)
+    default_candidates: int = Field(256, ge=1)
+    max_candidates: int = Field(2048, ge=1, le=1_000_000)
+    max_batch_queries: int = Field(64, ge=1, le=10_000)
+
+    # micro-batching
+    batch_max_size: int = Field(32, ge=1, le=4096, description="most queries the worker processes at once")
+    batch_max_wait_ms: float = Field(2.0, ge=0, le=1000, description="how long a lone query waits for company")
+    batch_queue_size: int = Field(1024, ge=1, description="queries waiting beyond this get 503")
+
+    # thumbnails
+    thumbnail_width: int = Field(320, ge=16, le=1920)
+    thumbnail_cache_size: int = Field(1024, ge=0)
+
+    @field_validator("checkpoint", "index", "api_keys_file", "library_root", mode="before")
+    @classmethod
+    def _empty_is_none(cls, v: Any) -> Any:
+        return None if v == "" else v
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        if self.default_candidates > self.max_candidates:
+            raise ValueError(f"default_candidates={self.default_candidates} exceeds max_candidates={self.max_candidates}")
+        return self
+
+    def cors_origin_list(self) -> list[str]:
+        return [o.strip() for o in self.cors_origins.split(",") if o.strip()]
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def load_api_key_hashes(settings: Settings) -> list[str]:
+    """sha256 hex digests of every configured key (env list and file), blank entries ignored.
+
+    An entry written as ``sha256:<64 hex digits>`` is taken as the hash of a key (so a keys file need not
+    hold keys in clear); anything else is a key and is hashed here.
+    """
+    keys = [k.strip() for k in settings.api_keys.split(",") if k.strip()]
+    if settings.api_keys_file is not None:
+        try:
+            text = Path(settings.api_keys_file).read_text(encoding="utf-8")
+        except OSError as e:
+            raise SettingsError(f"cannot read the API keys file {settings.api_keys_file}: {e.strerror or e}") from None
+        for line in text.splitlines():
+            line = line.strip()
+            if line and not line.startswith("#"):
+                keys.append(line)
+    out = set()
+    for k in keys:
+        if k.lower().startswith("sha256:") and len(k) == 71 and all(c in "0123456789abcdef" for c in k[7:].lower()):
+            out.add(k[7:].lower())  # already hashed (gare-serve --hash-key): the clear key never touches disk
+        else:
+            out.add(hash_key(k))
+    return sorted(out)
+
+
+def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """A YAML or JSON mapping of setting names (with or without the GARE_ prefix, any case)."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise SettingsError(f"cannot read config file {p}: {e.strerror or e}") from None
+    try:
+        if p.suffix.lower() == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except Exception as e:  # noqa: BLE001 - yaml and json raise many types
+        raise SettingsError(f"config file {p} is not valid {'JSON' if p.suffix.lower() == '.json' else 'YAML'}: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise SettingsError(f"config file {p} must hold a mapping of settings, not a {type(data).__name__}")
+    out: dict[str, Any] = {}
+    known = set(Settings.model_fields)
+    for key, value in data.items():
+        name = str(key).lower().replace("-", "_")
+        if name.startswith(ENV_PREFIX.lower()):
+            name = name[len(ENV_PREFIX):]
+        if name not in known:
+            raise SettingsError(f"config file {p}: unknown setting {key!r}; known: {', '.join(sorted(known))}")
+        if isinstance(value, list) and name in ("api_keys", "cors_origins"):
+            value = ",".join(str(v) for v in value)
+        out[name] = value
+    return out
+
+
+def load_settings(config_file: str | os.PathLike | None = None, **overrides: Any) -> Settings:
+    """Merge defaults < config file < GARE_* environment < overrides (None values are ignored)."""
+    config_file = config_file or os.environ.get(f"{ENV_PREFIX}CONFIG") or None
+    file_values = read_config_file(config_file) if config_file else {}
+    try:
+        env = Settings()
+        env_values = {k: getattr(env, k) for k in env.model_fields_set}
+        merged = {**file_values, **env_values, **{k: v for k, v in overrides.items() if v is not None}}
+        return Settings(**merged)
+    except ValidationError as e:
+        raise SettingsError("invalid settings: " + "; ".join(
+            f"{'.'.join(str(x) for x in err['loc']) or 'settings'}: {err['msg']}" for err in e.errors()
+        )) from None

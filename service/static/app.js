@@ -1,0 +1,162 @@
+// GARE search page: no framework, no external resources. Everything from the API is inserted with
+// textContent / attributes (never innerHTML), so metadata cannot inject markup.
+"use strict";
+
+(function () {
+  const $ = (id) => document.getElementById(id);
+  const form = $("search-form"), q = $("q"), go = $("go"), statusEl = $("status"), timingsEl = $("timings");
+  const results = $("results"), keyLabel = $("key-label"), keyInput = $("api-key");
+  const player = $("player"), playerBox = $("player-box");
+
+  function headers(extra) {
+    const h = Object.assign({}, extra || {});
+    const key = keyInput.value || sessionStorage.getItem("gare-api-key") || "";
+    if (key) h["Authorization"] = "Bearer " + key;
+    return h;
+  }
+
+  function fmt(x, digits) {
+    return (x === null || x === undefined) ? "–" : Number(x).toFixed(digits === undefined ? 3 : digits);
+  }
+
+  function secs(x) {
+    if (x === null || x === undefined) return "";
+    const m = Math.floor(x / 60), s = x - 60 * m;
+    return (m ? m + ":" + (s < 10 ? "0" : "") : "") + s.toFixed(1) + (m ? "" : " s");
+  }
+
+  function setStatus(text, isError) {
+    statusEl.textContent = text;
+    statusEl.classList.toggle("error", !!isError);
+  }
+
+  async function apiFetch(url, options) {
+    const resp = await fetch(url, options);
+    if (resp.status === 401 || resp.status === 403) keyLabel.hidden = false;
+    return resp;
+  }
+
+  async function loadIndexInfo() {
+    try {
+      const resp = await apiFetch("/v1/index", { headers: headers() });
+      if (!resp.ok) { $("index-info").textContent = "index information unavailable (" + resp.status + ")"; return; }
+      const info = await resp.json();
+      $("index-info").textContent = "index " + info.version + " · " + info.n + " entries · " + info.index_type +
+        " · " + (info.checkpoint && info.checkpoint.name ? info.checkpoint.name : "checkpoint") + " · " + info.device;
+    } catch (e) {
+      $("index-info").textContent = "index information unavailable";
+    }
+  }
+
+  function card(hit) {
+    const b = document.createElement("button");
+    b.type = "button";
+    b.className = "card";
+    b.dataset.id = String(hit.id);
+    b.dataset.start = hit.start === null ? "" : String(hit.start);
+    const img = document.createElement("img");
+    img.loading = "lazy";
+    img.alt = hit.metadata && hit.metadata.name ? hit.metadata.name : "video " + hit.id;
+    img.src = hit.thumbnail_url;
+    const body = document.createElement("div");
+    body.className = "body";
+    const name = document.createElement("div");
+    name.className = "name";
+    const rank = document.createElement("span");
+    rank.className = "rank";
+    rank.textContent = "#" + hit.rank;
+    name.appendChild(rank);
+    name.appendChild(document.createTextNode((hit.metadata && hit.metadata.path) || ("video " + hit.id)));
+    name.title = (hit.metadata && hit.metadata.path) || "";
+    const scores = document.createElement("div");
+    scores.className = "scores";
+    scores.textContent = "score " + fmt(hit.score);
+    const parts = document.createElement("div");
+    parts.className = "scores";
+    parts.textContent = "ann " + fmt(hit.ann_score) + (hit.psi_score === null ? "" : " · psi " + fmt(hit.psi_score)) +
+      " · bias " + fmt(hit.bias);
+    body.appendChild(name);
+    body.appendChild(scores);
+    body.appendChild(parts);
+    if (hit.start !== null || hit.end !== null) {
+      const seg = document.createElement("div");
+      seg.className = "seg";
+      seg.textContent = "segment " + secs(hit.start || 0) + " – " + secs(hit.end);
+      body.appendChild(seg);
+    }
+    b.appendChild(img);
+    b.appendChild(body);
+    b.addEventListener("click", () => play(hit));
+    return b;
+  }
+
+  function play(hit) {
+    const start = hit.start || 0;
+    // The media fragment starts playback at the segment; currentTime is set too for browsers that ignore it.
+    const src = hit.video_url + (start > 0 ? "#t=" + start + (hit.end !== null ? "," + hit.end : "") : "");
+    player.dataset.start = String(start);
+    player.dataset.id = String(hit.id);
+    player.src = src;
+    const seek = () => {
+      if (Math.abs(player.currentTime - start) > 0.05) {
+        try { player.currentTime = start; } catch (e) { /* not seekable yet */ }
+      }
+    };
+    player.addEventListener("loadedmetadata", seek, { once: true });
+    $("player-title").textContent = (hit.metadata && hit.metadata.path) || ("video " + hit.id);
+    $("player-meta").textContent = "id " + hit.id + " · score " + fmt(hit.score) +
+      (hit.start !== null ? " · from " + secs(start) : "") +
+      (hit.metadata && hit.metadata.duration ? " · duration " + secs(hit.metadata.duration) : "");
+    playerBox.hidden = false;
+    player.play().catch(() => { /* autoplay may be blocked; the controls remain */ });
+    playerBox.scrollIntoView({ behavior: "smooth", block: "nearest" });
+  }
+
+  $("player-close").addEventListener("click", () => {
+    player.pause();
+    player.removeAttribute("src");
+    player.load();
+    playerBox.hidden = true;
+  });
+
+  async function search(ev) {
+    if (ev) ev.preventDefault();
+    const query = q.value.trim();
+    if (!query) { setStatus("type a query first", true); return; }
+    if (keyInput.value) sessionStorage.setItem("gare-api-key", keyInput.value);
+    const body = {
+      query: query, k: parseInt($("k").value, 10), rerank: $("rerank").checked, ncl: $("ncl").checked,
+    };
+    go.disabled = true;
+    setStatus("searching…");
+    const t0 = performance.now();
+    try {
+      const resp = await apiFetch("/v1/search", {
+        method: "POST", headers: headers({ "Content-Type": "application/json" }), body: JSON.stringify(body),
+      });
+      const data = await resp.json().catch(() => ({}));
+      if (!resp.ok) {
+        setStatus("error " + resp.status + ": " + (data.detail || resp.statusText), true);
+        return;
+      }
+      results.replaceChildren(...data.results.map(card));
+      const rtt = performance.now() - t0;
+      setStatus(data.results.length + " results for “" + data.query + "” (index " + data.index_version + ")");
+      const t = data.timings_ms;
+      timingsEl.textContent = "server " + fmt(t.total, 1) + " ms = queue " + fmt(t.queue, 1) + " + encode " +
+        fmt(t.encode, 1) + " + ANN " + fmt(t.ann, 1) + " + rerank " + fmt(t.rerank, 1) + " ms (batch of " +
+        data.batch_size + ") · round trip " + rtt.toFixed(1) + " ms";
+      timingsEl.dataset.total = String(t.total);
+    } catch (e) {
+      setStatus("request failed: " + e, true);
+    } finally {
+      go.disabled = false;
+    }
+  }
+
+  form.addEventListener("submit", search);
+  for (const id of ["rerank", "ncl", "k"]) {
+    $(id).addEventListener("change", () => { if (q.value.trim()) search(); });
+  }
+  loadIndexInfo();
+})();

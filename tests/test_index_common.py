@@ -1,0 +1,85 @@
+"""Shared helpers for the indexer tests (imported by tests/test_index_*.py; holds no tests itself)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+N_VIDEOS = 12
+
+
+def make_checkpoint(path: Path, *, queue: bool = True, seed: int = 0) -> Path:
+    """A tiny GARE checkpoint with non-trivial psi weights and (optionally) a 256 x 64 text queue."""
+    from training.checkpoint import save_checkpoint
+    from training.config import get_model_config
+    from training.model import GARE
+
+    torch.manual_seed(seed)
+    model = GARE.build(get_model_config("gare-test-tiny")).eval()
+    with torch.no_grad():
+        for name, p in model.psi.named_parameters():
+            if name.endswith("weight") and p.ndim == 2:
+                p.normal_(0, 0.3)
+            else:
+                p.normal_(0, 0.1)
+    queues = {"text": torch.randn(256, 64, generator=torch.Generator().manual_seed(seed + 1))} if queue else None
+    save_checkpoint(path, model, queues=queues)
+    return path
+
+
+def make_corpus(directory: Path, n: int = N_VIDEOS, seed: int = 0) -> Path:
+    """n short real mp4 files (32x32, 2 s at 8 fps) under directory/videos; returns that folder."""
+    from training.synth import SynthConfig, generate_corpus
+
+    generate_corpus(directory, SynthConfig(n_videos=n, seed=seed, width=32, height=32, duration=2.0, fps=8.0,
+                                           captions_per_video=1), progress=False)
+    return directory / "videos"
+
+
+def make_long_video(path: Path, seconds: float = 12.0, fps: float = 4.0, size: int = 32, seed: int = 0) -> Path:
+    from training.synth import write_video
+
+    rng = np.random.default_rng(seed)
+    t = int(seconds * fps)
+    # a slowly changing colour field, so every window of the video looks different
+    base = rng.integers(0, 255, size=(1, 1, 1, 3))
+    ramp = np.linspace(0, 200, t)[:, None, None, None]
+    frames = ((base + ramp + rng.normal(0, 3, size=(t, size, size, 3))) % 255).astype(np.uint8)
+    return write_video(path, frames, fps)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny.safetensors")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return make_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def copy_videos(src: Path, dst: Path, names: list[str] | None = None) -> Path:
+    dst.mkdir(parents=True, exist_ok=True)
+    for p in sorted(src.glob("*.mp4")):
+        if names is None or p.name in names:
+            shutil.copy2(p, dst / p.name)
+    return dst
+
+
+def cli_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["HF_HUB_OFFLINE"] = "1"
+    env.pop("GARE_INDEX_TEST_PAUSE", None)
+    return env
+
+
+def cli_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "indexer.cli", *args]

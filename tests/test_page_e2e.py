@@ -1,0 +1,94 @@
+"""The web page end to end: headless Chromium (Debian `chromium`) driven by Playwright for Python
+against a real `gare-serve` process on 127.0.0.1.
+
+Needs: `apt-get install -y chromium` and `pip install playwright` (never `playwright install`: the
+system Chromium is used through executable_path). Skips, saying which is missing, only when one of
+the two is absent. GARE_PAGE_SCREENSHOT=docs/img/page.png also writes the screenshot there.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from test_service_support import REPO, UvicornProcess, shared
+
+CHROMIUM = os.environ.get("GARE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+    "--disable-sync", "--no-first-run", "--autoplay-policy=no-user-gesture-required",
+]
+
+try:
+    from playwright.sync_api import sync_playwright
+except ImportError:  # pragma: no cover - depends on the environment
+    sync_playwright = None
+
+pytestmark = [
+    pytest.mark.skipif(sync_playwright is None, reason="Playwright for Python is not installed (pip install playwright)"),
+    pytest.mark.skipif(not Path(CHROMIUM).is_file(), reason=f"Chromium not found at {CHROMIUM} (apt-get install -y chromium)"),
+]
+
+
+def test_search_page_end_to_end(tmp_path):
+    sh = shared()
+    with UvicornProcess(["--index", str(sh["seg_index"])]) as srv, sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)  # CSP violations too
+            external: list[str] = []
+            page.on("request", lambda r: None if r.url.startswith(srv.base_url) or r.url.startswith("data:")
+                    else external.append(r.url))
+            page.goto(srv.base_url + "/")
+            page.wait_for_function("() => document.getElementById('index-info').textContent.includes('entries')")
+            assert "32 entries" in page.text_content("#index-info")
+
+            page.fill("#q", sh["captions"][0])
+            page.press("#q", "Enter")
+            page.wait_for_selector(".card")
+            cards = page.locator(".card")
+            assert cards.count() == 24  # the default "results" choice
+            assert "psi" in cards.first.text_content()
+            timings = page.text_content("#timings")
+            for word in ("encode", "ANN", "rerank", "ms"):
+                assert word in timings
+            # thumbnails were produced by the API and decoded by the browser
+            page.wait_for_function(
+                "() => [...document.querySelectorAll('.card img')].slice(0, 4).every(i => i.complete && i.naturalWidth > 0)"
+            )
+
+            # open a segment that starts at 1 s: the player gets the file URL with the segment and seeks there
+            seg = page.locator('.card[data-start="1"]').first
+            vid = seg.get_attribute("data-id")
+            seg.click()
+            page.wait_for_function("() => document.getElementById('player').readyState >= 1", timeout=20_000)
+            src = page.eval_on_selector("#player", "v => v.src")
+            assert src == f"{srv.base_url}/v1/videos/{vid}/file#t=1,2"
+            page.wait_for_function("() => Math.abs(document.getElementById('player').currentTime - 1.0) < 0.25", timeout=20_000)
+            assert page.is_visible("#player-box")
+            assert not page.is_visible("#key-label")  # the key field only appears after a 401/403
+            shot = tmp_path / "page.png"
+            page.screenshot(path=str(shot), full_page=False)
+            assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+            if os.environ.get("GARE_PAGE_SCREENSHOT"):
+                dst = REPO / os.environ["GARE_PAGE_SCREENSHOT"]
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(shot, dst)
+
+            # the switches re-run the search: ANN only shows no psi score
+            page.uncheck("#rerank")
+            page.wait_for_function("() => !document.querySelector('.card').textContent.includes('psi')")
+            assert "rerank 0.0" in page.text_content("#timings")
+            # a blank query is refused in the page without a request
+            page.fill("#q", "   ")
+            page.press("#q", "Enter")
+            page.wait_for_function("() => document.getElementById('status').textContent.includes('type a query')")
+            assert not errors, errors
+            assert not external, external  # no CDN, nothing outside the server
+        finally:
+            browser.close()

@@ -1,0 +1,197 @@
+"""service.search: the two-stage search as pure functions, against model.score and exhaustive psi."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_service_support import build_index, shared
+
+from service import search as S
+
+
+@pytest.fixture(scope="module")
+def env():
+    from indexer.store import open_index
+    from training.checkpoint import load_model
+
+    sh = shared()
+    model, _ = load_model(sh["checkpoint"], "cpu")
+    version = open_index(sh["index"])
+    yield model, version, sh
+    version.close()
+
+
+def _psi_model_score(model, version, text):
+    """Reference: model.score over the whole gallery, + biases."""
+    t = S.encode_queries(model, [text])
+    rows = np.arange(version.n)
+    with torch.inference_mode():
+        s = model.score(
+            t, torch.from_numpy(np.asarray(version.frames[rows])), torch.from_numpy(np.asarray(version.masks[rows])),
+            vbar=torch.from_numpy(version.vbar(rows)),
+        )[0].numpy()
+    return s, np.asarray(version.ids)
+
+
+@pytest.mark.parametrize("heads", [1, 4])
+def test_fused_equals_model_score(tiny_cfg, heads):
+    from training.model import GARE
+
+    torch.manual_seed(1)
+    model = GARE.build(tiny_cfg.replace(psi_heads=heads)).eval()
+    with torch.no_grad():
+        for name, p in model.psi.named_parameters():
+            p.normal_(0, 0.3 if p.ndim == 2 else 0.1) if not name.startswith("ln") else p.normal_(1.0 if name.endswith("weight") else 0.0, 0.2)
+    d, f = tiny_cfg.embed_dim, tiny_cfg.max_frames
+    a, b = 3, 11
+    t = torch.randn(a, d)
+    mask = torch.ones(b, f, dtype=torch.uint8)
+    mask[::3, 2:] = 0
+    frames = torch.randn(b, f, d) * mask[..., None]
+    vbar = frames.sum(1) / mask.sum(1, keepdim=True)
+    with torch.inference_mode():
+        ref = model.score(t, frames.half(), mask, vbar=vbar)
+        got = S.fused_pair_scores(
+            model, t.repeat_interleave(b, 0), frames.half().float().repeat(a, 1, 1), mask.repeat(a, 1), vbar.repeat(a, 1)
+        ).view(a, b)
+    assert ref.std() > 0.01  # psi is not trivial
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_two_stage_with_full_shortlist_equals_exhaustive(env):
+    model, version, sh = env
+    for text in sh["captions"][:4]:
+        s, ids = _psi_model_score(model, version, text)
+        final = s + np.asarray(version.biases)
+        want = ids[np.lexsort((ids, -final))][:5]
+        res = S.search(model, version, text, S.SearchOptions(k=5, candidates=version.n))
+        assert [h.id for h in res.hits] == want.tolist()
+        got = {h.id: h for h in res.hits}
+        for j, i in enumerate(ids):
+            if i in got:
+                assert got[i].psi_score == pytest.approx(float(s[j]), abs=1e-5)
+                assert got[i].score == pytest.approx(float(final[j]), abs=1e-5)
+        assert set(res.timings) >= {"encode", "ann", "rerank", "total"}
+
+
+def test_modes(env):
+    model, version, sh = env
+    text = sh["captions"][0]
+    t = S.encode_queries(model, [text])
+    unit = S.unit_rows(t)[0]
+    cos = np.asarray(version.units) @ unit
+    biases = np.asarray(version.biases)
+    ids = np.asarray(version.ids)
+
+    ann_only = S.search(model, version, text, S.SearchOptions(k=6, candidates=16, rerank=False, ncl=False))
+    assert [h.id for h in ann_only.hits] == ids[np.lexsort((ids, -cos))][:6].tolist()
+    assert all(h.psi_score is None for h in ann_only.hits)
+    for h in ann_only.hits:
+        assert h.score == pytest.approx(h.ann_score, abs=1e-6)
+
+    ann_ncl = S.search(model, version, text, S.SearchOptions(k=6, candidates=16, rerank=False, ncl=True))
+    assert [h.id for h in ann_ncl.hits] == ids[np.lexsort((ids, -(cos + biases)))][:6].tolist()
+    for h in ann_ncl.hits:
+        assert h.score == pytest.approx(h.ann_score + h.bias, abs=1e-6)
+
+    psi_only = S.search(model, version, text, S.SearchOptions(k=6, candidates=16, rerank=True, ncl=False))
+    for h in psi_only.hits:
+        assert h.score == pytest.approx(h.psi_score, abs=1e-7)
+    assert psi_only.timings["rerank"] > 0
+    # the rerank changes the order (psi has real weights)
+    assert [h.id for h in psi_only.hits] != [h.id for h in ann_only.hits]
+
+
+def test_shortlist_limits_the_candidates(env):
+    model, version, sh = env
+    text = sh["captions"][1]
+    res = S.search(model, version, text, S.SearchOptions(k=3, candidates=4))
+    ann = S.search(model, version, text, S.SearchOptions(k=4, candidates=4, rerank=False, ncl=False))
+    assert {h.id for h in res.hits} <= {h.id for h in ann.hits}
+    big = S.search(model, version, text, S.SearchOptions(k=50, candidates=100))  # more than the gallery
+    assert len(big.hits) == version.n and len({h.id for h in big.hits}) == version.n
+
+
+def test_model_impl_equals_fused_and_batch_equals_single(env):
+    model, version, sh = env
+    texts = sh["captions"][:5]
+    opts = [S.SearchOptions(k=4, candidates=8), S.SearchOptions(k=3, candidates=16, ncl=False),
+            S.SearchOptions(k=5, candidates=8, rerank=False), S.SearchOptions(k=2, candidates=2),
+            S.SearchOptions(k=4, candidates=8)]
+    fused = S.search_batch(model, version, texts, opts, rerank_impl="fused")
+    viamodel = S.search_batch(model, version, texts, opts, rerank_impl="model")
+    singles = [S.search(model, version, t, o) for t, o in zip(texts, opts, strict=True)]
+    for a, b, c in zip(fused, viamodel, singles, strict=True):
+        assert [h.id for h in a.hits] == [h.id for h in b.hits] == [h.id for h in c.hits]
+        np.testing.assert_allclose([h.score for h in a.hits], [h.score for h in b.hits], atol=1e-5)
+        np.testing.assert_allclose([h.score for h in a.hits], [h.score for h in c.hits], atol=1e-5)
+
+
+def test_stored_kv_index(env, tmp_path):
+    """An index built with --store-kv: the model path uses the stored K/V and still agrees."""
+    from indexer.store import open_index
+
+    model, version, sh = env
+    idx = build_index(sh["checkpoint"], sh["videos"], tmp_path / "kv", store_kv=True)
+    with open_index(idx) as v2:
+        assert v2.kv is not None
+        for text in sh["captions"][:3]:
+            a = S.search(model, v2, text, S.SearchOptions(k=5, candidates=10), rerank_impl="model")
+            b = S.search(model, version, text, S.SearchOptions(k=5, candidates=10), rerank_impl="fused")
+            assert [h.id for h in a.hits] == [h.id for h in b.hits]
+            np.testing.assert_allclose([h.score for h in a.hits], [h.score for h in b.hits], atol=1e-3)  # K/V kept in fp16
+
+
+def test_exhaustive_psi_matches_model(env):
+    model, version, sh = env
+    text = sh["captions"][2]
+    s, _ = _psi_model_score(model, version, text)
+    ex = S.exhaustive_psi(model, version, S.encode_queries(model, [text]), block=5)
+    np.testing.assert_allclose(ex[0], s, atol=1e-5)
+
+
+def test_options_validation_and_precision():
+    with pytest.raises(ValueError, match="k must be"):
+        S.SearchOptions(k=0)
+    with pytest.raises(ValueError, match="candidates"):
+        S.SearchOptions(k=10, candidates=5)
+    assert S.resolve_precision("auto", "cpu") == "fp32"
+    assert S.resolve_precision("auto", "cuda") == "fp16"
+    with pytest.raises(ValueError, match="fp16"):
+        S.resolve_precision("fp16", "cpu")
+    with pytest.raises(ValueError, match="rerank impl"):
+        S.psi_scores(None, None, torch.zeros(1, 4), [np.zeros(1, np.int64)], impl="nope")
+
+
+def test_empty_batch(env):
+    model, version, _ = env
+    assert S.search_batch(model, version, []) == []
+
+
+def test_trimmed_tokens_give_the_same_embedding(env):
+    model, _, sh = env
+    texts = [sh["captions"][0], "a dog", "x"]
+    tokens = model.tokenize(texts)
+    short = S.trim_tokens(model.tokenize(["a dog", "x"]))
+    assert short.shape[1] == 4  # SOT a dog EOT
+    assert S.trim_tokens(tokens).shape[1] <= tokens.shape[1]
+    with torch.inference_mode():
+        full = model.encode_text(tokens)
+    torch.testing.assert_close(S.encode_queries(model, texts), full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(S.encode_queries(model, texts, trim=False), full)
+
+
+def test_folded_weights_follow_parameter_changes(tiny_model):
+    d, f = tiny_model.cfg.embed_dim, tiny_model.cfg.max_frames
+    t, frames = torch.randn(4, d), torch.randn(4, f, d)
+    vbar = frames.mean(1)
+    with torch.inference_mode():
+        before = S.fused_pair_scores(tiny_model, t, frames, None, vbar)
+    with torch.no_grad():
+        tiny_model.psi.q.weight.mul_(-1.5)
+    with torch.inference_mode():
+        after = S.fused_pair_scores(tiny_model, t, frames, None, vbar)
+        ref = torch.diagonal(tiny_model.score(t, frames, None, vbar=vbar))
+    assert not torch.allclose(before, after)
+    torch.testing.assert_close(after, ref, atol=1e-5, rtol=1e-5)

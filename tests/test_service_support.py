@@ -1,0 +1,147 @@
+"""Shared fixtures for the service tests (no tests here).
+
+Test indexes are made the real way: ``training.synth.generate_corpus`` writes H.264 mp4 files, a tiny
+GARE checkpoint (psi with non-trivial weights and an NCL text queue) is saved with ``save_checkpoint``,
+and ``indexer.build.build`` (what ``gare-index build`` runs) indexes them. Built once per test process.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+_LOCK = threading.Lock()
+_SHARED: dict[str, Any] = {}
+
+
+def make_checkpoint(path: Path, seed: int = 0) -> Path:
+    import torch
+
+    from training.checkpoint import save_checkpoint
+    from training.config import get_model_config
+    from training.model import GARE
+
+    torch.manual_seed(seed)
+    model = GARE.build(get_model_config("gare-test-tiny")).eval()
+    with torch.no_grad():  # psi at N(0, 0.02) would make the rerank a no-op; give it real weights
+        for name, p in model.psi.named_parameters():
+            if name.endswith("weight") and p.ndim == 2:
+                p.normal_(0, 0.3)
+    queue = torch.nn.functional.normalize(torch.randn(64, model.cfg.embed_dim), dim=-1)
+    save_checkpoint(path, model, queues={"text": queue})
+    return path
+
+
+def build_index(checkpoint: Path, videos: Path | str, out: Path, **opts: Any) -> Path:
+    from indexer.build import BuildOptions, build
+
+    build(str(checkpoint), str(videos), str(out), BuildOptions(workers=0, progress=False, **opts))
+    return out
+
+
+def shared() -> dict[str, Any]:
+    """{corpus, videos, checkpoint, index, seg_index, captions}: built once per process, read-only for tests."""
+    with _LOCK:
+        if not _SHARED:
+            from training.synth import SynthConfig, generate_corpus
+
+            root = Path(tempfile.mkdtemp(prefix="gare-service-tests-"))
+            atexit.register(shutil.rmtree, root, True)
+            info = generate_corpus(root / "corpus", SynthConfig(n_videos=16, seed=0, duration=2.0, captions_per_video=2), progress=False)
+            ckpt = make_checkpoint(root / "tiny.safetensors")
+            idx = build_index(ckpt, info["videos_dir"], root / "index")
+            seg = build_index(ckpt, info["videos_dir"], root / "seg_index", segment=1.0)
+            import json
+
+            captions = [json.loads(line)["captions"][0] for line in open(info["manifest"], encoding="utf-8")]
+            _SHARED.update(root=root, corpus=Path(info["out_dir"]), videos=Path(info["videos_dir"]), checkpoint=ckpt,
+                           index=idx, seg_index=seg, captions=captions)
+        return dict(_SHARED)
+
+
+def copy_index(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst, symlinks=True)
+    return dst
+
+
+def settings(index: Path, **kw: Any):
+    from service.settings import Settings
+
+    kw.setdefault("batch_max_wait_ms", 1.0)
+    return Settings(index=index, **kw)
+
+
+@contextlib.asynccontextmanager
+async def running_app(app):
+    """Run the app's lifespan and yield an httpx client talking to it in process."""
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=60) as client:
+            yield client
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class UvicornProcess:
+    """`gare-serve` (service.cli) in a child process on 127.0.0.1:<free port>."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.args = [sys.executable, "-m", "service.cli", "--host", "127.0.0.1", "--port", str(self.port), *args]
+        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "GARE_TORCH_THREADS": "1", **(env or {})}
+        self.proc: subprocess.Popen | None = None
+        self.log = tempfile.NamedTemporaryFile(prefix="gare-serve-", suffix=".log", delete=False)
+
+    def __enter__(self) -> UvicornProcess:
+        self.proc = subprocess.Popen(self.args, cwd=REPO, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 90
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gare-serve exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.base_url + "/readyz", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"gare-serve did not become ready:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")
+
+    def stop(self) -> int | None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return None if self.proc is None else self.proc.returncode
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+        self.log.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self.log.name)
