@@ -33,3 +33,14 @@ def test_dask_engine_equals_local(tmp_path, ckpt, corpus):  # noqa: F811
     np.testing.assert_array_equal(b.masks, a.masks)
     np.testing.assert_allclose(b.biases, a.biases, atol=1e-5)
     assert b.manifest["builder"]["engine"] == "dask" and verify_index(tmp_path / "dask") == []
+
+
+@pytest.mark.slow
+def test_dask_engine_starts_its_own_loopback_cluster(tmp_path, ckpt, corpus):  # noqa: F811
+    from indexer.cli import main
+
+    rc = main(["build", "--checkpoint", str(ckpt), "--videos", str(corpus), "--out", str(tmp_path / "INDEX"),
+               "--engine", "dask", "--dask-workers", "2", "--shard-size", "4", "--no-progress"])
+    assert rc == 0
+    v = open_index(tmp_path / "INDEX")
+    assert v.n == 12 and v.manifest["builder"]["engine"] == "dask" and verify_index(tmp_path / "INDEX") == []
