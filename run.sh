@@ -21,6 +21,11 @@ install() {
 case "${1:-}" in
   test)
     install test
+    # The web page's end-to-end test drives Debian's Chromium (Playwright never downloads a browser here).
+    if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+      echo "installing chromium for the browser test"
+      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+    fi
     export HF_HUB_OFFLINE=1
     "$VENV/bin/ruff" check training indexer service tests bench
     "$VENV/bin/python" -m pytest -q -m "not slow" "${@:2}"
