@@ -228,6 +228,7 @@ class ServiceState:
         self.handle: VersionHandle | None = None
         self.reload_lock = asyncio.Lock()
         self.thumbs = ThumbnailCache(settings.thumbnail_cache_size)
+        self.query_bank: Any = None  # service.querybank.QueryBank when GARE_QUERY_BANK_SIZE > 0
         self.batcher: MicroBatcher[Job, S.QueryResult] = MicroBatcher(
             self._process,
             max_batch=settings.batch_max_size,
@@ -294,6 +295,12 @@ class ServiceState:
         advise_random_access(version)
         self.handle = VersionHandle(version)
         self._publish(version)
+        if s.query_bank_size:
+            from .querybank import QueryBank
+
+            if s.query_bank_path is None:
+                raise StartupError("query_bank_size is set but query_bank_path is not (GARE_QUERY_BANK_PATH)")
+            self.query_bank = QueryBank(s.query_bank_size, model.cfg.embed_dim, s.query_bank_path, s.query_bank_flush_every)
         log.info(
             "serving index %s version %s (%d entries, %s) with %s on %s (%s)",
             s.index, version.name, version.n, version.manifest.get("index_type"), path.name, self.device, self.precision,
@@ -315,6 +322,11 @@ class ServiceState:
     def close(self) -> None:
         if self.handle is not None:
             self.handle.retire()
+        if self.query_bank is not None:
+            try:
+                self.query_bank.flush()
+            except OSError as e:
+                log.error("could not write the query bank to %s: %s", self.query_bank.path, e)
 
     # -------------------------------------------------------------- versions
     @contextlib.contextmanager
@@ -390,6 +402,7 @@ class ServiceState:
                 [jobs[i].options for i in members],
                 precision=self.precision,
                 rerank_impl=self.settings.rerank_impl,
+                on_units=self.query_bank.push if self.query_bank is not None else None,
             )
             for i, r in zip(members, res, strict=True):
                 out[i] = r

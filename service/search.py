@@ -333,10 +333,12 @@ def search_batch(
     *,
     precision: str = "fp32",
     rerank_impl: str = "fused",
+    on_units: Any = None,
 ) -> list[QueryResult]:
     """Search many queries with one text-encoder pass, one ANN call per distinct K and one rerank pass.
 
-    Every result carries the batch's stage timings (seconds).
+    Every result carries the batch's stage timings (seconds). `on_units`, when given, receives the unit
+    query embeddings (n_q, d) as a float32 array (the service's adaptive query bank).
     """
     n_q = len(texts)
     opts = [options] * n_q if isinstance(options, SearchOptions) else list(options)
@@ -350,6 +352,8 @@ def search_batch(
     _sync(dev)
     t1 = time.perf_counter()
     units = unit_rows(t)
+    if on_units is not None:
+        on_units(units.copy())
 
     ann_s: list[np.ndarray] = [np.zeros(0, np.float32)] * n_q
     ann_i: list[np.ndarray] = [np.zeros(0, np.int64)] * n_q

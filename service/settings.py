@@ -70,11 +70,16 @@ class Settings(BaseSettings):
     batch_max_wait_ms: float = Field(2.0, ge=0, le=1000, description="how long a lone query waits for company")
     batch_queue_size: int = Field(1024, ge=1, description="queries waiting beyond this get 503")
 
+    # adaptive query bank (opt-in; embeddings only, never query text: see service/querybank.py)
+    query_bank_size: int = Field(0, ge=0, le=10_000_000, description="keep the last N served query embeddings; 0 = off")
+    query_bank_path: Path | None = Field(None, description="where the bank is written (float32 .npy); required when the bank is on")
+    query_bank_flush_every: int = Field(1000, ge=1, description="write the bank every N queries (and at shutdown)")
+
     # thumbnails
     thumbnail_width: int = Field(320, ge=16, le=1920)
     thumbnail_cache_size: int = Field(1024, ge=0)
 
-    @field_validator("checkpoint", "index", "api_keys_file", "library_root", mode="before")
+    @field_validator("checkpoint", "index", "api_keys_file", "library_root", "query_bank_path", mode="before")
     @classmethod
     def _empty_is_none(cls, v: Any) -> Any:
         return None if v == "" else v

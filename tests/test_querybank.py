@@ -1,0 +1,59 @@
+"""The adaptive query bank: bounded, embeddings only, persisted without pickle, fed by real searches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from test_service_support import settings, shared
+
+from service.app import create_app
+from service.querybank import QueryBank
+
+
+def test_bank_is_a_bounded_fifo_and_round_trips(tmp_path):
+    bank = QueryBank(5, 3, tmp_path / "bank.npy", flush_every=100)
+    rows = np.arange(24, dtype=np.float32).reshape(8, 3)
+    bank.push(rows[:3])
+    bank.push(rows[3:])
+    np.testing.assert_array_equal(bank.snapshot(), rows[3:])  # the 5 newest, oldest first
+    bank.flush()
+    again = QueryBank(5, 3, tmp_path / "bank.npy")
+    np.testing.assert_array_equal(again.snapshot(), rows[3:])
+    with pytest.raises(ValueError):
+        bank.push(np.zeros((2, 4), np.float32))
+
+
+def test_a_pickle_or_wrong_shape_bank_file_is_not_loaded(tmp_path):
+    marker = tmp_path / "pwned"
+    np.save(tmp_path / "bank.npy", np.array([{"x": 1}], dtype=object), allow_pickle=True)
+    assert len(QueryBank(4, 3, tmp_path / "bank.npy")) == 0 and not marker.exists()
+    np.save(tmp_path / "b2.npy", np.zeros((2, 7), np.float32))
+    assert len(QueryBank(4, 3, tmp_path / "b2.npy")) == 0
+
+
+def test_service_banks_served_query_embeddings_only(tmp_path):
+    sh = shared()
+    path = tmp_path / "bank.npy"
+    app = create_app(settings(sh["index"], query_bank_size=3, query_bank_path=path, query_bank_flush_every=2))
+    queries = ["a red circle moves left", "two blue squares", "a green triangle", "a yellow star spins"]
+    with TestClient(app) as c:
+        for q in queries:
+            assert c.post("/v1/search", json={"query": q, "k": 2}).status_code == 200
+    bank = np.load(path, allow_pickle=False)  # written at shutdown
+    assert bank.shape == (3, 64) and bank.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(bank, axis=1), 1.0, atol=1e-5)
+    # the newest three queries, as the model embeds them; and no text anywhere in the file
+    from service.search import encode_queries, unit_rows
+    from training.checkpoint import load_model
+
+    model, _ = load_model(sh["checkpoint"])
+    want = unit_rows(encode_queries(model, queries[1:]))
+    np.testing.assert_allclose(bank, want, atol=1e-5)
+    assert b"squares" not in path.read_bytes()
+
+
+def test_bank_without_a_path_refuses_to_start(tmp_path):
+    app = create_app(settings(shared()["index"], query_bank_size=10))
+    with pytest.raises(Exception, match="query_bank_path"), TestClient(app):
+        pass
