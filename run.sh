@@ -14,8 +14,9 @@ install() {
     "$PY" -m venv "$VENV"
   fi
   # torch 2.14.1 + torchvision 0.29.1 is the pair whose wheels match here (open_clip needs torchvision).
-  "$VENV/bin/pip" install -q --disable-pip-version-check "torch==2.14.1" "torchvision==0.29.1"
-  "$VENV/bin/pip" install -q --disable-pip-version-check -e ".[$1]"
+  # (this machine's pip configuration warns about every missing local index folder; hide those lines only)
+  "$VENV/bin/pip" install -q --disable-pip-version-check "torch==2.14.1" "torchvision==0.29.1" 2> >(grep -v '^WARNING: Location' >&2)
+  "$VENV/bin/pip" install -q --disable-pip-version-check -e ".[$1]" 2> >(grep -v '^WARNING: Location' >&2)
 }
 
 case "${1:-}" in
