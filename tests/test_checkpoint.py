@@ -110,3 +110,12 @@ def test_tree_round_trip_optimizer_state(tiny_model, tmp_path):
         assert torch.equal(opt2.state_dict()["state"][k]["exp_avg"], st["exp_avg"])
     with pytest.raises(TypeError):
         save_tree(tmp_path / "bad.safetensors", {"x": object()})
+
+
+def test_checkpoint_file_mode_follows_umask(tiny_model, tmp_path):
+    old = os.umask(0o022)
+    try:
+        save_checkpoint(tmp_path / "c.safetensors", tiny_model)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "c.safetensors").stat().st_mode & 0o777 == 0o644

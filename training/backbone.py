@@ -50,17 +50,29 @@ def load_openai_torchscript_state_dict(path: str) -> dict[str, torch.Tensor]:
     return sd
 
 
+class _DropRandomInitWarning(logging.Filter):
+    """open_clip warns "No pretrained weights loaded ... initialized randomly" on the root logger; when we
+    build an empty backbone on purpose (to load a GARE checkpoint into it) that warning is wrong."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "No pretrained weights loaded" not in record.getMessage()
+
+
 def create_clip(cfg: ModelConfig, pretrained: str | None = None) -> torch.nn.Module:
     """Build the open_clip CLIP model for `cfg` and load `pretrained` (defaults to cfg.pretrained)."""
     pretrained = cfg.pretrained if pretrained is None else pretrained
     if cfg.backbone not in open_clip.list_models():
         raise ValueError(f"unknown open_clip model {cfg.backbone!r}; see open_clip.list_models()")
     kw = dict(force_quick_gelu=cfg.quick_gelu, force_image_size=cfg.image_size)
-    if pretrained in NO_WEIGHTS:
-        model = open_clip.create_model(cfg.backbone, pretrained=None, **kw)
-    elif os.path.isfile(str(pretrained)):
-        model = open_clip.create_model(cfg.backbone, pretrained=None, **kw)
-        load_clip_weights(model, str(pretrained))
+    if pretrained in NO_WEIGHTS or os.path.isfile(str(pretrained)):
+        quiet = _DropRandomInitWarning()
+        logging.getLogger().addFilter(quiet)
+        try:
+            model = open_clip.create_model(cfg.backbone, pretrained=None, **kw)
+        finally:
+            logging.getLogger().removeFilter(quiet)
+        if pretrained not in NO_WEIGHTS:
+            load_clip_weights(model, str(pretrained))
     else:
         # A tag such as "openai": open_clip resolves, downloads (weights_only loading) and checks it.
         model = open_clip.create_model(cfg.backbone, pretrained=pretrained, weights_only=True, **kw)

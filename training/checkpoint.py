@@ -43,6 +43,11 @@ def atomic_write(path: str | os.PathLike, write_fn) -> None:
     os.close(fd)
     try:
         write_fn(tmp)
+        # mkstemp creates 0600; give the file the mode a plain open() would (other users, e.g. a container's
+        # non-root user, must be able to read a checkpoint)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
