@@ -560,6 +560,7 @@ class ErrorResponse(BaseModel):
 
 
 ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "the body could not be decoded (not UTF-8 JSON, too deeply nested)"},
     401: {"model": ErrorResponse, "description": "missing API key"},
     403: {"model": ErrorResponse, "description": "invalid API key"},
     404: {"model": ErrorResponse, "description": "unknown id or file gone"},
@@ -873,13 +874,14 @@ def create_app(settings: Settings | None = None, **overrides: Any) -> FastAPI:
         if settings.require_key_for_search:
             _authorize(request, state, "search")
 
-    def require_media(request: Request, video_id: int, state: ServiceState = Depends(get_state)) -> None:
+    VideoId = Annotated[int, PathParam(ge=0, le=2**63 - 1, description="index entry id")]
+
+    def require_media(request: Request, video_id: VideoId, state: ServiceState = Depends(get_state)) -> None:
         # an API key, or the signed token of a media URL from a search result
         if settings.require_key_for_search and not state.check_media_token(video_id, request.query_params.get("token")):
             _authorize(request, state, "search")
 
     StateDep = Annotated[ServiceState, Depends(get_state)]
-    VideoId = Annotated[int, PathParam(ge=0, le=2**63 - 1, description="index entry id")]
 
     # ------------------------------------------------------------------ helpers
     def _hit_models(state: ServiceState, version: Any, res: S.QueryResult) -> list[Hit]:
@@ -1023,7 +1025,7 @@ def create_app(settings: Settings | None = None, **overrides: Any) -> FastAPI:
 
     # ------------------------------------------------------------------ index and admin
     @app.get(f"/{API_VERSION}/index", response_model=IndexInfo, tags=["index"], summary="the served index version",
-             dependencies=[Depends(require_search)])
+             dependencies=[Depends(require_search)], responses=ERRORS)
     async def index_info(state: StateDep) -> IndexInfo:
         with state.use_version() as v:
             m = v.manifest

@@ -93,6 +93,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gare-serve: {e}", file=sys.stderr)
         return 2
     if args.check:
+        # Do what the lifespan will do: load the model and open (and, with --verify-index, re-hash) the index.
+        from .app import ServiceState
+        from .metrics import Metrics
+
+        state = ServiceState(settings, Metrics())
+        try:
+            state.load()
+        except StartupError as e:
+            print(f"gare-serve: {e}", file=sys.stderr)
+            return 2
+        finally:
+            state.close()
         print(f"ok: index {settings.index} ({manifest.get('n')} entries), checkpoint {path} sha256 {sha}")
         return 0
 

@@ -18,6 +18,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "CONNECT"})
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -90,7 +91,9 @@ class MetricsMiddleware:
             route = _route_label(scope)
             code = str(status["code"])
             m = self.metrics
-            m.requests.labels(route, scope.get("method", ""), code).inc()
+            method = scope.get("method", "")
+            # arbitrary method tokens must not mint new label sets (unbounded /metrics)
+            m.requests.labels(route, method if method in _METHODS else "other", code).inc()
             if status["code"] >= 400:
                 m.errors.labels(route, code).inc()
             m.latency.labels(route).observe(time.perf_counter() - start)

@@ -23,10 +23,12 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_ENV = "GARE_ROBUST_RESULTS"
-N_CORPUS = 24  # videos generated once; tests take libraries from them
+N_CORPUS = 48  # videos generated once; tests take libraries from them
 N_BASE = 12  # videos in the shared base index
-_LOCK = threading.Lock()
+LIVE_KEY = "robust-live-admin-key"  # GARE_API_KEYS of the shared live server
+_LOCK = threading.RLock()
 _SHARED: dict[str, Any] = {}
+_LIVE: dict[str, Any] = {}
 
 
 def record(name: str, data: dict[str, Any]) -> None:
@@ -74,6 +76,30 @@ def shared() -> dict[str, Any]:
         return dict(_SHARED)
 
 
+def live_server() -> dict[str, Any]:
+    """{srv, index, lib, key}: one `gare-serve` process on 127.0.0.1 for this test process (started on first
+    use, stopped at exit) over a private copy of the base index. Tests may change the index and the library
+    (adding versions, reloading) but leave CURRENT a good version holding the library."""
+    with _LOCK:
+        if _LIVE and _LIVE["srv"].proc.poll() is None:
+            return dict(_LIVE)
+    sh = shared()
+    with _LOCK:
+        if not (_LIVE and _LIVE["srv"].proc.poll() is None):
+            import atexit
+
+            from test_service_support import UvicornProcess
+
+            root = Path(tempfile.mkdtemp(prefix="gare-robust-live-", dir=sh["root"]))
+            idx, lib = private_index(root)
+            srv = UvicornProcess(["--index", str(idx), "--log-level", "warning", "--batch-max-wait-ms", "2"],
+                                 env={"GARE_API_KEYS": LIVE_KEY})
+            srv.__enter__()
+            atexit.register(srv.__exit__, None, None, None)
+            _LIVE.update(srv=srv, index=idx, lib=lib, key=LIVE_KEY)
+        return dict(_LIVE)
+
+
 def copy_tree(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst, symlinks=True)
     return dst
@@ -82,6 +108,17 @@ def copy_tree(src: Path, dst: Path) -> Path:
 def copy_index(dst: Path) -> Path:
     """A private copy of the shared base index (its work/ cache and locks included)."""
     return copy_tree(shared()["base_index"], dst)
+
+
+def private_index(dst: Path) -> tuple[Path, Path]:
+    """(index, library) under `dst`: a copy of the base library and an index of exactly it (the base index
+    copied, then `gare-index build` over the copy: every feature is reused, nothing is encoded)."""
+    lib = copy_lib(dst / "lib")
+    idx = copy_index(dst / "index")
+    rc, out, err = index_cli("build", "--checkpoint", str(shared()["checkpoint"]), "--videos", str(lib), "--out",
+                             str(idx), "--workers", "0", "--no-progress")
+    assert rc == 0, (out, err)
+    return idx, lib
 
 
 def copy_lib(dst: Path, names: list[str] | None = None) -> Path:
@@ -105,6 +142,73 @@ def index_cli(*args: str) -> tuple[int, str, str]:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         rc = main(list(args))
     return rc, out.getvalue(), err.getvalue()
+
+
+_WORKER_SRC = r"""
+import contextlib, io, json, sys
+from indexer.cli import main
+for line in sys.stdin:
+    args = json.loads(line)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(args)
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else 2
+    sys.__stdout__.write(json.dumps({"rc": rc, "out": out.getvalue(), "err": err.getvalue()}) + "\n")
+    sys.__stdout__.flush()
+"""
+
+
+class IndexWorker:
+    """`gare-index` commands run one after another in a child process that stays up (no start-up cost per
+    command) and is replaced when a command kills it: a crash (e.g. SIGBUS) cannot take the tests down.
+
+    ``run(*args)`` -> {"rc", "out", "err", "signal"}: rc is None and signal the signal number after a crash."""
+
+    def __init__(self) -> None:
+        self.proc: Any = None
+        self.starts = 0
+
+    def _start(self) -> None:
+        import subprocess
+
+        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env.pop("GARE_INDEX_TEST_PAUSE", None)
+        self.proc = subprocess.Popen([sys.executable, "-c", _WORKER_SRC], cwd=REPO, env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        self.starts += 1
+
+    def run(self, *args: str, timeout: float = 300.0) -> dict[str, Any]:
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        p = self.proc
+        p.stdin.write(json.dumps(list(args)) + "\n")
+        p.stdin.flush()
+        line = p.stdout.readline()  # the answer, or "" when the child died
+        if line:
+            return {**json.loads(line), "signal": None}
+        p.wait(timeout=timeout)
+        err = p.stderr.read()
+        self.proc = None
+        return {"rc": None, "out": "", "err": err[-4000:], "signal": -p.returncode if p.returncode < 0 else None,
+                "exit": p.returncode}
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except Exception:  # noqa: BLE001
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def __enter__(self) -> IndexWorker:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 def index_contents(index: Path) -> dict[str, Any]:

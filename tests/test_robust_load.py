@@ -13,22 +13,17 @@ import time
 
 import httpx
 import pytest
-from test_robust_common import copy_index, copy_lib, index_contents, load_bench_module, record
-from test_service_support import UvicornProcess
+from test_robust_common import LIVE_KEY, index_contents, live_server, load_bench_module, record
 
-KEY = "robust-load-admin-key"
+KEY = LIVE_KEY
 RATED_CLIENTS = 16  # the concurrency the service is rated for on this 2-core CPU (docs/robustness.md)
 LT = load_bench_module("load_test")
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("load")
-    idx = copy_index(tmp / "index")
-    lib = copy_lib(tmp / "lib")
-    args = ["--index", str(idx), "--log-level", "warning", "--batch-max-wait-ms", "2"]
-    with UvicornProcess(args, env={"GARE_API_KEYS": KEY}) as srv:
-        yield srv, idx, lib
+def server():
+    live = live_server()  # gare-serve on 127.0.0.1, shared with the other robustness tests of this process
+    yield live["srv"], live["index"], live["lib"]
 
 
 def _load_figures(res, mode: str) -> dict:
@@ -81,7 +76,7 @@ def _check_reloads(res, results):
 def test_reload_under_load_fails_no_request(server):
     srv, idx, lib = server
     results: list = []
-    res = LT.run_load(srv.base_url, clients=8, duration_s=8.0, pid=srv.proc.pid,
+    res = LT.run_load(srv.base_url, clients=8, duration_s=6.0, pid=srv.proc.pid,
                       during=_reloader(idx, lib, srv.base_url, 1.0, results))
     record("reload_under_load_fast", {**res.to_dict(), "reloads": len(results), "mode": "fast",
                                       "reload_status": [r["status"] for r in results]})
