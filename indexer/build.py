@@ -1,5 +1,9 @@
 """Videos -> index versions: `build`, `add`, `remove` and `biases` (the work behind `gare-index`).
 
+Optional post-processing (docs/postprocessing.md, indexer/postprocess.py): `--invgc` (InvGC-corrected
+stage-1 vectors in ann_units.npy), `--ncl-stage1` (ann_ncl.faiss, the NCL biases folded into stage 1) and
+`biases --from-traffic` (biases from a bank of served query embeddings mixed with the training queue).
+
 Every command ends in :func:`indexer.store.write_version` (a complete new version, then an atomic switch
 of CURRENT) and writes INDEX/report.json. Features come from, in this order: the current version (same
 checkpoint and precision, same file content and window), the work/ cache of an interrupted run, or the
@@ -81,6 +85,15 @@ class BuildOptions:
     progress: bool | None = None  # None: when stderr is a terminal
     decode_timeout: float = 300.0
     scan_threads: int = 4
+    # post-processing (docs/postprocessing.md); None: off for build, as the index for add
+    invgc: bool | None = None  # InvGC w/ LocalAdj on the stage-1 vectors
+    invgc_val: Any = None  # validation data for the r search: manifest, synth folder, data spec; None: the checkpoint's
+    invgc_r_g: float | None = None  # given r values skip the search
+    invgc_r_q: float | None = None
+    invgc_k: float = 1.0  # LocalAdj: top k% neighbours
+    invgc_grid: tuple[float, ...] | None = None  # None: training.invgc.DEFAULT_GRID
+    ncl_stage1: bool | None = None  # also write ann_ncl.faiss (NCL biases folded into stage 1)
+    ncl_c: float = 1.0  # fold constant: index [v ; b / c], query [t ; c]
 
     def validate(self) -> None:
         if self.index_type not in (None, "auto", *INDEX_TYPES):
@@ -100,6 +113,20 @@ class BuildOptions:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.workers < 0:
             raise ValueError(f"--workers must be >= 0, got {self.workers}")
+        if (self.invgc_r_g is None) != (self.invgc_r_q is None):
+            raise ValueError("--invgc-r-g and --invgc-r-q go together (or neither: they are chosen on validation data)")
+        for name in ("invgc_r_g", "invgc_r_q"):
+            v = getattr(self, name)
+            if v is not None and not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {v}")
+        if not 0 < self.invgc_k <= 100:
+            raise ValueError(f"--invgc-k must be in (0, 100] (percent of neighbours), got {self.invgc_k}")
+        if self.invgc_grid is not None and (not self.invgc_grid or any(not (math.isfinite(g) and g >= 0) for g in self.invgc_grid)):
+            raise ValueError(f"--invgc-grid must be non-negative numbers, got {self.invgc_grid}")
+        if not (math.isfinite(self.ncl_c) and self.ncl_c > 0):
+            raise ValueError(f"--ncl-c must be > 0, got {self.ncl_c}")
+        if self.invgc is False and (self.invgc_r_g is not None or self.invgc_val is not None):
+            raise ValueError("--invgc-val / --invgc-r-g / --invgc-r-q need --invgc")
 
 
 @dataclass
@@ -127,6 +154,8 @@ class RunReport:
     engine: str = "local"
     index_type: str | None = None
     biases: dict[str, Any] = field(default_factory=dict)
+    invgc: dict[str, Any] | None = None  # the InvGC values applied to the stage-1 vectors (manifest["invgc"])
+    ncl_stage1: bool = False  # whether the version has ann_ncl.faiss
     skipped: list[dict[str, Any]] = field(default_factory=list)
     ignored: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -594,6 +623,7 @@ def _build_locked(checkpoint: Any, videos: Any, root: Path, opts: BuildOptions, 
     f, d = cfg.max_frames, cfg.embed_dim
     if prev is not None and mode == "add" and (prev.max_frames, prev.dim) != (f, d):
         raise IndexFormatError(f"{root}: index has f={prev.max_frames}, d={prev.dim}; the model has f={f}, d={d}")
+    post = _postprocess_setup(opts, mode, pman, model, ckpt, precision)
 
     # ---- what to index
     clips, skipped, ignored = discover(videos)
@@ -712,20 +742,31 @@ def _build_locked(checkpoint: Any, videos: Any, root: Path, opts: BuildOptions, 
         for e, u in zip(entries, arrays["masks"].sum(axis=1), strict=True):
             e.meta["frames_used"] = int(u)
         gamma, queue = checkpoint_gamma_and_queue(ckpt)
+        tinfo = None
+        if mode == "add" and (pman.get("biases") or {}).get("traffic"):
+            queue, tinfo = _carried_traffic(queue, pman["biases"], prev.dim, report)
         arrays["biases"], binfo = compute_biases(arrays["units"], gamma, queue, opts.n_iters)
+        if tinfo is not None:
+            binfo = _traffic_binfo(binfo, tinfo)
         if binfo["source"] == "none":
             report.notes.append("the checkpoint has no text query queue: video biases are zero")
         report.biases = binfo
+        invgc_m = None
+        if post["invgc"]:
+            arrays["ann_units"], invgc_m = _invgc_vectors(arrays["units"], entries, prev, mode, post)
+        report.invgc = invgc_m
+        report.ncl_stage1 = post["ncl_stage1"] is not None
+        stage1 = arrays.get("ann_units", arrays["units"])
         ids = arrays["ids"]
         requested = opts.index_type or (pman.get("index_type_requested", "auto") if mode == "add" else "auto")
         if mode == "add" and prev is not None:
             # the new ANN = the previous one - every id not kept + the new and changed clips
             drop = np.setdiff1d(np.asarray(prev.ids), kept_ids)
             new_rows = np.flatnonzero(np.isin(ids, todo_ids))
-            ann, ainfo = _make_ann(arrays["units"], ids, opts, prev, requested, incremental=True,
+            ann, ainfo = _make_ann(stage1, ids, opts, prev, requested, incremental=True,
                                    drop_ids=drop, new_rows=new_rows)
         else:
-            ann, ainfo = _make_ann(arrays["units"], ids, opts, None, requested, incremental=False,
+            ann, ainfo = _make_ann(stage1, ids, opts, None, requested, incremental=False,
                                    drop_ids=np.zeros(0, np.int64), new_rows=np.zeros(0, np.int64))
         report.index_type = ann.params.index_type
         extra = {
@@ -737,6 +778,8 @@ def _build_locked(checkpoint: Any, videos: Any, root: Path, opts: BuildOptions, 
             "biases": binfo,
             "next_id": int(max(next_id, int(ids.max()) + 1 if ids.size else 0)),
             "builder": {"command": mode, "engine": opts.engine},
+            "invgc": invgc_m,
+            "ncl_stage1": post["ncl_stage1"],
             **ainfo,
         }
         name = write_version(root, arrays, [e.meta for e in entries], extra, ann=ann, keep=opts.keep)
@@ -747,21 +790,140 @@ def _build_locked(checkpoint: Any, videos: Any, root: Path, opts: BuildOptions, 
     cache.clear()  # its features are in the current version now
 
 
+def _postprocess_setup(opts: BuildOptions, mode: str, pman: dict[str, Any], model: Any, ckpt: Any,
+                       precision: str) -> dict[str, Any]:
+    """What post-processing this run applies; for a new InvGC build, the (r_g, r_q) search runs here, before
+    anything is encoded (a missing validation set fails the run early)."""
+    from .postprocess import invgc_refs, select_invgc
+
+    if mode == "add":
+        inv_prev, ncl_prev = pman.get("invgc"), pman.get("ncl_stage1")
+        if opts.invgc is not None and bool(opts.invgc) != bool(inv_prev):
+            raise ValueError(f"the index was built {'with' if inv_prev else 'without'} --invgc; add keeps it "
+                             "(rebuild with `gare-index build` to change it)")
+        if opts.invgc_r_g is not None or opts.invgc_val is not None:
+            raise ValueError("add corrects new videos with the InvGC values recorded in the index; "
+                             "--invgc-val/--invgc-r-g/--invgc-r-q are for build")
+        if opts.ncl_stage1 is not None and bool(opts.ncl_stage1) != bool(ncl_prev):
+            raise ValueError(f"the index was built {'with' if ncl_prev else 'without'} --ncl-stage1; add keeps it "
+                             "(rebuild with `gare-index build` to change it)")
+        post: dict[str, Any] = {"invgc": dict(inv_prev) if inv_prev else None,
+                                "ncl_stage1": {"c": float(ncl_prev.get("c", 1.0))} if ncl_prev else None}
+        if post["invgc"]:
+            post["refs"] = invgc_refs(ckpt)
+        return post
+    if not opts.invgc and (opts.invgc_r_g is not None or opts.invgc_val is not None):
+        raise ValueError("--invgc-val / --invgc-r-g / --invgc-r-q need --invgc")
+    post = {"invgc": None, "ncl_stage1": {"c": float(opts.ncl_c)} if opts.ncl_stage1 else None}
+    if opts.invgc:
+        refs = invgc_refs(ckpt)
+        if opts.invgc_r_g is not None:
+            sel: dict[str, Any] = {"method": "given", "r_g": float(opts.invgc_r_g), "r_q": float(opts.invgc_r_q)}
+        else:
+            t0 = time.time()
+            sel = select_invgc(model, ckpt, opts.invgc_val, k_percent=opts.invgc_k, grid=opts.invgc_grid,
+                               precision=precision, batch_size=opts.batch_size, num_workers=opts.workers, refs=refs)
+            sel["seconds"] = round(time.time() - t0, 3)
+        post["invgc"] = {"r_g": float(sel["r_g"]), "r_q": float(sel["r_q"]), "k_percent": float(opts.invgc_k),
+                         "selection": sel, "n_train_videos": int(refs[0].shape[0]), "n_train_queries": int(refs[1].shape[0])}
+        post["refs"] = refs
+    return post
+
+
+def _invgc_vectors(units: np.ndarray, entries: list[_Entry], prev: IndexVersion | None, mode: str,
+                   post: dict[str, Any]) -> tuple[np.ndarray, dict[str, Any]]:
+    """The InvGC-corrected stage-1 vectors of every entry and the manifest's `invgc` record.
+
+    build: LocalAdj's centring means come from this gallery (the result is training.invgc.invgc of the
+    units) and are recorded. add: rows carried from the previous version keep their vectors; new ones are
+    corrected with the recorded r_g, r_q, k and means (the correction of an item depends only on the item)."""
+    from .postprocess import invgc_apply, invgc_means
+
+    Gh, Qh = post["refs"]
+    inv = dict(post["invgc"])
+    k = float(inv["k_percent"])
+    t0 = time.time()
+    if mode == "add":
+        if (int(inv["n_train_videos"]), int(inv["n_train_queries"])) != (Gh.shape[0], Qh.shape[0]):
+            raise IndexMismatchError("the checkpoint's training queues differ in size from the ones the index's InvGC used")
+        out = np.empty_like(units)
+        todo = np.ones(len(entries), dtype=bool)
+        if prev is not None and prev.ann_units is not None:
+            dst = np.array([i for i, e in enumerate(entries) if e.src[0] == "prev"], dtype=np.int64)
+            if dst.size:
+                src = np.array([entries[i].src[1] for i in dst], dtype=np.int64)
+                order = np.argsort(src, kind="stable")
+                out[dst[order]] = np.asarray(prev.ann_units[src[order]], dtype=np.float32)
+                todo[dst] = False
+        rows = np.flatnonzero(todo)
+        if rows.size:
+            out[rows] = invgc_apply(units[rows], Gh, Qh, inv["r_g"], inv["r_q"], inv["mean_g"], inv["mean_q"], k)
+        log.info("InvGC: corrected %d new vectors in %.1fs (r_g=%g, r_q=%g)", rows.size, time.time() - t0, inv["r_g"], inv["r_q"])
+        return out, inv
+    mean_g, mean_q = invgc_means(units, Gh, Qh, k)
+    out = invgc_apply(units, Gh, Qh, inv["r_g"], inv["r_q"], mean_g, mean_q, k)
+    inv.update(mean_g=mean_g, mean_q=mean_q, n_gallery_for_means=int(units.shape[0]),
+               refs="checkpoint queues: 'video' (training videos, Ĝ) and 'text' (training queries, Q̂)",
+               applied_to="ann_units.npy (stage 1: ann.faiss and ann_ncl.faiss); units.npy/norms.npy unchanged")
+    log.info("InvGC: corrected %d vectors in %.1fs (r_g=%g, r_q=%g, k=%g%%)", units.shape[0], time.time() - t0,
+             inv["r_g"], inv["r_q"], k)
+    return out, inv
+
+
+def _traffic_binfo(binfo: dict[str, Any], tinfo: dict[str, Any]) -> dict[str, Any]:
+    out = dict(binfo)
+    if out.get("source") != "none":
+        out["source"] = "traffic" if tinfo.get("train_queries", 0) == 0 else "checkpoint-queue+traffic"
+    out["traffic"] = tinfo
+    return out
+
+
+def _mixed_queue(queue: np.ndarray | None, bank_path: str | os.PathLike, weight: float, d: int
+                 ) -> tuple[np.ndarray, dict[str, Any]]:
+    from .postprocess import load_query_bank, mix_queues
+
+    bank, info = load_query_bank(bank_path, d)
+    mixed, minfo = mix_queues(queue, bank, weight)
+    return mixed, {**info, **minfo}
+
+
+def _carried_traffic(queue: np.ndarray | None, prev_binfo: dict[str, Any], d: int, report: RunReport
+                     ) -> tuple[np.ndarray | None, dict[str, Any] | None]:
+    """add/remove after `biases --from-traffic`: recompute with the same bank file when it is still readable,
+    else fall back to the checkpoint's queue (and say so in the report)."""
+    t = prev_binfo["traffic"]
+    try:
+        mixed, info = _mixed_queue(queue, t["file"], float(t["traffic_weight"]), d)
+    except ValueError as e:
+        report.notes.append(f"the biases came from the query bank {t.get('file')}, which cannot be used any more ({e}); "
+                            "they were recomputed from the checkpoint's queue: run `gare-index biases --from-traffic` again")
+        return queue, None
+    if info["sha256"] != t.get("sha256"):
+        report.notes.append(f"the query bank {t['file']} changed since the last `biases --from-traffic`; its current content was used")
+    return mixed, info
+
+
 def _prev_files(prev: IndexVersion, names: Sequence[str]) -> dict[str, ExistingFile]:
     files = prev.manifest["files"]
     return {n: ExistingFile(prev.path / f"{n}.npy", files[f"{n}.npy"]["sha256"]) for n in names if f"{n}.npy" in files}
 
 
-def _biases_for(prev: IndexVersion, units: np.ndarray, checkpoint: str | os.PathLike | None, n_iters: int | None
-                ) -> tuple[np.ndarray, dict[str, Any]]:
-    """Recompute the biases of a gallery with the index's checkpoint (its queue and logit scale)."""
+def _biases_for(prev: IndexVersion, units: np.ndarray, checkpoint: str | os.PathLike | None, n_iters: int | None,
+                *, traffic: str | os.PathLike | None = None, traffic_weight: float = 0.5,
+                report: RunReport | None = None, carry_traffic: bool = False) -> tuple[np.ndarray, dict[str, Any]]:
+    """Recompute the biases of a gallery with the index's checkpoint (its queue and logit scale), mixed with a
+    bank of served queries when `traffic` is given (or when the previous biases came from one: remove)."""
     from training.checkpoint import read_checkpoint
 
     ck = prev.manifest.get("checkpoint") or {}
     iters = n_iters or int((prev.manifest.get("biases") or {}).get("n_iters") or 4)
     path = Path(checkpoint).expanduser().absolute() if checkpoint else Path(ck.get("path", ""))
+    if traffic is not None:  # validate the bank before anything else: a bad file changes nothing
+        from .postprocess import load_query_bank
+
+        load_query_bank(traffic, prev.dim)
     if not path.is_file():
-        if (prev.manifest.get("biases") or {}).get("source") == "none" and not checkpoint:
+        if (prev.manifest.get("biases") or {}).get("source") == "none" and not checkpoint and traffic is None:
             info = dict(prev.manifest.get("biases") or {}, n_iters=iters)
             return np.zeros(units.shape[0], np.float32), info
         raise ValueError(f"cannot recompute the NCL biases: checkpoint {path} not found; pass --checkpoint")
@@ -771,7 +933,13 @@ def _biases_for(prev: IndexVersion, units: np.ndarray, checkpoint: str | os.Path
             f"index {prev.root} was built with checkpoint sha256 {ck['sha256']} ({ck.get('path')}); {path} has sha256 {sha}"
         )
     gamma, queue = checkpoint_gamma_and_queue(read_checkpoint(path))
-    return compute_biases(units, gamma, queue, iters)
+    tinfo = None
+    if traffic is not None:
+        queue, tinfo = _mixed_queue(queue, traffic, traffic_weight, prev.dim)
+    elif carry_traffic and (prev.manifest.get("biases") or {}).get("traffic") and report is not None:
+        queue, tinfo = _carried_traffic(queue, prev.manifest["biases"], prev.dim, report)
+    b, info = compute_biases(units, gamma, queue, iters)
+    return b, (info if tinfo is None else _traffic_binfo(info, tinfo))
 
 
 def remove(out: str | os.PathLike, items: Sequence[str], *, checkpoint: str | os.PathLike | None = None,
@@ -807,9 +975,14 @@ def remove(out: str | os.PathLike, items: Sequence[str], *, checkpoint: str | os
             try:
                 arrays = _assemble(entries, prev.max_frames, prev.dim, prev, None, staging,
                                    _no_kv if prev.kv is not None else None)
-                arrays["biases"], binfo = _biases_for(prev, arrays["units"], checkpoint, n_iters)
+                arrays["biases"], binfo = _biases_for(prev, arrays["units"], checkpoint, n_iters, report=report,
+                                                      carry_traffic=True)
+                if prev.ann_units is not None:  # InvGC vectors are per item: the kept rows keep theirs
+                    src = np.array([e.src[1] for e in entries], dtype=np.int64)
+                    arrays["ann_units"] = np.asarray(prev.ann_units[src], dtype=np.float32).reshape(len(entries), prev.dim)
                 requested = prev.manifest.get("index_type_requested", "auto")
-                ann, ainfo = _make_ann(arrays["units"], arrays["ids"], BuildOptions(), prev, requested, incremental=True,
+                ann, ainfo = _make_ann(arrays.get("ann_units", arrays["units"]), arrays["ids"], BuildOptions(), prev,
+                                       requested, incremental=True,
                                        drop_ids=np.array(sorted(doomed), np.int64), new_rows=np.zeros(0, np.int64))
                 extra = _carry_manifest(prev.manifest) | {"biases": binfo, **ainfo, "builder": {"command": "remove"}}
                 name = write_version(root, arrays, [e.meta for e in entries], extra, ann=ann, keep=keep)
@@ -817,6 +990,7 @@ def remove(out: str | os.PathLike, items: Sequence[str], *, checkpoint: str | os
                 shutil.rmtree(staging, ignore_errors=True)
             report.version, report.n_videos, report.removed, report.biases = name, len(entries), len(doomed), binfo
             report.index_type = ann.params.index_type
+            report.invgc, report.ncl_stage1 = prev.manifest.get("invgc"), bool(prev.manifest.get("ncl_stage1"))
     except Exception as e:
         report.error = str(e)
         report.finish(t0)
@@ -834,13 +1008,18 @@ def _no_kv(frames16: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _carry_manifest(m: dict[str, Any]) -> dict[str, Any]:
     """Manifest fields a derived version keeps (checkpoint binding, sampling, ANN choice, ...)."""
     keys = ("checkpoint", "precision", "sampling", "segment", "index_type_requested", "ann_params", "ann_trained_n",
-            "next_id", "biases")
+            "next_id", "biases", "invgc", "ncl_stage1")
     return {k: m[k] for k in keys if k in m}
 
 
 def recompute_biases(out: str | os.PathLike, *, checkpoint: str | os.PathLike | None = None, keep: int = 3,
-                     n_iters: int | None = None) -> RunReport:
-    """`gare-index biases`: a new version with recomputed NCL biases; every other file is hard-linked."""
+                     n_iters: int | None = None, traffic: str | os.PathLike | None = None,
+                     traffic_weight: float = 0.5) -> RunReport:
+    """`gare-index biases`: a new version with recomputed NCL biases; every other file is hard-linked
+    (ann_ncl.faiss, which folds the biases into stage 1, is rebuilt).
+
+    `traffic`: a float32 (n, d) .npy bank of served query embeddings (`--from-traffic`), mixed with the
+    checkpoint's training queue so that a fraction `traffic_weight` of the queue is traffic (indexer.postprocess.mix_queues)."""
     t0 = time.time()
     root = Path(out).expanduser().absolute()
     report = RunReport(command="biases", index=str(root))
@@ -848,8 +1027,12 @@ def recompute_biases(out: str | os.PathLike, *, checkpoint: str | os.PathLike | 
         with index_lock(root, BUILD_LOCK, blocking=False):
             prev = open_index(root, use_gpu=False)
             report.previous_version = prev.name
-            b, binfo = _biases_for(prev, np.asarray(prev.units, dtype=np.float32), checkpoint, n_iters)
-            arrays: dict[str, Any] = _prev_files(prev, ["ids", "norms", "units", "frames", "masks", "keys", "values"])
+            if not 0.0 <= traffic_weight <= 1.0:
+                raise ValueError(f"--traffic-weight must be in [0, 1], got {traffic_weight}")
+            b, binfo = _biases_for(prev, np.asarray(prev.units, dtype=np.float32), checkpoint, n_iters, traffic=traffic,
+                                   traffic_weight=traffic_weight, report=report)
+            arrays: dict[str, Any] = _prev_files(prev, ["ids", "norms", "units", "frames", "masks", "keys", "values",
+                                                        "ann_units"])
             arrays["biases"] = b
             files = prev.manifest["files"]
             extra = _carry_manifest(prev.manifest) | {"biases": binfo, "builder": {"command": "biases"}}
@@ -859,6 +1042,7 @@ def recompute_biases(out: str | os.PathLike, *, checkpoint: str | os.PathLike | 
             )
             report.version, report.n_videos, report.biases = name, prev.n, binfo
             report.index_type = prev.manifest.get("index_type")
+            report.invgc, report.ncl_stage1 = prev.manifest.get("invgc"), bool(prev.manifest.get("ncl_stage1"))
     except Exception as e:
         report.error = str(e)
         report.finish(t0)
@@ -905,6 +1089,9 @@ def stats(out: str | os.PathLike) -> dict[str, Any]:
             "checkpoint": m.get("checkpoint", {}).get("path"),
             "checkpoint_sha256": m.get("checkpoint", {}).get("sha256"),
             "biases": m.get("biases"),
+            "invgc": None if not m.get("invgc") else {k: v for k, v in m["invgc"].items() if k != "selection"}
+            | {"selection": {k: v for k, v in (m["invgc"].get("selection") or {}).items() if k != "tried"}},
+            "ncl_stage1": m.get("ncl_stage1"),
             "bytes": files,
             "bytes_total": total,
             "bytes_per_video": round(total / n, 1) if n else None,

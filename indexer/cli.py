@@ -1,4 +1,5 @@
-"""`gare-index`: build | add | remove | biases | verify | stats | gc (see docs/index-format.md)."""
+"""`gare-index`: build | add | remove | biases | verify | stats | gc | compare (see docs/index-format.md and
+docs/postprocessing.md)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,60 @@ def _positive_int(s: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {s!r}")
     return v
+
+
+def _unit_float(s: str) -> float:
+    v = _nonneg_float(s)
+    if v > 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {s!r}")
+    return v
+
+
+def _percent(s: str) -> float:
+    v = _positive_float(s)
+    if v > 100:
+        raise argparse.ArgumentTypeError(f"must be in (0, 100], got {s!r}")
+    return v
+
+
+def _float_list(s: str) -> tuple[float, ...]:
+    try:
+        vals = tuple(float(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of numbers: {s!r}") from None
+    if not vals or any(v < 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"need non-negative numbers, got {s!r}")
+    return vals
+
+
+def _int_list(s: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {s!r}") from None
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"need integers >= 1, got {s!r}")
+    return vals
+
+
+def _add_postprocess_args(p: argparse.ArgumentParser, *, build: bool) -> None:
+    g = p.add_argument_group("post-processing (docs/postprocessing.md)" + ("" if build else "; add keeps the index's"))
+    g.add_argument("--invgc", action=argparse.BooleanOptionalAction, default=None,
+                   help="InvGC w/ LocalAdj: correct the stage-1 vectors against the checkpoint's training videos and "
+                        "queries (ann_units.npy; units/norms for psi are unchanged)")
+    if build:
+        g.add_argument("--invgc-val", metavar="MANIFEST|SYNTH_DIR",
+                       help="validation captions + videos for choosing r_g, r_q (a caption manifest, used whole, or a "
+                            "`gare-train synth` folder, whose validation split is carved as `gare-train fit` did); "
+                            "default: the checkpoint's own training data")
+        g.add_argument("--invgc-r-g", type=_nonneg_float, metavar="X", help="use this r_g (with --invgc-r-q) instead of the search")
+        g.add_argument("--invgc-r-q", type=_nonneg_float, metavar="Y")
+        g.add_argument("--invgc-k", type=_percent, default=1.0, metavar="PERCENT", help="LocalAdj neighbours, top k%% (default 1)")
+        g.add_argument("--invgc-grid", type=_float_list, metavar="R,R,...",
+                       help="values tried for r_g and for r_q (default 0,0.01,0.02,0.05,0.1,0.2,0.3,0.5)")
+        g.add_argument("--ncl-c", type=_positive_float, default=1.0, help=argparse.SUPPRESS)
+    g.add_argument("--ncl-stage1", action=argparse.BooleanOptionalAction, default=None,
+                   help="also write ann_ncl.faiss: the NCL biases folded into stage 1 (candidates by cos + b)")
 
 
 def _add_index_arg(p: argparse.ArgumentParser) -> None:
@@ -118,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=helptext, description=helptext, epilog=EPILOG,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
         _add_encode_args(sp, build=name == "build")
+        _add_postprocess_args(sp, build=name == "build")
 
     sp = sub.add_parser("remove", help="remove videos by id or path (all windows of a path), recompute the biases",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -132,6 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--checkpoint", help="default: the index's (same sha256 required)")
     sp.add_argument("--n-iters", type=_positive_int, default=None)
     sp.add_argument("--keep", type=_positive_int, default=3)
+    sp.add_argument("--from-traffic", metavar="BANK.npy",
+                    help="a float32 (n, d) .npy of unit query embeddings served by gare-serve (never query text; "
+                         "loaded without pickle); mixed with the checkpoint's training queue")
+    sp.add_argument("--traffic-weight", type=_unit_float, default=0.5, metavar="W",
+                    help="fraction of traffic queries in the mixed queue (default 0.5; 1 = traffic only)")
 
     sp = sub.add_parser("verify", help="check counts (FAISS, arrays, SQLite), files and checksums; exit 1 with the reasons",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -143,6 +204,55 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("stats", help="print the index's statistics (JSON)")
     _add_index_arg(sp)
+
+    sp = sub.add_parser(
+        "compare", help="measure every post-processing combination side by side on a captioned test set",
+        description="Index the test gallery with the real writer (plain, then with InvGC; both with the folded NCL "
+                    "stage 1), run the two-stage search (service.search's stage functions) for every combination and "
+                    "write result.md / result.json / compare.png.", epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp.add_argument("--checkpoint", required=True, metavar="CKPT")
+    g = sp.add_argument_group("test data (one of)")
+    g.add_argument("--synth", help="a `gare-train synth` corpus folder (its test split)")
+    g.add_argument("--msrvtt-anno", help="MSR-VTT annotation folder (1k-A test split); with --videos")
+    g.add_argument("--videos", help="MSR-VTT videos folder")
+    g.add_argument("--data-json", help="MSRVTT_data.json if not in --msrvtt-anno")
+    g.add_argument("--test-manifest", help="your captions: CSV (video,caption[,start,end]) or JSONL")
+    g.add_argument("--train-manifest", help="your training captions (for --gallery all and the InvGC validation split)")
+    sp.add_argument("--val", metavar="MANIFEST|SYNTH_DIR",
+                    help="validation data for InvGC's r search (default: carved from the training split as `gare-train "
+                         "fit` does, or the checkpoint's own training data)")
+    sp.add_argument("--gallery", choices=("test", "all"), default="test",
+                    help="test: the test videos only (default); all: test + training videos as the gallery, the test "
+                         "captions as queries (a harder, larger gallery)")
+    sp.add_argument("--out", required=True, metavar="DIR", help="where result.md, result.json and compare.png go")
+    sp.add_argument("--candidates", type=_positive_int, default=256, help="K, the stage-1 shortlist (default 256)")
+    sp.add_argument("--coverage-ks", type=_int_list, default=(16, 32, 64, 128, 256), metavar="K,K,...",
+                    help="K values for the candidate coverage (default 16,32,64,128,256)")
+    sp.add_argument("--latency-queries", type=_positive_int, default=100,
+                    help="queries timed one at a time per combination (default 100)")
+    sp.add_argument("--latency-repeats", type=_positive_int, default=3,
+                    help="runs of each timed query, the fastest kept (default 3; filters load spikes)")
+    sp.add_argument("--latency-threads", type=_positive_int, default=None, metavar="N",
+                    help="torch and faiss threads while timing (default: as they are; 1 gives stable single-query "
+                         "figures on a busy machine)")
+    sp.add_argument("--invgc-r-g", type=_nonneg_float, metavar="X", help="skip the r search (with --invgc-r-q)")
+    sp.add_argument("--invgc-r-q", type=_nonneg_float, metavar="Y")
+    sp.add_argument("--invgc-grid", type=_float_list, metavar="R,R,...")
+    sp.add_argument("--bank", metavar="BANK.npy",
+                    help="also measure NCL biases recomputed from this query bank (as `gare-index biases --from-traffic`)")
+    sp.add_argument("--bank-weight", type=_unit_float, default=1.0, metavar="W",
+                    help="--traffic-weight for the bank rows (default 1: the bank only)")
+    from .ann import INDEX_TYPES
+
+    sp.add_argument("--index-type", choices=("auto", *INDEX_TYPES), default="auto",
+                    help="ANN type of the indexes (default auto: flat below 50k videos)")
+    sp.add_argument("--index-dir", metavar="DIR", help="keep the indexes here (default: a temporary folder, deleted)")
+    sp.add_argument("--device", default="auto", help="auto (cuda when present) | cpu | cuda | cuda:N")
+    sp.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    sp.add_argument("--batch-size", type=_positive_int, default=16)
+    sp.add_argument("--workers", type=int, default=2)
+    sp.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
 
     sp = sub.add_parser("gc", help="remove old versions (never the current one), unfinished writes and, with --work, the work cache")
     _add_index_arg(sp)
@@ -161,10 +271,22 @@ def _cmd_build(args: argparse.Namespace) -> int:
         device=args.device, precision=args.precision, engine=args.engine, scheduler=args.scheduler,
         dask_workers=args.dask_workers, shard_size=args.shard_size, store_kv=args.store_kv, keep=args.keep,
         n_iters=args.n_iters, progress=args.progress, decode_timeout=args.decode_timeout,
+        invgc=args.invgc, ncl_stage1=args.ncl_stage1,
     )
+    if args.cmd == "build":
+        opts.invgc_val, opts.invgc_r_g, opts.invgc_r_q = args.invgc_val, args.invgc_r_g, args.invgc_r_q
+        opts.invgc_k, opts.invgc_grid, opts.ncl_c = args.invgc_k, args.invgc_grid, args.ncl_c
     report = build(args.checkpoint, args.videos, args.out, opts, mode=args.cmd)
     _print_skips(report)
     print(report.summary())
+    if report.invgc:
+        inv = report.invgc
+        sel = inv.get("selection") or {}
+        how = (f"chosen on {sel.get('validation')}: validation R@1 {sel.get('baseline', float('nan')):.1f} -> "
+               f"{sel.get('score', float('nan')):.1f}") if sel.get("method") == "grid" else "given"
+        print(f"InvGC applied to the stage-1 vectors: r_g={inv['r_g']:g}, r_q={inv['r_q']:g}, k={inv['k_percent']:g}% ({how})")
+    if report.ncl_stage1:
+        print("NCL stage 1: ann_ncl.faiss written (candidates by cos + b)")
     return report.exit_code
 
 
@@ -187,10 +309,48 @@ def _cmd_remove(args: argparse.Namespace) -> int:
 def _cmd_biases(args: argparse.Namespace) -> int:
     from .build import recompute_biases
 
-    report = recompute_biases(args.out, checkpoint=args.checkpoint, keep=args.keep, n_iters=args.n_iters)
+    report = recompute_biases(args.out, checkpoint=args.checkpoint, keep=args.keep, n_iters=args.n_iters,
+                              traffic=args.from_traffic, traffic_weight=args.traffic_weight)
     b = report.biases
-    print(report.summary() + f"; biases from {b.get('source')} ({b.get('n_queries')} queries, gamma={b.get('gamma')})")
+    msg = report.summary() + f"; biases from {b.get('source')} ({b.get('n_queries')} queries, gamma={b.get('gamma')})"
+    if b.get("traffic"):
+        t = b["traffic"]
+        msg += f"; {t['traffic_queries']} traffic + {t['train_queries']} training queries"
+    print(msg)
+    for note in report.notes:
+        print(f"note: {note}", file=sys.stderr)
     return report.exit_code
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from .compare import CompareOptions, run_compare
+
+    if (args.invgc_r_g is None) != (args.invgc_r_q is None):
+        raise ValueError("--invgc-r-g and --invgc-r-q go together")
+    if args.msrvtt_anno and not args.videos:
+        raise ValueError("--msrvtt-anno needs --videos")
+    given = [x for x in (args.synth, args.msrvtt_anno, args.test_manifest) if x]
+    if len(given) != 1:
+        raise ValueError("give exactly one of --synth, --msrvtt-anno (with --videos) or --test-manifest")
+    if args.synth:
+        data = {"kind": "synth", "root": args.synth}
+    elif args.msrvtt_anno:
+        data = {"kind": "msrvtt", "anno_dir": args.msrvtt_anno, "videos_dir": args.videos, "data_json": args.data_json}
+    else:
+        data = {"kind": "manifest", "test": args.test_manifest, **({"train": args.train_manifest} if args.train_manifest else {})}
+    opts = CompareOptions(
+        checkpoint=args.checkpoint, data=data, out=args.out, val=args.val, gallery=args.gallery,
+        candidates=args.candidates, coverage_ks=tuple(args.coverage_ks), latency_queries=args.latency_queries,
+        latency_repeats=args.latency_repeats, latency_threads=args.latency_threads,
+        invgc_r_g=args.invgc_r_g, invgc_r_q=args.invgc_r_q, invgc_grid=args.invgc_grid, index_type=args.index_type,
+        bank=args.bank, bank_weight=args.bank_weight,
+        index_dir=args.index_dir, device=args.device, precision=args.precision, batch_size=args.batch_size,
+        workers=args.workers, progress=args.progress,
+    )
+    result = run_compare(opts)
+    print(Path(result["paths"]["md"]).read_text())
+    print(f"wrote {', '.join(str(p) for p in result['paths'].values())}")
+    return 0
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
@@ -236,7 +396,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"build": _cmd_build, "add": _cmd_build, "remove": _cmd_remove, "biases": _cmd_biases,
-            "verify": _cmd_verify, "stats": _cmd_stats, "gc": _cmd_gc}
+            "verify": _cmd_verify, "stats": _cmd_stats, "gc": _cmd_gc, "compare": _cmd_compare}
 
 
 def main(argv: list[str] | None = None) -> int:

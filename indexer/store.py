@@ -14,6 +14,9 @@ Layout (see docs/index-format.md)::
          masks.npy (n,f) uint8
          biases.npy (n,) float32   NCL video biases b_j (zeros when the checkpoint has no query queue)
          keys.npy, values.npy      optional (n,f,d) float16: psi's per-video K/V projections (--store-kv)
+         ann_units.npy (n,d) float32 optional: InvGC-corrected stage-1 vectors (--invgc); ann.faiss is built on
+                                   them instead of units.npy (see docs/postprocessing.md)
+         ann_ncl.faiss             optional (--ncl-stage1): FAISS over [stage-1 vector ; b_j / c] (NCL biases folded)
          meta.sqlite               table videos(id, path, size, mtime, checksum, duration, fps, frames_used,
                                    start, end, status)
       work/                        resumable encoder state; never read by the service
@@ -60,6 +63,7 @@ WORK_DIR = "work"
 REPORT_FILE = "report.json"
 MANIFEST_FILE = "manifest.json"
 ANN_FILE = "ann.faiss"
+ANN_NCL_FILE = "ann_ncl.faiss"  # optional: stage 1 with the NCL biases folded in (--ncl-stage1)
 META_FILE = "meta.sqlite"
 LOCK_FILE = ".lock"
 
@@ -75,7 +79,10 @@ ARRAY_SPECS: dict[str, tuple[np.dtype, int]] = {
 OPTIONAL_ARRAYS: dict[str, tuple[np.dtype, int]] = {
     "keys": (np.dtype(np.float16), 3),
     "values": (np.dtype(np.float16), 3),
+    "ann_units": (np.dtype(np.float32), 2),  # InvGC-corrected stage-1 vectors (n, d)
 }
+_MMAP_ARRAYS = ("frames", "units", "keys", "values", "ann_units")
+_ROW_DIM_ARRAYS = ("units", "ann_units")  # 2-D arrays of width d (the others are (n, f))
 META_COLUMNS: tuple[str, ...] = (
     "id", "path", "size", "mtime", "checksum", "duration", "fps", "frames_used", "start", "end", "status",
 )
@@ -307,6 +314,8 @@ class IndexVersion:
     max_frames: int = -1
     keys: np.ndarray | None = None  # psi's per-video K (n, f, d) float16 when the index stores them
     values: np.ndarray | None = None
+    ann_units: np.ndarray | None = None  # InvGC-corrected stage-1 vectors (ann.faiss is built on them), memmap
+    ann_ncl: AnnIndex | None = None  # FAISS over [stage-1 vector ; b / c] (--ncl-stage1), else None
     _sorted_ids: np.ndarray = field(init=False, repr=False)
     _sorted_rows: np.ndarray = field(init=False, repr=False)
     _conn: sqlite3.Connection | None = field(init=False, repr=False, default=None)
@@ -352,6 +361,29 @@ class IndexVersion:
             bad = np.unique(q[~found])
             raise KeyError(f"ids not in index {self.name}: {bad[:20].tolist()}{' ...' if bad.size > 20 else ''}")
         return rows
+
+    @property
+    def stage1_units(self) -> np.ndarray:
+        """The vectors stage 1 searches: the InvGC-corrected ones when the index has them, else `units`."""
+        return self.units if self.ann_units is None else self.ann_units
+
+    @property
+    def ncl_c(self) -> float:
+        """The fold constant c of ann_ncl.faiss ([v̂ ; b / c] . [t̂ ; c] = cos + b)."""
+        return float((self.manifest.get("ncl_stage1") or {}).get("c", 1.0))
+
+    def search_ncl(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Stage 1 with the NCL biases folded in: top-k by cos(t, v̂_j) + b_j over unit queries (q, d).
+
+        Returns (scores = cos + b, ids), missing results id -1. Needs an index built with --ncl-stage1."""
+        if self.ann_ncl is None:
+            raise ValueError(f"index version {self.name} has no {ANN_NCL_FILE}: build it with `gare-index build --ncl-stage1`")
+        from training.sinkhorn import fold_query
+
+        q = np.atleast_2d(np.asarray(queries, dtype=np.float32))
+        if q.shape[1] != self.dim:
+            raise ValueError(f"queries have d={q.shape[1]}, index has d={self.dim}")
+        return self.ann_ncl.search(fold_query(q, self.ncl_c), k)
 
     def vbar(self, rows: np.ndarray) -> np.ndarray:
         """Un-normalised v̄ = norm * unit for row positions (float32)."""
@@ -404,7 +436,7 @@ class IndexVersion:
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
-        for name in ("frames", "units", "keys", "values"):
+        for name in _MMAP_ARRAYS:
             arr = getattr(self, name, None)
             mm = getattr(arr, "_mmap", None)
             if mm is not None:
@@ -445,25 +477,40 @@ def open_version(
     for aname, (dtype, ndim) in {**ARRAY_SPECS, **OPTIONAL_ARRAYS}.items():
         if aname in OPTIONAL_ARRAYS and f"{aname}.npy" not in files:
             continue
-        arr = _load_array(path, aname, mmap=aname in ("frames", "units", "keys", "values"))
-        expect = {1: (n,), 2: (n, d if aname == "units" else f), 3: (n, f, d)}[ndim]
+        arr = _load_array(path, aname, mmap=aname in _MMAP_ARRAYS)
+        expect = {1: (n,), 2: (n, d if aname in _ROW_DIM_ARRAYS else f), 3: (n, f, d)}[ndim]
         if arr.shape != expect or arr.dtype != dtype:
             raise IndexFormatError(
                 f"{path / (aname + '.npy')}: {arr.dtype} {arr.shape}, manifest implies {dtype} {expect}"
             )
         arrays[aname] = arr
     params = AnnParams.from_dict(manifest.get("ann_params") or {"index_type": manifest.get("index_type", "flat")})
+    stage1 = arrays.get("ann_units", arrays["units"])  # ivfpq re-scores with the vectors the ANN was built on
     try:
-        ann = AnnIndex.load(path / ANN_FILE, params, arrays["units"], use_gpu, vector_ids=arrays["ids"])
+        ann = AnnIndex.load(path / ANN_FILE, params, stage1, use_gpu, vector_ids=arrays["ids"])
     except (RuntimeError, ValueError) as e:
         raise IndexFormatError(f"{path / ANN_FILE}: unreadable ({e})") from e
     if ann.ntotal != n or (n and ann.d != d):
         raise IndexFormatError(f"{path / ANN_FILE}: holds {ann.ntotal} vectors of d={ann.d}, manifest says n={n}, d={d}")
+    ann_ncl = None
+    if ANN_NCL_FILE in files:
+        from .postprocess import FoldedRows
+
+        ncl = manifest.get("ncl_stage1") or {}
+        nparams = AnnParams.from_dict(ncl.get("ann_params") or {"index_type": "flat"})
+        try:
+            ann_ncl = AnnIndex.load(path / ANN_NCL_FILE, nparams, FoldedRows(stage1, arrays["biases"], float(ncl.get("c", 1.0))),
+                                    use_gpu, vector_ids=arrays["ids"])
+        except (RuntimeError, ValueError) as e:
+            raise IndexFormatError(f"{path / ANN_NCL_FILE}: unreadable ({e})") from e
+        if ann_ncl.ntotal != n or (n and ann_ncl.d != d + 1):
+            raise IndexFormatError(f"{path / ANN_NCL_FILE}: holds {ann_ncl.ntotal} vectors of d={ann_ncl.d}, "
+                                   f"manifest says n={n}, d+1={d + 1}")
     return IndexVersion(
         root=root, name=name, path=path, manifest=manifest,
         ids=arrays["ids"], norms=arrays["norms"], units=arrays["units"], frames=arrays["frames"],
         masks=arrays["masks"], biases=arrays["biases"], ann=ann, dim=d, max_frames=f,
-        keys=arrays.get("keys"), values=arrays.get("values"),
+        keys=arrays.get("keys"), values=arrays.get("values"), ann_units=arrays.get("ann_units"), ann_ncl=ann_ncl,
     )
 
 
@@ -559,7 +606,7 @@ def _write_ann(tmp: Path, ann: Any, ann_params_d: Mapping[str, Any] | None, inde
                arrays: Mapping[str, Any], ids: np.ndarray, n: int) -> AnnParams:
     if ann is None:
         params = AnnParams.from_dict(ann_params_d) if ann_params_d else AnnParams(index_type or choose_index_type(n))
-        units = np.load(arrays["units"].path, mmap_mode="r") if isinstance(arrays["units"], ExistingFile) else arrays["units"]
+        units = _array_value(arrays.get("ann_units", arrays["units"]))  # the stage-1 vectors
         ann = AnnIndex(build_index(np.asarray(units, dtype=np.float32), ids, params, use_gpu=False), params)
     if not isinstance(ann, AnnIndex):
         ann = AnnIndex(ann, AnnParams.from_dict(ann_params_d) if ann_params_d else None)
@@ -569,6 +616,43 @@ def _write_ann(tmp: Path, ann: Any, ann_params_d: Mapping[str, Any] | None, inde
     with open(tmp / ANN_FILE, "rb+") as fh:
         os.fsync(fh.fileno())
     return ann.params
+
+
+def _array_value(value: Any) -> np.ndarray:
+    return np.load(value.path, mmap_mode="r", allow_pickle=False) if isinstance(value, ExistingFile) else value
+
+
+def _write_ann_ncl(tmp: Path, ann_ncl: Any, ncl: Mapping[str, Any], arrays: Mapping[str, Any], ids: np.ndarray,
+                   n: int, d: int, main_params: AnnParams) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Write ann_ncl.faiss (linked, given, or built over [stage-1 ; b / c]); returns (file entry, manifest entry)."""
+    from .postprocess import build_ncl_ann, ncl_ann_params
+
+    c = float(ncl.get("c", 1.0))
+    if not c > 0:
+        raise ValueError(f"write_version: ncl_stage1 c must be > 0, got {c}")
+    if isinstance(ann_ncl, ExistingFile):
+        if not ncl.get("ann_params"):
+            raise ValueError("write_version: a linked ann_ncl.faiss needs manifest_extra['ncl_stage1']['ann_params']")
+        entry = _write_npy(tmp / ANN_NCL_FILE, ann_ncl, np.dtype(np.uint8))
+        params = dict(ncl["ann_params"])
+    else:
+        if ann_ncl is None:
+            params = ncl_ann_params(ncl.get("ann_params") or main_params.to_dict(), d)
+            ann_ncl = build_ncl_ann(_array_value(arrays.get("ann_units", arrays["units"])), _array_value(arrays["biases"]),
+                                    ids, params, c)
+        if not isinstance(ann_ncl, AnnIndex):
+            ann_ncl = AnnIndex(ann_ncl)
+        if ann_ncl.ntotal != n or (n and ann_ncl.d != d + 1):
+            raise ValueError(f"write_version: ann_ncl holds {ann_ncl.ntotal} vectors of d={ann_ncl.d} for {n} ids of d+1={d + 1}")
+        ann_ncl.save(tmp / ANN_NCL_FILE)
+        with open(tmp / ANN_NCL_FILE, "rb+") as fh:
+            os.fsync(fh.fileno())
+        entry = {"bytes": (tmp / ANN_NCL_FILE).stat().st_size, "sha256": file_sha256(tmp / ANN_NCL_FILE)}
+        params = ann_ncl.params.to_dict()
+    info = {k: v for k, v in ncl.items() if k not in ("c", "ann_params")}
+    info.update({"c": c, "index_type": params["index_type"], "ann_params": params, "dim": d + 1, "file": ANN_NCL_FILE,
+                 "stage1_vectors": "ann_units" if "ann_units" in arrays else "units"})
+    return entry, info
 
 
 def _next_version_number(root: Path) -> int:
@@ -613,6 +697,7 @@ def write_version(
     ann: AnnIndex | Any | None = None,
     keep: int | None = 3,
     file_hashes: Mapping[str, str] | None = None,
+    ann_ncl: AnnIndex | ExistingFile | None = None,
 ) -> str:
     """Write a complete new version and make it current; returns its name ("v000004").
 
@@ -620,7 +705,10 @@ def write_version(
     dtype castable to the format's) or :class:`ExistingFile`. `metadata_rows`: one mapping per id with the
     META_COLUMNS (status defaults to "ok"). `manifest_extra`: checkpoint, biases, ann_params, ... merged into
     the manifest. `ann`: an AnnIndex or faiss index over (units, ids); built from `ann_params` (or the
-    automatic type) when None. Old versions beyond the newest `keep` are removed (never CURRENT).
+    automatic type) when None; over `ann_units` (InvGC-corrected stage-1 vectors) when that array is given.
+    `manifest_extra["ncl_stage1"] = {"c": ..., "ann_params"?: ...}` also writes ann_ncl.faiss, the folded
+    NCL stage-1 index: `ann_ncl` (an AnnIndex or the previous version's file) or, when None, built here
+    over [stage-1 vectors ; biases / c]. Old versions beyond the newest `keep` are removed (never CURRENT).
     """
     root = Path(root)
     missing = [k for k in ARRAY_SPECS if k not in arrays]
@@ -639,7 +727,7 @@ def write_version(
     f = shapes["frames"][0][1]
     for k, (shape, _) in shapes.items():
         ndim = (ARRAY_SPECS.get(k) or OPTIONAL_ARRAYS[k])[1]
-        expect = {1: (n,), 2: (n, d if k == "units" else f), 3: (n, f, d)}[ndim]
+        expect = {1: (n,), 2: (n, d if k in _ROW_DIM_ARRAYS else f), 3: (n, f, d)}[ndim]
         if shape != expect:
             raise ValueError(f"write_version: {k} has shape {shape}, expected {expect}")
     ids = np.asarray(np.load(arrays["ids"].path) if isinstance(arrays["ids"], ExistingFile) else arrays["ids"], dtype=np.int64)
@@ -657,6 +745,9 @@ def write_version(
     extra = dict(manifest_extra)
     ann_params_d = extra.pop("ann_params", None)
     index_type = extra.pop("index_type", None)
+    ncl_req = extra.pop("ncl_stage1", None)
+    if ann_ncl is not None and not ncl_req:
+        ncl_req = {"c": 1.0}
     file_hashes = dict(file_hashes or {})
 
     with index_lock(root):
@@ -684,6 +775,9 @@ def write_version(
             else:
                 params = _write_ann(tmp, ann, ann_params_d, index_type, arrays, ids, n)
                 files[ANN_FILE] = {"bytes": (tmp / ANN_FILE).stat().st_size, "sha256": file_sha256(tmp / ANN_FILE)}
+            ncl_info = None
+            if ncl_req:
+                files[ANN_NCL_FILE], ncl_info = _write_ann_ncl(tmp, ann_ncl, ncl_req, arrays, ids, n, d, params)
 
             if rows is None:
                 files[META_FILE] = _write_npy(tmp / META_FILE, metadata_rows, np.dtype(np.uint8))
@@ -709,8 +803,10 @@ def write_version(
                 "ann_params": params.to_dict(),
                 "biases": {"gamma": None, "n_iters": 4, "n_queries": 0, "source": "none"},
                 "invgc": None,
+                "ncl_stage1": None,
             }
             manifest.update(extra)
+            manifest["ncl_stage1"] = ncl_info
             manifest["files"] = files
             atomic_write_text(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1, sort_keys=True, default=str))
             _fsync_dir(tmp)
@@ -771,6 +867,30 @@ def _faiss_ids(ann: AnnIndex) -> np.ndarray:
     raise IndexFormatError(f"cannot list the ids of a {type(outer).__name__}")
 
 
+def _ncl_problems(v: IndexVersion) -> list[str]:
+    """ann_ncl.faiss holds every id and, for a flat index, exactly [stage-1 vector ; b / c] (stale biases show)."""
+    import faiss
+
+    from training.sinkhorn import fold_biases
+
+    assert v.ann_ncl is not None
+    try:
+        fids = _faiss_ids(v.ann_ncl)
+    except IndexFormatError as e:
+        return [f"{ANN_NCL_FILE}: {e}"]
+    ids = np.asarray(v.ids)
+    if fids.size != v.n or not np.array_equal(np.sort(fids), np.sort(ids)):
+        return [f"{ANN_NCL_FILE}: holds {fids.size} ids that differ from the {v.n} in ids.npy"]
+    outer = faiss.downcast_index(v.ann_ncl.cpu_index)
+    if v.n and isinstance(outer, faiss.IndexIDMap) and isinstance(faiss.downcast_index(outer.index), faiss.IndexFlat):
+        stored = faiss.downcast_index(outer.index).reconstruct_n(0, v.n)
+        rows = v.rows(fids)
+        want = fold_biases(np.asarray(v.stage1_units[rows], np.float32), np.asarray(v.biases)[rows], v.ncl_c)
+        if not np.allclose(stored, want, atol=1e-6):
+            return [f"{ANN_NCL_FILE}: its vectors are not [stage-1 vector ; bias / c] of this version (stale biases?)"]
+    return []
+
+
 def verify_index(
     root: str | os.PathLike,
     *,
@@ -806,6 +926,8 @@ def verify_index(
                 problems.append(f"ann.faiss: holds {fids.size} ids that differ from the {n} in ids.npy")
         except IndexFormatError as e:
             problems.append(str(e))
+        if v.ann_ncl is not None:
+            problems += _ncl_problems(v)
         try:
             meta = v.all_metadata()
         except sqlite3.Error as e:
@@ -824,6 +946,12 @@ def verify_index(
             if not np.all(np.abs(np.linalg.norm(u, axis=1) - 1.0) < 1e-3):
                 problems.append(f"units.npy: rows {s}..{s + len(u) - 1} include vectors that are not unit length")
                 break
+        if v.ann_units is not None:
+            for s in range(0, n, step):
+                u = np.asarray(v.ann_units[s : s + step], dtype=np.float64)
+                if not (np.all(np.isfinite(u)) and np.all(np.abs(np.linalg.norm(u, axis=1) - 1.0) < 1e-3)):
+                    problems.append(f"ann_units.npy: rows {s}..{s + len(u) - 1} include vectors that are not finite unit vectors")
+                    break
         masks = np.asarray(v.masks)
         if n and masks.sum(axis=1).min() < 1:
             problems.append("masks.npy: some videos have no frame")

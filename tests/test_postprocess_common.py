@@ -1,0 +1,75 @@
+"""Shared fixtures for tests/test_postprocess_*.py (holds no tests): a tiny checkpoint with both NCL queues
+(text and video, what InvGC uses as Q̂ and Ĝ), a captioned synthetic corpus of real mp4 files, and a plain
+index with the folded NCL stage 1, each built once per process."""
+
+from __future__ import annotations
+
+import atexit
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+_LOCK = threading.Lock()
+_SHARED: dict[str, Any] = {}
+D = 64  # gare-test-tiny's embedding size
+
+
+def make_checkpoint_with_queues(path: Path, *, seed: int = 0, video_queue: bool = True) -> Path:
+    from training.checkpoint import save_checkpoint
+    from training.config import get_model_config
+    from training.model import GARE
+
+    torch.manual_seed(seed)
+    model = GARE.build(get_model_config("gare-test-tiny")).eval()
+    with torch.no_grad():
+        for name, p in model.psi.named_parameters():
+            p.normal_(0, 0.3 if (name.endswith("weight") and p.ndim == 2) else 0.1)
+    g = torch.Generator().manual_seed(seed + 1)
+    queues = {"text": torch.randn(256, D, generator=g)}
+    if video_queue:
+        queues["video"] = torch.randn(300, D, generator=g) * 3.0  # un-normalised, like v̄
+    save_checkpoint(path, model, queues=queues, train_args={"seed": 0, "val_fraction": 0.25})
+    return path
+
+
+def shared() -> dict[str, Any]:
+    """{root, checkpoint, corpus (synth folder with captions), videos, index (plain + --ncl-stage1)}."""
+    with _LOCK:
+        if not _SHARED:
+            from indexer.build import BuildOptions, build
+            from training.synth import SynthConfig, generate_corpus
+
+            root = Path(tempfile.mkdtemp(prefix="gare-postprocess-tests-"))
+            atexit.register(shutil.rmtree, root, True)
+            ckpt = make_checkpoint_with_queues(root / "tiny.safetensors")
+            info = generate_corpus(root / "corpus", SynthConfig(n_videos=14, seed=0, width=32, height=32, duration=2.0,
+                                                                fps=8.0, captions_per_video=2), progress=False)
+            index = root / "index"
+            build(str(ckpt), info["videos_dir"], str(index), BuildOptions(workers=0, progress=False, ncl_stage1=True))
+            _SHARED.update(root=root, checkpoint=ckpt, corpus=Path(info["out_dir"]), videos=Path(info["videos_dir"]),
+                           index=index)
+        return dict(_SHARED)
+
+
+def copy_index(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst, symlinks=True)
+    return dst
+
+
+def unit(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def queues(ckpt: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Ĝ, Q̂) = the checkpoint's video and text queues, unit rows."""
+    from training.checkpoint import read_checkpoint
+
+    ck = read_checkpoint(ckpt)
+    return (torch.nn.functional.normalize(ck.queues["video"].float(), dim=1),
+            torch.nn.functional.normalize(ck.queues["text"].float(), dim=1))

@@ -1,0 +1,148 @@
+"""`gare-index biases --from-traffic BANK.npy`: the mixed queue, what the manifest records, input validation
+(a bad file is a clear error, exit 1, nothing changed), and what add / plain `biases` do afterwards."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from test_postprocess_common import D, copy_index, shared, unit
+
+from indexer.cli import main
+from indexer.postprocess import mix_queues
+from indexer.store import current_version_name, list_versions, open_index, verify_index
+from training.checkpoint import read_checkpoint
+from training.sinkhorn import sinkhorn_biases
+
+
+def _bank(path, n=50, seed=0):
+    np.save(path, unit(np.random.default_rng(seed).standard_normal((n, D))))
+    return path
+
+
+def test_mix_queues_fraction_and_determinism():
+    rng = np.random.default_rng(0)
+    train = rng.standard_normal((1000, 8)).astype(np.float32)
+    bank = rng.standard_normal((700, 8)).astype(np.float32) + 100  # recognisable rows
+    mixed, info = mix_queues(train, bank, 0.3)
+    assert mixed.shape == (1000, 8) and (info["traffic_queries"], info["train_queries"]) == (300, 700)
+    assert int((mixed[:, 0] > 50).sum()) == 300 and info["weight_effective"] == 0.3
+    np.testing.assert_array_equal(mix_queues(train, bank, 0.3)[0], mixed)  # deterministic
+    assert mix_queues(train, bank, 0.3, seed=1)[0].tobytes() != mixed.tobytes()
+    # rows come from the inputs, without repetition
+    assert len({r.tobytes() for r in mixed}) == 1000
+    # a small bank: all of it, and the training part shrinks so the fraction holds
+    m, info = mix_queues(train, bank[:100], 0.5)
+    assert (info["traffic_queries"], info["train_queries"]) == (100, 100) and m.shape[0] == 200
+    m, info = mix_queues(train, bank[:100], 0.2)
+    assert (info["traffic_queries"], info["train_queries"]) == (100, 400)
+    assert mix_queues(train, bank, 0.0)[1]["traffic_queries"] == 0
+    m, info = mix_queues(train, bank, 1.0)
+    assert (info["traffic_queries"], info["train_queries"]) == (700, 0) and (m[:, 0] > 50).all()
+    m, info = mix_queues(None, bank, 0.5)
+    assert m.shape[0] == 700 and "traffic queries only" in info["note"]
+    with pytest.raises(ValueError, match="traffic-weight"):
+        mix_queues(train, bank, 1.5)
+
+
+def test_biases_from_traffic_end_to_end(tmp_path, capsys):
+    sh = shared()
+    out = copy_index(sh["index"], tmp_path / "INDEX")
+    bank = _bank(tmp_path / "bank.npy")
+    before = open_index(out)
+    rc = main(["biases", "--out", str(out), "--from-traffic", str(bank), "--traffic-weight", "0.5"])
+    assert rc == 0
+    assert "50 traffic + 50 training queries" in capsys.readouterr().out
+    v = open_index(out)
+    b = v.manifest["biases"]
+    assert b["source"] == "checkpoint-queue+traffic" and b["n_queries"] == 100
+    t = b["traffic"]
+    assert (t["file"], t["rows"], t["traffic_queries"], t["train_queries"], t["traffic_weight"]) == (str(bank), 50, 50, 50, 0.5)
+    assert len(t["sha256"]) == 64 and set(t) <= {"file", "sha256", "rows", "non_unit_rows", "traffic_weight", "traffic_queries",
+                                                 "train_queries", "weight_effective", "seed", "note"}  # no content
+    # the biases are Sinkhorn's against the mixed queue (training queue rows normalised, as for the plain biases)
+    ck = read_checkpoint(sh["checkpoint"])
+    q = torch.nn.functional.normalize(ck.queues["text"].float(), dim=1).numpy()
+    mixed, _ = mix_queues(q, np.load(bank), 0.5)
+    gamma = float(1 / torch.exp(ck.state_dict["clip.logit_scale"]))
+    _, want = sinkhorn_biases(torch.from_numpy(mixed), torch.from_numpy(np.array(v.units)), gamma, n_iters=4)
+    np.testing.assert_allclose(v.biases, want.numpy(), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(v.biases, before.biases)
+    # every other file is linked; the folded stage-1 index follows the new biases
+    assert all(v.manifest["files"][f] == before.manifest["files"][f] for f in ("units.npy", "frames.npy", "ann.faiss"))
+    assert v.manifest["files"]["ann_ncl.faiss"] != before.manifest["files"]["ann_ncl.faiss"]
+    assert verify_index(out) == []
+
+    # add / remove recompute the biases with the same bank while it is there
+    assert main(["remove", "--out", str(out), str(int(v.ids[0]))]) == 0
+    v2 = open_index(out)
+    assert v2.manifest["biases"]["source"] == "checkpoint-queue+traffic" and v2.manifest["biases"]["traffic"]["rows"] == 50
+    # ... and fall back to the checkpoint's queue, saying so, when it is gone
+    bank.unlink()
+    assert main(["remove", "--out", str(out), str(int(v2.ids[0]))]) == 0
+    v3 = open_index(out)
+    assert v3.manifest["biases"]["source"] == "checkpoint-queue" and "traffic" not in v3.manifest["biases"]
+    assert any("run `gare-index biases --from-traffic` again" in n for n in json.loads((out / "report.json").read_text())["notes"])
+
+    # W = 1: traffic only
+    bank2 = _bank(tmp_path / "bank2.npy", n=30, seed=1)
+    assert main(["biases", "--out", str(out), "--from-traffic", str(bank2), "--traffic-weight", "1"]) == 0
+    b4 = open_index(out).manifest["biases"]
+    assert b4["source"] == "traffic" and b4["n_queries"] == 30
+    # a plain `biases` goes back to the checkpoint's queue
+    assert main(["biases", "--out", str(out)]) == 0
+    assert open_index(out).manifest["biases"]["source"] == "checkpoint-queue"
+
+
+def _bad_files(tmp_path):
+    good = unit(np.random.default_rng(0).standard_normal((20, D)))
+    files = {}
+    files["pickle"] = tmp_path / "pickle.npy"
+    np.save(files["pickle"], np.array([{"text": "a secret query"}] * 3, dtype=object), allow_pickle=True)
+    files["float64"] = tmp_path / "f64.npy"
+    np.save(files["float64"], good.astype(np.float64))
+    files["wrong d"] = tmp_path / "d.npy"
+    np.save(files["wrong d"], good[:, :32].copy())
+    files["1-d"] = tmp_path / "1d.npy"
+    np.save(files["1-d"], good[0])
+    nan = good.copy()
+    nan[3, 5] = np.nan
+    files["nan"] = tmp_path / "nan.npy"
+    np.save(files["nan"], nan)
+    zero = good.copy()
+    zero[7] = 0
+    files["zero"] = tmp_path / "zero.npy"
+    np.save(files["zero"], zero)
+    files["empty"] = tmp_path / "empty.npy"
+    np.save(files["empty"], np.zeros((0, D), np.float32))
+    files["text"] = tmp_path / "text.npy"
+    files["text"].write_text("a dog on a beach\n")
+    files["npz"] = tmp_path / "bank.npz"
+    np.savez(files["npz"], bank=good)
+    files["missing"] = tmp_path / "nope.npy"
+    return files
+
+
+EXPECT = {"pickle": "not a plain numeric", "float64": "dtype float64, expected float32", "wrong d": "expected (n, 64)",
+          "1-d": "expected (n, 64)", "nan": "NaN or infinite", "zero": "zero vectors", "empty": "empty",
+          "text": "not a plain numeric", "npz": "not an .npz", "missing": "no such file"}
+
+
+def test_bad_banks_fail_cleanly_and_change_nothing(tmp_path, capsys):
+    sh = shared()
+    out = copy_index(sh["index"], tmp_path / "INDEX")
+    name, versions = current_version_name(out), list_versions(out)
+    for kind, path in _bad_files(tmp_path).items():
+        rc = main(["biases", "--out", str(out), "--from-traffic", str(path)])
+        err = capsys.readouterr().err
+        assert rc == 1, kind
+        assert "gare-index biases: error:" in err and EXPECT[kind] in err, (kind, err)
+        assert current_version_name(out) == name and list_versions(out) == versions
+        assert json.loads((out / "report.json").read_text())["status"] == "failed"
+    for w in ("1.5", "-0.1", "x"):
+        with pytest.raises(SystemExit) as e:
+            main(["biases", "--out", str(out), "--from-traffic", str(tmp_path / "f64.npy"), "--traffic-weight", w])
+        assert e.value.code == 2
+    assert verify_index(out) == []
