@@ -562,6 +562,7 @@ class ErrorResponse(BaseModel):
 ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "the body could not be decoded (not UTF-8 JSON, too deeply nested)"},
     401: {"model": ErrorResponse, "description": "missing API key"},
+    409: {"model": ErrorResponse, "description": "the index cannot do what was asked (e.g. ncl_stage1 without --ncl-stage1)"},
     403: {"model": ErrorResponse, "description": "invalid API key"},
     404: {"model": ErrorResponse, "description": "unknown id or file gone"},
     413: {"model": ErrorResponse, "description": "request body too large"},
@@ -591,6 +592,10 @@ def make_request_models(settings: Settings) -> tuple[type[BaseModel], type[BaseM
         )
         rerank: bool = Field(True, description="score the K candidates with psi (false: dual-tower cosine only)")
         ncl: bool = Field(True, description="add the NCL Sinkhorn video biases")
+        ncl_stage1: bool = Field(
+            False, description="choose the K candidates with the biases too (cos + b folded into the ANN; needs an "
+            "index built with --ncl-stage1; implies ncl)",
+        )
 
         @model_validator(mode="after")
         def _k_le_K(self):
@@ -601,7 +606,8 @@ def make_request_models(settings: Settings) -> tuple[type[BaseModel], type[BaseM
             return self
 
         def options(self) -> S.SearchOptions:
-            return S.SearchOptions(k=self.k, candidates=int(self.candidates or default_K), rerank=self.rerank, ncl=self.ncl)
+            return S.SearchOptions(k=self.k, candidates=int(self.candidates or default_K), rerank=self.rerank,
+                                   ncl=self.ncl or self.ncl_stage1, ncl_stage1=self.ncl_stage1)
 
     class SearchRequest(_Options):
         model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [
@@ -899,6 +905,9 @@ def create_app(settings: Settings | None = None, **overrides: Any) -> FastAPI:
         return out
 
     async def _run_queries(state: ServiceState, version: Any, queries: list[str], opts: S.SearchOptions, t_start: float):
+        if opts.ncl_stage1 and getattr(version, "ann_ncl", None) is None:
+            # refused here, before the micro-batch, so it cannot fail other clients' queries
+            raise HTTPException(409, f"index version {version.name} was built without --ncl-stage1; ncl_stage1 is not available")
         jobs = [Job(version, q, opts) for q in queries]
         results = await state.batcher.submit_many(jobs)
         payload = []

@@ -36,12 +36,17 @@ RERANK_IMPLS = ("fused", "model")
 _PAIR_CHUNK = 512  # pairs per fused chunk: ~12 MB of float32 frames stays in cache (bigger chunks are slower)
 
 
+class Stage1Unavailable(ValueError):
+    """The request asked for a stage-1 variant the index does not have."""
+
+
 @dataclass(frozen=True)
 class SearchOptions:
     k: int = 10
     candidates: int = 256  # K: ANN shortlist size (>= k)
     rerank: bool = True  # psi stage; False = dual-tower cosine only
     ncl: bool = True  # add the NCL video biases
+    ncl_stage1: bool = False  # choose the candidates by cos + b (the index's folded ANN, --ncl-stage1)
 
     def __post_init__(self) -> None:
         if self.k < 1:
@@ -357,11 +362,18 @@ def search_batch(
 
     ann_s: list[np.ndarray] = [np.zeros(0, np.float32)] * n_q
     ann_i: list[np.ndarray] = [np.zeros(0, np.int64)] * n_q
-    by_k: dict[int, list[int]] = {}
+    by_k: dict[tuple[int, bool], list[int]] = {}
     for i, o in enumerate(opts):
-        by_k.setdefault(o.candidates, []).append(i)
-    for K, members in by_k.items():
-        sc, ids = ann_stage(version, units[members], K)
+        by_k.setdefault((o.candidates, o.ncl_stage1), []).append(i)
+    for (K, folded), members in by_k.items():
+        if folded:
+            from indexer.postprocess import ncl_ann_stage
+
+            if getattr(version, "ann_ncl", None) is None:
+                raise Stage1Unavailable("this index was built without --ncl-stage1; ncl_stage1 is not available")
+            sc, ids = ncl_ann_stage(version, units[members], K)
+        else:
+            sc, ids = ann_stage(version, units[members], K)
         for r, i in enumerate(members):
             ok = ids[r] >= 0
             ann_s[i], ann_i[i] = sc[r][ok], ids[r][ok]

@@ -140,3 +140,40 @@ def test_shared_index_two_stage_with_folded_candidates(tmp_path):
         got = {h.id: h.score for h in hits}
         for j, vid in enumerate(ids[i]):
             assert got[int(vid)] == pytest.approx(float(psi[i][j] + v.biases[v.rows([vid])[0]]), abs=1e-6)
+
+
+def test_service_ncl_stage1_flag(tmp_path):
+    """The API's ncl_stage1 equals the offline folded search, and a plain index refuses it with 409."""
+    from fastapi.testclient import TestClient
+    from test_service_support import settings, shared
+
+    from indexer.cli import main as index_main
+    from indexer.store import open_index
+    from service import search as S
+    from service.app import create_app
+    from training.checkpoint import load_model
+
+    sh = shared()
+    with TestClient(create_app(settings(sh["index"]))) as c:
+        r = c.post("/v1/search", json={"query": "a red circle", "k": 3, "ncl_stage1": True})
+        assert r.status_code == 409 and "ncl-stage1" in r.json()["detail"]
+    folded = tmp_path / "folded"
+    assert index_main(["build", "--checkpoint", str(sh["checkpoint"]), "--videos", str(sh["videos"]), "--out", str(folded),
+                       "--ncl-stage1", "--no-progress"]) in (0, 3)
+    model, _ = load_model(sh["checkpoint"])
+    v = open_index(folded)
+    try:
+        for rerank in (True, False):
+            opts = S.SearchOptions(k=4, candidates=5, rerank=rerank, ncl=True, ncl_stage1=True)
+            offline = S.search_batch(model, v, ["a blue square moves up"], opts)[0]
+            with TestClient(create_app(settings(folded))) as c:
+                body = c.post("/v1/search", json={"query": "a blue square moves up", "k": 4, "candidates": 5,
+                                                  "rerank": rerank, "ncl_stage1": True}).json()
+            assert [h["id"] for h in body["results"]] == [h.id for h in offline.hits]
+            # stage 1 chose by cos + b: the candidates are the brute-force top 5 of that score
+            t = S.unit_rows(S.encode_queries(model, ["a blue square moves up"]))
+            cos = t @ np.asarray(v.units).T  # no InvGC here: the stage-1 vectors are the units
+            top5 = set(v.ids[np.argsort(-(cos[0] + v.biases))[:5]].tolist())
+            assert {h.id for h in offline.hits} <= top5
+    finally:
+        v.close()
