@@ -506,12 +506,23 @@ def open_version(
         if ann_ncl.ntotal != n or (n and ann_ncl.d != d + 1):
             raise IndexFormatError(f"{path / ANN_NCL_FILE}: holds {ann_ncl.ntotal} vectors of d={ann_ncl.d}, "
                                    f"manifest says n={n}, d+1={d + 1}")
-    return IndexVersion(
+    version = IndexVersion(
         root=root, name=name, path=path, manifest=manifest,
         ids=arrays["ids"], norms=arrays["norms"], units=arrays["units"], frames=arrays["frames"],
         masks=arrays["masks"], biases=arrays["biases"], ann=ann, dim=d, max_frames=f,
         keys=arrays.get("keys"), values=arrays.get("values"), ann_units=arrays.get("ann_units"), ann_ncl=ann_ncl,
     )
+    # Sizes alone do not prove the metadata is a database: a same-size junk file would pass them and then
+    # fail every search. One cheap query (no full re-hash) catches it at open/reload time.
+    try:
+        rows = version._db().execute("SELECT count(*) FROM videos").fetchone()[0]
+    except sqlite3.Error as e:
+        version.close()
+        raise IndexFormatError(f"{path / META_FILE}: not a readable index database ({e})") from e
+    if rows != n:
+        version.close()
+        raise IndexFormatError(f"{path / META_FILE}: holds {rows} videos, manifest says n={n}")
+    return version
 
 
 def open_index(

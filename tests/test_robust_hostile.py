@@ -465,12 +465,11 @@ def test_pickle_payloads_in_index_files_never_run(tmp_path):
     record("pickle_index", {"cases": len(rows), "marker_appeared": marker.exists(), "rows": rows})
 
 
-# BUG: service/app.py reload (and startup) accept a version whose meta.sqlite is not a database when the
+# Fixed (found by this suite): service/app.py reload (and startup) accepted a version whose meta.sqlite is not a database when the
 # file has the size the manifest says (bit rot, or a copy error) and verify_index is off (the default):
 # open_index never opens SQLite, so the reload answers 200 and then every search returns 500 ("internal
 # server error") until an operator notices. Fix: open the DB and run a cheap query (e.g. `SELECT count(*)
 # FROM videos` == n, or `PRAGMA quick_check`) in open_version, raising IndexFormatError.
-@pytest.mark.xfail(strict=True, reason="BUG: reload accepts a same-size junk meta.sqlite, then searches return 500")
 def test_reload_refuses_a_junk_sqlite_of_the_right_size(tmp_path):
     from indexer.build import recompute_biases
     from service.app import create_app
