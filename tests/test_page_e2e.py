@@ -9,6 +9,7 @@ the two is absent. GARE_PAGE_SCREENSHOT=docs/img/page.png also writes the screen
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -83,7 +84,9 @@ def test_search_page_end_to_end(tmp_path):
             # the switches re-run the search: ANN only shows no psi score
             page.uncheck("#rerank")
             page.wait_for_function("() => !document.querySelector('.card').textContent.includes('psi')")
-            assert "rerank 0.0" in page.text_content("#timings")
+            # no psi stage: its timing is only the bookkeeping around it (well under a millisecond)
+            rerank_ms = float(re.search(r"rerank ([0-9.]+)", page.text_content("#timings")).group(1))
+            assert rerank_ms < 1.0, page.text_content("#timings")
             # a blank query is refused in the page without a request
             page.fill("#q", "   ")
             page.press("#q", "Enter")
