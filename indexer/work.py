@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from training.checkpoint import atomic_write
+
 from .store import WORK_DIR, atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -76,9 +78,9 @@ class WorkCache:
         if not shard.keys:
             raise ValueError("empty shard")
         name = f"shard-{uuid.uuid4().hex}.npz"
-        tmp = self.dir / f".{name}.tmp"
         final = self.dir / name
-        try:
+
+        def write(tmp: str) -> None:
             with open(tmp, "wb") as fh:
                 np.savez(
                     fh,
@@ -87,17 +89,8 @@ class WorkCache:
                     vbar=np.asarray(shard.vbar, dtype=np.float32),
                     masks=np.asarray(shard.masks, dtype=np.uint8),
                 )
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, final)
-            fd = os.open(self.dir, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        finally:
-            if tmp.exists():
-                tmp.unlink()
+
+        atomic_write(final, write)  # temp name in the same folder, fsync, rename, fsync the folder
         idx = self.index()
         for i, k in enumerate(shard.keys):
             idx[k] = (final, i)
