@@ -18,19 +18,23 @@ if str(REPO) not in sys.path:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+def cpu_name() -> str:
+    """The processor's model name (from /proc/cpuinfo where there is one)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine() -> dict[str, Any]:
     import faiss
     import numpy as np
     import torch
 
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_name()
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),

@@ -27,6 +27,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
+from index_common import cpu_name  # bench/ is on sys.path when a bench script runs
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_JSON = REPO / "bench" / "results" / "robustness.json"
 RESULTS_MD = REPO / "bench" / "results" / "robustness.md"
@@ -67,14 +69,7 @@ def read_junit(path: Path) -> list[dict[str, Any]]:
 
 
 def machine() -> dict[str, Any]:
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_name()
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
 
 

@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from index_common import cpu_name  # bench/ is on sys.path when a bench script runs
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
@@ -359,14 +361,7 @@ def loadavg() -> list[float]:
 def machine() -> dict[str, Any]:
     import faiss
 
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_name()
     return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "faiss": faiss.__version__,
             "numpy": np.__version__, "python": platform.python_version(), "torch_threads": torch.get_num_threads(),
             "faiss_threads": faiss.omp_get_max_threads(), "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
@@ -24,10 +26,20 @@ def test_bank_is_a_bounded_fifo_and_round_trips(tmp_path):
         bank.push(np.zeros((2, 4), np.float32))
 
 
+class _Payload:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):  # unpickling this runs `touch marker`
+        return (os.system, (f"touch {self.marker}",))
+
+
 def test_a_pickle_or_wrong_shape_bank_file_is_not_loaded(tmp_path):
     marker = tmp_path / "pwned"
-    np.save(tmp_path / "bank.npy", np.array([{"x": 1}], dtype=object), allow_pickle=True)
-    assert len(QueryBank(4, 3, tmp_path / "bank.npy")) == 0 and not marker.exists()
+    np.save(tmp_path / "bank.npy", np.array([_Payload(marker)], dtype=object), allow_pickle=True)
+    assert not marker.exists()
+    assert len(QueryBank(4, 3, tmp_path / "bank.npy")) == 0
+    assert not marker.exists()  # the payload was refused, never unpickled
     np.save(tmp_path / "b2.npy", np.zeros((2, 7), np.float32))
     assert len(QueryBank(4, 3, tmp_path / "b2.npy")) == 0
 

@@ -130,7 +130,8 @@ def evaluate_encoded(
     dev_abs = (psi - dual).abs().flatten().cpu()
     deviation = {
         "mean_abs": float(dev_abs.mean()),
-        "p95_abs": float(torch.quantile(dev_abs[: 10_000_000].double(), 0.95)),
+        # numpy: torch.quantile refuses inputs above 16M elements (a 5k x 5k evaluation already is one)
+        "p95_abs": float(np.percentile(dev_abs.numpy(), 95)),
         "note": "|cos(t+Δ, p) - cos(t, v̄)| over every (text, video) pair",
     }
     return {
