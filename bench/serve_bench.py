@@ -178,7 +178,7 @@ def timed(fn, reps: int) -> list[float]:
 
 
 def components(model, version, queries: list[str], reps: int) -> tuple[dict[str, Any], Any, list[np.ndarray]]:
-    from service import search as S
+    from indexer import search as S
 
     res: dict[str, Any] = {}
     qs = queries[:reps]
@@ -211,7 +211,7 @@ def exhaustive(model, version, t, cands, n_queries: int) -> dict[str, Any]:
     """Exhaustive psi over the whole gallery (fused; model.score is ~4x slower still) for a few queries."""
     import mmap
 
-    from service import search as S
+    from indexer import search as S
 
     mm = getattr(version.frames, "_mmap", None)
     if mm is not None and hasattr(mmap, "MADV_SEQUENTIAL"):

@@ -794,7 +794,8 @@ def _postprocess_setup(opts: BuildOptions, mode: str, pman: dict[str, Any], mode
                        precision: str) -> dict[str, Any]:
     """What post-processing this run applies; for a new InvGC build, the (r_g, r_q) search runs here, before
     anything is encoded (a missing validation set fails the run early)."""
-    from .postprocess import invgc_refs, select_invgc
+    from .invgc_select import select_invgc
+    from .postprocess import invgc_refs
 
     if mode == "add":
         inv_prev, ncl_prev = pman.get("invgc"), pman.get("ncl_stage1")

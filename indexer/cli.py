@@ -208,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser(
         "compare", help="measure every post-processing combination side by side on a captioned test set",
         description="Index the test gallery with the real writer (plain, then with InvGC; both with the folded NCL "
-                    "stage 1), run the two-stage search (service.search's stage functions) for every combination and "
+                    "stage 1), run the two-stage search (indexer.search's stage functions) for every combination and "
                     "write result.md / result.json / compare.png.", epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     sp.add_argument("--checkpoint", required=True, metavar="CKPT")

@@ -2,9 +2,11 @@
 
 The test gallery is indexed with the real writer (`indexer.build.build`): once plain and once with InvGC,
 both with the folded NCL stage 1 (`ann_ncl.faiss`); the second build reuses the first one's features. The
-test captions are then searched through the real two-stage path: `service.search.encode_queries` ->
-stage 1 (`service.search.ann_stage`, or `indexer.postprocess.ncl_ann_stage` for the folded index) ->
-`service.search.psi_scores` -> `service.search.rank`. Outputs: result.json, result.md, compare.png.
+test captions are then searched through the real two-stage path of `indexer.search` (the one the service
+runs): `encode_queries` -> stage 1 (`ann_stage`, i.e. `IndexVersion.search`, plain or with `ncl_stage1`) ->
+`psi_scores` -> `rank`. Outputs: result.json, result.md, compare.png.
+
+A CLI-side tool (``gare-index compare``): it may import the heavy ``training.data`` to read a test set.
 
 Ranks. A query's final list is its K candidates in the combination's order; a ground truth outside the
 candidates is ranked after them, in stage-1 order (what a user paging past K would see), so MdR and MnR are
@@ -24,6 +26,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+
+from training.checkpoint import load_model
+from training.metrics import rank_summary, retrieval_metrics
+from training.model import resolve_device
+from training.sinkhorn import normalization_error
+
+from .build import BuildOptions, build, checkpoint_gamma_and_queue
+from .postprocess import coverage
+from .search import SearchOptions, ann_stage, encode_queries, exhaustive_psi, psi_scores, rank, unit_rows
+from .store import open_index
 
 log = logging.getLogger(__name__)
 
@@ -125,26 +138,20 @@ def _val_source(opts: CompareOptions) -> Any:
         return dict(opts.data)
     if kind == "manifest" and opts.data.get("train"):
         return {"kind": "manifest", "train": opts.data["train"]}
-    return None  # the checkpoint's own training data (indexer.postprocess.load_validation)
+    return None  # the checkpoint's own training data (indexer.invgc_select.load_validation)
 
 
 # ------------------------------------------------------------------------------------------ search
 def stage1(version: Any, kind: str, units: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    from service.search import ann_stage
-
-    from .postprocess import ncl_ann_stage
-
-    return ann_stage(version, units, k) if kind == "ann" else ncl_ann_stage(version, units, k)
+    return ann_stage(version, units, k, ncl_stage1=kind != "ann")
 
 
 def two_stage(model: Any, version: Any, t: Any, units: np.ndarray, combo: Combo, k_cand: int, k: int | None = None
               ) -> list[list[Any]]:
-    """service.search's stage functions on a batch of encoded queries, with the combination's stage 1.
+    """indexer.search's stage functions on a batch of encoded queries, with the combination's stage 1.
 
     Returns, per query, the Hits of its candidates in final order (all of them when k is None). With
-    stage1="ann" this is exactly service.search.search_batch after the text encoder."""
-    from service.search import SearchOptions, psi_scores, rank
-
+    stage1="ann" this is exactly indexer.search.search_batch after the text encoder."""
     sc, ids = stage1(version, combo.stage1, units, k_cand)
     ann_s = [s[i >= 0] for s, i in zip(sc, ids, strict=True)]
     ann_i = [i[i >= 0] for i in ids]
@@ -209,10 +216,6 @@ def latency(model: Any, versions: dict[str, Any], combos: list[Combo], texts: li
     combinations are interleaved, each query starting at another one, and each (query, combination) is run
     `repeats` times keeping the fastest, so that load from other processes on a shared machine falls on all
     of them alike and spikes are filtered out; the table reports the median over queries."""
-    import torch
-
-    from service.search import encode_queries, unit_rows
-
     enc: list[float] = []
     times: dict[str, list[float]] = {c.name: [] for c in combos}
     with torch.inference_mode():
@@ -248,18 +251,6 @@ def latency(model: Any, versions: dict[str, Any], combos: list[Combo], texts: li
 
 # ------------------------------------------------------------------------------------------ main
 def run_compare(opts: CompareOptions) -> dict[str, Any]:
-    import torch
-
-    from service.search import encode_queries, exhaustive_psi, unit_rows
-    from training.checkpoint import load_model
-    from training.metrics import rank_summary, retrieval_metrics
-    from training.model import resolve_device
-    from training.sinkhorn import normalization_error
-
-    from .build import BuildOptions, build, checkpoint_gamma_and_queue
-    from .postprocess import coverage
-    from .store import open_index
-
     t_start = time.time()
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -50,7 +50,11 @@ from typing import Any
 
 import numpy as np
 
+from training.checkpoint import file_sha256
+from training.sinkhorn import fold_biases, fold_query
+
 from .ann import AnnIndex, AnnParams, build_index, choose_index_type
+from .ncl_ann import NCL_ANN_FILE, FoldedRows, Stage1Unavailable, build_ncl_ann, ncl_ann_params
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +67,7 @@ WORK_DIR = "work"
 REPORT_FILE = "report.json"
 MANIFEST_FILE = "manifest.json"
 ANN_FILE = "ann.faiss"
-ANN_NCL_FILE = "ann_ncl.faiss"  # optional: stage 1 with the NCL biases folded in (--ncl-stage1)
+ANN_NCL_FILE = NCL_ANN_FILE  # optional: stage 1 with the NCL biases folded in (--ncl-stage1)
 META_FILE = "meta.sqlite"
 LOCK_FILE = ".lock"
 
@@ -172,14 +176,6 @@ def atomic_write_text(path: Path, text: str) -> None:
     finally:
         if tmp.exists():
             tmp.unlink()
-
-
-def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 class _HashingWriter:
@@ -372,14 +368,23 @@ class IndexVersion:
         """The fold constant c of ann_ncl.faiss ([v̂ ; b / c] . [t̂ ; c] = cos + b)."""
         return float((self.manifest.get("ncl_stage1") or {}).get("c", 1.0))
 
+    @property
+    def has_ncl_stage1(self) -> bool:
+        """Whether the index has the folded NCL stage 1 (ann_ncl.faiss, built with --ncl-stage1)."""
+        return self.ann_ncl is not None
+
+    def check_stage1(self, *, ncl_stage1: bool) -> None:
+        """Raise :class:`Stage1Unavailable` when the asked stage 1 is one this index does not have."""
+        if ncl_stage1 and self.ann_ncl is None:
+            raise Stage1Unavailable(f"index version {self.name} was built without --ncl-stage1 (no {ANN_NCL_FILE}); "
+                                    "ncl_stage1 is not available")
+
     def search_ncl(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Stage 1 with the NCL biases folded in: top-k by cos(t, v̂_j) + b_j over unit queries (q, d).
+        """The raw folded ANN: top-k by cos(t, v̂_j) + b_j over unit queries (q, d).
 
-        Returns (scores = cos + b, ids), missing results id -1. Needs an index built with --ncl-stage1."""
-        if self.ann_ncl is None:
-            raise ValueError(f"index version {self.name} has no {ANN_NCL_FILE}: build it with `gare-index build --ncl-stage1`")
-        from training.sinkhorn import fold_query
-
+        Returns (scores = cos + b, ids), missing results id -1 (verification and tests read the folded
+        scores; a search goes through :meth:`search` with ``ncl_stage1=True``)."""
+        self.check_stage1(ncl_stage1=True)
         q = np.atleast_2d(np.asarray(queries, dtype=np.float32))
         if q.shape[1] != self.dim:
             raise ValueError(f"queries have d={q.shape[1]}, index has d={self.dim}")
@@ -390,9 +395,26 @@ class IndexVersion:
         rows = np.asarray(rows, dtype=np.int64)
         return np.asarray(self.units[rows], dtype=np.float32) * self.norms[rows, None]
 
-    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """ANN top-k over the unit vectors: (scores, ids), missing results id -1 (see AnnIndex.search)."""
-        return self.ann.search(queries, k)
+    def search(self, queries: np.ndarray, k: int, *, ncl_stage1: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Stage 1, the single way in: (stage-1 cosines (q, k) float32, ids (q, k) int64), missing results id -1.
+
+        ``ncl_stage1=False``: ANN top-k by cos(t, v̂_j) over unit queries (q, d). ``ncl_stage1=True``: the
+        candidates are the top k by cos(t, v̂_j) + b_j (ann_ncl.faiss; :class:`Stage1Unavailable` when the
+        index has none) and the returned scores are the folded score minus b_j, so a ranking that adds the
+        biases adds b_j exactly once."""
+        q = np.ascontiguousarray(np.atleast_2d(np.asarray(queries, dtype=np.float32)))
+        if q.shape[0] == 0:
+            return np.zeros((0, k), np.float32), np.zeros((0, k), np.int64)
+        if not ncl_stage1:
+            scores, ids = self.ann.search(q, int(k))
+            return np.asarray(scores, dtype=np.float32), np.asarray(ids, dtype=np.int64)
+        scores, ids = self.search_ncl(q, int(k))
+        scores = np.asarray(scores, dtype=np.float32).copy()
+        ids = np.asarray(ids, dtype=np.int64)
+        ok = ids >= 0
+        if ok.any():
+            scores[ok] -= np.asarray(self.biases, dtype=np.float32)[self.rows(ids[ok])]
+        return scores, ids
 
     def _db(self) -> sqlite3.Connection:
         if self._conn is None:
@@ -494,8 +516,6 @@ def open_version(
         raise IndexFormatError(f"{path / ANN_FILE}: holds {ann.ntotal} vectors of d={ann.d}, manifest says n={n}, d={d}")
     ann_ncl = None
     if ANN_NCL_FILE in files:
-        from .postprocess import FoldedRows
-
         ncl = manifest.get("ncl_stage1") or {}
         nparams = AnnParams.from_dict(ncl.get("ann_params") or {"index_type": "flat"})
         try:
@@ -636,8 +656,6 @@ def _array_value(value: Any) -> np.ndarray:
 def _write_ann_ncl(tmp: Path, ann_ncl: Any, ncl: Mapping[str, Any], arrays: Mapping[str, Any], ids: np.ndarray,
                    n: int, d: int, main_params: AnnParams) -> tuple[dict[str, Any], dict[str, Any]]:
     """Write ann_ncl.faiss (linked, given, or built over [stage-1 ; b / c]); returns (file entry, manifest entry)."""
-    from .postprocess import build_ncl_ann, ncl_ann_params
-
     c = float(ncl.get("c", 1.0))
     if not c > 0:
         raise ValueError(f"write_version: ncl_stage1 c must be > 0, got {c}")
@@ -881,8 +899,6 @@ def _faiss_ids(ann: AnnIndex) -> np.ndarray:
 def _ncl_problems(v: IndexVersion) -> list[str]:
     """ann_ncl.faiss holds every id and, for a flat index, exactly [stage-1 vector ; b / c] (stale biases show)."""
     import faiss
-
-    from training.sinkhorn import fold_biases
 
     assert v.ann_ncl is not None
     try:

@@ -38,7 +38,8 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_vali
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import search as S
+from indexer import search as S
+
 from .batcher import BatcherClosed, BatcherOverloaded, MicroBatcher
 from .metrics import CONTENT_TYPE_LATEST, Metrics, MetricsMiddleware
 from .settings import Settings, SettingsError, load_api_key_hashes
@@ -905,9 +906,10 @@ def create_app(settings: Settings | None = None, **overrides: Any) -> FastAPI:
         return out
 
     async def _run_queries(state: ServiceState, version: Any, queries: list[str], opts: S.SearchOptions, t_start: float):
-        if opts.ncl_stage1 and getattr(version, "ann_ncl", None) is None:
-            # refused here, before the micro-batch, so it cannot fail other clients' queries
-            raise HTTPException(409, f"index version {version.name} was built without --ncl-stage1; ncl_stage1 is not available")
+        try:  # refused here, before the micro-batch, so it cannot fail other clients' queries
+            version.check_stage1(ncl_stage1=opts.ncl_stage1)
+        except S.Stage1Unavailable as e:
+            raise HTTPException(409, str(e)) from None
         jobs = [Job(version, q, opts) for q in queries]
         results = await state.batcher.submit_many(jobs)
         payload = []

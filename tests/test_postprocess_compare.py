@@ -1,5 +1,5 @@
 """`gare-index compare` on a tiny synthetic corpus: every row, the table / JSON / plot, and the search path it uses
-(service.search's stage functions: equal to service.search.search_batch for the plain stage 1)."""
+(indexer.search's stage functions: equal to indexer.search.search_batch for the plain stage 1)."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def test_compare_writes_every_row(compared):
 
 
 def test_two_stage_is_service_search(compared):
-    from service import search as S
+    from indexer import search as S
     from training.checkpoint import load_model
 
     out, _ = compared

@@ -100,7 +100,7 @@ def test_build_add_remove_with_invgc(tmp_path):
     assert verify_index(out) == []
 
     # psi is unaffected: with every video a candidate, the reranked scores are the plain index's
-    from service import search as S
+    from indexer import search as S
     from training.checkpoint import load_model
 
     model, _ = load_model(sh["checkpoint"])

@@ -10,7 +10,7 @@ import pytest
 from test_postprocess_common import D, copy_index, shared, unit
 
 from indexer.cli import main
-from indexer.postprocess import build_ncl_ann, exact_ncl_topk, ncl_ann_stage
+from indexer.ncl_ann import build_ncl_ann, exact_ncl_topk
 from indexer.store import open_index, verify_index, write_version
 
 
@@ -32,7 +32,7 @@ def _check_exact(v, queries: np.ndarray, k: int) -> None:
     np.testing.assert_array_equal(ids, want_i)
     np.testing.assert_allclose(scores, want_s, atol=1e-5)
     # the pure stage-1 function: the same candidates, scores = the cosines (rank() adds b once)
-    cos, ids2 = ncl_ann_stage(v, queries, k)
+    cos, ids2 = v.search(queries, k, ncl_stage1=True)
     np.testing.assert_array_equal(ids2, want_i)
     np.testing.assert_allclose(cos, np.einsum("qkd,qd->qk", np.asarray(v.stage1_units)[v.rows(ids2)], queries), atol=1e-5)
 
@@ -122,8 +122,8 @@ def test_folded_index_follows_add_remove_and_biases(tmp_path):
 
 
 def test_shared_index_two_stage_with_folded_candidates(tmp_path):
-    """The folded candidates go through service.search's psi stage and rank like the plain ones."""
-    from service import search as S
+    """The folded candidates go through indexer.search's psi stage and rank like the plain ones."""
+    from indexer import search as S
     from training.checkpoint import load_model
 
     sh = shared()
@@ -131,7 +131,7 @@ def test_shared_index_two_stage_with_folded_candidates(tmp_path):
     model, _ = load_model(sh["checkpoint"])
     t = S.encode_queries(model, ["a red circle moves left", "two blue squares"])
     u = S.unit_rows(t)
-    cos, ids = ncl_ann_stage(v, u, 5)
+    cos, ids = v.search(u, 5, ncl_stage1=True)
     want = exact_ncl_topk(v.units, v.biases, v.ids, u, 5)[1]
     np.testing.assert_array_equal(ids, want)
     psi = S.psi_scores(model, v, t, list(ids))
@@ -147,9 +147,9 @@ def test_service_ncl_stage1_flag(tmp_path):
     from fastapi.testclient import TestClient
     from test_service_support import settings, shared
 
+    from indexer import search as S
     from indexer.cli import main as index_main
     from indexer.store import open_index
-    from service import search as S
     from service.app import create_app
     from training.checkpoint import load_model
 

@@ -56,7 +56,7 @@ def test_service_banks_served_query_embeddings_only(tmp_path):
     assert bank.shape == (3, 64) and bank.dtype == np.float32
     np.testing.assert_allclose(np.linalg.norm(bank, axis=1), 1.0, atol=1e-5)
     # the newest three queries, as the model embeds them; and no text anywhere in the file
-    from service.search import encode_queries, unit_rows
+    from indexer.search import encode_queries, unit_rows
     from training.checkpoint import load_model
 
     model, _ = load_model(sh["checkpoint"])

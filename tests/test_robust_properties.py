@@ -34,8 +34,8 @@ def world(tmp_path_factory):
 
 def snapshot(model, idx) -> dict:
     """Everything a client could observe: entries, biases, and the results of QUERIES in both modes."""
+    from indexer import search as S
     from indexer.store import open_index
-    from service import search as S
 
     v = open_index(idx, use_gpu=False)
     try:

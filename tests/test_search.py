@@ -1,4 +1,4 @@
-"""service.search: the two-stage search as pure functions, against model.score and exhaustive psi."""
+"""indexer.search: the two-stage search as pure functions, against model.score and exhaustive psi."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_service_support import build_index, shared
 
-from service import search as S
+from indexer import search as S
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import pytest
 from fastapi.testclient import TestClient
 from test_service_support import copy_index, running_app, settings, shared
 
-from service import search as S
+from indexer import search as S
 from service.app import StartupError, create_app, resolve_checkpoint
 from service.settings import Settings, SettingsError, load_api_key_hashes, load_settings
 

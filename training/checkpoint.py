@@ -62,12 +62,10 @@ def atomic_write(path: str | os.PathLike, write_fn) -> None:
         raise
 
 
-def file_sha256(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
+def file_sha256(path: str | os.PathLike) -> str:
+    """sha256 hex digest of a file's bytes (the one hashing helper of checkpoints, indexes and banks)."""
     with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def _contiguous_cpu(t: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,9 @@
-"""The two-stage search (SPEC §4-5) as pure functions: no FastAPI, no global state.
+"""Query-time search (SPEC §4-5): the one home of the two-stage search, as pure functions (no HTTP, no state).
+
+Layer: ``training`` core (model, psi) <- ``indexer`` (this module, over :class:`indexer.store.IndexVersion`)
+<- ``service`` (HTTP) and the evaluation tools (``indexer.compare``, ``bench/``). A request goes
+route -> :func:`search_batch` -> :meth:`IndexVersion.search <indexer.store.IndexVersion.search>` (stage 1,
+plain or with the NCL fold of :mod:`indexer.ncl_ann`) -> psi scores (``training`` psi) -> :func:`rank`.
 
 For each query text: ``t = encode_text`` -> unit ``t/|t|`` -> ANN top-K by ``cos(t, v̄_j)`` -> psi score
 ``s_tj`` for those K candidates with ``v̄_j = norm_j * unit_j`` rebuilt from the index (Δ is computed block
@@ -32,12 +37,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from training.model import autocast
+
+from .ncl_ann import Stage1Unavailable
+
 RERANK_IMPLS = ("fused", "model")
 _PAIR_CHUNK = 512  # pairs per fused chunk: ~12 MB of float32 frames stays in cache (bigger chunks are slower)
-
-
-class Stage1Unavailable(ValueError):
-    """The request asked for a stage-1 variant the index does not have."""
 
 
 @dataclass(frozen=True)
@@ -102,8 +107,6 @@ def trim_tokens(tokens: torch.Tensor) -> torch.Tensor:
 
 def encode_queries(model: Any, texts: Sequence[str], precision: str = "fp32", *, trim: bool = True) -> torch.Tensor:
     """Texts -> t (a, d) float32 on the model's device (un-normalised: psi needs |t|)."""
-    from training.model import autocast
-
     if not texts:
         return torch.zeros(0, model.cfg.embed_dim, device=model.device)
     tokens = model.tokenize(list(texts))
@@ -120,12 +123,11 @@ def unit_rows(t: torch.Tensor | np.ndarray) -> np.ndarray:
     return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
 
 
-def ann_stage(version: Any, units: np.ndarray, candidates: int) -> tuple[np.ndarray, np.ndarray]:
-    """(cosines (q, K), ids (q, K)); missing results have id -1."""
-    if units.shape[0] == 0:
-        return np.zeros((0, candidates), np.float32), np.zeros((0, candidates), np.int64)
-    scores, ids = version.ann.search(np.ascontiguousarray(units, dtype=np.float32), int(candidates))
-    return np.asarray(scores, dtype=np.float32), np.asarray(ids, dtype=np.int64)
+def ann_stage(version: Any, units: np.ndarray, candidates: int, *, ncl_stage1: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Stage 1 through :meth:`IndexVersion.search`: (cosines (q, K), ids (q, K)); missing results have id -1.
+
+    ``ncl_stage1=True`` picks the candidates by cos + b (the NCL fold); the scores are still the cosines."""
+    return version.search(units, int(candidates), ncl_stage1=ncl_stage1)
 
 
 def _gather(version: Any, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -366,14 +368,7 @@ def search_batch(
     for i, o in enumerate(opts):
         by_k.setdefault((o.candidates, o.ncl_stage1), []).append(i)
     for (K, folded), members in by_k.items():
-        if folded:
-            from indexer.postprocess import ncl_ann_stage
-
-            if getattr(version, "ann_ncl", None) is None:
-                raise Stage1Unavailable("this index was built without --ncl-stage1; ncl_stage1 is not available")
-            sc, ids = ncl_ann_stage(version, units[members], K)
-        else:
-            sc, ids = ann_stage(version, units[members], K)
+        sc, ids = ann_stage(version, units[members], K, ncl_stage1=folded)
         for r, i in enumerate(members):
             ok = ids[r] >= 0
             ann_s[i], ann_i[i] = sc[r][ok], ids[r][ok]
@@ -412,3 +407,10 @@ def search(
 ) -> QueryResult:
     """The offline search of one query (what the API must return for the same index and options)."""
     return search_batch(model, version, [query], options, precision=precision, rerank_impl=rerank_impl)[0]
+
+
+__all__ = [
+    "RERANK_IMPLS", "Stage1Unavailable", "SearchOptions", "Hit", "QueryResult", "resolve_precision", "trim_tokens",
+    "encode_queries", "unit_rows", "ann_stage", "folded_psi", "fused_pair_scores", "psi_scores", "exhaustive_psi",
+    "rank", "search_batch", "search",
+]
