@@ -1,0 +1,159 @@
+"""ASGI middleware (body-size limit, security headers) and the JSON error handlers of the service."""
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .batcher import BatcherClosed, BatcherOverloaded
+
+log = logging.getLogger("gare.service")
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class BodySizeLimitMiddleware:
+    """413 for request bodies over `max_bytes` (declared Content-Length or counted while streaming)."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for k, v in scope.get("headers", []):
+            if k == b"content-length":
+                try:
+                    declared = int(v)
+                except ValueError:
+                    declared = -1
+                if declared > self.max_bytes or declared < 0:
+                    await self._reject(send, declared)
+                    return
+        seen = 0
+        started = False
+        rejected = False
+
+        async def limited_receive() -> dict[str, Any]:
+            nonlocal seen, started, rejected
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_bytes:
+                    # Answer now: the framework would turn any exception raised while it reads the body
+                    # into its own 400; whatever the app sends after this is dropped.
+                    if not started and not rejected:
+                        rejected = True
+                        await self._reject(send, seen)
+                    raise BodyTooLarge
+            return msg
+
+        async def tracking_send(msg: dict[str, Any]) -> None:
+            nonlocal started
+            if rejected:
+                return
+            if msg["type"] == "http.response.start":
+                started = True
+            await send(msg)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except BodyTooLarge:
+            pass
+
+    async def _reject(self, send: Any, size: int) -> None:
+        detail = (
+            f"request body too large (limit {self.max_bytes} bytes)" if size >= 0 else "invalid Content-Length header"
+        )
+        code = 413 if size >= 0 else 400
+        resp = JSONResponse({"detail": detail}, status_code=code)
+        await send({"type": "http.response.start", "status": code, "headers": resp.raw_headers})
+        await send({"type": "http.response.body", "body": resp.body})
+
+
+class SecurityHeadersMiddleware:
+    CSP = (
+        "default-src 'self'; img-src 'self' data: blob:; media-src 'self' blob:; style-src 'self'; script-src 'self'; "
+        "object-src 'none'; base-uri 'none'; frame-ancestors 'none'; form-action 'self'"
+    )
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_wrapper(msg: dict[str, Any]) -> None:
+            if msg["type"] == "http.response.start":
+                headers = list(msg.get("headers", []))
+                names = {k.lower() for k, _ in headers}
+                extra = [(b"x-content-type-options", b"nosniff"), (b"referrer-policy", b"no-referrer"),
+                         (b"content-security-policy", self.CSP.encode())]
+                headers += [(k, v) for k, v in extra if k not in names]
+                msg = {**msg, "headers": headers}
+            await send(msg)
+
+        await self.app(scope, receive, send_wrapper)
+
+
+def _readable(errors: Sequence[dict[str, Any]]) -> str:
+    parts = []
+    for e in errors:
+        loc = [str(x) for x in e.get("loc", ()) if x not in ("body",)]
+        where = ".".join(loc)
+        etype = e.get("type", "")
+        if etype == "json_invalid":
+            err = (e.get("ctx") or {}).get("error", "JSON decode error")
+            parts.append(f"malformed JSON body ({err})")
+            continue
+        if etype == "missing" and not loc:
+            parts.append("a JSON request body is required")
+            continue
+        msg = str(e.get("msg", "invalid value"))
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        if etype == "extra_forbidden":
+            msg = "unknown field"
+        parts.append(f"{where}: {msg}" if where else msg)
+    return "; ".join(parts) or "invalid request"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errs = [
+            {"loc": [str(x) for x in e.get("loc", ())], "msg": str(e.get("msg", "")), "type": e.get("type", "")}
+            for e in exc.errors()
+        ]
+        return JSONResponse({"detail": _readable(exc.errors()), "errors": errs}, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        detail = exc.detail if isinstance(exc.detail, str) else "error"
+        if exc.status_code == 404 and detail == "Not Found":
+            detail = "not found"
+        if exc.status_code == 405:
+            detail = "method not allowed"
+        return JSONResponse({"detail": detail}, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(BatcherOverloaded)
+    async def _busy(request: Request, exc: BatcherOverloaded) -> JSONResponse:
+        return JSONResponse({"detail": "the server is busy; retry shortly"}, status_code=503, headers={"Retry-After": "1"})
+
+    @app.exception_handler(BatcherClosed)
+    async def _closed(request: Request, exc: BatcherClosed) -> JSONResponse:
+        return JSONResponse({"detail": "the server is shutting down"}, status_code=503)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return JSONResponse({"detail": "internal server error"}, status_code=500)

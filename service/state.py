@@ -1,0 +1,422 @@
+"""What the service holds while it runs: the model, the served index version, the batcher, the caches.
+
+:func:`resolve_checkpoint` checks the checkpoint against the index manifest (sha256) before anything loads;
+:class:`ServiceState` is built by the app's lifespan (``service.app``) and reached by routes through
+``service.security.get_state``. Requests hold a reference to the version they started on
+(:class:`VersionHandle`), so a reload swaps versions atomically while requests are in flight.
+"""
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import logging
+import mmap
+import secrets
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from cachetools import LRUCache
+from fastapi import HTTPException
+from itsdangerous import Signer
+from starlette.concurrency import run_in_threadpool
+
+from indexer import search as S
+from indexer.store import (
+    MANIFEST_FILE,
+    VERSIONS_DIR,
+    IndexFormatError,
+    IndexMismatchError,
+    current_version_name,
+    open_index,
+    read_manifest,
+)
+from training.checkpoint import CheckpointError, file_sha256, load_model
+from training.model import resolve_device
+
+from .batcher import MicroBatcher
+from .metrics import Metrics
+from .querybank import QueryBank
+from .settings import Settings, hash_key, load_api_key_hashes
+
+log = logging.getLogger("gare.service")
+
+API_VERSION = "v1"
+
+class StartupError(RuntimeError):
+    """The service cannot start with these settings (message is meant for the operator)."""
+
+
+_SHA_CACHE: dict[tuple[str, int, int], str] = {}
+
+
+def checkpoint_sha256(path: Path) -> str:
+    """sha256 of a file, memoised on (path, size, mtime) so the CLI pre-check and the lifespan hash once."""
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _SHA_CACHE:
+        _SHA_CACHE[key] = file_sha256(path)
+    return _SHA_CACHE[key]
+
+
+def resolve_checkpoint(settings: Settings) -> tuple[Path, str, dict[str, Any]]:
+    """(checkpoint path, its sha256, the current version's manifest); StartupError with a clear message."""
+    if settings.index is None:
+        raise StartupError("no index given: pass --index INDEX or set GARE_INDEX")
+    root = Path(settings.index)
+    if not root.is_dir():
+        raise StartupError(f"index directory {root} does not exist")
+    try:
+        name = current_version_name(root)
+        manifest = read_manifest(root / VERSIONS_DIR / name)
+    except IndexFormatError as e:
+        raise StartupError(f"cannot read the index: {e}") from None
+    ck = manifest.get("checkpoint") or {}
+    want_sha = ck.get("sha256")
+    if settings.checkpoint is not None:
+        path = Path(settings.checkpoint)
+    elif ck.get("path"):
+        path = Path(ck["path"])
+        if not path.is_absolute():
+            path = root / path
+    else:
+        raise StartupError(
+            f"index {root} ({name}) names no checkpoint in {MANIFEST_FILE}; pass --checkpoint / GARE_CHECKPOINT"
+        )
+    if not path.is_file():
+        hint = "" if settings.checkpoint is not None else " (the path recorded in the index manifest; pass --checkpoint if it moved)"
+        raise StartupError(f"checkpoint {path} not found{hint}")
+    sha = checkpoint_sha256(path)
+    if want_sha is None:
+        log.warning("index %s (%s) records no checkpoint sha256; serving with %s unverified", root, name, path)
+    elif sha != want_sha:
+        raise StartupError(
+            f"checkpoint {path} has sha256 {sha}, but index {root} ({name}) was built with sha256 {want_sha}"
+            f"{' (' + str(ck.get('path')) + ')' if ck.get('path') else ''}: refusing to serve scores from another model; "
+            "pass the checkpoint the index was built with, or rebuild the index (gare-index build)"
+        )
+    return path, sha, manifest
+
+
+def advise_random_access(version: Any) -> None:
+    """Tell the kernel the memmaps are read at random rows (the rerank gathers K scattered videos).
+
+    Without it every page fault reads ahead ~128 KiB around a 12 KiB row: ~10x the I/O on a cold
+    page cache, and the cache fills with rows nobody asked for.
+    """
+    if not hasattr(mmap, "MADV_RANDOM"):
+        return
+    for name in ("frames", "units", "keys", "values"):
+        mm = getattr(getattr(version, name, None), "_mmap", None)
+        if mm is not None:
+            try:
+                mm.madvise(mmap.MADV_RANDOM)
+            except (OSError, ValueError):  # pragma: no cover - platform dependent
+                pass
+
+
+class VersionHandle:
+    """Reference-counted owner of one open IndexVersion; closed once retired and unused."""
+
+    def __init__(self, version: Any) -> None:
+        self.version = version
+        self._refs = 0
+        self._retired = False
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def acquire(self) -> "VersionHandle":
+        with self._lock:
+            self._refs += 1
+        return self
+
+    def release(self) -> None:
+        with self._lock:
+            self._refs -= 1
+            close = self._retired and self._refs == 0 and not self._closed
+            if close:
+                self._closed = True
+        if close:
+            self._close()
+
+    def retire(self) -> None:
+        with self._lock:
+            self._retired = True
+            close = self._refs == 0 and not self._closed
+            if close:
+                self._closed = True
+        if close:
+            self._close()
+
+    @property
+    def refs(self) -> int:
+        return self._refs
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _close(self) -> None:
+        try:
+            self.version.close()
+            log.info("closed index version %s", self.version.name)
+        except Exception:  # noqa: BLE001 - closing must never fail a request
+            log.exception("closing index version %s failed", getattr(self.version, "name", "?"))
+
+
+class ThumbnailCache:
+    """A small thread-safe LRU of JPEG bytes (cachetools' LRUCache behind a lock); size 0 caches nothing."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._d: LRUCache[Any, bytes] | None = LRUCache(maxsize=size) if size > 0 else None
+        self._lock = threading.Lock()
+
+    def get(self, key: Any) -> bytes | None:
+        if self._d is None:
+            return None
+        with self._lock:
+            return self._d.get(key)
+
+    def put(self, key: Any, value: bytes) -> None:
+        if self._d is None:
+            return
+        with self._lock:
+            self._d[key] = value
+
+
+@dataclass
+class Job:
+    version: Any
+    query: str
+    options: S.SearchOptions
+
+
+class ServiceState:
+    """Everything the lifespan loads: settings, model, current version, batcher, metrics."""
+
+    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.key_hashes = load_api_key_hashes(settings)
+        self.model: Any = None
+        self.device: Any = None
+        self.precision = "fp32"
+        self.checkpoint_path: Path | None = None
+        self.checkpoint_sha: str | None = None
+        self.handle: VersionHandle | None = None
+        self.reload_lock = asyncio.Lock()
+        self.thumbs = ThumbnailCache(settings.thumbnail_cache_size)
+        self.query_bank: Any = None  # service.querybank.QueryBank when GARE_QUERY_BANK_SIZE > 0
+        self.batcher: MicroBatcher[Job, S.QueryResult] = MicroBatcher(
+            self._process,
+            max_batch=settings.batch_max_size,
+            max_wait_s=settings.batch_max_wait_ms / 1000.0,
+            max_queue=settings.batch_queue_size,
+            name="gare-search",
+            on_batch=metrics.batch_size.observe,
+        )
+        self.started = time.time()
+        # Signs short-lived media URLs (thumbnail, file) handed out in search results, so that <img> and
+        # <video> elements, which cannot send an API key header, work when search needs a key. A token is
+        # "<expiry>.<signature of 'video_id:expiry'>" (itsdangerous, HMAC-SHA256, a per-process secret).
+        self._media_signer = Signer(secrets.token_bytes(32), salt="gare-media-url", digest_method=hashlib.sha256)
+
+    def media_token(self, video_id: int, ttl_s: int = 3600) -> str:
+        exp = int(time.time()) + ttl_s
+        return f"{exp}.{self._media_signer.get_signature(f'{video_id}:{exp}').decode('ascii')}"
+
+    def check_media_token(self, video_id: int, token: str | None) -> bool:
+        if not token or "." not in token:
+            return False
+        exp_s, _, sig = token.partition(".")
+        if not exp_s.isdigit() or int(exp_s) < time.time():
+            return False
+        return self._media_signer.verify_signature(f"{video_id}:{exp_s}", sig)
+
+    def media_urls(self, video_id: int) -> tuple[str, str]:
+        """(thumbnail_url, video_url); signed when search needs a key."""
+        base = f"/{API_VERSION}/videos/{video_id}"
+        q = f"?token={self.media_token(video_id)}" if self.settings.require_key_for_search else ""
+        return f"{base}/thumbnail{q}", f"{base}/file{q}"
+
+    # -------------------------------------------------------------- loading
+    def load(self) -> None:
+        s = self.settings
+        if s.torch_threads:
+            torch.set_num_threads(s.torch_threads)
+        path, sha, _ = resolve_checkpoint(s)
+        try:
+            self.device = resolve_device(s.device)
+        except RuntimeError as e:
+            raise StartupError(f"device {s.device!r}: {e}") from None
+        try:
+            self.precision = S.resolve_precision(s.precision, self.device)
+        except ValueError as e:
+            raise StartupError(str(e)) from None
+        try:
+            model, _ = load_model(path, self.device)
+        except (CheckpointError, OSError) as e:
+            raise StartupError(f"cannot load checkpoint {path}: {e}") from None
+        self.model, self.checkpoint_path, self.checkpoint_sha = model, path, sha
+        try:
+            version = open_index(s.index, expect_checkpoint_sha=sha, verify=s.verify_index, use_gpu=s.use_gpu_ann)
+        except IndexFormatError as e:
+            raise StartupError(f"cannot open the index: {e}") from None
+        self._check_fit(version)
+        advise_random_access(version)
+        self.handle = VersionHandle(version)
+        self._publish(version)
+        if s.query_bank_size:
+            if s.query_bank_path is None:
+                raise StartupError("query_bank_size is set but query_bank_path is not (GARE_QUERY_BANK_PATH)")
+            self.query_bank = QueryBank(s.query_bank_size, model.cfg.embed_dim, s.query_bank_path, s.query_bank_flush_every)
+        log.info(
+            "serving index %s version %s (%d entries, %s) with %s on %s (%s)",
+            s.index, version.name, version.n, version.manifest.get("index_type"), path.name, self.device, self.precision,
+        )
+
+    def _check_fit(self, version: Any) -> None:
+        cfg = self.model.cfg
+        if version.n and (version.dim != cfg.embed_dim or version.max_frames != cfg.max_frames):
+            raise StartupError(
+                f"index version {version.name} has dim={version.dim}, max_frames={version.max_frames}; "
+                f"the model has embed_dim={cfg.embed_dim}, max_frames={cfg.max_frames}"
+            )
+
+    def _publish(self, version: Any) -> None:
+        self.metrics.set_index(
+            version.name, str(version.manifest.get("index_type")), (self.checkpoint_sha or "")[:12], version.n
+        )
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.retire()
+        if self.query_bank is not None:
+            try:
+                self.query_bank.flush()
+            except OSError as e:
+                log.error("could not write the query bank to %s: %s", self.query_bank.path, e)
+
+    # -------------------------------------------------------------- versions
+    @contextlib.contextmanager
+    def use_version(self):
+        h = self.handle
+        if h is None:
+            raise HTTPException(503, "the index is not loaded yet")
+        h.acquire()
+        try:
+            yield h.version
+        finally:
+            h.release()
+
+    async def reload(self) -> dict[str, Any]:
+        s = self.settings
+        async with self.reload_lock:
+            old = self.handle
+            assert old is not None
+            try:
+                name = await run_in_threadpool(current_version_name, s.index)
+            except IndexFormatError as e:
+                log.error("reload: %s", e)
+                self.metrics.reloads.labels("error").inc()
+                raise HTTPException(503, f"cannot read the index CURRENT file; still serving {old.version.name}") from None
+            if name == old.version.name:
+                self.metrics.reloads.labels("unchanged").inc()
+                return {"reloaded": False, "version": name, "previous": name, "n": old.version.n}
+            try:
+                version = await run_in_threadpool(
+                    lambda: open_index(s.index, expect_checkpoint_sha=self.checkpoint_sha, verify=s.verify_index, use_gpu=s.use_gpu_ann)
+                )
+            except IndexMismatchError as e:
+                log.error("reload refused: %s", e)
+                self.metrics.reloads.labels("refused").inc()
+                raise HTTPException(
+                    409,
+                    f"index version {name} was built with another checkpoint than the one this service runs "
+                    f"(sha256 {(self.checkpoint_sha or '')[:12]}...); restart the service with that checkpoint. "
+                    f"Still serving {old.version.name}",
+                ) from None
+            except IndexFormatError as e:
+                log.error("reload failed: %s", e)
+                self.metrics.reloads.labels("error").inc()
+                raise HTTPException(503, f"index version {name} could not be opened; still serving {old.version.name}") from None
+            try:
+                self._check_fit(version)
+            except StartupError as e:
+                version.close()
+                self.metrics.reloads.labels("refused").inc()
+                raise HTTPException(409, f"{e}; still serving {old.version.name}") from None
+            advise_random_access(version)
+            self.handle = VersionHandle(version)  # atomic swap: new requests see the new version
+            old.retire()  # closed when its last in-flight request finishes
+            self._publish(version)
+            self.metrics.reloads.labels("ok").inc()
+            log.info("reloaded: now serving %s (%d entries), was %s", version.name, version.n, old.version.name)
+            return {"reloaded": True, "version": version.name, "previous": old.version.name, "n": version.n}
+
+    # -------------------------------------------------------------- the batch worker (one thread)
+    def _process(self, jobs: Sequence[Job]) -> list[S.QueryResult]:
+        out: list[S.QueryResult | None] = [None] * len(jobs)
+        groups: dict[int, list[int]] = {}
+        for i, j in enumerate(jobs):
+            groups.setdefault(id(j.version), []).append(i)
+        for members in groups.values():
+            version = jobs[members[0]].version
+            res = S.search_batch(
+                self.model,
+                version,
+                [jobs[i].query for i in members],
+                [jobs[i].options for i in members],
+                precision=self.precision,
+                rerank_impl=self.settings.rerank_impl,
+                on_units=self.query_bank.push if self.query_bank is not None else None,
+            )
+            for i, r in zip(members, res, strict=True):
+                out[i] = r
+        return out  # type: ignore[return-value]
+
+    # -------------------------------------------------------------- presentation
+    def display_path(self, version: Any, path: str | None) -> str | None:
+        """A path for clients: relative to the library root when known, else the file name only."""
+        if not path:
+            return None
+        p = Path(path)
+        roots = []
+        if self.settings.library_root is not None:
+            roots.append(Path(self.settings.library_root))
+        for key in ("library_root", "videos_root", "source_root"):
+            v = version.manifest.get(key)
+            if isinstance(v, str) and v:
+                roots.append(Path(v))
+        for r in roots:
+            try:
+                rel = p.resolve().relative_to(r.resolve())
+            except (ValueError, OSError):
+                continue
+            return rel.as_posix()
+        return p.name
+
+    def public_metadata(self, version: Any, row: dict[str, Any]) -> dict[str, Any]:
+        out = {k: v for k, v in row.items() if k != "path"}
+        out["path"] = self.display_path(version, row.get("path"))
+        out["name"] = Path(row["path"]).name if row.get("path") else None
+        return out
+
+    def check_key(self, presented: str | None) -> bool:
+        if not presented:
+            return False
+        h = hash_key(presented)
+        ok = False
+        for stored in self.key_hashes:  # compare against every key: timing does not depend on which matched
+            ok |= hmac.compare_digest(h, stored)
+        return ok
+
+
+__all__ = ["API_VERSION", "StartupError", "checkpoint_sha256", "resolve_checkpoint", "advise_random_access",
+           "VersionHandle", "ThumbnailCache", "Job", "ServiceState"]
