@@ -161,6 +161,8 @@ def _add_encode_args(p: argparse.ArgumentParser, *, build: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .search import DEFAULT_CANDIDATES
+
     p = argparse.ArgumentParser(
         prog="gare-index", description="Index a video library for GARE search: FAISS + frame features + NCL biases.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -226,7 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="test: the test videos only (default); all: test + training videos as the gallery, the test "
                          "captions as queries (a harder, larger gallery)")
     sp.add_argument("--out", required=True, metavar="DIR", help="where result.md, result.json and compare.png go")
-    sp.add_argument("--candidates", type=_positive_int, default=256, help="K, the stage-1 shortlist (default 256)")
+    sp.add_argument("--candidates", type=_positive_int, default=DEFAULT_CANDIDATES,
+                    help=f"K, the stage-1 shortlist (default {DEFAULT_CANDIDATES})")
     sp.add_argument("--coverage-ks", type=_int_list, default=(16, 32, 64, 128, 256), metavar="K,K,...",
                     help="K values for the candidate coverage (default 16,32,64,128,256)")
     sp.add_argument("--latency-queries", type=_positive_int, default=100,

@@ -35,7 +35,16 @@ from training.sinkhorn import normalization_error
 
 from .build import BuildOptions, build, checkpoint_gamma_and_queue
 from .postprocess import coverage
-from .search import SearchOptions, ann_stage, encode_queries, exhaustive_psi, psi_scores, rank, unit_rows
+from .search import (
+    DEFAULT_CANDIDATES,
+    SearchOptions,
+    ann_stage,
+    encode_queries,
+    exhaustive_psi,
+    psi_scores,
+    rank,
+    unit_rows,
+)
 from .store import open_index
 
 log = logging.getLogger(__name__)
@@ -82,7 +91,7 @@ class CompareOptions:
     out: str
     val: Any = None  # InvGC validation data (manifest / synth folder / data spec); None: carved from the training split
     gallery: str = "test"  # "test" | "all" (test + training videos; the test captions are the queries)
-    candidates: int = 256
+    candidates: int = DEFAULT_CANDIDATES
     coverage_ks: tuple[int, ...] = (16, 32, 64, 128, 256)
     latency_queries: int = 100
     latency_repeats: int = 3

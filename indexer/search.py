@@ -42,13 +42,14 @@ from training.model import autocast
 from .ncl_ann import Stage1Unavailable
 
 RERANK_IMPLS = ("fused", "model")
+DEFAULT_CANDIDATES = 256  # K, the stage-1 shortlist, when nobody says (service, compare, SearchOptions)
 _PAIR_CHUNK = 512  # pairs per fused chunk: ~12 MB of float32 frames stays in cache (bigger chunks are slower)
 
 
 @dataclass(frozen=True)
 class SearchOptions:
     k: int = 10
-    candidates: int = 256  # K: ANN shortlist size (>= k)
+    candidates: int = DEFAULT_CANDIDATES  # K: ANN shortlist size (>= k)
     rerank: bool = True  # psi stage; False = dual-tower cosine only
     ncl: bool = True  # add the NCL video biases
     ncl_stage1: bool = False  # choose the candidates by cos + b (the index's folded ANN, --ncl-stage1)
@@ -410,7 +411,7 @@ def search(
 
 
 __all__ = [
-    "RERANK_IMPLS", "Stage1Unavailable", "SearchOptions", "Hit", "QueryResult", "resolve_precision", "trim_tokens",
+    "RERANK_IMPLS", "DEFAULT_CANDIDATES", "Stage1Unavailable", "SearchOptions", "Hit", "QueryResult", "resolve_precision", "trim_tokens",
     "encode_queries", "unit_rows", "ann_stage", "folded_psi", "fused_pair_scores", "psi_scores", "exhaustive_psi",
     "rank", "search_batch", "search",
 ]

@@ -50,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from training.atomic import atomic_write
 from training.checkpoint import file_sha256
 from training.sinkhorn import fold_biases, fold_query
 
@@ -163,19 +164,8 @@ def _fsync_dir(path: Path) -> None:
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write `text` to `path` via a temp file in the same folder, fsync, os.replace, fsync the folder."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    """Write `text` to `path` atomically (training.atomic.atomic_write: temp file, fsync, os.replace, fsync dir)."""
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
 class _HashingWriter:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from training.checkpoint import atomic_write
+from training.atomic import atomic_write
 
 from .store import WORK_DIR, atomic_write_text
 

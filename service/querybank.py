@@ -14,12 +14,12 @@ bank off. See docs/postprocessing.md.
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 import threading
 from pathlib import Path
 
 import numpy as np
+
+from training.atomic import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -83,15 +83,10 @@ class QueryBank:
     def flush(self) -> None:
         data = self.snapshot()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
-        try:
-            with os.fdopen(fd, "wb") as fh:
+
+        def write(tmp: str) -> None:
+            with open(tmp, "wb") as fh:
                 np.save(fh, data, allow_pickle=False)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+
+        atomic_write(self.path, write)  # temp file, fsync, os.replace, fsync the folder
         log.info("query bank: %d embeddings written to %s", len(data), self.path)

@@ -17,6 +17,8 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from indexer.search import DEFAULT_CANDIDATES
+
 ENV_PREFIX = "GARE_"
 
 
@@ -61,7 +63,7 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(256 * 1024, ge=1024)
     max_query_chars: int = Field(512, ge=1, le=100_000)
     max_k: int = Field(1000, ge=1, le=100_000)
-    default_candidates: int = Field(256, ge=1)
+    default_candidates: int = Field(DEFAULT_CANDIDATES, ge=1)
     max_candidates: int = Field(2048, ge=1, le=1_000_000)
     max_batch_queries: int = Field(64, ge=1, le=10_000)
 

@@ -15,15 +15,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .atomic import atomic_write
 from .config import ModelConfig
 
 FORMAT = "gare-checkpoint"
@@ -33,33 +32,6 @@ TREE_FORMAT = "gare-tree"
 
 class CheckpointError(ValueError):
     pass
-
-
-def atomic_write(path: str | os.PathLike, write_fn) -> None:
-    """Call write_fn(tmp_path), fsync, then rename over `path`: readers see the old file or the new one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write_fn(tmp)
-        # mkstemp creates 0600; give the file the mode a plain open() would (other users, e.g. a container's
-        # non-root user, must be able to read a checkpoint)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def file_sha256(path: str | os.PathLike) -> str:

@@ -47,6 +47,8 @@ from typing import Any
 
 import numpy as np
 
+from .atomic import atomic_write
+
 CORPUS_VERSION = 1
 
 BACKGROUNDS: dict[str, tuple[int, int, int]] = {
@@ -583,18 +585,12 @@ def _attributes(p: dict[str, Any]) -> dict[str, Any]:
 
 
 def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1, ensure_ascii=False)
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=1, ensure_ascii=False), encoding="utf-8"))
 
 
 def generate_corpus(
