@@ -35,3 +35,22 @@ def tiny_model(tiny_cfg):
             else:
                 p.normal_(0, 0.1)
     return model
+
+
+# ------------------------------------------------------------------------------------------ shared corpora
+# Session-scoped: generated once per test run and shared by every folder (tests/indexer, tests/robustness).
+# Tests copy what they modify (tests.indexer.support.copy_videos); these stay read-only.
+@pytest.fixture(scope="session")
+def ckpt(tmp_path_factory):
+    """A tiny GARE checkpoint with non-trivial psi weights and a 256 x 64 text queue."""
+    from tests.indexer.support import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny.safetensors")
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """A folder of small synthetic mp4 files (tests.indexer.support.N_VIDEOS of them)."""
+    from tests.indexer.support import make_corpus
+
+    return make_corpus(tmp_path_factory.mktemp("corpus"))

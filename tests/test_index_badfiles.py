@@ -7,10 +7,10 @@ import json
 import os
 
 import pytest
-from test_index_common import ckpt, copy_videos, corpus  # noqa: F401
 
 from indexer.cli import main
 from indexer.store import list_versions, open_index, verify_index
+from tests.indexer.support import copy_videos
 from training.synth import write_bad_videos
 
 

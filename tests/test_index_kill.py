@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
-from test_index_common import ckpt, cli_cmd, cli_env, copy_videos, corpus  # noqa: F401
 
 from indexer.build import BuildOptions, build
 from indexer.store import current_version_name, list_versions, open_index, verify_index
+from tests.indexer.support import cli_cmd, cli_env, copy_videos
 
 
 def _run(args: list[str], *, pause: str | None = None, marker: Path | None = None, timeout: float = 120.0):

@@ -14,7 +14,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_service_support import REPO, UvicornProcess, shared
+
+from tests.service.support import REPO, UvicornProcess, shared
 
 CHROMIUM = os.environ.get("GARE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = [

@@ -56,9 +56,8 @@ def shared() -> dict[str, Any]:
     process, read-only for tests (copy what you change)."""
     with _LOCK:
         if not _SHARED:
-            from test_index_common import make_checkpoint, make_corpus
-
             from indexer.build import BuildOptions, build
+            from tests.indexer.support import make_checkpoint, make_corpus
 
             root = Path(tempfile.mkdtemp(prefix="gare-robust-"))
             import atexit
@@ -88,7 +87,7 @@ def live_server() -> dict[str, Any]:
         if not (_LIVE and _LIVE["srv"].proc.poll() is None):
             import atexit
 
-            from test_service_support import UvicornProcess
+            from tests.service.support import UvicornProcess
 
             root = Path(tempfile.mkdtemp(prefix="gare-robust-live-", dir=sh["root"]))
             idx, lib = private_index(root)

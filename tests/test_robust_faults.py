@@ -32,8 +32,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_index_common import cli_env
-from test_robust_common import (
+
+from indexer.store import current_version_name, list_versions, verify_index
+from tests.indexer.support import cli_env
+from tests.service.support import running_app
+from tests.service.support import settings as svc_settings
+from tests.test_robust_common import (
     LIVE_KEY,
     IndexWorker,
     Stopwatch,
@@ -46,10 +50,6 @@ from test_robust_common import (
     record,
     shared,
 )
-from test_service_support import running_app
-from test_service_support import settings as svc_settings
-
-from indexer.store import current_version_name, list_versions, verify_index
 
 KEY = LIVE_KEY
 ANCHORS = ("start", "encode", "write", "switch")

@@ -24,7 +24,10 @@ import pytest
 from hypothesis import HealthCheck, Phase, given
 from hypothesis import settings as hsettings
 from hypothesis.errors import Unsatisfiable
-from test_robust_common import (
+
+from indexer.store import IndexFormatError, open_index, verify_index
+from tests.service.support import settings as svc_settings
+from tests.test_robust_common import (
     LIVE_KEY,
     Stopwatch,
     copy_index,
@@ -34,9 +37,6 @@ from test_robust_common import (
     record,
     shared,
 )
-from test_service_support import settings as svc_settings
-
-from indexer.store import IndexFormatError, open_index, verify_index
 
 KEY = "robust-hostile-admin-key"
 # (operation or "*", status) the service returns that its OpenAPI document does not list: known bugs, each

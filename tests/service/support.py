@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 _LOCK = threading.Lock()
 _SHARED: dict[str, Any] = {}
 

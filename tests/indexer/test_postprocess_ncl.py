@@ -7,11 +7,11 @@ import json
 
 import numpy as np
 import pytest
-from test_postprocess_common import D, copy_index, shared, unit
 
 from indexer.cli import main
 from indexer.ncl_ann import build_ncl_ann, exact_ncl_topk
 from indexer.store import open_index, verify_index, write_version
+from tests.indexer.postprocess_support import D, copy_index, shared, unit
 
 
 def _arrays(n: int, seed: int, bias_scale: float = 0.05):
@@ -145,12 +145,12 @@ def test_shared_index_two_stage_with_folded_candidates(tmp_path):
 def test_service_ncl_stage1_flag(tmp_path):
     """The API's ncl_stage1 equals the offline folded search, and a plain index refuses it with 409."""
     from fastapi.testclient import TestClient
-    from test_service_support import settings, shared
 
     from indexer import search as S
     from indexer.cli import main as index_main
     from indexer.store import open_index
     from service.app import create_app
+    from tests.service.support import settings, shared
     from training.checkpoint import load_model
 
     sh = shared()

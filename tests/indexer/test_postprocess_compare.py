@@ -7,10 +7,10 @@ import json
 
 import numpy as np
 import pytest
-from test_postprocess_common import D, shared, unit
 
 from indexer.cli import main
 from indexer.compare import BANK_COMBOS, COMBOS, Combo, final_ranks, two_stage
+from tests.indexer.postprocess_support import D, shared, unit
 
 
 @pytest.fixture(scope="module")

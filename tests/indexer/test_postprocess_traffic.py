@@ -8,11 +8,11 @@ import json
 import numpy as np
 import pytest
 import torch
-from test_postprocess_common import D, copy_index, shared, unit
 
 from indexer.cli import main
 from indexer.postprocess import mix_queues
 from indexer.store import current_version_name, list_versions, open_index, verify_index
+from tests.indexer.postprocess_support import D, copy_index, shared, unit
 from training.checkpoint import read_checkpoint
 from training.sinkhorn import sinkhorn_biases
 

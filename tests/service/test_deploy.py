@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 COMPOSE = REPO / "docker-compose.yml"
 DOCKERFILES = sorted((REPO / "deploy").glob("Dockerfile.*"))

@@ -1,4 +1,4 @@
-"""Shared helpers for the indexer tests (imported by tests/test_index_*.py; holds no tests itself)."""
+"""Shared helpers for the indexer and robustness tests (holds no tests; the `ckpt`/`corpus` fixtures are in tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 N_VIDEOS = 12
 
 
@@ -53,16 +52,6 @@ def make_long_video(path: Path, seconds: float = 12.0, fps: float = 4.0, size: i
     ramp = np.linspace(0, 200, t)[:, None, None, None]
     frames = ((base + ramp + rng.normal(0, 3, size=(t, size, size, 3))) % 255).astype(np.uint8)
     return write_video(path, frames, fps)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny.safetensors")
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return make_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def copy_videos(src: Path, dst: Path, names: list[str] | None = None) -> Path:

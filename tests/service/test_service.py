@@ -15,11 +15,11 @@ import httpx
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from test_service_support import copy_index, running_app, settings, shared
 
 from indexer import search as S
 from service.app import StartupError, create_app, resolve_checkpoint
 from service.settings import Settings, SettingsError, load_api_key_hashes, load_settings
+from tests.service.support import copy_index, running_app, settings, shared
 
 KEY = "test-admin-key-123"
 
@@ -244,7 +244,7 @@ def test_file_ranges(client, sh, offline):
 
 
 def test_files_gone_or_outside_library_root(sh, tmp_path):
-    from test_service_support import build_index
+    from tests.service.support import build_index
 
     vids = tmp_path / "lib" / "clips"
     shutil.copytree(sh["videos"], vids)
@@ -453,7 +453,7 @@ def test_reload_refuses_an_index_of_another_checkpoint(sh, tmp_path):
 
 # ------------------------------------------------------------------------------------------ startup
 def test_startup_checks(sh, tmp_path):
-    from test_service_support import make_checkpoint
+    from tests.service.support import make_checkpoint
 
     other = make_checkpoint(tmp_path / "other.safetensors", seed=5)
     with pytest.raises(StartupError) as e:
@@ -519,9 +519,8 @@ def test_settings_sources(tmp_path, monkeypatch):
 
 
 def test_cli(sh, tmp_path, capsys, monkeypatch):
-    from test_service_support import make_checkpoint
-
     from service.cli import main
+    from tests.service.support import make_checkpoint
 
     assert main(["--index", str(sh["index"]), "--check"]) == 0
     assert "ok: index" in capsys.readouterr().out

@@ -9,12 +9,12 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from test_index_common import ckpt, copy_videos, corpus, make_checkpoint, make_long_video  # noqa: F401
 
 from indexer import ann as ann_mod
 from indexer.build import BuildOptions, build
 from indexer.cli import main
 from indexer.store import IndexMismatchError, list_versions, open_index, verify_index
+from tests.indexer.support import copy_videos, make_checkpoint, make_long_video
 from training.checkpoint import file_sha256, load_model, read_checkpoint
 from training.sinkhorn import sinkhorn_biases
 from training.video import load_frames

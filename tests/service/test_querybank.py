@@ -7,10 +7,10 @@ import os
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
-from test_service_support import settings, shared
 
 from service.app import create_app
 from service.querybank import QueryBank
+from tests.service.support import settings, shared
 
 
 def test_bank_is_a_bounded_fifo_and_round_trips(tmp_path):

@@ -8,7 +8,8 @@ import sys
 
 import httpx
 import pytest
-from test_service_support import REPO, UvicornProcess, copy_index, free_port, make_checkpoint, shared
+
+from tests.service.support import REPO, UvicornProcess, copy_index, free_port, make_checkpoint, shared
 
 KEY = "uvicorn-test-key"
 

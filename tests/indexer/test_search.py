@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_service_support import build_index, shared
 
 from indexer import search as S
+from tests.service.support import build_index, shared
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_postprocess_common import D, copy_index, make_checkpoint_with_queues, queues, shared, unit
 
 from indexer.cli import main
 from indexer.postprocess import invgc_apply, invgc_means
 from indexer.store import list_versions, open_index, verify_index, write_version
+from tests.indexer.postprocess_support import D, copy_index, make_checkpoint_with_queues, queues, shared, unit
 from training.invgc import invgc
 
 

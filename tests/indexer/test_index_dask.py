@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_index_common import ckpt, corpus  # noqa: F401
 
 from indexer.build import BuildOptions, build
 from indexer.store import open_index, verify_index
