@@ -14,7 +14,13 @@ import time
 import httpx
 import pytest
 
-from tests.test_robust_common import LIVE_KEY, index_contents, live_server, load_bench_module, record
+from tests.robustness.test_robust_common import (
+    LIVE_KEY,
+    index_contents,
+    live_server,
+    load_bench_module,
+    record,
+)
 
 KEY = LIVE_KEY
 RATED_CLIENTS = 16  # the concurrency the service is rated for on this 2-core CPU (docs/robustness.md)

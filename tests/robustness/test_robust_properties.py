@@ -16,7 +16,15 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from tests.test_robust_common import N_BASE, N_CORPUS, Stopwatch, index_cli, private_index, record, shared
+from tests.robustness.test_robust_common import (
+    N_BASE,
+    N_CORPUS,
+    Stopwatch,
+    index_cli,
+    private_index,
+    record,
+    shared,
+)
 
 QUERIES = ["a red circle rises", "two blue squares slide to the left", "a green cross on a white background",
            "three yellow diamonds bounce, then a pink triangle stays still", "cyan"]

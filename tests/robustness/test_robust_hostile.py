@@ -26,8 +26,7 @@ from hypothesis import settings as hsettings
 from hypothesis.errors import Unsatisfiable
 
 from indexer.store import IndexFormatError, open_index, verify_index
-from tests.service.support import settings as svc_settings
-from tests.test_robust_common import (
+from tests.robustness.test_robust_common import (
     LIVE_KEY,
     Stopwatch,
     copy_index,
@@ -37,6 +36,7 @@ from tests.test_robust_common import (
     record,
     shared,
 )
+from tests.service.support import settings as svc_settings
 
 KEY = "robust-hostile-admin-key"
 # (operation or "*", status) the service returns that its OpenAPI document does not list: known bugs, each

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RESULTS_ENV = "GARE_ROBUST_RESULTS"
 N_CORPUS = 48  # videos generated once; tests take libraries from them
 N_BASE = 12  # videos in the shared base index

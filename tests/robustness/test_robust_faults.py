@@ -35,9 +35,7 @@ import pytest
 
 from indexer.store import current_version_name, list_versions, verify_index
 from tests.indexer.support import cli_env
-from tests.service.support import running_app
-from tests.service.support import settings as svc_settings
-from tests.test_robust_common import (
+from tests.robustness.test_robust_common import (
     LIVE_KEY,
     IndexWorker,
     Stopwatch,
@@ -50,6 +48,8 @@ from tests.test_robust_common import (
     record,
     shared,
 )
+from tests.service.support import running_app
+from tests.service.support import settings as svc_settings
 
 KEY = LIVE_KEY
 ANCHORS = ("start", "encode", "write", "switch")
