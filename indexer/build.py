@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from training.checkpoint import file_sha256
+
 from .ann import INDEX_TYPES, AnnIndex, AnnParams, build_index, choose_index_type
 from .discover import Clip, Skip, discover, expand_segments, fmt_time, scan, seg_of
 from .store import (
@@ -43,7 +45,6 @@ from .store import (
     IndexVersion,
     atomic_write_text,
     current_version_name,
-    file_sha256,
     index_lock,
     open_index,
     test_pause,

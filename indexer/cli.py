@@ -357,7 +357,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from .store import current_version_name, file_sha256, verify_index
+    from training.checkpoint import file_sha256
+
+    from .store import current_version_name, verify_index
 
     sha = file_sha256(args.checkpoint) if args.checkpoint else None
     problems = verify_index(args.out, name=args.version_name, rehash=not args.quick, expect_checkpoint_sha=sha,
