@@ -10,8 +10,8 @@ import pytest
 
 from indexer.cli import main
 from indexer.store import list_versions, open_index, verify_index
+from tests.badfiles import write_bad_videos
 from tests.indexer.support import copy_videos
-from training.synth import write_bad_videos
 
 
 def _reasons(out) -> dict[str, str]:

@@ -580,7 +580,8 @@ def _tiny_rawvideo_avi(path: Path) -> Path:
 
 def test_hostile_video_files_are_reported_and_skipped(tmp_path, monkeypatch):
     import training.video as V
-    from training.synth import write_bad_videos, write_video
+    from tests.badfiles import write_bad_videos
+    from training.synth import write_video
 
     lib = copy_lib(tmp_path / "lib", ["video0.mp4", "video1.mp4", "video2.mp4"])
     bad = write_bad_videos(lib / "bad")  # empty, truncated, random, no_moov, wrong_container (PNG), text

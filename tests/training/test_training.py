@@ -130,7 +130,7 @@ def test_resume_refuses_a_different_configuration(corpus, tmp_path):
 
 
 def test_bad_video_files_are_skipped_and_counted(corpus, tmp_path):
-    from training.synth import write_bad_videos
+    from tests.badfiles import write_bad_videos
 
     bad_corpus = tmp_path / "corpus"
     shutil.copytree(corpus, bad_corpus)

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+from tests.badfiles import write_bad_videos
 from training import video as V
-from training.synth import write_bad_videos, write_video
+from training.synth import write_video
 
 FPS = 10.0
 N_FRAMES = 47
@@ -290,7 +291,7 @@ def test_bad_file_raises_video_decode_error(bad_videos, kind):
 def test_bad_files_are_really_bad(bad_videos):
     assert bad_videos["empty"].stat().st_size == 0
     assert bad_videos["wrong_container"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    from training.synth import mp4_atoms
+    from tests.badfiles import mp4_atoms
 
     kinds = [t for t, _, _ in mp4_atoms(bad_videos["no_moov"].read_bytes())]
     assert b"moov" not in kinds and b"mdat" in kinds and kinds[0] == b"ftyp"
