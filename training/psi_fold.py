@@ -252,7 +252,9 @@ class VideoConstants:
     def select(self, idx: torch.Tensor) -> VideoConstants:
         """Rows idx (any shape S, int64) -> constants with leading shape S (frames gathered too)."""
         idx = torch.as_tensor(idx, dtype=torch.long)
-        return self._map(lambda x: x[idx.to(x.device)])
+        flat = idx.reshape(-1)
+        # index_select: several times faster than advanced indexing (x[idx]) on the CPU
+        return self._map(lambda x: x.index_select(0, flat.to(x.device)).view(*idx.shape, *x.shape[1:]))
 
     def slice(self, s0: int, s1: int) -> VideoConstants:
         return self._map(lambda x: x[s0:s1])
@@ -479,10 +481,7 @@ def pair_scores(q: QueryVectors, v: VideoConstants, idx: torch.Tensor | None = N
     a, _, d = q.u.shape
     with torch.no_grad():
         if idx is None:
-            b, f = v.frames.shape[:2]
-            fr = v.frames.to(dev, torch.float32).reshape(b * f, d)
-            dots = (q.u.reshape(3 * a, d) @ fr.t()).view(a, 3, b, f)
-            return _scores_from_dots(q, v, dots[:, 0], dots[:, 1], dots[:, 2])
+            return _all_pairs(q, v, None)
         idx = torch.as_tensor(idx, dtype=torch.long, device=dev)
         if idx.ndim != 2 or idx.shape[0] != a:
             raise ValueError(f"idx must be ({a}, K) candidate ids, got {tuple(idx.shape)}")
@@ -491,15 +490,31 @@ def pair_scores(q: QueryVectors, v: VideoConstants, idx: torch.Tensor | None = N
         vs = v.select(idx)  # fields (a, K, ...)
         k, f = idx.shape[1], v.frames.shape[1]
         fr = vs.frames.to(torch.float32).reshape(a, k * f, d)
-        dots = torch.bmm(q.u, fr.transpose(1, 2)).view(a, 3, k, f)
+        dots = torch.bmm(fr, q.u.transpose(1, 2)).view(a, k, f, 3).permute(0, 3, 1, 2)  # (a, 3, K, f)
         return _scores_from_dots(q, vs, dots[:, 0], dots[:, 1], dots[:, 2])
+
+
+def _all_pairs(q: QueryVectors, v: VideoConstants, buf: torch.Tensor | None) -> torch.Tensor:
+    """Every query of q against every video of v -> (a, b). `buf`: a reusable float32 buffer of at least
+    b·f·d elements for the upcast frames (a fresh 100 MB allocation costs more page faults than the work)."""
+    a, _, d = q.u.shape
+    b, f = v.frames.shape[:2]
+    if v.frames.dtype == torch.float32:
+        fr = v.frames.reshape(b * f, d)
+    elif buf is not None:
+        fr = buf[: b * f * d].view(b * f, d)
+        fr.copy_(v.frames.reshape(b * f, d))
+    else:
+        fr = v.frames.to(torch.float32).reshape(b * f, d)
+    dots = (fr @ q.u.reshape(3 * a, d).t()).view(b, f, a, 3).permute(2, 3, 0, 1)  # (a, 3, b, f)
+    return _scores_from_dots(q, v, dots[:, 0], dots[:, 1], dots[:, 2])
 
 
 def exhaustive(
     q: QueryVectors,
     v: VideoConstants,
     *,
-    chunk: int = 4096,
+    chunk: int = 512,
     query_chunk: int = 64,
     device: torch.device | str | None = None,
     progress: bool = False,
@@ -507,7 +522,8 @@ def exhaustive(
     """Every query against every video: (a, b) float32 on the CPU, in chunks of `chunk` videos and
     `query_chunk` queries so memory stays bounded (~chunk·f·d·4 bytes for the upcast frames plus
     ~query_chunk·chunk·f·60 bytes) whatever b is. `v` may live on the CPU (even memory-mapped); each chunk is
-    moved to `device` (default: v's device) for the work."""
+    moved to `device` (default: v's device) for the work. 512-video chunks keep the upcast frames (12 MB at
+    f = 12, d = 512) in cache."""
     if chunk < 1 or query_chunk < 1:
         raise ValueError(f"chunk and query_chunk must be >= 1, got {chunk}, {query_chunk}")
     dev = torch.device(device) if device is not None else v.device
@@ -517,11 +533,17 @@ def exhaustive(
         from tqdm import tqdm
 
         starts = tqdm(starts, desc="exhaustive psi (fold)", unit="chunk")
-    for s0 in starts:
-        vc = v.slice(s0, s0 + chunk).to(dev)
-        for i0 in range(0, q.n, query_chunk):
-            qc = dataclasses.replace(q, u=q.u[i0 : i0 + query_chunk], sc=q.sc[i0 : i0 + query_chunk])
-            out[i0 : i0 + query_chunk, s0 : s0 + vc.n] = pair_scores(qc, vc).cpu()
+    if q.fingerprint != v.fingerprint:
+        raise ValueError(f"query vectors (psi {q.fingerprint[:12]}) and video constants (psi {v.fingerprint[:12]}) "
+                         "come from different psi weights")
+    q = dataclasses.replace(q, u=q.u.to(dev), sc=q.sc.to(dev), wsc=q.wsc.to(dev))
+    buf = torch.empty(min(chunk, v.n) * v.num_frames * q.u.shape[-1], dtype=torch.float32, device=dev)
+    with torch.no_grad():
+        for s0 in starts:
+            vc = v.slice(s0, s0 + chunk).to(dev)  # chunk rows (a copy only when v lives elsewhere)
+            for i0 in range(0, q.n, query_chunk):
+                qc = dataclasses.replace(q, u=q.u[i0 : i0 + query_chunk], sc=q.sc[i0 : i0 + query_chunk])
+                out[i0 : i0 + query_chunk, s0 : s0 + vc.n] = _all_pairs(qc, vc, buf).cpu()
     return out
 
 
