@@ -28,10 +28,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+import torch
 from index_common import REPO, rss_bytes, table, write_results  # bench/ is on sys.path
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
 
 D, F_FRAMES, K = 512, 12, 256
 
@@ -165,7 +164,6 @@ def main() -> None:
     reps_tile = -(-args.gallery // args.distinct)
     big = pf.VideoConstants.cat([consts] * reps_tile).slice(0, args.gallery)  # real copies
     big_mask = mask.repeat(reps_tile, 1)[: args.gallery]
-    del consts16
     q1 = pf.fold_queries(t, fw, cfg.temp)
     with torch.inference_mode():
         ex_fold, per = median_time(lambda: pf.exhaustive(q1, big), 1, reps)
