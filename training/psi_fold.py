@@ -41,8 +41,8 @@ the attended / pooled frames are the real ones (``m_f = 1``); an excluded frame 
    ``s = (t·p + Δ·p) / (max(|t + Δ|, 1e-8) max(|p|, 1e-8))`` (the clamp `F.cosine_similarity` applies).
 
 Per video this stores 5 f x f matrices (G1, G2, G3, P, H) and 10 f-vectors (1/σ, frame bias, e, g, ω, g2,
-μ0, μ1, π0, π1) plus 2 scalars (|Cv̄|², Σv̄): at f = 12 that is 842 floats, 3,368 bytes in float32
-(`VideoConstants.bytes_per_video`), on top of the frames the index already stores (the pair stage needs
+μ0, μ1, π0, π1) plus 2 scalars (|Cv̄|², Σv̄), packed in one row: at f = 12 that is 842 floats, 3,368 bytes in
+float32 (`VideoConstants.bytes_per_video`; 1,684 in float16, which costs ~3e-5 in the score), on top of the frames the index already stores (the pair stage needs
 them for the 3f dots). The constants cost three d x d products per frame once, at index time.
 
 Public API (a queries, b videos, K candidates per query, f frames, d width):
@@ -63,7 +63,6 @@ import dataclasses
 import hashlib
 import logging
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -195,43 +194,42 @@ def _as_fold(psi: Psi | PsiFold) -> PsiFold:
 
 
 # ------------------------------------------------------------------------------------------ videos
-# Constant fields of VideoConstants, in storage order (frames are the index's own and not counted).
-CONST_FIELDS = (
-    "rs", "bias", "le", "lg", "omega", "g2", "mu0", "mu1", "pi0", "pi1",  # (b, f)
-    "g1", "g2m", "g3", "p", "h",  # (b, f, f)
-    "cvv", "vsum",  # (b,)
-)
+# Layout of one video's packed constants (one float row of width 10f + 5f² + 2), in this order.
+VEC_FIELDS = ("rs", "bias", "le", "lg", "omega", "g2", "mu0", "mu1", "pi0", "pi1")  # (f,) each
+MAT_FIELDS = ("g1", "g2m", "g3", "p", "h")  # (f, f) each
+SCALAR_FIELDS = ("cvv", "vsum")  # scalars
+CONST_FIELDS = (*VEC_FIELDS, *MAT_FIELDS, *SCALAR_FIELDS)
+
+
+def packed_width(f: int) -> int:
+    """Floats per video in `VideoConstants.packed` for f frames: 10f + 5f² + 2 (842 at f = 12)."""
+    return len(VEC_FIELDS) * f + len(MAT_FIELDS) * f * f + len(SCALAR_FIELDS)
 
 
 @dataclass(frozen=True)
 class VideoConstants:
     """Per-video constants of the fold for b videos of f frames (see the module docstring).
 
-    ``frames`` is the (b, f, d) stored feature tensor itself (any float dtype, not copied); every other
-    field is derived from it, the mask and the psi weights (``fingerprint``), float32 unless stored lower:
-    rs 1/σ_f, bias 0 or -inf (excluded frame), le e_f/√d, lg g_f/√d, omega ω_f, g2 g2_f, mu0 μ0_f, mu1 μ1_f,
-    pi0 π0_f, pi1 π1_f: (b, f); g1 G1, g2m G2, g3 G3, p P, h H: (b, f, f); cvv |Cv̄|², vsum Σv̄: (b,).
+    - ``frames`` (b, f, d): the stored frame features themselves (any float dtype, not copied): the pair
+      stage dots them with the query vectors;
+    - ``packed`` (b, 10f + 5f² + 2): every constant of a video in one row (float32 from `fold_videos`;
+      it may be stored lower, e.g. float16, and is upcast on use). One row per video is what the index
+      stores and what a rerank gathers (one index_select instead of 17);
+    - ``fingerprint``: the psi weights the constants belong to (`PsiFold.fingerprint`).
+    Named views (leading shape S = (b,) or whatever `select` was given): rs 1/σ_f, bias 0 or -inf (excluded
+    frame), le e_f/√d, lg g_f/√d, omega ω_f, g2 g2_f, mu0 μ0_f, mu1 μ1_f, pi0 π0_f, pi1 π1_f: (*S, f);
+    g1 G1, g2m G2, g3 G3, p P, h H: (*S, f, f); cvv |Cv̄|², vsum Σv̄: S.
     """
 
     frames: torch.Tensor
-    rs: torch.Tensor
-    bias: torch.Tensor
-    le: torch.Tensor
-    lg: torch.Tensor
-    omega: torch.Tensor
-    g2: torch.Tensor
-    mu0: torch.Tensor
-    mu1: torch.Tensor
-    pi0: torch.Tensor
-    pi1: torch.Tensor
-    g1: torch.Tensor
-    g2m: torch.Tensor
-    g3: torch.Tensor
-    p: torch.Tensor
-    h: torch.Tensor
-    cvv: torch.Tensor
-    vsum: torch.Tensor
+    packed: torch.Tensor
     fingerprint: str
+
+    def __post_init__(self) -> None:
+        f = self.frames.shape[-2]
+        if self.packed.shape[:-1] != self.frames.shape[:-2] or self.packed.shape[-1] != packed_width(f):
+            raise ValueError(f"packed constants {tuple(self.packed.shape)} do not match frames {tuple(self.frames.shape)}: "
+                             f"expected {(*self.frames.shape[:-2], packed_width(f))}")
 
     @property
     def n(self) -> int:
@@ -239,43 +237,53 @@ class VideoConstants:
 
     @property
     def num_frames(self) -> int:
-        return self.frames.shape[1]
+        return self.frames.shape[-2]
 
     @property
     def device(self) -> torch.device:
-        return self.rs.device
+        return self.packed.device
 
-    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor], frames: bool = True) -> VideoConstants:
-        kw: dict[str, Any] = {k: fn(getattr(self, k)) for k in CONST_FIELDS}
-        return VideoConstants(frames=fn(self.frames) if frames else self.frames, fingerprint=self.fingerprint, **kw)
+    def field(self, name: str, packed: torch.Tensor | None = None) -> torch.Tensor:
+        """A named view into `packed` (or into the given upcast copy of it)."""
+        pk = self.packed if packed is None else packed
+        f = self.num_frames
+        if name in VEC_FIELDS:
+            i = VEC_FIELDS.index(name) * f
+            return pk[..., i : i + f]
+        if name in MAT_FIELDS:
+            i = len(VEC_FIELDS) * f + MAT_FIELDS.index(name) * f * f
+            return pk[..., i : i + f * f].unflatten(-1, (f, f))
+        if name in SCALAR_FIELDS:
+            return pk[..., packed_width(f) - len(SCALAR_FIELDS) + SCALAR_FIELDS.index(name)]
+        raise AttributeError(f"VideoConstants has no field {name!r}")
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        if name in CONST_FIELDS:
+            return self.field(name)
+        raise AttributeError(name)
 
     def select(self, idx: torch.Tensor) -> VideoConstants:
         """Rows idx (any shape S, int64) -> constants with leading shape S (frames gathered too)."""
         idx = torch.as_tensor(idx, dtype=torch.long)
         flat = idx.reshape(-1)
-        # index_select: several times faster than advanced indexing (x[idx]) on the CPU
-        return self._map(lambda x: x.index_select(0, flat.to(x.device)).view(*idx.shape, *x.shape[1:]))
+
+        def take(x: torch.Tensor) -> torch.Tensor:
+            # index_select: several times faster than advanced indexing (x[idx]) on the CPU
+            return x.index_select(0, flat.to(x.device)).view(*idx.shape, *x.shape[1:])
+
+        return VideoConstants(frames=take(self.frames), packed=take(self.packed), fingerprint=self.fingerprint)
 
     def slice(self, s0: int, s1: int) -> VideoConstants:
-        return self._map(lambda x: x[s0:s1])
+        return VideoConstants(frames=self.frames[s0:s1], packed=self.packed[s0:s1], fingerprint=self.fingerprint)
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> VideoConstants:
-        """Move everything to `device`; `dtype` (e.g. float16 for storage) applies to the constants only."""
-        out = self._map(lambda x: x.to(device) if device is not None else x)
+        """Move everything to `device`; `dtype` (e.g. float16 for storage) applies to `packed` only."""
+        fr, pk = self.frames, self.packed
+        if device is not None:
+            fr, pk = fr.to(device), pk.to(device)
         if dtype is not None:
-            out = out._map(lambda x: x.to(dtype), frames=False)
-        return out
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The constants to store (no frames); `from_state(state, frames, fingerprint)` rebuilds them."""
-        return {k: getattr(self, k) for k in CONST_FIELDS}
-
-    @classmethod
-    def from_state(cls, state: dict[str, torch.Tensor], frames: torch.Tensor, fingerprint: str) -> VideoConstants:
-        missing = [k for k in CONST_FIELDS if k not in state]
-        if missing:
-            raise ValueError(f"psi-fold constants are missing fields {missing}")
-        return cls(frames=frames, fingerprint=fingerprint, **{k: state[k] for k in CONST_FIELDS})
+            pk = pk.to(dtype)
+        return VideoConstants(frames=fr, packed=pk, fingerprint=self.fingerprint)
 
     @classmethod
     def cat(cls, parts: list[VideoConstants]) -> VideoConstants:
@@ -284,12 +292,12 @@ class VideoConstants:
         fps = {p.fingerprint for p in parts}
         if len(fps) != 1:
             raise ValueError(f"cannot concatenate constants of different psi weights: {sorted(fps)}")
-        kw = {k: torch.cat([getattr(p, k) for p in parts]) for k in (*CONST_FIELDS, "frames")}
-        return cls(fingerprint=parts[0].fingerprint, **kw)
+        return cls(frames=torch.cat([p.frames for p in parts]), packed=torch.cat([p.packed for p in parts]),
+                   fingerprint=parts[0].fingerprint)
 
     def bytes_per_video(self) -> int:
-        """Added bytes per video: every constant field at its current dtype (the frames are not counted)."""
-        return sum(getattr(self, k)[0].numel() * getattr(self, k).element_size() for k in CONST_FIELDS)
+        """Added bytes per video: one packed row at its current dtype (the frames are not counted)."""
+        return self.packed.shape[-1] * self.packed.element_size()
 
 
 def fold_videos(
@@ -315,7 +323,7 @@ def fold_videos(
     fw = fold.to(dev) if fold.device != dev else fold
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
-    parts: list[dict[str, torch.Tensor]] = []
+    parts: list[torch.Tensor] = []
     sqd = math.sqrt(d)
     eps1 = fold.eps[0]
     with torch.no_grad():
@@ -338,8 +346,7 @@ def fold_videos(
             cz = z - z.mean(-1, keepdim=True)
             mm = (cz * fw.gamma3) @ fw.w_mu.t()  # (n·f, d): M_f
             cy, cz, mm = cy.view(n, f, d), cz.view(n, f, d), mm.view(n, f, d)
-            parts.append(
-                dict(
+            fields = dict(
                     rs=rs,
                     bias=torch.zeros(n, f, device=dev).masked_fill(~m, float("-inf")),
                     le=le,
@@ -357,14 +364,10 @@ def fold_videos(
                     h=fr @ fr.transpose(1, 2),
                     cvv=vc.pow(2).sum(-1),
                     vsum=vbar.sum(-1),
-                )
             )
-    if parts:
-        kw = {k: torch.cat([p[k] for p in parts]) for k in CONST_FIELDS}
-    else:
-        kw = {k: torch.empty((0, f, f) if k in ("g1", "g2m", "g3", "p", "h") else (0,) if k in ("cvv", "vsum") else (0, f),
-                             device=dev) for k in CONST_FIELDS}
-    return VideoConstants(frames=frames, fingerprint=fold.fingerprint, **kw)
+            parts.append(torch.cat([fields[k].reshape(n, -1) for k in CONST_FIELDS], dim=1))  # (n, packed_width)
+    packed = torch.cat(parts) if parts else torch.empty(0, packed_width(f), device=dev)
+    return VideoConstants(frames=frames, packed=packed, fingerprint=fold.fingerprint)
 
 
 # ------------------------------------------------------------------------------------------ queries
@@ -437,30 +440,35 @@ def _scores_from_dots(q: QueryVectors, v: VideoConstants, dt: torch.Tensor, d1: 
     sc = q.sc[:, None, :]  # (a, 1, 7)
     tt, ctt, tsum, tk2, tm0, tm1 = (sc[..., i] for i in range(6))
     cz0, m00, m01, m11 = (float(x) for x in q.wsc.tolist())
-    rs, bias = _f32(v.rs), _f32(v.bias)
+    pk = _f32(v.packed)  # one upcast when the constants are stored lower
+
+    def c(name: str) -> torch.Tensor:
+        return v.field(name, pk)
+
+    rs, bias = c("rs"), c("bias")
     # ---- psi's attention weights a (a, n, f)
-    vt = (_f32(v.omega) * dt).sum(-1)  # v̄·t
-    vct = vt - _f32(v.vsum) * tsum / d  # v̄·Ct
-    s1 = torch.sqrt((_f32(v.cvv) - 2.0 * vct + ctt).clamp_min(0.0) / d + eps1)  # (a, n)
-    logits = (_f32(v.le) - d1 * rs / math.sqrt(d)) / s1.unsqueeze(-1) + _f32(v.lg) + bias
+    vt = (c("omega") * dt).sum(-1)  # v̄·t
+    vct = vt - c("vsum") * tsum / d  # v̄·Ct
+    s1 = torch.sqrt((c("cvv") - 2.0 * vct + ctt).clamp_min(0.0) / d + eps1)  # (a, n)
+    logits = (c("le") - d1 * rs / math.sqrt(d)) / s1.unsqueeze(-1) + c("lg") + bias
     a = logits.softmax(-1)
     # ---- LN2 and LN3 scales
-    s2 = torch.sqrt((a * _qf(_f32(v.g1), a)).sum(-1).clamp_min(0.0) / d + eps2)
-    ag2a = (a * _qf(_f32(v.g2m), a)).sum(-1)
-    ag2 = (a * _f32(v.g2)).sum(-1)
+    s2 = torch.sqrt((a * _qf(c("g1"), a)).sum(-1).clamp_min(0.0) / d + eps2)
+    ag2a = (a * _qf(c("g2m"), a)).sum(-1)
+    ag2 = (a * c("g2")).sum(-1)
     s3 = torch.sqrt((ag2a / s2**2 + 2.0 * ag2 / s2 + cz0).clamp_min(0.0) / d + eps3)
     # ---- t·Δ and |Δ|²
     tmf = (a * d2 * rs).sum(-1) + tk2  # Σ a_f t·M_f
     t_delta = (tmf / s2 + tm0) / s3 + tm1
-    ag3a = (a * _qf(_f32(v.g3), a)).sum(-1)
-    dd = (ag3a / s2**2 + 2.0 * (a * _f32(v.mu0)).sum(-1) / s2 + m00) / s3**2
-    dd = dd + 2.0 * ((a * _f32(v.mu1)).sum(-1) / s2 + m01) / s3 + m11
+    ag3a = (a * _qf(c("g3"), a)).sum(-1)
+    dd = (ag3a / s2**2 + 2.0 * (a * c("mu0")).sum(-1) / s2 + m00) / s3**2
+    dd = dd + 2.0 * ((a * c("mu1")).sum(-1) / s2 + m01) / s3 + m11
     # ---- pooling p and the cosine
     w = (dt * q.inv_temp + bias).softmax(-1)
-    ap = _qt(_f32(v.p), a)  # (a, n, f): Σ_f a_f M_f·F_g
-    dp = (w * ((ap / s2.unsqueeze(-1) + _f32(v.pi0)) / s3.unsqueeze(-1) + _f32(v.pi1))).sum(-1)
+    ap = _qt(c("p"), a)  # (a, n, f): Σ_f a_f M_f·F_g
+    dp = (w * ((ap / s2.unsqueeze(-1) + c("pi0")) / s3.unsqueeze(-1) + c("pi1"))).sum(-1)
     tp = (w * dt).sum(-1)
-    pp = (w * _qf(_f32(v.h), w)).sum(-1)
+    pp = (w * _qf(c("h"), w)).sum(-1)
     nx = (tt + 2.0 * t_delta + dd).clamp_min(0.0).sqrt()
     npp = pp.clamp_min(0.0).sqrt()
     return (tp + dp) / (nx.clamp_min(_COS_EPS) * npp.clamp_min(_COS_EPS))
@@ -604,5 +612,5 @@ def _diag(q: QueryVectors, v: VideoConstants) -> torch.Tensor:
     fr = v.frames.to(v.device, torch.float32)
     dots = torch.einsum("ped,pfd->pef", q.u, fr)  # (P, 3, f)
     # Treat the P pairs as P queries with one candidate each: fields (P, 1, ...).
-    vs = v._map(lambda x: x.unsqueeze(1), frames=False)
+    vs = VideoConstants(frames=v.frames.unsqueeze(1), packed=v.packed.unsqueeze(1), fingerprint=v.fingerprint)
     return _scores_from_dots(q, vs, dots[:, None, 0], dots[:, None, 1], dots[:, None, 2]).view(P)
