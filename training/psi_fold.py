@@ -415,60 +415,45 @@ def fold_queries(t: torch.Tensor, psi: Psi | PsiFold, temp: float) -> QueryVecto
 
 
 # ------------------------------------------------------------------------------------------ pairs
-def _qf(mat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """(mat x) over the last dim: mat (n, f, g) shared by the queries or (a, n, f, g); x (a, n, g) -> (a, n, f)."""
-    if mat.ndim == 3:
-        return torch.einsum("nfg,ang->anf", mat, x)
-    return torch.matmul(mat, x.unsqueeze(-1)).squeeze(-1)
-
-
-def _qt(mat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """(matᵀ x): Σ_f x_f mat_fg -> (a, n, g)."""
-    if mat.ndim == 3:
-        return torch.einsum("nfg,anf->ang", mat, x)
-    return torch.matmul(x.unsqueeze(-2), mat).squeeze(-2)
-
-
 def _f32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float32 else x.float()
 
 
 def _scores_from_dots(q: QueryVectors, v: VideoConstants, dt: torch.Tensor, d1: torch.Tensor, d2: torch.Tensor) -> torch.Tensor:
-    """dt, d1, d2 (a, n, f) = t·F_f, u1·F_f, u2·F_f; v's fields (n, ...) shared or (a, n, ...) -> s (a, n)."""
+    """dt, d1, d2 (a, n, f) = t·F_f, u1·F_f, u2·F_f; v's packed (n, W) shared by the queries or (a, n, W)
+    -> s (a, n). Fields that are used together sit side by side in the packed row, so each group is one op
+    (this stage is ~40 small ops; at K = 256 their count, not their arithmetic, is the cost)."""
     d = q.u.shape[-1]
+    f = v.num_frames
     eps1, eps2, eps3 = q.eps
     sc = q.sc[:, None, :]  # (a, 1, 7)
     tt, ctt, tsum, tk2, tm0, tm1 = (sc[..., i] for i in range(6))
     cz0, m00, m01, m11 = (float(x) for x in q.wsc.tolist())
     pk = _f32(v.packed)  # one upcast when the constants are stored lower
-
-    def c(name: str) -> torch.Tensor:
-        return v.field(name, pk)
-
-    rs, bias = c("rs"), c("bias")
+    nv, nm = len(VEC_FIELDS), len(MAT_FIELDS)
+    vec = pk[..., : nv * f].unflatten(-1, (nv, f))  # (.., 10, f) in VEC_FIELDS order
+    mat = pk[..., nv * f : nv * f + nm * f * f].unflatten(-1, (nm, f, f))  # (.., 5, f, f) in MAT_FIELDS order
+    rs, bias, le, lg, omega = (vec[..., i, :] for i in range(5))
+    cvv, vsum = pk[..., -2], pk[..., -1]
     # ---- psi's attention weights a (a, n, f)
-    vt = (c("omega") * dt).sum(-1)  # v̄·t
-    vct = vt - c("vsum") * tsum / d  # v̄·Ct
-    s1 = torch.sqrt((c("cvv") - 2.0 * vct + ctt).clamp_min(0.0) / d + eps1)  # (a, n)
-    logits = (c("le") - d1 * rs / math.sqrt(d)) / s1.unsqueeze(-1) + c("lg") + bias
-    a = logits.softmax(-1)
-    # ---- LN2 and LN3 scales
-    s2 = torch.sqrt((a * _qf(c("g1"), a)).sum(-1).clamp_min(0.0) / d + eps2)
-    ag2a = (a * _qf(c("g2m"), a)).sum(-1)
-    ag2 = (a * c("g2")).sum(-1)
-    s3 = torch.sqrt((ag2a / s2**2 + 2.0 * ag2 / s2 + cz0).clamp_min(0.0) / d + eps3)
+    vct = (omega * dt).sum(-1) - vsum * tsum / d  # v̄·Ct
+    s1 = torch.sqrt((cvv - 2.0 * vct + ctt).clamp_min(0.0) / d + eps1)  # (a, n)
+    a = ((le - d1 * rs / math.sqrt(d)) / s1.unsqueeze(-1) + lg + bias).softmax(-1)
+    # ---- aᵀG1a, aᵀG2a, aᵀG3a in one go; a·g2, a·μ0, a·μ1 in another
+    quad = ((mat[..., 0:3, :, :] * a[..., None, None, :]).sum(-1) * a[..., None, :]).sum(-1)  # (a, n, 3)
+    lin = (vec[..., 5:8, :] * a[..., None, :]).sum(-1)  # (a, n, 3)
+    s2 = torch.sqrt(quad[..., 0].clamp_min(0.0) / d + eps2)
+    s3 = torch.sqrt((quad[..., 1] / s2**2 + 2.0 * lin[..., 0] / s2 + cz0).clamp_min(0.0) / d + eps3)
     # ---- t·Δ and |Δ|²
-    tmf = (a * d2 * rs).sum(-1) + tk2  # Σ a_f t·M_f
-    t_delta = (tmf / s2 + tm0) / s3 + tm1
-    ag3a = (a * _qf(c("g3"), a)).sum(-1)
-    dd = (ag3a / s2**2 + 2.0 * (a * c("mu0")).sum(-1) / s2 + m00) / s3**2
-    dd = dd + 2.0 * ((a * c("mu1")).sum(-1) / s2 + m01) / s3 + m11
+    t_delta = (((a * d2 * rs).sum(-1) + tk2) / s2 + tm0) / s3 + tm1  # Σ a_f t·M_f = Σ a_f u2·F_f/σ_f + t·k2
+    dd = (quad[..., 2] / s2**2 + 2.0 * lin[..., 1] / s2 + m00) / s3**2 + 2.0 * (lin[..., 2] / s2 + m01) / s3 + m11
     # ---- pooling p and the cosine
     w = (dt * q.inv_temp + bias).softmax(-1)
-    ap = _qt(c("p"), a)  # (a, n, f): Σ_f a_f M_f·F_g
-    dp = (w * ((ap / s2.unsqueeze(-1) + c("pi0")) / s3.unsqueeze(-1) + c("pi1"))).sum(-1)
+    ap = (mat[..., 3, :, :] * a[..., :, None]).sum(-2)  # (a, n, f): Σ_f a_f M_f·F_g
+    s2e, s3e = s2.unsqueeze(-1), s3.unsqueeze(-1)
+    dp = (w * ((ap / s2e + vec[..., 8, :]) / s3e + vec[..., 9, :])).sum(-1)
     tp = (w * dt).sum(-1)
-    pp = (w * _qf(c("h"), w)).sum(-1)
+    pp = ((mat[..., 4, :, :] * w[..., None, :]).sum(-1) * w).sum(-1)  # wᵀHw
     nx = (tt + 2.0 * t_delta + dd).clamp_min(0.0).sqrt()
     npp = pp.clamp_min(0.0).sqrt()
     return (tp + dp) / (nx.clamp_min(_COS_EPS) * npp.clamp_min(_COS_EPS))
@@ -523,13 +508,13 @@ def exhaustive(
     v: VideoConstants,
     *,
     chunk: int = 512,
-    query_chunk: int = 64,
+    query_chunk: int = 16,
     device: torch.device | str | None = None,
     progress: bool = False,
 ) -> torch.Tensor:
     """Every query against every video: (a, b) float32 on the CPU, in chunks of `chunk` videos and
     `query_chunk` queries so memory stays bounded (~chunk·f·d·4 bytes for the upcast frames plus
-    ~query_chunk·chunk·f·60 bytes) whatever b is. `v` may live on the CPU (even memory-mapped); each chunk is
+    ~query_chunk·chunk·f²·12 bytes) whatever b is. `v` may live on the CPU (even memory-mapped); each chunk is
     moved to `device` (default: v's device) for the work. 512-video chunks keep the upcast frames (12 MB at
     f = 12, d = 512) in cache."""
     if chunk < 1 or query_chunk < 1:
