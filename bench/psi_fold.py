@@ -243,8 +243,8 @@ def main() -> None:
         ["figure", "value"],
         [["added bytes per video, fp32 constants", results["bytes_per_video"]["fp32"]],
          ["added bytes per video, fp16 constants", results["bytes_per_video"]["fp16"]],
-         ["fold_videos, ms per video (1 thread)", t_fold_v * ms],
-         ["fold_weights, s (once per checkpoint)", t_fold_w],
+         ["fold_videos, wall ms per video (1 thread)", t_fold_v * ms],
+         ["fold_weights, wall s (once per checkpoint)", t_fold_w],
          ["peak RSS, GiB", results["peak_rss_gib"]]],
     )
     body += "\n## Targets (issue 12; reported, not asserted)\n\n"
