@@ -1,0 +1,237 @@
+"""training.psi_fold: the folded psi equals training.psi.pair_scores / model.score (issue 12).
+
+No __init__.py here on purpose: a package named `training` under tests/ would shadow the real one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from training import psi_fold as pf
+from training.psi import Psi, pair_scores
+
+TOL = 1e-5
+
+
+def random_psi(d: int, seed: int, wstd: float = 0.3) -> Psi:
+    """A psi with non-trivial weights and LayerNorm gamma/beta (the N(0, 0.02) init makes Δ ~ 0)."""
+    g = torch.Generator().manual_seed(seed)
+    psi = Psi(d).eval()
+    with torch.no_grad():
+        for name, p in psi.named_parameters():
+            if name.startswith("ln"):
+                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.4 * torch.randn(p.shape, generator=g))
+            elif p.ndim == 2:
+                p.copy_(wstd * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    return psi
+
+
+def reference(psi: Psi, t, frames, mask, temp, dtype=torch.float64) -> torch.Tensor:
+    ref = Psi(psi.dim).eval().to(dtype)
+    ref.load_state_dict(psi.state_dict())
+    with torch.no_grad():
+        s, _ = pair_scores(ref, t.to(dtype), frames.to(dtype), mask, temp)
+    return s
+
+
+@st.composite
+def problems(draw):
+    d = draw(st.sampled_from([8, 16, 32, 48]))
+    f = draw(st.integers(1, 16))
+    a = draw(st.integers(1, 4))
+    b = draw(st.integers(1, 6))
+    seed = draw(st.integers(0, 2**31 - 1))
+    t_scale = 10 ** draw(st.floats(-4, 1.5))  # tiny to large norms, independently for texts and frames
+    f_scale = 10 ** draw(st.floats(-4, 1.5))
+    wstd = draw(st.sampled_from([0.02, 0.3, 0.6]))
+    padded = draw(st.booleans())
+    temp = draw(st.sampled_from([3.0, 0.5, 10.0]))
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(a, d, generator=g) * t_scale
+    frames = torch.randn(b, f, d, generator=g) * f_scale
+    if padded:
+        n_real = torch.randint(1, f + 1, (b,), generator=g)
+        mask = torch.arange(f)[None, :] < n_real[:, None]
+        frames = frames * mask[..., None]  # the encoder zeroes padded rows
+    else:
+        mask = torch.ones(b, f, dtype=torch.bool)
+    return random_psi(d, seed, wstd), t, frames, mask, temp
+
+
+FAST = settings(max_examples=20, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+
+
+@FAST
+@given(problems())
+def test_fold_equals_pair_scores(problem):
+    psi, t, frames, mask, temp = problem
+    s = pf.pair_scores(pf.fold_queries(t, psi, temp), pf.fold_videos(frames, mask, psi))
+    assert s.dtype == torch.float32 and s.shape == (t.shape[0], frames.shape[0])
+    torch.testing.assert_close(s.double(), reference(psi, t, frames, mask, temp), atol=TOL, rtol=0)
+    torch.testing.assert_close(s, reference(psi, t, frames, mask, temp, torch.float32), atol=TOL, rtol=0)
+
+
+@FAST
+@given(problems(), st.sampled_from([torch.float16, torch.bfloat16]))
+def test_low_precision_stored_frames(problem, dtype):
+    """fp16/bf16-stored frames: the fold accumulates in fp32 and matches psi on the upcast frames."""
+    psi, t, frames, mask, temp = problem
+    stored = frames.to(dtype)
+    v = pf.fold_videos(stored, mask, psi)
+    assert v.frames.dtype == dtype and v.rs.dtype == torch.float32
+    s = pf.pair_scores(pf.fold_queries(t.to(dtype), psi, temp), v)
+    torch.testing.assert_close(s.double(), reference(psi, t.to(dtype).float(), stored.float(), mask, temp), atol=TOL, rtol=0)
+
+
+@FAST
+@given(problems(), st.integers(1, 9), st.integers(0, 2**31 - 1))
+def test_subset_equals_full_gathered(problem, k, seed):
+    psi, t, frames, mask, temp = problem
+    q, v = pf.fold_queries(t, psi, temp), pf.fold_videos(frames, mask, psi)
+    idx = torch.randint(0, frames.shape[0], (t.shape[0], k), generator=torch.Generator().manual_seed(seed))
+    full = pf.pair_scores(q, v)
+    torch.testing.assert_close(pf.pair_scores(q, v, idx), full.gather(1, idx), atol=1e-6, rtol=0)
+
+
+@FAST
+@given(problems())
+def test_all_rows_mode(problem):
+    """mask=None / all-ones mask: psi attends over every row (padded ones too) and v̄ is the plain mean."""
+    psi, t, frames, mask, temp = problem
+    q = pf.fold_queries(t, psi, temp)
+    ref = reference(psi, t, frames, None, temp)
+    s_none = pf.pair_scores(q, pf.fold_videos(frames, None, psi))
+    s_ones = pf.pair_scores(q, pf.fold_videos(frames, torch.ones_like(mask), psi))
+    torch.testing.assert_close(s_none.double(), ref, atol=TOL, rtol=0)
+    torch.testing.assert_close(s_ones, s_none, atol=0, rtol=0)
+
+
+def test_all_rows_mode_differs_from_masked():
+    """The two padding modes really give different scores (so the tests above can tell them apart)."""
+    psi = random_psi(16, 4)
+    t, frames = torch.randn(3, 16), torch.randn(2, 6, 16)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[:, 3:] = False
+    frames = frames * mask[..., None]
+    q = pf.fold_queries(t, psi, 3.0)
+    masked = pf.pair_scores(q, pf.fold_videos(frames, mask, psi))
+    rows = pf.pair_scores(q, pf.fold_videos(frames, None, psi))
+    torch.testing.assert_close(masked.double(), reference(psi, t, frames, mask, 3.0), atol=TOL, rtol=0)
+    assert (masked - rows).abs().max() > 1e-3
+
+
+def test_fully_padded_video_scores_nan_like_pair_scores():
+    psi = random_psi(16, 1)
+    t, frames = torch.randn(2, 16), torch.randn(3, 5, 16)
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    mask[1] = False
+    frames[1] = 0
+    ref = reference(psi, t, frames, mask, 3.0)
+    s = pf.pair_scores(pf.fold_queries(t, psi, 3.0), pf.fold_videos(frames, mask, psi))
+    assert torch.isnan(ref[:, 1]).all() and torch.isnan(s[:, 1]).all()
+    torch.testing.assert_close(s[:, [0, 2]].double(), ref[:, [0, 2]], atol=TOL, rtol=0)
+
+
+def test_equals_model_score_and_fused(tiny_model):
+    """Against model.score (block-wise, the training definition) and the service's fused path."""
+    from service.search import fused_pair_scores
+
+    torch.manual_seed(3)
+    d, f = tiny_model.cfg.embed_dim, tiny_model.cfg.max_frames
+    t, frames = torch.randn(5, d), torch.randn(7, f, d)
+    mask = torch.ones(7, f, dtype=torch.bool)
+    mask[2, f // 2 :] = False
+    mask[5, 1:] = False
+    frames = frames * mask[..., None]
+    with torch.no_grad():
+        ref = tiny_model.score(t, frames.half(), mask, block_videos=3, block_texts=2)
+    fw = pf.fold_weights(tiny_model.psi)
+    v = pf.fold_videos(frames.half(), mask, fw)
+    s = pf.pair_scores(pf.fold_queries(t, fw, tiny_model.cfg.temp), v)
+    torch.testing.assert_close(s, ref, atol=TOL, rtol=0)
+    # one switch over the three implementations, pair by pair
+    P = torch.arange(7)
+    tp, fp, mp = t[P % 5], frames.half()[P], mask[P]
+    outs = {impl: pf.rerank_scores(impl, tiny_model, tp, fp, mp, fold=fw) for impl in pf.RERANK_IMPLS}
+    diag = ref[P % 5, P]
+    for impl, o in outs.items():
+        torch.testing.assert_close(o, diag, atol=TOL, rtol=0, msg=f"rerank impl {impl}")
+    with torch.no_grad():
+        vbar = (frames.half().float() * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+        torch.testing.assert_close(fused_pair_scores(tiny_model, tp, fp.float(), mp, vbar[P]), diag, atol=TOL, rtol=0)
+    with pytest.raises(ValueError, match="'nope'"):
+        pf.rerank_scores("nope", tiny_model, tp, fp, mp)
+
+
+def test_exhaustive_chunks_equal_pair_scores():
+    psi = random_psi(24, 5)
+    g = torch.Generator().manual_seed(0)
+    t, frames = torch.randn(5, 24, generator=g), torch.randn(23, 4, 24, generator=g).half()
+    mask = torch.rand(23, 4, generator=g) > 0.3
+    mask[:, 0] = True
+    fw = pf.fold_weights(psi)
+    v, q = pf.fold_videos(frames, mask, fw, chunk=4), pf.fold_queries(t, fw, 3.0)
+    full = pf.pair_scores(q, pf.fold_videos(frames, mask, fw))
+    torch.testing.assert_close(pf.pair_scores(q, v), full, atol=1e-6, rtol=0)  # fold chunking changes nothing
+    ex = pf.exhaustive(q, v, chunk=5, query_chunk=2)
+    assert ex.shape == (5, 23) and ex.device.type == "cpu"
+    torch.testing.assert_close(ex, full, atol=1e-6, rtol=0)
+
+
+def test_packed_round_trip_select_cat_and_fp16_constants():
+    psi = random_psi(16, 2)
+    frames, mask = torch.randn(6, 3, 16), torch.ones(6, 3, dtype=torch.bool)
+    fw = pf.fold_weights(psi)
+    v, q = pf.fold_videos(frames, mask, fw), pf.fold_queries(torch.randn(2, 16), fw, 3.0)
+    full = pf.pair_scores(q, v)
+    assert v.packed.shape == (6, pf.packed_width(3)) and v.packed.dtype == torch.float32
+    back = pf.VideoConstants(frames=frames, packed=v.packed.clone(), fingerprint=fw.fingerprint)  # as stored
+    torch.testing.assert_close(pf.pair_scores(q, back), full, atol=0, rtol=0)
+    # the named views are the documented quantities
+    torch.testing.assert_close(v.h, frames @ frames.transpose(1, 2), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(v.omega, torch.full((6, 3), 1 / 3))
+    assert v.g1.shape == (6, 3, 3) and v.cvv.shape == (6,)
+    both = pf.VideoConstants.cat([v.slice(0, 2), v.slice(2, 6)])
+    torch.testing.assert_close(pf.pair_scores(q, both), full, atol=0, rtol=0)
+    sel = v.select(torch.tensor([4, 1]))
+    torch.testing.assert_close(pf.pair_scores(q, sel), full[:, [4, 1]], atol=1e-6, rtol=0)
+    half = v.to(dtype=torch.float16)
+    assert half.frames.dtype == torch.float32 and half.g1.dtype == torch.float16
+    assert half.bytes_per_video() * 2 == v.bytes_per_video()
+    assert (pf.pair_scores(q, half) - full).abs().max() < 5e-2  # lossy but still computed in fp32
+    with pytest.raises(ValueError, match="do not match frames"):
+        pf.VideoConstants(frames=frames, packed=v.packed[:, :-1], fingerprint=fw.fingerprint)
+
+
+def test_bytes_per_video_at_f12_d512():
+    v = pf.fold_videos(torch.randn(2, 12, 512).half(), None, Psi(512).eval())
+    assert v.bytes_per_video() == pf.packed_width(12) * 4 == (5 * 12 * 12 + 10 * 12 + 2) * 4 == 3368 <= 4096
+
+
+def test_refuses_other_head_counts_and_mismatches():
+    with pytest.raises(ValueError, match="heads=2"):
+        pf.fold_weights(Psi(16, heads=2))
+    with pytest.raises(ValueError, match="heads=4"):
+        pf.fold_videos(torch.randn(1, 2, 16), None, Psi(16, heads=4))
+    a, b = random_psi(16, 1), random_psi(16, 2)
+    v, q = pf.fold_videos(torch.randn(2, 3, 16), None, a), pf.fold_queries(torch.randn(1, 16), b, 3.0)
+    assert pf.fold_weights(a).fingerprint == v.fingerprint != q.fingerprint
+    with pytest.raises(ValueError, match="different psi weights"):
+        pf.pair_scores(q, v)
+    qa = pf.fold_queries(torch.randn(1, 16), a, 3.0)
+    with pytest.raises(ValueError, match=r"\[0, 2\)"):
+        pf.pair_scores(qa, v, torch.tensor([[0, 2]]))
+    with pytest.raises(ValueError, match=r"\(b, f, 16\)"):
+        pf.fold_videos(torch.randn(2, 16), None, a)
+    with pytest.raises(ValueError, match="temp must be > 0, got 0"):
+        pf.fold_queries(torch.randn(1, 16), a, 0.0)
+
+
+def test_docstring_byte_figure_is_the_packed_width():
+    """The figure the module docstring quotes for f = 12 is what the code stores."""
+    assert f"{pf.packed_width(12)} floats, {pf.packed_width(12) * 4:,} bytes" in " ".join(pf.__doc__.split())
