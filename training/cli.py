@@ -109,7 +109,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     enc = encode_set(model, rs, batch_size=args.batch_size, num_workers=args.num_workers, precision=args.precision,
                      progress=True)
     queue = ckpt.queues.get("text")
-    result = evaluate_encoded(model, enc, queue if args.ncl else None)
+    result = evaluate_encoded(model, enc, queue if args.ncl else None,
+                              video_queue=ckpt.queues.get("video") if args.ncl else None)
     result["checkpoint"] = str(args.checkpoint)
     result["dataset"] = rs.name
     paths = write_report(result, args.out, title=f"GARE evaluation: {rs.name}")

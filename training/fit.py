@@ -409,7 +409,7 @@ class Trainer:
         from .evaluate import encode_set, evaluate_encoded
 
         enc = encode_set(self.model.eval(), self.val_set, batch_size=32, num_workers=self.cfg.num_workers)
-        return evaluate_encoded(self.model, enc, self.text_queue.tensor())
+        return evaluate_encoded(self.model, enc, self.text_queue.tensor(), video_queue=self.video_queue.tensor())
 
     def fit(self) -> dict[str, Any]:
         cfg = self.cfg
