@@ -120,6 +120,7 @@ def delta_deviation(
     return out
 
 
+@torch.no_grad()
 def evaluate_encoded(
     model: GARE, enc: EncodedSet, queue: torch.Tensor | None, *, n_iters: int = 4, block: int = 128,
     video_queue: torch.Tensor | None = None,
