@@ -81,7 +81,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
             "batch_size": args.batch_size, "lr": args.lr, "precision": args.precision, "device": args.device,
             "num_workers": args.num_workers, "seed": args.seed, "save_every": args.save_every,
             "ncl_train": True if args.ncl_train else None, "queue_size": args.queue_size,
-            "init_checkpoint": args.init_checkpoint}
+            "init_checkpoint": args.init_checkpoint, "preset": args.preset}
     data = _data_spec(args)
     if data:
         over["data"] = data
@@ -109,7 +109,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     enc = encode_set(model, rs, batch_size=args.batch_size, num_workers=args.num_workers, precision=args.precision,
                      progress=True)
     queue = ckpt.queues.get("text")
-    result = evaluate_encoded(model, enc, queue if args.ncl else None)
+    result = evaluate_encoded(model, enc, queue if args.ncl else None,
+                              video_queue=ckpt.queues.get("video") if args.ncl else None)
     result["checkpoint"] = str(args.checkpoint)
     result["dataset"] = rs.name
     paths = write_report(result, args.out, title=f"GARE evaluation: {rs.name}")
@@ -132,6 +133,8 @@ def _register_train_commands(sub) -> None:
 
     fit = sub.add_parser("fit", help="train GARE (SPEC §3); torchrun for several GPUs/processes")
     fit.add_argument("--config", help="YAML with TrainConfig fields; flags override it")
+    fit.add_argument("--preset", choices=["reference", "scratch"],
+                     help="reference (default: the authors' recipe, needs CLIP weights) | scratch (random init)")
     fit.add_argument("--model", help="registered model config (gare-vit-b-32, gare-cpu-small, gare-test-tiny)")
     fit.add_argument("--pretrained", help="openai | a local CLIP weights file | none")
     fit.add_argument("--init-checkpoint", help="start from a GARE checkpoint's weights")

@@ -30,6 +30,12 @@ class ModelConfig:
     temp: float = 3.0  # text-conditioned pooling temperature
     psi_heads: int = 1  # the reference psi uses a single head
     psi_dropout: float = 0.3
+    # How padded frame rows (clips shorter than max_frames) enter the score. False (models trained here):
+    # padded rows are zeroed and masked everywhere. True (checkpoints from the authors' code, set by
+    # `gare-train import-official`): as they were trained, v̄ is the plain mean over all max_frames rows
+    # and psi attends over all rows, padded ones included (their features are what the encoder makes of
+    # a blank frame, so they must be kept, also in an index); pooling still ignores them.
+    reference_padding: bool = False
 
     def __post_init__(self) -> None:
         if self.embed_dim <= 0 or self.embed_dim % self.psi_heads:

@@ -107,6 +107,10 @@ class GARE(nn.Module):
         mask = mask.to(self.device)
         x = backbone.encode_images(self.clip, frames.to(self.device).flatten(0, 1)).view(b, f, -1)
         x = self.temporal(x, mask).float()
+        if self.cfg.reference_padding:
+            # Imported checkpoints were trained on the padded rows' features (what the encoder makes of a
+            # blank frame) and the plain mean over all rows; keep both so their scores are reproduced.
+            return x, x.mean(dim=1)
         # Padded rows carry only what the encoder made of blank frames; zero them so nothing downstream
         # (pooling, psi, storage) can depend on them.
         x = x * mask.to(x.dtype).unsqueeze(-1)
@@ -120,7 +124,8 @@ class GARE(nn.Module):
         self, t: torch.Tensor, frames: torch.Tensor, mask: torch.Tensor, vbar: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Training path over one (global) batch: s (a, b) and Δ (a, b, d), which the losses need."""
-        s, delta = pair_scores(self.psi, t, frames, mask, self.cfg.temp, vbar=vbar, return_delta=True)
+        s, delta = pair_scores(self.psi, t, frames, mask, self.cfg.temp, vbar=vbar, return_delta=True,
+                               reference_padding=self.cfg.reference_padding)
         assert delta is not None
         return s, delta
 
@@ -150,12 +155,16 @@ class GARE(nn.Module):
             j1 = min(j0 + block_videos, b)
             fr = frames[j0:j1].to(dev, torch.float32)
             mk = None if mask is None else mask[j0:j1].to(dev)
-            vb = masked_mean(fr, mk) if vbar is None else vbar[j0:j1].to(dev, torch.float32)
+            if vbar is not None:
+                vb = vbar[j0:j1].to(dev, torch.float32)
+            else:
+                vb = fr.mean(dim=1) if self.cfg.reference_padding else masked_mean(fr, mk)
             kvb = self.psi.video_kv(fr) if kv is None else (kv[0][j0:j1].to(dev, torch.float32), kv[1][j0:j1].to(dev, torch.float32))
             for i0 in range(0, a, block_texts):
                 i1 = min(i0 + block_texts, a)
                 s, d = pair_scores(
-                    self.psi, t[i0:i1], fr, mk, self.cfg.temp, vbar=vb, kv=kvb, return_delta=return_delta
+                    self.psi, t[i0:i1], fr, mk, self.cfg.temp, vbar=vb, kv=kvb, return_delta=return_delta,
+                    reference_padding=self.cfg.reference_padding,
                 )
                 out[i0:i1, j0:j1] = s
                 if deltas is not None:

@@ -158,6 +158,7 @@ def convert_official_state_dict(
         temporal_layers=n_temporal,
         temp=temp,
         psi_heads=1,
+        reference_padding=True,  # score short clips as the authors' code trained and scored them
     )
     report = ImportReport(cfg)
     out: dict[str, torch.Tensor] = {}

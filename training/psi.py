@@ -4,7 +4,8 @@ Shapes: a texts, b videos, f frames, d embedding width.
 
 psi works per pair, but its key/value projections depend only on the video, so `video_kv` computes them
 once per video (b, f, d) and the pair stage costs O(a·b·(f+d)·d) instead of O(a·b·f·d²). Padded frames are
-masked out of psi's attention (the reference attends over them; the two agree when no frame is padded).
+masked out of psi's attention and v̄ (the reference attends over them and averages them in; the two agree
+when no frame is padded). `reference_padding=True` computes what the reference does, for imported checkpoints.
 """
 
 from __future__ import annotations
@@ -104,12 +105,18 @@ def pair_scores(
     vbar: torch.Tensor | None = None,
     kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     return_delta: bool = False,
+    reference_padding: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One block: s (a, b) = cos(t_i + Δ_ij, p_ij), and Δ (a, b, d) when asked."""
+    """One block: s (a, b) = cos(t_i + Δ_ij, p_ij), and Δ (a, b, d) when asked.
+
+    `reference_padding`: the authors' semantics (v̄ over all rows, psi attends over all rows); `frames` must
+    then hold the padded rows' encoder features, not zeros. The pooling masks padded rows either way (the
+    reference multiplies its softmax by the mask; the cosine does not see the renormalisation).
+    """
     if vbar is None:
-        vbar = masked_mean(frames, mask)
+        vbar = frames.mean(dim=1) if reference_padding else masked_mean(frames, mask)
     keys, values = kv if kv is not None else psi.video_kv(frames)
-    delta = psi.delta(t, vbar, keys, values, mask)
+    delta = psi.delta(t, vbar, keys, values, None if reference_padding else mask)
     p = pool_frames(t, frames, mask, temp)
     s = F.cosine_similarity(t.unsqueeze(1) + delta, p, dim=-1, eps=1e-8)
     return s, (delta if return_delta else None)

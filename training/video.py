@@ -32,7 +32,7 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -267,8 +267,12 @@ def load_frames(
     start: float | None = None,
     end: float | None = None,
     num_threads: int = 0,
+    augment: Callable[[list[Any]], list[Any]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode and preprocess one clip.
+
+    ``augment`` (training only) maps the clip's decoded PIL frames to augmented ones before the CLIP
+    transform, as the authors apply RandAugment; evaluation and indexing never pass it.
 
     Returns ``frames`` float32 ``(max_frames, 3, image_size, image_size)`` (zero rows after the real
     frames) and ``mask`` int64 ``(max_frames,)`` with 1 for real frames. ``start``/``end`` are seconds.
@@ -297,8 +301,11 @@ def load_frames(
 
     tf = clip_transform(int(image_size))
     frames = torch.zeros((max_frames, 3, image_size, image_size), dtype=torch.float32)
-    for i, arr in enumerate(raw):
-        frames[i] = tf(Image.fromarray(arr))
+    images = [Image.fromarray(arr) for arr in raw]
+    if augment is not None:
+        images = augment(images)
+    for i, img in enumerate(images):
+        frames[i] = tf(img)
     mask = torch.zeros(max_frames, dtype=torch.int64)
     mask[: len(positions)] = 1
     return frames, mask
@@ -345,6 +352,10 @@ class ClipDataset(torch.utils.data.Dataset):
         return len(self.items)
 
     def __getitem__(self, index: int) -> DecodedClip:
+        return self.decode(index)
+
+    def decode(self, index: int, augment: Callable[[list[Any]], list[Any]] | None = None) -> DecodedClip:
+        """Item `index`, its frames passed through `augment` (see `load_frames`) when given."""
         key, path, start, end = self.items[index]
         # One decode thread per worker process; the main process may use decord's own threading.
         threads = 1 if torch.utils.data.get_worker_info() is not None else 0
@@ -357,6 +368,7 @@ class ClipDataset(torch.utils.data.Dataset):
                 start=start,
                 end=end,
                 num_threads=threads,
+                augment=augment,
             )
         except VideoDecodeError as e:
             return DecodedClip(key, None, None, e.reason)

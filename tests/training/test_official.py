@@ -64,8 +64,11 @@ def _qgelu(x):
     return x * torch.sigmoid(1.702 * x)
 
 
-def reference_scores(sd, tokens, frames) -> torch.Tensor:
-    """The authors' forward pass (eval mode, unpadded videos), restated on their key names."""
+def reference_scores(sd, tokens, frames, mask=None) -> torch.Tensor:
+    """The authors' forward pass (eval mode), restated on their key names. With `mask` (b, f) padded rows are
+    what their loader gives (zero pixels) and what their model does with them: masked only inside the
+    temporal transformer's attention and after the pooling softmax; v̄ averages all f rows and psi attends
+    over all rows."""
     clip_sd = {k[5:]: v for k, v in sd.items() if k.startswith("clip.")}
     # open_clip infers the architecture from the OpenAI layout on its own; it stores fp16, so reload in fp32.
     clip = open_clip.model.build_model_from_openai_state_dict(dict(clip_sd), quick_gelu=True, cast_dtype=torch.float32)
@@ -75,13 +78,17 @@ def reference_scores(sd, tokens, frames) -> torch.Tensor:
     b, f = frames.shape[:2]
     x0 = clip.encode_image(frames.flatten(0, 1)).view(b, f, -1)
 
+    if mask is None:
+        mask = torch.ones(b, f)
+    key_bias = (1.0 - mask.float())[:, None, :] * -1e6  # (b, 1, f): their extended video mask
+
     x = x0 + sd["frame_position_embeddings.weight"][:f]
     for i in range(2):
         p = f"transformerClip.resblocks.{i}."
         h = F.layer_norm(x, (D,), sd[p + "ln_1.weight"], sd[p + "ln_1.bias"])
         qkv = h @ sd[p + "attn.in_proj_weight"].T + sd[p + "attn.in_proj_bias"]
         q, k, v = qkv.chunk(3, dim=-1)  # one head: width 64 // 64
-        w = (q @ k.transpose(1, 2) / math.sqrt(D)).softmax(-1)
+        w = (q @ k.transpose(1, 2) / math.sqrt(D) + key_bias).softmax(-1)
         x = x + (w @ v) @ sd[p + "attn.out_proj.weight"].T + sd[p + "attn.out_proj.bias"]
         h = F.layer_norm(x, (D,), sd[p + "ln_2.weight"], sd[p + "ln_2.bias"])
         x = x + _qgelu(h @ sd[p + "mlp.c_fc.weight"].T + sd[p + "mlp.c_fc.bias"]) @ sd[p + "mlp.c_proj.weight"].T + sd[p + "mlp.c_proj.bias"]
@@ -104,7 +111,7 @@ def reference_scores(sd, tokens, frames) -> torch.Tensor:
             A = N(P + "layer_norm2", L(P + "cross_attn.out_proj", att @ L(P + "cross_attn.v_proj", C)))
             Out = N(P + "layer_norm3", A + L(P + "linear1", A))
             delta = L("psi.mean_proj", Out)
-            pw = (Fv[j] @ t[i] / TEMP).softmax(0)  # times an all-ones mask
+            pw = (Fv[j] @ t[i] / TEMP).softmax(0) * mask[j]  # softmax over all rows, then the mask
             pooled = pw @ Fv[j]
             scores[i, j] = F.cosine_similarity(t[i] + delta, pooled, dim=0)
     return scores
@@ -153,3 +160,44 @@ def test_imported_model_scores_equal_reference(tmp_path):
     ours = model.score(t, Fv, torch.ones(4, FRAMES, dtype=torch.long))
     assert (ref - ref.mean()).abs().max() > 1e-3  # not a degenerate comparison
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=0)
+
+
+def test_imported_model_scores_padded_clips_as_the_authors(tmp_path):
+    """Short clips: an imported checkpoint keeps the padded rows' features, averages them into v̄ and lets
+    psi attend to them, exactly as the reference; a model with masked padding would score them differently."""
+    sd = official_state_dict(seed=1)
+    src = tmp_path / "pytorch_model.bin.2"
+    torch.save(sd, src)
+    out = tmp_path / "gare.safetensors"
+    assert train_cli(["import-official", str(src), str(out), "--max-frames", str(FRAMES), "--max-words", str(WORDS)]) == 0
+    model, ckpt = load_model(out)
+    assert ckpt.config.reference_padding is True
+
+    g = torch.Generator().manual_seed(5)
+    captions = ["a dog jumps over a fence", "two people dance", "a red car turns left", "someone slices bread"]
+    tokens = open_clip.get_tokenizer("gare-test-tiny")(captions)
+    real = [FRAMES, 4, 2, 1]  # the first clip is full length, the others padded
+    mask = torch.zeros(len(real), FRAMES, dtype=torch.long)
+    frames = torch.randn(len(real), FRAMES, 3, 32, 32, generator=g)
+    for j, n in enumerate(real):
+        mask[j, :n] = 1
+        frames[j, n:] = 0.0  # the authors' loader leaves padded frames as zero pixels
+    ref = reference_scores(sd, tokens, frames, mask)
+
+    t = model.encode_text(model.tokenize(captions))
+    Fv, vbar = model.encode_video(frames, mask)
+    assert Fv[1:, -1].abs().sum() > 0  # padded rows keep their features (an index must store them)
+    torch.testing.assert_close(vbar, Fv.mean(1))
+    ours = model.score(t, Fv, mask)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(model.score(t, Fv, mask, vbar=vbar), ref, atol=1e-5, rtol=0)
+
+    # The same weights with masked padding (what models trained here do) differ on the padded clips only.
+    from training.model import GARE
+
+    masked = GARE.build(ckpt.config.replace(reference_padding=False), pretrained="none").eval()
+    masked.load_state_dict(ckpt.state_dict)
+    Fm, _ = masked.encode_video(frames, mask)
+    sm = masked.score(t, Fm, mask)
+    torch.testing.assert_close(sm[:, 0], ref[:, 0], atol=1e-5, rtol=0)
+    assert (sm[:, 1:] - ref[:, 1:]).abs().max() > 1e-3
