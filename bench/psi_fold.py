@@ -85,7 +85,7 @@ def main() -> None:
     started = time.time()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    from service.search import exhaustive_psi, fused_pair_scores
+    from indexer.search import exhaustive_psi, fused_pair_scores
     from training import psi_fold as pf
     from training.config import get_model_config
     from training.model import GARE

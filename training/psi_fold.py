@@ -541,7 +541,9 @@ def exhaustive(
 
 
 # ------------------------------------------------------------------------------------------ switch
-RERANK_IMPLS = ("fold", "fused", "model")
+# The light core offers the fold and the model path; the fused path lives in indexer.search (above this
+# layer), which dispatches all three.
+RERANK_IMPLS = ("fold", "model")
 
 
 def rerank_scores(
@@ -559,12 +561,10 @@ def rerank_scores(
     three agree to float32 rounding.
 
     "fold": `consts` (P rows, already gathered for these pairs) or folded here from frames/mask (`fold` =
-    cached `fold_weights(model.psi)`); "fused": `service.search.fused_pair_scores` (imported lazily: the
-    light core does not depend on the service); "model": `model.score` pair by pair.
+    cached `fold_weights(model.psi)`); "model": `model.score` pair by pair.
     """
     if impl not in RERANK_IMPLS:
         raise ValueError(f"rerank impl must be one of {RERANK_IMPLS}, got {impl!r}")
-    from .psi import masked_mean
 
     P = t.shape[0]
     if frames.shape[0] != P:
@@ -580,11 +580,6 @@ def rerank_scores(
             return _diag(q, v.to(dev))
         fr = frames.to(dev, torch.float32)
         mk = None if mask is None else mask.to(dev)
-        vbar = masked_mean(fr, mk)
-        if impl == "fused":
-            from service.search import fused_pair_scores
-
-            return fused_pair_scores(model, t.float(), fr, mk, vbar)
         out = torch.empty(P, device=dev)
         for i in range(P):
             out[i] = model.score(t[i : i + 1].float(), fr[i : i + 1], None if mk is None else mk[i : i + 1])[0, 0]

@@ -139,7 +139,7 @@ def test_fully_padded_video_scores_nan_like_pair_scores():
 
 def test_equals_model_score_and_fused(tiny_model):
     """Against model.score (block-wise, the training definition) and the service's fused path."""
-    from service.search import fused_pair_scores
+    from indexer.search import fused_pair_scores
 
     torch.manual_seed(3)
     d, f = tiny_model.cfg.embed_dim, tiny_model.cfg.max_frames
