@@ -67,7 +67,7 @@ def main() -> None:
     from clip_like import ClipLikeConfig, clip_like, describe
 
     from indexer.ann import AnnIndex, AnnParams, default_nprobe
-    from indexer.tune import TuneConfig, exact_topk, recall_of_topk, tune_ann
+    from indexer.tune import TuneConfig, describe_params, exact_topk, recall_of_topk, tune_ann
 
     commit = _commit()
     cfg = TuneConfig()
@@ -104,11 +104,7 @@ def main() -> None:
         print(f"{name} n={n:,}: evaluation ground truth in {time.time() - t0:.1f}s", flush=True)
         ann, res = tune_ann(x, q_sample, query_source=source, config=TuneConfig(strict=False), progress=True)
         ratio = res.tuning_s / res.build_s if res.build_s > 0 else float("nan")
-        setting = f"tuned: {res.index_type} " + " ".join(
-            f"{key}={res.params[key]}" for key in ("nlist", "nprobe", "coarse", "ef_search", "rescore", "fastscan")
-            if key in res.params and res.params[key] not in (None, False)
-            and not (res.index_type == "ivf" and key in ("ef_search", "rescore"))
-            and not (res.index_type == "hnsw" and key in ("nlist", "nprobe", "coarse", "rescore")))
+        setting = f"tuned: {res.index_type} {describe_params(AnnParams.from_dict(res.params))}"
         if ann is None:
             notes.append(f"{name} n={n:,}: the tuner found NO setting within the latency budget: {res.message}")
             data.append({"data": name, "n": n, "tune": res.to_dict()})

@@ -71,6 +71,7 @@ __all__ = [
     "choose_candidates",
     "cosine_scorer",
     "cagra_available",
+    "describe_params",
 ]
 
 # scorer(queries (b, d) float32, ids (m,) int64) -> scores (b, m): what the exhaustive ranking sorts by
@@ -344,9 +345,9 @@ def tune_ann(
         tr = Trial(a.params.index_type, a.params.to_dict(), r, p50, note)
         trials.append(tr)
         log.info("tune %s %s: recall@%d of top-%d %.4f, p50 %.2f ms %s", tr.index_type,
-                 _knobs(a.params), K, k, r, p50, note)
+                 describe_params(a.params), K, k, r, p50, note)
         if progress:
-            print(f"  tune {tr.index_type} {_knobs(a.params)}: recall {r:.4f}, p50 {p50:.2f} ms {note}", flush=True)
+            print(f"  tune {tr.index_type} {describe_params(a.params)}: recall {r:.4f}, p50 {p50:.2f} ms {note}", flush=True)
         return tr
 
     def consider(a: AnnIndex, tr: Trial) -> None:
@@ -423,7 +424,7 @@ def tune_ann(
             if r_hold >= cfg.target:
                 break
             log.info("held-out recall %.4f < %.4f for %s; trying the next setting", r_hold, cfg.target,
-                     _knobs(chosen.params))
+                     describe_params(chosen.params))
             chosen = _step_up(chosen, cfg, units, vec_ids)
             if chosen is not None:
                 tr = measure(chosen, "(held-out check failed: stepped up)")
@@ -450,13 +451,13 @@ def tune_ann(
             r_hold = recall_of_topk(got, gt_hold)
     else:
         r_hold = float("nan")
-    knobs = _knobs(AnnParams.from_dict(final_tr.params))
+    knobs = describe_params(AnnParams.from_dict(final_tr.params))
     if met:
         msg = (f"recall@{K} of the exact top-{k} = {r_hold:.4f} >= {cfg.target} on {len(q_hold)} held-out "
                f"queries ({query_source}) with {final_tr.index_type} {knobs}, p50 {final_tr.p50_ms:.2f} ms "
                f"<= {cfg.latency_budget_ms} ms")
     else:
-        tried = "; ".join(f"{t.index_type} {_knobs(AnnParams.from_dict(t.params))}: {t.recall:.4f} at "
+        tried = "; ".join(f"{t.index_type} {describe_params(AnnParams.from_dict(t.params))}: {t.recall:.4f} at "
                           f"{t.p50_ms:.2f} ms" for t in trials[-6:])
         msg = (f"recall target {cfg.target} (recall@{K} of the exact top-{k}) NOT met within p50 <= "
                f"{cfg.latency_budget_ms} ms: best within budget "
@@ -484,7 +485,8 @@ def _gather(units: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(units[uniq], dtype=np.float32)[inv])
 
 
-def _knobs(p: AnnParams) -> str:
+def describe_params(p: AnnParams) -> str:
+    """The knobs that matter for ``p.index_type``, as one short string (reports and messages)."""
     if p.index_type == "flat":
         return "exact"
     if p.index_type == "hnsw":
