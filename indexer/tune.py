@@ -96,7 +96,11 @@ class TuneConfig:
     seed: int = 0
     use_gpu: bool | None = False
     strict: bool = True  # raise RecallTargetError when the target cannot be met (else met=False)
-    margin: float = 0.5  # tune to target + margin * (1 - target) so the held-out half clears the target
+    # Aim the tuning half at target + margin * (1 - target) (0.999 for 0.995) while the latency budget allows:
+    # the held-out half then clears the target with room, and small galleries, where the budget is loose,
+    # get the higher recall for free.  When the budget stops short of the aim, a setting whose held-out
+    # recall still reaches the target is accepted.
+    margin: float = 0.8
 
     def __post_init__(self) -> None:
         if not 0.0 < self.target <= 1.0:
@@ -175,9 +179,10 @@ def sample_queries(
     for arr, name in ((queue, "ncl-queue"), (captions, "manifest-captions")):
         if arr is None:
             continue
-        arr = np.asarray(arr, dtype=np.float32).reshape(len(arr), -1)
+        arr = np.asarray(arr, dtype=np.float32)
         if arr.shape[0] == 0:
             continue
+        arr = arr.reshape(arr.shape[0], -1)
         if arr.shape[1] != d:
             raise ValueError(f"{name} embeddings have d={arr.shape[1]}, the gallery has d={d}")
         if arr.shape[0] > n:
@@ -350,10 +355,13 @@ def tune_ann(
             print(f"  tune {tr.index_type} {describe_params(a.params)}: recall {r:.4f}, p50 {p50:.2f} ms {note}", flush=True)
         return tr
 
+    within: list[tuple[Trial, AnnIndex]] = []  # every trial within the latency budget, with its index
+
     def consider(a: AnnIndex, tr: Trial) -> None:
         nonlocal best
         if tr.p50_ms > cfg.latency_budget_ms:
             return
+        within.append((tr, a))
         if best is None or (tr.recall, -tr.p50_ms) > (best[0], best[1]):
             best = (tr.recall, -tr.p50_ms, a, tr)
 
@@ -405,6 +413,7 @@ def tune_ann(
 
     total_build = build_s
     chosen: AnnIndex | None = None
+    chosen_tr: Trial | None = None
     queue: list[AnnIndex | str] = ([ann] if ann is not None else []) + ladder
     for item in queue:
         if isinstance(item, AnnIndex):
@@ -415,7 +424,9 @@ def tune_ann(
             total_build += time.perf_counter() - t0
             if progress:
                 print(f"  built {item} in {time.perf_counter() - t0:.1f} s", flush=True)
+        n_before = len(within)
         chosen = tune_one(a)
+        chosen_tr = trials[-1] if chosen is not None else None
         if chosen is not None:
             # confirm on the held-out queries; one more step up if the tuning half was lucky
             with timer:
@@ -427,15 +438,25 @@ def tune_ann(
                      describe_params(chosen.params))
             chosen = _step_up(chosen, cfg, units, vec_ids)
             if chosen is not None:
-                tr = measure(chosen, "(held-out check failed: stepped up)")
-                consider(chosen, tr)
-                if tr.p50_ms <= cfg.latency_budget_ms:
+                chosen_tr = measure(chosen, "(held-out check failed: stepped up)")
+                consider(chosen, chosen_tr)
+                if chosen_tr.p50_ms <= cfg.latency_budget_ms:
                     with timer:
                         _, got = chosen.search(q_hold, K)
                         r_hold = recall_of_topk(got, gt_hold)
                     if r_hold >= cfg.target:
                         break
             chosen = None
+        # the aim was out of reach within the budget: keep this type's best setting if it meets the target
+        mine = within[n_before:]
+        if mine:
+            tr, cand = max(mine, key=lambda tc: (tc[0].recall, -tc[0].p50_ms))
+            with timer:
+                _, got = cand.search(q_hold, K)
+                r_hold = recall_of_topk(got, gt_hold)
+            if tr.recall >= cfg.target and r_hold >= cfg.target:
+                chosen, chosen_tr = cand, tr
+                break
     met = chosen is not None
     if not met:
         if best is None:  # nothing within the latency budget at all: report the fastest trial
@@ -444,7 +465,7 @@ def tune_ann(
         else:
             final_ann, final_tr = best[2], best[3]
     else:
-        final_ann, final_tr = chosen, trials[-1]
+        final_ann, final_tr = chosen, chosen_tr
     if final_ann is not None:
         with timer:
             _, got = final_ann.search(q_hold, K)
