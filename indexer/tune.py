@@ -145,6 +145,7 @@ class TuneResult:
     device: str  # "cpu" or "cuda"
     message: str
     trials: list[Trial] = field(default_factory=list)
+    builds: list[dict[str, Any]] = field(default_factory=list)  # {"index_type", "seconds"} per index built
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -412,6 +413,8 @@ def tune_ann(
             nprobe = int(min(cap, math.ceil(nprobe * 1.5)))
 
     total_build = build_s
+    builds: list[dict[str, Any]] = [{"index_type": ann.params.index_type, "seconds": build_s, "given": True}] \
+        if ann is not None else []
     chosen: AnnIndex | None = None
     chosen_tr: Trial | None = None
     queue: list[AnnIndex | str] = ([ann] if ann is not None else []) + ladder
@@ -422,6 +425,7 @@ def tune_ann(
             t0 = time.perf_counter()
             a = _build(item, units, ids, cfg, gpu)
             total_build += time.perf_counter() - t0
+            builds.append({"index_type": item, "seconds": time.perf_counter() - t0})
             if progress:
                 print(f"  built {item} in {time.perf_counter() - t0:.1f} s", flush=True)
         n_before = len(within)
@@ -491,7 +495,7 @@ def tune_ann(
         index_type=final_tr.index_type, params=final_tr.params, p50_ms=final_tr.p50_ms,
         latency_budget_ms=cfg.latency_budget_ms, query_source=query_source, n_tune_queries=len(q_tune),
         n_holdout_queries=len(q_hold), tuning_s=timer.total, build_s=total_build,
-        device="cuda" if gpu else "cpu", message=msg, trials=trials,
+        device="cuda" if gpu else "cpu", message=msg, trials=trials, builds=builds,
     )
     log.info(msg)
     if not met and cfg.strict:
