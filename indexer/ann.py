@@ -14,6 +14,13 @@ returns the top-K videos by ``cos(t, v̄_j)``.  Four index types:
            approximate, so :class:`AnnIndex` searches ``k * rescore`` candidates and re-scores them exactly
            against the stored float vectors (``vectors``, a memmap is fine) before keeping the top k.
 
+IVF variants (``AnnParams``): ``coarse`` picks the quantiser ("flat", "hnsw", or "auto" = an HNSW graph from
+``COARSE_HNSW_MIN`` cells, where a flat quantiser's nlist * d flops per query start to dominate);
+``fastscan=True`` makes ``ivfpq`` a 4-bit fast-scan PQ (``IndexIVFPQFastScan``, SIMD table lookups), still
+re-scored exactly; ``train_per_cell`` bounds the k-means sample (rows per cell, default 64).
+``AnnParams.from_index`` recovers all three from a saved index ("auto" comes back resolved).  Which type and
+which query-time knobs meet a recall target: ``indexer.tune``.
+
 Ids: the index returns the caller's int64 ids (``add_with_ids``); missing results have id -1 and score
 ``-inf``.  For ``ivfpq`` re-scoring, ``vectors[i]`` must be the vector of id ``i`` (or pass ``vector_ids``,
 the id of every row of ``vectors``); vectors added later through :meth:`AnnIndex.add` are kept in memory.
