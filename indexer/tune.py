@@ -94,7 +94,7 @@ class TuneConfig:
     train_per_cell: int = 40  # k-means training rows per cell (tuning builds; faiss wants >= 39)
     perturb_noise: float = 0.5  # perturbed-gallery queries: relative offset norm (cos to the source ~0.9)
     seed: int = 0
-    use_gpu: bool | None = False
+    use_gpu: bool | None = None  # None: IVF-Flat on the GPU when faiss sees one (faiss-gpu), else CPU
     strict: bool = True  # raise RecallTargetError when the target cannot be met (else met=False)
     # Aim the tuning half at target + margin * (1 - target) (0.999 for 0.995) while the latency budget allows:
     # the held-out half then clears the target with room, and small galleries, where the budget is loose,
@@ -309,7 +309,9 @@ def tune_ann(
     ``ann``: an index already built over these rows (its ``build_s`` seconds): its knobs are tuned first,
     and it is kept if it meets the target; otherwise the ladder ``config.index_types`` / :func:`auto_ladder`
     is built and tuned in order.  Returns (the chosen AnnIndex with its tuned params, TuneResult).
-    Raises RecallTargetError (``strict``) when nothing meets the target within the latency budget."""
+    Raises RecallTargetError (``strict``) when nothing meets the target within the latency budget; with
+    ``strict=False`` it returns the best setting within the budget and ``met=False`` instead, or
+    (None, result) when no setting was within the budget at all."""
     cfg = config or TuneConfig()
     n, d = units.shape
     if n == 0:
