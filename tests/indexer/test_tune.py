@@ -1,8 +1,4 @@
-"""indexer.tune: recall-target tuning of stage 1, checked against exact search.
-
-No __init__.py in this folder on purpose: with pytest's default (prepend) import mode it would make this
-file the module ``indexer.test_tune`` and shadow the real ``indexer`` package; basenames stay unique.
-"""
+"""indexer.tune: recall-target tuning of stage 1, checked against exact search."""
 
 from __future__ import annotations
 
