@@ -32,17 +32,21 @@ def cpu_name() -> str:
 def machine() -> dict[str, Any]:
     import faiss
     import numpy as np
-    import torch
+
+    try:
+        import torch
+    except ImportError:  # the ANN benchmark needs only numpy + faiss (e.g. on a bare benchmark host)
+        torch = None
 
     cpu = cpu_name()
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": torch.get_num_threads() if torch else None,
         "faiss_threads": faiss.omp_get_max_threads(),
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "gpu": torch.cuda.get_device_name(0) if torch and torch.cuda.is_available() else None,
         "python": platform.python_version(),
-        "torch": torch.__version__,
+        "torch": torch.__version__ if torch else "not installed",
         "faiss": getattr(faiss, "__version__", "?"),
         "numpy": np.__version__,
     }
