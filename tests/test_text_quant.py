@@ -14,7 +14,7 @@ TEXTS = ["a red dog runs across a field", "a man plays the guitar at night", "tw
          "a", "a yellow square sits still, then a violet plus sign bounces quickly on a black screen"]
 
 
-def trained_tiny(steps: int = 60) -> GARE:
+def trained_tiny(steps: int = 15) -> GARE:
     """gare-test-tiny with its text tower trained briefly (contrastive, text vs fixed targets), so that
     weights and activations have the structure training gives them rather than the init's."""
     torch.manual_seed(0)
@@ -22,14 +22,16 @@ def trained_tiny(steps: int = 60) -> GARE:
     texts = [f"a {c} {s} moves {d}" for c in ("red", "blue", "green", "pink") for s in ("dog", "box", "star") for d in ("up", "left")]
     tokens = m.tokenize(texts)
     targets = F.normalize(torch.randn(len(texts), m.cfg.embed_dim), dim=-1)
-    opt = torch.optim.AdamW([p for n, p in m.clip.named_parameters() if not n.startswith("visual")], lr=3e-3)
+    opt = torch.optim.AdamW([p for n, p in m.clip.named_parameters() if not n.startswith("visual")], lr=5e-3)
+    losses = []
     for _ in range(steps):
         t = F.normalize(m.encode_text(tokens), dim=-1)
         loss = F.cross_entropy(t @ targets.T / 0.05, torch.arange(len(texts)))
         opt.zero_grad()
         loss.backward()
         opt.step()
-    assert loss.item() < 1.0, f"the tiny text tower did not train (loss {loss.item():.3f})"
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], f"the tiny text tower did not train (losses {losses[0]:.3f} -> {losses[-1]:.3f})"
     return m.eval()
 
 

@@ -11,8 +11,9 @@ Encoders (:func:`build_text_encoder`, ``kind``):
 - ``"int8"``: the same with every block Linear (q/k/v, out, c_fc, c_proj) replaced by a dynamically
   quantised int8 Linear (weights int8 per tensor, activations quantised per batch at run time, fp32
   accumulate-and-rescale). Built with ``torch.ao.quantization.quantize_dynamic``; torch 2.14 marks that
-  API deprecated in favour of torchao, whose CPU int8 path is not faster in eager mode here (see
-  bench/results/text_encoder.md), so the deprecation warning is silenced at this one call;
+  API deprecated in favour of torchao (``quantize_`` with ``Int8DynamicActivationInt8WeightConfig``),
+  which is not a dependency and was not benchmarked here; the deprecation warning is silenced at this
+  one call, and a torch release that drops the API makes ``kind="int8"`` fail when the encoder is built;
 - ``"onnx"`` / ``"onnx-int8"``: the fp32 tower exported with ``torch.onnx.export`` and run by ONNX Runtime
   (optionally with ORT's own dynamic int8 quantisation of the MatMuls). Needs the ``onnx`` extra.
 
