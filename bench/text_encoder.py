@@ -105,7 +105,7 @@ def speed_section(args) -> dict[str, Any]:
     queries = make_queries(64, seed=1)
     out: dict[str, Any] = {"model": "gare-vit-b-32 (open_clip ViT-B-32 text tower, random weights)", "rows": []}
     all_threads = torch.get_num_threads()
-    thread_settings = sorted({1, all_threads})
+    thread_settings = sorted(set(args.threads or [1, all_threads]))
     tok_all = model.tokenize(queries)
     for th in thread_settings:
         torch.set_num_threads(th)
@@ -223,7 +223,10 @@ def write_report(res: dict[str, Any], out_dir: Path) -> None:
         f"- commit `{res['commit']}`, date {res['date']}, CPU: {res['cpu']} ({res['cores']} logical cores visible, "
         f"torch {res['torch']}, onnxruntime {res['onnxruntime']})",
         f"- command: `{res['command']}`",
-        f"- note: {res['note']}", "",
+        f"- note: {res['note']}",
+        *([f"- fidelity and Zipf sections from an earlier run on the same machine: commit `{res['sections_from']['commit']}`, "
+           f"{res['sections_from']['date']}, command `{res['sections_from']['command']}`"] if res.get("sections_from") else []),
+        "",
         "## Speed (ViT-B/32 text tower, random weights)", "",
         "ms per call, median of interleaved rounds; speed-up = model fp32 / encoder. `model-fp32` is "
         "`GARE.encode_text` (the service's current path); `fp32` is the stand-alone tower in text_quant.", "",
@@ -277,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fidelity-note", default="")
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--threads", type=int, nargs="+", help="torch/ORT thread counts (default: 1 and all)")
+    ap.add_argument("--fidelity-json", type=Path,
+                    help="take the fidelity and zipf sections from this earlier run's JSON (its provenance is kept)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--calls", type=int, default=32, help="texts per round and encoder (calls = calls // batch)")
     ap.add_argument("--zipf-distinct", type=int, default=100_000)
@@ -302,11 +308,18 @@ def main(argv: list[str] | None = None) -> int:
     res["speed"] = speed_section(args) if "speed" not in args.skip else None
     res["fidelity"] = fidelity_section(args) if args.checkpoint and "fidelity" not in args.skip else None
     res["zipf"] = zipf_section(args) if "zipf" not in args.skip else None
+    if args.fidelity_json is not None:
+        prev = json.loads(args.fidelity_json.read_text())
+        res["fidelity"], res["zipf"] = prev.get("fidelity"), prev.get("zipf")
+        res["fidelity_note"] = prev.get("fidelity_note", "")
+        res["sections_from"] = {k: prev[k] for k in ("commit", "command", "date", "cpu")}
     if res["speed"] is not None:
         res["choice"] = choose(res["speed"], res["fidelity"])
         write_report(res, args.out)
         print(f"default: {res['choice']['default']}; wrote {args.out / 'text_encoder.md'}")
     else:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "text_encoder_fidelity.json").write_text(json.dumps(res, indent=2, default=str))
         print(json.dumps(res, indent=1, default=str))
     return 0
 
