@@ -272,6 +272,13 @@ def write_report(res: dict[str, Any], out_dir: Path) -> None:
     (out_dir / "text_encoder.md").write_text("\n".join(L))
 
 
+def _merge(res: dict[str, Any], prev: dict[str, Any]) -> None:
+    """Fidelity and Zipf sections from another run (which measured no speed), with its provenance."""
+    res["fidelity"], res["zipf"] = prev.get("fidelity"), prev.get("zipf")
+    res["fidelity_note"] = prev.get("fidelity_note", "")
+    res["sections_from"] = {k: prev[k] for k in ("commit", "command", "date", "cpu")}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", type=Path, help="a trained GARE checkpoint for the fidelity section")
@@ -283,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, nargs="+", help="torch/ORT thread counts (default: 1 and all)")
     ap.add_argument("--fidelity-json", type=Path,
                     help="take the fidelity and zipf sections from this earlier run's JSON (its provenance is kept)")
+    ap.add_argument("--render", type=Path, metavar="SPEED_JSON",
+                    help="run nothing: re-render the report from a speed run's text_encoder.json (with --fidelity-json)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--calls", type=int, default=32, help="texts per round and encoder (calls = calls // batch)")
     ap.add_argument("--zipf-distinct", type=int, default=100_000)
@@ -293,6 +302,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", nargs="*", default=[], choices=["speed", "fidelity", "zipf"])
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = ap.parse_args(argv)
+
+    if args.render is not None:
+        res = json.loads(args.render.read_text())
+        if args.fidelity_json is not None:
+            _merge(res, json.loads(args.fidelity_json.read_text()))
+        res["choice"] = choose(res["speed"], res["fidelity"])
+        write_report(res, args.out)
+        print(f"default: {res['choice']['default']}; wrote {args.out / 'text_encoder.md'}")
+        return 0
 
     import onnxruntime
 
@@ -309,10 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     res["fidelity"] = fidelity_section(args) if args.checkpoint and "fidelity" not in args.skip else None
     res["zipf"] = zipf_section(args) if "zipf" not in args.skip else None
     if args.fidelity_json is not None:
-        prev = json.loads(args.fidelity_json.read_text())
-        res["fidelity"], res["zipf"] = prev.get("fidelity"), prev.get("zipf")
-        res["fidelity_note"] = prev.get("fidelity_note", "")
-        res["sections_from"] = {k: prev[k] for k in ("commit", "command", "date", "cpu")}
+        _merge(res, json.loads(args.fidelity_json.read_text()))
     if res["speed"] is not None:
         res["choice"] = choose(res["speed"], res["fidelity"])
         write_report(res, args.out)
