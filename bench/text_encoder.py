@@ -226,6 +226,8 @@ def write_report(res: dict[str, Any], out_dir: Path) -> None:
         f"- note: {res['note']}",
         *([f"- fidelity and Zipf sections from an earlier run on the same machine: commit `{res['sections_from']['commit']}`, "
            f"{res['sections_from']['date']}, command `{res['sections_from']['command']}`"] if res.get("sections_from") else []),
+        *([f"- Zipf section from the run: commit `{res['zipf_from']['commit']}`, {res['zipf_from']['date']}, "
+           f"command `{res['zipf_from']['command']}`"] if res.get("zipf_from") else []),
         "",
         "## Speed (ViT-B/32 text tower, random weights)", "",
         "ms per call, median of interleaved rounds; speed-up = model fp32 / encoder. `model-fp32` is "
@@ -290,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, nargs="+", help="torch/ORT thread counts (default: 1 and all)")
     ap.add_argument("--fidelity-json", type=Path,
                     help="take the fidelity and zipf sections from this earlier run's JSON (its provenance is kept)")
+    ap.add_argument("--zipf-json", type=Path, help="take the zipf section from this run's JSON instead")
     ap.add_argument("--render", type=Path, metavar="SPEED_JSON",
                     help="run nothing: re-render the report from a speed run's text_encoder.json (with --fidelity-json)")
     ap.add_argument("--rounds", type=int, default=7)
@@ -307,6 +310,10 @@ def main(argv: list[str] | None = None) -> int:
         res = json.loads(args.render.read_text())
         if args.fidelity_json is not None:
             _merge(res, json.loads(args.fidelity_json.read_text()))
+        if args.zipf_json is not None:
+            z = json.loads(args.zipf_json.read_text())
+            res["zipf"] = z["zipf"]
+            res["zipf_from"] = {k: z[k] for k in ("commit", "command", "date", "cpu")}
         res["choice"] = choose(res["speed"], res["fidelity"])
         write_report(res, args.out)
         print(f"default: {res['choice']['default']}; wrote {args.out / 'text_encoder.md'}")
