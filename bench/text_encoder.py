@@ -64,7 +64,7 @@ def make_queries(n: int, seed: int = 0) -> list[str]:
 
 
 def build_encoders(model, kinds, threads: int) -> dict[str, Any]:
-    from service.search import trim_tokens  # noqa: F401 - same trimming as the service
+    from indexer.search import trim_tokens  # noqa: F401 - same trimming as the service
     from training.text_quant import build_text_encoder
 
     encs: dict[str, Any] = {}
@@ -96,7 +96,7 @@ def time_side_by_side(encs: dict[str, Any], tokens: torch.Tensor, rounds: int, p
 
 
 def speed_section(args) -> dict[str, Any]:
-    from service.search import trim_tokens
+    from indexer.search import trim_tokens
     from training.config import get_model_config
     from training.model import GARE
 
@@ -142,7 +142,7 @@ def retrieval(t: torch.Tensor, model, enc, caption_clip) -> dict[str, float]:
 
 
 def fidelity_section(args) -> dict[str, Any]:
-    from service.search import trim_tokens
+    from indexer.search import trim_tokens
     from training.checkpoint import file_sha256, load_model
     from training.data import load_dataset
     from training.evaluate import encode_set

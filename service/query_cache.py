@@ -14,7 +14,7 @@ unescape (twice), whitespace collapsed and stripped, then lower-cased (``clean="
 CLIP models). We key on exactly that string, so "A  Dog\\t runs", "a dog runs" and "ＡＢＣ" / "abc" share an
 entry. Plain Unicode NFKC is deliberately NOT applied on top: it folds "x²" into "x2" and "Ⅳ" into "iv",
 which the tokenizer keeps apart (different tokens, different embeddings); see
-tests/test_query_cache.py::test_key_never_merges_texts_with_different_tokens. For a tokenizer without
+tests/service/test_query_cache.py::test_key_never_merges_texts_with_different_tokens. For a tokenizer without
 ``clean_fn`` (case-sensitive HF tokenizers) the fallback is NFC + whitespace collapse, case kept.
 
 Bounds: at most ``max_entries`` entries AND at most ``max_bytes`` bytes (embedding bytes plus the key's
