@@ -77,6 +77,14 @@ class Settings(BaseSettings):
     query_bank_path: Path | None = Field(None, description="where the bank is written (float32 .npy); required when the bank is on")
     query_bank_flush_every: int = Field(1000, ge=1, description="write the bank every N queries (and at shutdown)")
 
+    # query embedding cache (service/query_cache.py); either bound at 0 turns it off
+    query_cache_entries: int = Field(
+        10_000, ge=0, le=100_000_000, description="most query embeddings kept (LRU); 0 = cache off"
+    )
+    query_cache_bytes: int = Field(
+        64 * 1024 * 1024, ge=0, description="most bytes the query embedding cache holds (vectors + keys); 0 = cache off"
+    )
+
     # thumbnails
     thumbnail_width: int = Field(320, ge=16, le=1920)
     thumbnail_cache_size: int = Field(1024, ge=0)

@@ -1,0 +1,95 @@
+"""training.text_quant: the stand-alone tower equals the model's encoder; int8 / ONNX agree with fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from training.config import get_model_config
+from training.model import GARE
+from training.text_quant import TEXT_ENCODERS, TextTower, build_text_encoder, quantize_int8
+
+TEXTS = ["a red dog runs across a field", "a man plays the guitar at night", "two purple crosses move down",
+         "a", "a yellow square sits still, then a violet plus sign bounces quickly on a black screen"]
+
+
+def trained_tiny(steps: int = 15) -> GARE:
+    """gare-test-tiny with its text tower trained briefly (contrastive, text vs fixed targets), so that
+    weights and activations have the structure training gives them rather than the init's."""
+    torch.manual_seed(0)
+    m = GARE.build(get_model_config("gare-test-tiny"))
+    texts = [f"a {c} {s} moves {d}" for c in ("red", "blue", "green", "pink") for s in ("dog", "box", "star") for d in ("up", "left")]
+    tokens = m.tokenize(texts)
+    targets = F.normalize(torch.randn(len(texts), m.cfg.embed_dim), dim=-1)
+    opt = torch.optim.AdamW([p for n, p in m.clip.named_parameters() if not n.startswith("visual")], lr=5e-3)
+    losses = []
+    for _ in range(steps):
+        t = F.normalize(m.encode_text(tokens), dim=-1)
+        loss = F.cross_entropy(t @ targets.T / 0.05, torch.arange(len(texts)))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], f"the tiny text tower did not train (losses {losses[0]:.3f} -> {losses[-1]:.3f})"
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def model() -> GARE:
+    return trained_tiny()
+
+
+def test_tower_equals_model_encoder(model):
+    tokens = model.tokenize(TEXTS)
+    with torch.inference_mode():
+        ref = model.encode_text(tokens)
+        got = TextTower.from_model(model)(tokens)
+        got_short = TextTower.from_model(model)(tokens[:, :10])  # L < context: same modules, sliced
+        ref_short = model.encode_text(tokens[:, :10])
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_short, ref_short, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_quantises_every_block_linear(model):
+    q = quantize_int8(TextTower.from_model(model))
+    from torch.ao.nn.quantized.dynamic import Linear as DynLinear
+
+    assert not any(type(m) is torch.nn.Linear for m in q.blocks.modules())  # no fp32 Linear left
+    n_q = sum(isinstance(m, DynLinear) for m in q.blocks.modules())  # q/k/v, out, c_fc, c_proj per block
+    assert n_q == 4 * len(q.blocks)
+
+
+@pytest.mark.parametrize("kind", TEXT_ENCODERS)
+def test_encoders_agree_with_fp32_on_a_trained_model(model, kind):
+    tokens = model.tokenize(TEXTS)
+    with torch.inference_mode():
+        ref = model.encode_text(tokens)
+    out = build_text_encoder(model, kind)(tokens)
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    cos = F.cosine_similarity(out, ref)
+    bound = 0.9999 if kind in ("fp32", "onnx") else 0.99
+    assert float(cos.min()) > bound, (kind, cos)
+    # norms too (psi uses |t|)
+    torch.testing.assert_close(out.norm(dim=1), ref.norm(dim=1), rtol=0.05 if "int8" in kind else 1e-4, atol=0.0)
+
+
+def test_int8_is_not_the_identity(model):
+    """Guards the comparison above: int8 must differ from fp32 (else the test would not test anything)."""
+    tokens = model.tokenize(TEXTS)
+    with torch.inference_mode():
+        ref = model.encode_text(tokens)
+    assert not torch.allclose(build_text_encoder(model, "int8")(tokens), ref, atol=1e-6)
+
+
+def test_bad_kind_and_cuda_are_refused(model):
+    with pytest.raises(ValueError, match="unknown text encoder 'int4'"):
+        build_text_encoder(model, "int4")
+
+    class OnCuda:  # a model reporting a CUDA device (no GPU needed to check the refusal)
+        device = torch.device("cuda:0")
+        clip = model.clip
+
+    for kind in TEXT_ENCODERS:
+        with pytest.raises(ValueError, match="CPU option.*fp16 or bf16"):
+            build_text_encoder(OnCuda(), kind)
