@@ -95,6 +95,10 @@ class BuildOptions:
     invgc_grid: tuple[float, ...] | None = None  # None: training.invgc.DEFAULT_GRID
     ncl_stage1: bool | None = None  # also write ann_ncl.faiss (NCL biases folded into stage 1)
     ncl_c: float = 1.0  # fold constant: index [v ; b / c], query [t ; c]
+    # NCL biases: fitted to the served psi score (sparse: exact psi on each queue query's top bias_k) or to the
+    # dual-tower cosine; None: "served" for build, as the index for add
+    bias_score: str | None = None
+    bias_k: int = 256
 
     def validate(self) -> None:
         if self.index_type not in (None, "auto", *INDEX_TYPES):
@@ -124,6 +128,10 @@ class BuildOptions:
             raise ValueError(f"--invgc-k must be in (0, 100] (percent of neighbours), got {self.invgc_k}")
         if self.invgc_grid is not None and (not self.invgc_grid or any(not (math.isfinite(g) and g >= 0) for g in self.invgc_grid)):
             raise ValueError(f"--invgc-grid must be non-negative numbers, got {self.invgc_grid}")
+        if self.bias_score not in (None, "served", "dual"):
+            raise ValueError(f"--bias-score must be served or dual, got {self.bias_score!r}")
+        if self.bias_k < 1:
+            raise ValueError(f"--bias-k must be >= 1, got {self.bias_k}")
         if not (math.isfinite(self.ncl_c) and self.ncl_c > 0):
             raise ValueError(f"--ncl-c must be > 0, got {self.ncl_c}")
         if self.invgc is False and (self.invgc_r_g is not None or self.invgc_val is not None):
@@ -237,8 +245,9 @@ def _open_current(root: Path, *, required: bool) -> IndexVersion | None:
         return None
 
 
-def checkpoint_gamma_and_queue(ckpt: Any) -> tuple[float, np.ndarray | None]:
-    """gamma = 1 / exp(logit_scale) and the text query queue (unit rows, float32) of a Checkpoint."""
+def checkpoint_gamma_and_queue(ckpt: Any, *, raw: bool = False) -> tuple[float, np.ndarray | None]:
+    """gamma = 1 / exp(logit_scale) and the text query queue (float32; unit rows, or as stored with `raw`: psi
+    needs the un-normalised t) of a Checkpoint."""
     ls = ckpt.state_dict.get("clip.logit_scale")
     if ls is None:
         raise ValueError(f"{ckpt.path}: no clip.logit_scale in the checkpoint")
@@ -247,16 +256,22 @@ def checkpoint_gamma_and_queue(ckpt: Any) -> tuple[float, np.ndarray | None]:
     if q is None or q.numel() == 0:
         return gamma, None
     q = q.float().reshape(q.shape[0], -1)
-    q = q / q.norm(dim=1, keepdim=True).clamp_min(1e-12)
+    if not raw:
+        q = q / q.norm(dim=1, keepdim=True).clamp_min(1e-12)
     return gamma, q.numpy().astype(np.float32)
 
 
 def compute_biases(units: np.ndarray, gamma: float, queue: np.ndarray | None, n_iters: int = 4,
-                   device: str | None = None) -> tuple[np.ndarray, dict[str, Any]]:
-    """NCL video biases b (SPEC §5) of every indexed video against the checkpoint's text queue."""
+                   device: str | None = None, *, served: dict[str, Any] | None = None) -> tuple[np.ndarray, dict[str, Any]]:
+    """NCL video biases b (SPEC §5) of every indexed video against the checkpoint's text queue.
+
+    `served`: fit them to the psi score the search ranks by (indexer.served_biases; `queue` then holds the
+    un-normalised t): a dict with model, norms, frames, masks, stage1 (optional) and k. Without it they are
+    fitted to the dual-tower cosine (the queue rows are normalised here)."""
     n = units.shape[0]
     if queue is None or n == 0:
-        info = {"gamma": gamma, "n_iters": n_iters, "n_queries": 0, "source": "none"}
+        info = {"gamma": gamma, "n_iters": n_iters, "n_queries": 0, "source": "none",
+                "score": "served" if served is not None else "dual"}
         if queue is None:
             log.warning("the checkpoint has no text query queue: video biases are zero (no NCL correction)")
         return np.zeros(n, dtype=np.float32), info
@@ -267,11 +282,39 @@ def compute_biases(units: np.ndarray, gamma: float, queue: np.ndarray | None, n_
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if queue.shape[1] != units.shape[1]:
         raise ValueError(f"the query queue has d={queue.shape[1]}, the index has d={units.shape[1]}")
-    t0 = time.time()
-    _, b = sinkhorn_biases(torch.from_numpy(queue), units, gamma, n_iters=n_iters, device=dev)
-    log.info("NCL biases for %d videos against %d queries in %.1fs", n, queue.shape[0], time.time() - t0)
     info = {"gamma": gamma, "n_iters": n_iters, "n_queries": int(queue.shape[0]), "source": "checkpoint-queue"}
-    return b.numpy().astype(np.float32), info
+    if served is not None:
+        from .served_biases import served_biases
+
+        model = served["model"]
+        with torch.no_grad():
+            b_np, sinfo = served_biases(model, queue, gamma, units=units, norms=served["norms"], frames=served["frames"],
+                                        masks=served["masks"], stage1=served.get("stage1"), n_iters=n_iters,
+                                        k=int(served.get("k", 256)), device=dev if model.device.type == dev else None)
+        return b_np, {**info, "score": "served", "served": sinfo}
+    unit_q = queue / np.maximum(np.linalg.norm(queue, axis=1, keepdims=True), 1e-12)
+    t0 = time.time()
+    _, b = sinkhorn_biases(torch.from_numpy(np.ascontiguousarray(unit_q, dtype=np.float32)), units, gamma,
+                           n_iters=n_iters, device=dev)
+    log.info("NCL biases for %d videos against %d queries in %.1fs", n, queue.shape[0], time.time() - t0)
+    return b.numpy().astype(np.float32), {**info, "score": "dual"}
+
+
+def bias_score_of(manifest: dict[str, Any]) -> str:
+    """The score an index's biases were fitted to (indexes from before issue 17: the dual-tower cosine)."""
+    return str((manifest.get("biases") or {}).get("score") or "dual")
+
+
+def _served_inputs(model: Any, arrays: dict[str, Any], k: int) -> dict[str, Any]:
+    """compute_biases(served=...) from a version's arrays (frames may be a staged file)."""
+    fr = arrays["frames"]
+    if isinstance(fr, ExistingFile):
+        fr = np.load(fr.path, mmap_mode="r")
+    st = arrays.get("ann_units")
+    if isinstance(st, ExistingFile):
+        st = np.load(st.path, mmap_mode="r")
+    return {"model": model, "norms": np.asarray(arrays["norms"]), "frames": fr, "masks": np.asarray(arrays["masks"]),
+            "stage1": None if st is None else np.asarray(st, dtype=np.float32), "k": k}
 
 
 def _ann_params(index_type: str, opts: BuildOptions, base: dict[str, Any] | None = None) -> AnnParams:
@@ -742,20 +785,24 @@ def _build_locked(checkpoint: Any, videos: Any, root: Path, opts: BuildOptions, 
         arrays = _assemble(entries, f, d, prev, cache, staging, _kv_fn(model) if store_kv else None)
         for e, u in zip(entries, arrays["masks"].sum(axis=1), strict=True):
             e.meta["frames_used"] = int(u)
-        gamma, queue = checkpoint_gamma_and_queue(ckpt)
+        invgc_m = None
+        if post["invgc"]:  # before the biases: the served biases take their candidates from the stage-1 vectors
+            arrays["ann_units"], invgc_m = _invgc_vectors(arrays["units"], entries, prev, mode, post)
+        report.invgc = invgc_m
+        score = opts.bias_score or (bias_score_of(pman) if mode == "add" and pman else "served")
+        served = _served_inputs(model, arrays, opts.bias_k if mode != "add" or opts.bias_score else
+                                int(((pman.get("biases") or {}).get("served") or {}).get("k") or opts.bias_k)) \
+            if score == "served" else None
+        gamma, queue = checkpoint_gamma_and_queue(ckpt, raw=True)
         tinfo = None
         if mode == "add" and (pman.get("biases") or {}).get("traffic"):
             queue, tinfo = _carried_traffic(queue, pman["biases"], prev.dim, report)
-        arrays["biases"], binfo = compute_biases(arrays["units"], gamma, queue, opts.n_iters)
+        arrays["biases"], binfo = compute_biases(arrays["units"], gamma, queue, opts.n_iters, served=served)
         if tinfo is not None:
             binfo = _traffic_binfo(binfo, tinfo)
         if binfo["source"] == "none":
             report.notes.append("the checkpoint has no text query queue: video biases are zero")
         report.biases = binfo
-        invgc_m = None
-        if post["invgc"]:
-            arrays["ann_units"], invgc_m = _invgc_vectors(arrays["units"], entries, prev, mode, post)
-        report.invgc = invgc_m
         report.ncl_stage1 = post["ncl_stage1"] is not None
         stage1 = arrays.get("ann_units", arrays["units"])
         ids = arrays["ids"]
@@ -885,8 +932,11 @@ def _mixed_queue(queue: np.ndarray | None, bank_path: str | os.PathLike, weight:
     from .postprocess import load_query_bank, mix_queues
 
     bank, info = load_query_bank(bank_path, d)
-    mixed, minfo = mix_queues(queue, bank, weight)
-    return mixed, {**info, **minfo}
+    # the bank holds unit rows; psi needs |t|: scale them to the training queue's mean norm (no effect on the
+    # dual-tower biases, which normalise every row)
+    scale = float(np.linalg.norm(queue, axis=1).mean()) if queue is not None and len(queue) else 1.0
+    mixed, minfo = mix_queues(queue, bank * np.float32(scale), weight)
+    return mixed, {**info, **minfo, "bank_scale": round(scale, 6)}
 
 
 def _carried_traffic(queue: np.ndarray | None, prev_binfo: dict[str, Any], d: int, report: RunReport
@@ -910,12 +960,20 @@ def _prev_files(prev: IndexVersion, names: Sequence[str]) -> dict[str, ExistingF
     return {n: ExistingFile(prev.path / f"{n}.npy", files[f"{n}.npy"]["sha256"]) for n in names if f"{n}.npy" in files}
 
 
-def _biases_for(prev: IndexVersion, units: np.ndarray, checkpoint: str | os.PathLike | None, n_iters: int | None,
+def _biases_for(prev: IndexVersion, arrays: dict[str, Any], checkpoint: str | os.PathLike | None, n_iters: int | None,
                 *, traffic: str | os.PathLike | None = None, traffic_weight: float = 0.5,
-                report: RunReport | None = None, carry_traffic: bool = False) -> tuple[np.ndarray, dict[str, Any]]:
-    """Recompute the biases of a gallery with the index's checkpoint (its queue and logit scale), mixed with a
-    bank of served queries when `traffic` is given (or when the previous biases came from one: remove)."""
-    from training.checkpoint import read_checkpoint
+                report: RunReport | None = None, carry_traffic: bool = False, score: str | None = None,
+                k: int | None = None) -> tuple[np.ndarray, dict[str, Any]]:
+    """Recompute the biases of a gallery (`arrays`: units, norms, frames, masks, optional ann_units) with the
+    index's checkpoint (its queue and logit scale), mixed with a bank of served queries when `traffic` is given
+    (or when the previous biases came from one: remove). `score`/`k`: default the previous version's."""
+    from training.checkpoint import load_model, read_checkpoint
+
+    units = np.asarray(arrays["units"], dtype=np.float32)
+    score = score or bias_score_of(prev.manifest)
+    if score not in ("served", "dual"):
+        raise ValueError(f"--bias-score must be served or dual, got {score!r}")
+    k = k or int((((prev.manifest.get("biases") or {}).get("served")) or {}).get("k") or 256)
 
     ck = prev.manifest.get("checkpoint") or {}
     iters = n_iters or int((prev.manifest.get("biases") or {}).get("n_iters") or 4)
@@ -934,13 +992,19 @@ def _biases_for(prev: IndexVersion, units: np.ndarray, checkpoint: str | os.Path
         raise IndexMismatchError(
             f"index {prev.root} was built with checkpoint sha256 {ck['sha256']} ({ck.get('path')}); {path} has sha256 {sha}"
         )
-    gamma, queue = checkpoint_gamma_and_queue(read_checkpoint(path))
+    gamma, queue = checkpoint_gamma_and_queue(read_checkpoint(path), raw=True)
     tinfo = None
     if traffic is not None:
         queue, tinfo = _mixed_queue(queue, traffic, traffic_weight, prev.dim)
     elif carry_traffic and (prev.manifest.get("biases") or {}).get("traffic") and report is not None:
         queue, tinfo = _carried_traffic(queue, prev.manifest["biases"], prev.dim, report)
-    b, info = compute_biases(units, gamma, queue, iters)
+    served = None
+    if score == "served" and queue is not None and len(units):
+        import torch
+
+        model, _ = load_model(path, "cuda" if torch.cuda.is_available() else "cpu")
+        served = _served_inputs(model, arrays, k)
+    b, info = compute_biases(units, gamma, queue, iters, served=served)
     return b, (info if tinfo is None else _traffic_binfo(info, tinfo))
 
 
@@ -977,11 +1041,11 @@ def remove(out: str | os.PathLike, items: Sequence[str], *, checkpoint: str | os
             try:
                 arrays = _assemble(entries, prev.max_frames, prev.dim, prev, None, staging,
                                    _no_kv if prev.kv is not None else None)
-                arrays["biases"], binfo = _biases_for(prev, arrays["units"], checkpoint, n_iters, report=report,
-                                                      carry_traffic=True)
                 if prev.ann_units is not None:  # InvGC vectors are per item: the kept rows keep theirs
                     src = np.array([e.src[1] for e in entries], dtype=np.int64)
                     arrays["ann_units"] = np.asarray(prev.ann_units[src], dtype=np.float32).reshape(len(entries), prev.dim)
+                arrays["biases"], binfo = _biases_for(prev, arrays, checkpoint, n_iters, report=report,
+                                                      carry_traffic=True)
                 requested = prev.manifest.get("index_type_requested", "auto")
                 ann, ainfo = _make_ann(arrays.get("ann_units", arrays["units"]), arrays["ids"], BuildOptions(), prev,
                                        requested, incremental=True,
@@ -1016,7 +1080,7 @@ def _carry_manifest(m: dict[str, Any]) -> dict[str, Any]:
 
 def recompute_biases(out: str | os.PathLike, *, checkpoint: str | os.PathLike | None = None, keep: int = 3,
                      n_iters: int | None = None, traffic: str | os.PathLike | None = None,
-                     traffic_weight: float = 0.5) -> RunReport:
+                     traffic_weight: float = 0.5, score: str | None = "served", k: int | None = None) -> RunReport:
     """`gare-index biases`: a new version with recomputed NCL biases; every other file is hard-linked
     (ann_ncl.faiss, which folds the biases into stage 1, is rebuilt).
 
@@ -1031,8 +1095,10 @@ def recompute_biases(out: str | os.PathLike, *, checkpoint: str | os.PathLike | 
             report.previous_version = prev.name
             if not 0.0 <= traffic_weight <= 1.0:
                 raise ValueError(f"--traffic-weight must be in [0, 1], got {traffic_weight}")
-            b, binfo = _biases_for(prev, np.asarray(prev.units, dtype=np.float32), checkpoint, n_iters, traffic=traffic,
-                                   traffic_weight=traffic_weight, report=report)
+            feats = {"units": prev.units, "norms": prev.norms, "frames": prev.frames, "masks": prev.masks,
+                     "ann_units": prev.ann_units}
+            b, binfo = _biases_for(prev, feats, checkpoint, n_iters, traffic=traffic, traffic_weight=traffic_weight,
+                                   report=report, score=score, k=k)
             arrays: dict[str, Any] = _prev_files(prev, ["ids", "norms", "units", "frames", "masks", "keys", "values",
                                                         "ann_units"])
             arrays["biases"] = b

@@ -108,6 +108,16 @@ def _add_postprocess_args(p: argparse.ArgumentParser, *, build: bool) -> None:
                    help="also write ann_ncl.faiss: the NCL biases folded into stage 1 (candidates by cos + b)")
 
 
+def _add_bias_score_args(g: argparse._ActionsContainer, *, build: bool) -> None:
+    g.add_argument("--bias-score", choices=("served", "dual"), default=None,
+                   help="fit the NCL biases to the score the search ranks by (served: psi on each queue query's "
+                        "stage-1 candidates, the cosine elsewhere) or to the dual-tower cosine (dual); default: "
+                        + ("served" if build else "the index's"))
+    g.add_argument("--bias-k", type=_positive_int, default=None,
+                   help="served biases: exact psi on each queue query's top K stage-1 candidates (default 256"
+                        + ("" if build else ", or the index's") + ")")
+
+
 def _add_index_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", "--index", dest="out", required=True, metavar="INDEX", help="index directory")
 
@@ -147,6 +157,7 @@ def _add_encode_args(p: argparse.ArgumentParser, *, build: bool) -> None:
                    help="also store psi's per-video K/V projections (3x the frame bytes, ~5x faster CPU reranking)")
     g.add_argument("--decode-timeout", type=_positive_float, default=300.0, help="seconds before a stuck decoder is killed")
     g.add_argument("--n-iters", type=_positive_int, default=4, help="Sinkhorn iterations for the NCL biases (default 4)")
+    _add_bias_score_args(g, build=build)
 
     g = p.add_argument_group("engine")
     g.add_argument("--engine", choices=("local", "dask"), default="local",
@@ -195,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "loaded without pickle); mixed with the checkpoint's training queue")
     sp.add_argument("--traffic-weight", type=_unit_float, default=0.5, metavar="W",
                     help="fraction of traffic queries in the mixed queue (default 0.5; 1 = traffic only)")
+    _add_bias_score_args(sp, build=True)
 
     sp = sub.add_parser("verify", help="check counts (FAISS, arrays, SQLite), files and checksums; exit 1 with the reasons",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -274,8 +286,10 @@ def _cmd_build(args: argparse.Namespace) -> int:
         device=args.device, precision=args.precision, engine=args.engine, scheduler=args.scheduler,
         dask_workers=args.dask_workers, shard_size=args.shard_size, store_kv=args.store_kv, keep=args.keep,
         n_iters=args.n_iters, progress=args.progress, decode_timeout=args.decode_timeout,
-        invgc=args.invgc, ncl_stage1=args.ncl_stage1,
+        invgc=args.invgc, ncl_stage1=args.ncl_stage1, bias_score=args.bias_score,
     )
+    if args.bias_k is not None:
+        opts.bias_k = args.bias_k
     if args.cmd == "build":
         opts.invgc_val, opts.invgc_r_g, opts.invgc_r_q = args.invgc_val, args.invgc_r_g, args.invgc_r_q
         opts.invgc_k, opts.invgc_grid, opts.ncl_c = args.invgc_k, args.invgc_grid, args.ncl_c
@@ -313,9 +327,11 @@ def _cmd_biases(args: argparse.Namespace) -> int:
     from .build import recompute_biases
 
     report = recompute_biases(args.out, checkpoint=args.checkpoint, keep=args.keep, n_iters=args.n_iters,
-                              traffic=args.from_traffic, traffic_weight=args.traffic_weight)
+                              traffic=args.from_traffic, traffic_weight=args.traffic_weight,
+                              score=args.bias_score or "served", k=args.bias_k)
     b = report.biases
-    msg = report.summary() + f"; biases from {b.get('source')} ({b.get('n_queries')} queries, gamma={b.get('gamma')})"
+    msg = report.summary() + f"; biases from {b.get('source')} ({b.get('n_queries')} queries, gamma={b.get('gamma')}, " \
+                             f"fitted to the {'psi (served)' if b.get('score') == 'served' else 'dual-tower'} score)"
     if b.get("traffic"):
         t = b["traffic"]
         msg += f"; {t['traffic_queries']} traffic + {t['train_queries']} training queries"

@@ -9,6 +9,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 from indexer import search as S
+from indexer.search import NCL_DEFAULT, NCL_DEFAULT_REASON
 
 from .settings import Settings
 
@@ -103,6 +104,9 @@ class IndexInfo(BaseModel):
     created: str | None = None
     checkpoint: dict[str, Any]
     biases: dict[str, Any] | None = None
+    biases_description: str | None = Field(None, description="how the NCL biases of this version were computed")
+    ncl_default: bool = Field(NCL_DEFAULT, description="the search's default for ncl")
+    ncl_default_reason: str = Field(NCL_DEFAULT_REASON, description="why ncl defaults to what it does")
     device: str
     precision: str
     rerank_impl: str
@@ -151,7 +155,8 @@ def make_request_models(settings: Settings) -> tuple[type[BaseModel], type[BaseM
             description=f"K, the ANN shortlist the rerank scores (>= k; default {default_K}, or k when k is larger)",
         )
         rerank: bool = Field(True, description="score the K candidates with psi (false: dual-tower cosine only)")
-        ncl: bool = Field(True, description="add the NCL Sinkhorn video biases")
+        ncl: bool = Field(NCL_DEFAULT, description="add the NCL Sinkhorn video biases (default: "
+                          + ("on" if NCL_DEFAULT else "off") + "; " + NCL_DEFAULT_REASON + ")")
         ncl_stage1: bool = Field(
             False, description="choose the K candidates with the biases too (cos + b folded into the ANN; needs an "
             "index built with --ncl-stage1; implies ncl)",

@@ -1,10 +1,16 @@
-"""`gare-train eval`: the four-row table (dual-tower, + psi, + NCL, + both), NCL normalisation error, the
-SPEC §4 deviation figures and the stage-1 coverage curve, for one checkpoint on one retrieval set.
+"""`gare-train eval`: the table (dual-tower, + psi, + NCL, + psi + NCL(dual), + psi + NCL(served)), NCL
+normalisation errors, the SPEC §4 deviation figures and the stage-1 coverage curve, for one checkpoint on
+one retrieval set.
 
 NCL rows: t2v adds video biases fitted with the checkpoint's text queue as queries; v2t adds text biases
 fitted with its video queue (the queued v̄) as queries against the test captions, on the dual-tower cosine
 (a per-video bias cannot reorder one video's captions). The queue holds no frames, so psi scores of queue
-videos do not exist and the "+ psi + NCL" v2t cells are left empty."""
+videos do not exist and the "+ psi + NCL" v2t cells are left empty.
+
+NCL(dual): video biases fitted to the dual-tower cosine of the checkpoint's text queue (what `+ NCL` adds to
+the cosine). NCL(served): biases fitted to the psi score of the queue queries, the score the search ranks by
+(SPEC §5, issue 17): dense (every queue query x every video) when Q x N <= SERVED_DENSE_MAX_PAIRS, else the
+sparse form (exact psi on each queue query's dual-tower top SERVED_K, the cosine elsewhere)."""
 
 from __future__ import annotations
 
@@ -22,12 +28,24 @@ import torch.nn.functional as F
 from .data import RetrievalSet
 from .metrics import format_table, retrieval_metrics
 from .model import GARE, autocast
-from .sinkhorn import normalization_error, sinkhorn_biases
+from .sinkhorn import (
+    normalization_error,
+    normalization_error_scores,
+    pair_scorer_from_matrix,
+    score_candidates,
+    served_score_matrix,
+    sinkhorn_biases,
+    sinkhorn_biases_dense,
+    sinkhorn_biases_sparse,
+    stage1_candidates,
+)
 from .video import iter_decoded
 
 log = logging.getLogger(__name__)
 
 COVERAGE_KS = (16, 32, 64, 128, 256, 512, 1024)
+SERVED_DENSE_MAX_PAIRS = 1 << 22  # above this many (queue query, video) pairs the served biases are sparse
+SERVED_K = 256  # the service's default number of stage-1 candidates
 
 
 @dataclass
@@ -121,6 +139,35 @@ def delta_deviation(
 
 
 @torch.no_grad()
+def served_biases_encoded(
+    model: GARE, enc: EncodedSet, queue: torch.Tensor, gamma: float, *, n_iters: int = 4, block: int = 128,
+    dense_max_pairs: int = SERVED_DENSE_MAX_PAIRS, k: int = SERVED_K,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """NCL video biases fitted to the psi score of the (un-normalised) queue texts against the encoded videos."""
+    dev = model.device
+    q = queue.to(dev).float()
+    frames, mask, vbar = enc.frames.to(dev), enc.mask.to(dev), enc.vbar.to(dev)
+
+    def matrix(qi: np.ndarray, rows: np.ndarray) -> torch.Tensor:
+        qi_t, r_t = torch.as_tensor(qi, device=dev), torch.as_tensor(rows, device=dev)
+        return model.score(q[qi_t], frames[r_t], mask[r_t], vbar=vbar[r_t], block_texts=block, block_videos=block)
+
+    n_q, n = q.shape[0], vbar.shape[0]
+    t0 = time.perf_counter()
+    if n_q * n <= dense_max_pairs:
+        _, b = sinkhorn_biases_dense(served_score_matrix(matrix, n_q, n, chunk=max(block, 256)), gamma, n_iters)
+        info: dict[str, Any] = {"form": "dense", "pairs": n_q * n}
+    else:
+        qn, vn = F.normalize(q, dim=-1), F.normalize(vbar, dim=-1)
+        _, rows = stage1_candidates(qn, vn, k)
+        sc = score_candidates(pair_scorer_from_matrix(matrix), rows)
+        _, b, info = sinkhorn_biases_sparse(rows, sc, n, gamma, n_iters, fill="dual", queries=qn, gallery=vn)
+        info = {"form": "sparse", **info, "pairs": int(info["n_entries"])}
+    info["seconds"] = time.perf_counter() - t0
+    return b, info
+
+
+@torch.no_grad()
 def evaluate_encoded(
     model: GARE, enc: EncodedSet, queue: torch.Tensor | None, *, n_iters: int = 4, block: int = 128,
     video_queue: torch.Tensor | None = None,
@@ -145,7 +192,10 @@ def evaluate_encoded(
         _, b = sinkhorn_biases(qn, vn, gamma, n_iters)
         b = b.to(dev)
         rows["+ NCL"] = retrieval_metrics((dual + b).cpu(), enc.caption_clip)
-        rows["+ psi + NCL"] = retrieval_metrics((psi + b).cpu(), enc.caption_clip)
+        rows["+ psi + NCL(dual)"] = retrieval_metrics((psi + b).cpu(), enc.caption_clip)
+        b_served, served_info = served_biases_encoded(model, enc, queue, gamma, n_iters=n_iters, block=block)
+        rows["+ psi + NCL(served)"] = retrieval_metrics((psi + b_served.to(dev)).cpu(), enc.caption_clip)
+        psi_cpu = psi.cpu()
         # v2t: the queries are videos, so the biases belong to the texts, fitted with the video queue
         if video_queue is not None and len(video_queue):
             vq = F.normalize(video_queue.to(dev).float(), dim=-1)
@@ -153,7 +203,8 @@ def evaluate_encoded(
             rows["+ NCL"]["v2t"] = retrieval_metrics((dual + a_txt.to(dev)[:, None]).cpu(), enc.caption_clip)["v2t"]
         else:
             rows["+ NCL"]["v2t"] = {k: float("nan") for k in rows["+ NCL"]["v2t"]}
-        rows["+ psi + NCL"]["v2t"] = {k: float("nan") for k in rows["+ psi + NCL"]["v2t"]}
+        rows["+ psi + NCL(dual)"]["v2t"] = {k: float("nan") for k in rows["+ psi + NCL(dual)"]["v2t"]}
+        rows["+ psi + NCL(served)"]["v2t"] = {k: float("nan") for k in rows["+ psi + NCL(served)"]["v2t"]}
         ncl = {
             "queue": int(len(queue)),
             "gamma": gamma,
@@ -161,6 +212,11 @@ def evaluate_encoded(
             "norm_err_queue_after": normalization_error(qn, vn, gamma, b.cpu()),
             "norm_err_test_before": normalization_error(tn, vn, gamma),
             "norm_err_test_after": normalization_error(tn, vn, gamma, b.cpu()),
+            # the score each psi row ranks by, on the test captions (NCL eq. 5)
+            "norm_err_test_psi": normalization_error_scores(psi_cpu, gamma),
+            "norm_err_test_psi_dual": normalization_error_scores(psi_cpu, gamma, b.cpu()),
+            "norm_err_test_psi_served": normalization_error_scores(psi_cpu, gamma, b_served),
+            "served": served_info,
         }
     dev_abs = (psi - dual).abs().flatten().cpu()
     delta_abs = delta_deviation(model, t, enc.frames, enc.mask, vbar, block=block).flatten()
@@ -204,6 +260,15 @@ def write_report(result: dict[str, Any], out_dir: str | Path, title: str = "GARE
                   "| queries | before | after |", "|---|---|---|",
                   f"| training queue ({ncl['queue']}) | {ncl['norm_err_queue_before']:.4f} | {ncl['norm_err_queue_after']:.4f} |",
                   f"| test captions | {ncl['norm_err_test_before']:.4f} | {ncl['norm_err_test_after']:.4f} |", ""]
+        if "norm_err_test_psi" in ncl:
+            sv = ncl.get("served") or {}
+            lines += ["NCL normalisation error on the test captions of the score each psi row ranks by:", "",
+                      "| + psi | + psi + NCL(dual) | + psi + NCL(served) |", "|---|---|---|",
+                      f"| {ncl['norm_err_test_psi']:.4f} | {ncl['norm_err_test_psi_dual']:.4f} | "
+                      f"{ncl['norm_err_test_psi_served']:.4f} |", "",
+                      f"NCL(dual): biases fitted to the dual-tower cosine of the queue; NCL(served): fitted to the psi "
+                      f"score of the queue ({sv.get('form')} form, {sv.get('pairs')} psi pairs, "
+                      f"{sv.get('seconds', 0.0):.1f} s).", ""]
     dv = result["deviation"]
     if ncl.get("queue"):
         lines += ["NCL v2t: text biases fitted with the checkpoint's video queue on the dual-tower cosine; "

@@ -2,6 +2,8 @@
 
 from fastapi import APIRouter, Depends
 
+from indexer.served_biases import describe as describe_biases
+
 from ..schemas import ERRORS, ErrorResponse, IndexInfo, ReloadResponse
 from ..security import StateDep, require_admin, require_search
 from ..state import API_VERSION
@@ -22,7 +24,8 @@ async def index_info(state: StateDep) -> IndexInfo:
                 "name": state.checkpoint_path.name if state.checkpoint_path else None,
                 "sha256": state.checkpoint_sha, "model_config": ck.get("model_config"),
             },
-            biases=m.get("biases"), device=str(state.device), precision=state.precision,
+            biases=m.get("biases"), biases_description=describe_biases(m.get("biases")),
+            device=str(state.device), precision=state.precision,
             rerank_impl=state.settings.rerank_impl,
         )
 

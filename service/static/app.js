@@ -36,6 +36,9 @@
     return resp;
   }
 
+  let nclTouched = false;
+  $("ncl").addEventListener("change", () => { nclTouched = true; });
+
   async function loadIndexInfo() {
     try {
       const resp = await apiFetch("/v1/index", { headers: headers() });
@@ -43,6 +46,11 @@
       const info = await resp.json();
       $("index-info").textContent = "index " + info.version + " · " + info.n + " entries · " + info.index_type +
         " · " + (info.checkpoint && info.checkpoint.name ? info.checkpoint.name : "checkpoint") + " · " + info.device;
+      // the server says what ncl defaults to and why (issue 17); a box the user already touched is left alone
+      if (typeof info.ncl_default === "boolean" && !nclTouched) { $("ncl").checked = info.ncl_default; }
+      if (info.ncl_default_reason) {
+        $("ncl-label").title = info.ncl_default_reason + (info.biases_description ? " · biases: " + info.biases_description : "");
+      }
     } catch (e) {
       $("index-info").textContent = "index information unavailable";
     }

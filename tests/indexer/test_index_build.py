@@ -16,8 +16,17 @@ from indexer.cli import main
 from indexer.store import IndexMismatchError, list_versions, open_index, verify_index
 from tests.indexer.support import copy_videos, make_checkpoint, make_long_video
 from training.checkpoint import file_sha256, load_model, read_checkpoint
-from training.sinkhorn import sinkhorn_biases
+from training.sinkhorn import sinkhorn_biases, sinkhorn_biases_naive
 from training.video import load_frames
+
+
+def served_reference(model, ck, v, gamma: float) -> np.ndarray:
+    """NCL Fig. 4 (float64) on the dense psi matrix of the raw queue texts x every indexed video."""
+    with torch.no_grad():
+        S = model.score(ck.queues["text"].float(), torch.from_numpy(np.asarray(v.frames, np.float32)),
+                        torch.from_numpy(np.asarray(v.masks)), vbar=torch.from_numpy(v.vbar(np.arange(v.n))))
+    _, b = sinkhorn_biases_naive(S.double(), gamma, 4)
+    return b.numpy()
 
 
 def opts(**kw) -> BuildOptions:
@@ -67,12 +76,12 @@ def test_build_writes_the_contract(built, ckpt, corpus):  # noqa: F811
     np.testing.assert_array_equal(v.masks[rows], torch.stack([c[1] for c in clips]).numpy())
     np.testing.assert_allclose(np.linalg.norm(v.units, axis=1), 1.0, atol=1e-6)
 
-    # biases: SPEC §5 against the checkpoint's (normalised) queue, gamma = 1 / exp(logit_scale)
-    q = torch.nn.functional.normalize(ck.queues["text"].float(), dim=1)
+    # biases: SPEC §5, fitted to the served score (psi of the checkpoint's queue texts against the stored
+    # features), gamma = 1 / exp(logit_scale); 12 videos < K = 256 candidates: the dense, exact Fig. 4
     gamma = float(1 / torch.exp(ck.state_dict["clip.logit_scale"]))
     assert m["biases"]["gamma"] == pytest.approx(gamma)
-    _, b = sinkhorn_biases(q, torch.from_numpy(np.array(v.units)), gamma, n_iters=4)
-    np.testing.assert_allclose(v.biases, b.numpy(), rtol=1e-5, atol=1e-6)
+    assert m["biases"]["score"] == "served" and m["biases"]["served"]["form"] == "dense"
+    np.testing.assert_allclose(v.biases, served_reference(model, ck, v, gamma), atol=2e-4)
 
     # the ANN finds every video by its own vector; the reranker inputs work with model.score
     _, ids = v.search(np.asarray(v.units), 1)
@@ -155,6 +164,12 @@ def test_add_remove_biases_gc(tmp_path, ckpt, corpus):  # noqa: F811
     assert v3.n == 7 and 0 not in v3.ids and id7 not in v3.ids and v3.ann.ntotal == 7
     assert main(["remove", "--out", str(out), "12345"]) == 1  # unknown ids are an error, nothing changes
     assert open_index(out).name == v3.name
+    # add/remove recomputed the served biases of the whole gallery, as a build from scratch would
+    model, ck = load_model(ckpt)
+    gamma = v3.manifest["biases"]["gamma"]
+    assert v2.manifest["biases"]["score"] == v3.manifest["biases"]["score"] == "served"
+    np.testing.assert_allclose(v2.biases, served_reference(model, ck, v2, gamma), atol=2e-4)
+    np.testing.assert_allclose(v3.biases, served_reference(model, ck, v3, gamma), atol=2e-4)
     assert main(["biases", "--out", str(out)]) == 0
     v4 = open_index(out, verify=True)
     np.testing.assert_allclose(v4.biases, v3.biases, atol=1e-7)
@@ -248,3 +263,41 @@ def test_concurrent_runs_are_refused(tmp_path, ckpt, corpus):  # noqa: F811
         with pytest.raises(IndexFormatError, match="another gare-index process"):
             build(ckpt, corpus, out, opts())
     assert not (out / "CURRENT").exists()
+
+
+def test_bias_score_dual_and_sparse_served(tmp_path, ckpt, corpus):  # noqa: F811
+    """--bias-score dual keeps the dual-tower biases (and add carries the choice); --bias-k below the gallery
+    size gives the sparse served form: psi on each queue query's top K, the cosine elsewhere."""
+    vids = copy_videos(corpus, tmp_path / "lib", [f"video{i}.mp4" for i in range(5)])
+    out = tmp_path / "INDEX"
+    assert build(ckpt, vids, out, opts(bias_score="dual")).exit_code == 0
+    v = open_index(out)
+    _, ck = load_model(ckpt)
+    gamma = v.manifest["biases"]["gamma"]
+    assert v.manifest["biases"]["score"] == "dual"
+    q = torch.nn.functional.normalize(ck.queues["text"].float(), dim=1)
+    _, b = sinkhorn_biases(q, torch.from_numpy(np.array(v.units)), gamma, n_iters=4)
+    np.testing.assert_allclose(v.biases, b.numpy(), rtol=1e-5, atol=1e-6)
+    shutil.copy2(corpus / "video6.mp4", vids / "video6.mp4")
+    assert build(None, vids, out, opts(), mode="add").exit_code == 0
+    v2 = open_index(out)
+    assert v2.manifest["biases"]["score"] == "dual"  # an add keeps the index's choice
+    _, b2 = sinkhorn_biases(q, torch.from_numpy(np.array(v2.units)), gamma, n_iters=4)
+    np.testing.assert_allclose(v2.biases, b2.numpy(), rtol=1e-5, atol=1e-6)
+
+    # recompute as served, sparse (K = 2 of 6)
+    assert main(["biases", "--out", str(out), "--bias-score", "served", "--bias-k", "2"]) == 0
+    v3 = open_index(out, verify=True)
+    bi = v3.manifest["biases"]
+    assert bi["score"] == "served" and bi["served"]["form"] == "sparse" and bi["served"]["k"] == 2
+    model, _ = load_model(ckpt)
+    raw = ck.queues["text"].float()
+    units = torch.from_numpy(np.array(v3.units))
+    with torch.no_grad():
+        S = model.score(raw, torch.from_numpy(np.asarray(v3.frames, np.float32)), torch.from_numpy(np.asarray(v3.masks)),
+                        vbar=torch.from_numpy(v3.vbar(np.arange(v3.n))))
+    H = q @ units.T
+    top = H.topk(2, dim=1).indices
+    H.scatter_(1, top, S.gather(1, top))
+    _, b_ref = sinkhorn_biases_naive(H.double(), gamma, 4)
+    np.testing.assert_allclose(v3.biases, b_ref.numpy(), atol=2e-4)

@@ -136,7 +136,7 @@ def test_shared_index_two_stage_with_folded_candidates(tmp_path):
     np.testing.assert_array_equal(ids, want)
     psi = S.psi_scores(model, v, t, list(ids))
     for i in range(2):
-        hits = S.rank(cos[i], ids[i], psi[i], v.biases[v.rows(ids[i])], S.SearchOptions(k=5, candidates=5))
+        hits = S.rank(cos[i], ids[i], psi[i], v.biases[v.rows(ids[i])], S.SearchOptions(k=5, candidates=5, ncl=True))
         got = {h.id: h.score for h in hits}
         for j, vid in enumerate(ids[i]):
             assert got[int(vid)] == pytest.approx(float(psi[i][j] + v.biases[v.rows([vid])[0]]), abs=1e-6)

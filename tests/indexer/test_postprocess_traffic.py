@@ -13,8 +13,8 @@ from indexer.cli import main
 from indexer.postprocess import mix_queues
 from indexer.store import current_version_name, list_versions, open_index, verify_index
 from tests.indexer.postprocess_support import D, copy_index, shared, unit
-from training.checkpoint import read_checkpoint
-from training.sinkhorn import sinkhorn_biases
+from training.checkpoint import load_model, read_checkpoint
+from training.sinkhorn import sinkhorn_biases_naive
 
 
 def _bank(path, n=50, seed=0):
@@ -61,14 +61,22 @@ def test_biases_from_traffic_end_to_end(tmp_path, capsys):
     t = b["traffic"]
     assert (t["file"], t["rows"], t["traffic_queries"], t["train_queries"], t["traffic_weight"]) == (str(bank), 50, 50, 50, 0.5)
     assert len(t["sha256"]) == 64 and set(t) <= {"file", "sha256", "rows", "non_unit_rows", "traffic_weight", "traffic_queries",
-                                                 "train_queries", "weight_effective", "seed", "note"}  # no content
-    # the biases are Sinkhorn's against the mixed queue (training queue rows normalised, as for the plain biases)
+                                                 "train_queries", "weight_effective", "seed", "note", "bank_scale"}  # no content
+    # the biases are Sinkhorn's against the mixed queue, fitted to the served psi score (issue 17): the raw
+    # training queue texts and the bank's unit rows scaled to the queue's mean |t| (psi needs |t|)
     ck = read_checkpoint(sh["checkpoint"])
-    q = torch.nn.functional.normalize(ck.queues["text"].float(), dim=1).numpy()
-    mixed, _ = mix_queues(q, np.load(bank), 0.5)
+    raw = ck.queues["text"].float().numpy()
+    scale = float(np.linalg.norm(raw, axis=1).mean())
+    assert t["bank_scale"] == pytest.approx(scale, rel=1e-5) and b["score"] == "served"
+    mixed, _ = mix_queues(raw, np.load(bank) * np.float32(scale), 0.5)
     gamma = float(1 / torch.exp(ck.state_dict["clip.logit_scale"]))
-    _, want = sinkhorn_biases(torch.from_numpy(mixed), torch.from_numpy(np.array(v.units)), gamma, n_iters=4)
-    np.testing.assert_allclose(v.biases, want.numpy(), rtol=1e-5, atol=1e-6)
+    assert b["served"]["form"] == "dense"  # the gallery is smaller than K: every entry is an exact psi score
+    model, _ = load_model(sh["checkpoint"])
+    with torch.no_grad():
+        S = model.score(torch.from_numpy(mixed), torch.from_numpy(np.asarray(v.frames, np.float32)),
+                        torch.from_numpy(np.asarray(v.masks)), vbar=torch.from_numpy(v.vbar(np.arange(v.n))))
+    _, want = sinkhorn_biases_naive(S.double(), gamma, 4)
+    np.testing.assert_allclose(v.biases, want.numpy(), atol=2e-4)
     assert not np.allclose(v.biases, before.biases)
     # every other file is linked; the folded stage-1 index follows the new biases
     assert all(v.manifest["files"][f] == before.manifest["files"][f] for f in ("units.npy", "frames.npy", "ann.faiss"))

@@ -65,7 +65,7 @@ def test_two_stage_with_full_shortlist_equals_exhaustive(env):
         s, ids = _psi_model_score(model, version, text)
         final = s + np.asarray(version.biases)
         want = ids[np.lexsort((ids, -final))][:5]
-        res = S.search(model, version, text, S.SearchOptions(k=5, candidates=version.n))
+        res = S.search(model, version, text, S.SearchOptions(k=5, candidates=version.n, ncl=True))
         assert [h.id for h in res.hits] == want.tolist()
         got = {h.id: h for h in res.hits}
         for j, i in enumerate(ids):

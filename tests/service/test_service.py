@@ -64,7 +64,7 @@ def test_api_equals_offline_search(client, offline, sh, opts):
         body = r.json()
         want = S.search(model, version, text, S.SearchOptions(
             k=opts["k"], candidates=opts.get("candidates", max(256, opts["k"])),
-            rerank=opts.get("rerank", True), ncl=opts.get("ncl", True)))
+            rerank=opts.get("rerank", True), ncl=opts.get("ncl", S.SearchOptions().ncl)))
         ids, scores = _ids_scores(body["results"])
         assert ids == [h.id for h in want.hits]
         np.testing.assert_allclose(scores, [h.score for h in want.hits], atol=1e-5)
@@ -328,6 +328,9 @@ def test_index_health_metrics(client, sh):
     assert info["n"] == 16 and info["index_type"] == "flat" and info["dim"] == 64 and info["max_frames"] == 6
     assert info["checkpoint"]["name"] == "tiny.safetensors" and len(info["checkpoint"]["sha256"]) == 64
     assert info["biases"]["source"] == "checkpoint-queue"
+    # how the biases were computed (issue 17): fitted to the served psi score; and what ncl defaults to, and why
+    assert info["biases"]["score"] == "served" and "psi score the search ranks by" in info["biases_description"]
+    assert info["ncl_default"] is S.SearchOptions().ncl and "bench/results/ncl_served" in info["ncl_default_reason"]
     assert str(sh["root"]) not in json.dumps(info)
     assert client.get("/healthz").json() == {"status": "ok"}
     assert client.get("/readyz").json()["status"] == "ready"

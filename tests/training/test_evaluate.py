@@ -65,7 +65,7 @@ def test_v2t_ncl_uses_text_biases_fitted_with_the_video_queue(tiny_model, tmp_pa
     # the per-video bias alone would leave v2t exactly as the dual tower: the text biases must reach it
     assert retrieval_metrics(dual + b_vid.float()[None], enc.caption_clip)["v2t"] == res["rows"]["dual-tower"]["v2t"]
     # psi cannot score queued videos (no frames): that cell is not offered rather than a copy of the baseline
-    assert all(np.isnan(v) for v in res["rows"]["+ psi + NCL"]["v2t"].values())
+    assert all(np.isnan(v) for v in res["rows"]["+ psi + NCL(dual)"]["v2t"].values())
     md = write_report(res, tmp_path)["md"].read_text()
-    assert "| + psi + NCL |" in md and "| - | - |" in md and "video queue" in md
+    assert "| + psi + NCL(dual) |" in md and "| + psi + NCL(served) |" in md and "| - | - |" in md and "video queue" in md
     assert "0.084" in md and "Δ alone" in md and "not the rebuttal's figure" in md

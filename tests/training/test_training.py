@@ -93,7 +93,7 @@ def test_fit_then_eval_end_to_end(corpus, tmp_path):
     ev = tmp_path / "eval"
     assert train_cli(["eval", str(out / "best.safetensors"), "--synth", str(corpus), "--out", str(ev), "--num-workers", "0"]) == 0
     res = json.loads((ev / "result.json").read_text())
-    assert set(res["rows"]) == {"dual-tower", "+ psi", "+ NCL", "+ psi + NCL"}
+    assert set(res["rows"]) == {"dual-tower", "+ psi", "+ NCL", "+ psi + NCL(dual)", "+ psi + NCL(served)"}
     for row in res["rows"].values():
         assert set(row["t2v"]) == {"R1", "R5", "R10", "R50", "MdR", "MnR"} and set(row["v2t"]) == set(row["t2v"])
     assert res["ncl"]["norm_err_queue_after"] < res["ncl"]["norm_err_queue_before"]

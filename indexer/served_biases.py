@@ -1,0 +1,119 @@
+"""NCL video biases fitted to the served score (SPEC §5, issue 17), for `gare-index build/add/remove/biases`.
+
+The search ranks each query's stage-1 candidates by the psi score s_tj (SPEC §4), so the biases it adds must
+normalise that score, not the dual-tower cosine. Computing psi for every (queue query, video) pair is
+Q x N pairs; because γ is small only each query's top entries carry weight, so the index uses the sparse
+form of :func:`training.sinkhorn.sinkhorn_biases_sparse`: exact psi on each queue query's stage-1 top K
+(the exact top K of the stage-1 vectors, i.e. what the ANN approximates) and the stage-1 cosine elsewhere
+("dual" fill; "none" leaves the other entries out). With K >= N this is the dense, exact computation.
+
+The psi scores come from a pair scorer (``(query idx, gallery rows) -> scores``): by default the search's
+fused psi (exactly ``model.score``); any exact psi implementation with that signature plugs in.
+
+Queries: psi needs the un-normalised text embedding t (the gap v̄ - t and the pooling softmax(t·F / temp)
+depend on |t|). The checkpoint's queue stores t as trained; a bank of served queries stores unit rows only,
+so its rows are scaled to the training queue's mean |t| (recorded as ``bank_scale`` in the manifest).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+BIAS_SCORES = ("served", "dual")  # the score the biases are fitted to: psi (what the search ranks by) or the cosine
+DEFAULT_BIAS_SCORE = "served"
+DEFAULT_BIAS_K = 256  # the service's default number of candidates
+DEFAULT_BIAS_FILL = "dual"
+
+
+
+def _fused_pair_scores():
+    from .search import fused_pair_scores
+
+    return fused_pair_scores
+
+
+def psi_pair_scorer(model: Any, queries: np.ndarray, frames: Any, masks: Any, units: Any, norms: Any,
+                    *, chunk: int = 4096):
+    """Pair scorer over index arrays: (query idx (P,), rows (P,)) -> psi scores (P,) float32 (CPU tensor).
+
+    ``queries`` (Q, d) un-normalised t; ``frames`` (n, f, d) float16 (a memmap is fine), ``masks`` (n, f),
+    ``units``/``norms`` rebuild v̄ = norm * unit. Pairs are scored in row order (sequential memmap reads)."""
+    import torch
+
+    fused = _fused_pair_scores()
+    dev = model.device
+    q_all = torch.as_tensor(np.asarray(queries, dtype=np.float32)).to(dev)
+
+    def score(qi: np.ndarray, rows: np.ndarray):
+        qi, rows = np.asarray(qi, dtype=np.int64).reshape(-1), np.asarray(rows, dtype=np.int64).reshape(-1)
+        order = np.argsort(rows, kind="stable")
+        out = np.empty(rows.shape[0], dtype=np.float32)
+        with torch.inference_mode():
+            for s in range(0, rows.shape[0], chunk):
+                sel = order[s:s + chunk]
+                r = rows[sel]
+                uniq, inv = np.unique(r, return_inverse=True)
+                fr = torch.from_numpy(np.asarray(frames[uniq], dtype=np.float32)).to(dev)[torch.from_numpy(inv).to(dev)]
+                mk = torch.from_numpy(np.asarray(masks[uniq])).to(dev)[torch.from_numpy(inv).to(dev)]
+                vb = np.asarray(units[uniq], dtype=np.float32) * np.asarray(norms[uniq], dtype=np.float32)[:, None]
+                vb_t = torch.from_numpy(vb).to(dev)[torch.from_numpy(inv).to(dev)]
+                tq = q_all[torch.from_numpy(qi[sel]).to(dev)]
+                out[sel] = fused(model, tq, fr, mk, vb_t).float().cpu().numpy()
+        return torch.from_numpy(out)
+
+    return score
+
+
+def served_biases(model: Any, queries: np.ndarray, gamma: float, *, units: Any, norms: Any, frames: Any, masks: Any,
+                  stage1: Any | None = None, n_iters: int = 4, k: int = DEFAULT_BIAS_K, fill: str = DEFAULT_BIAS_FILL,
+                  scorer: Any = None, device: Any = None) -> tuple[np.ndarray, dict[str, Any]]:
+    """Video biases (n,) float32 fitted to the psi score of the queue ``queries`` (un-normalised t) and a description.
+
+    ``stage1``: the stage-1 vectors (InvGC-corrected ones when the index has them; default ``units``): the
+    candidates are their exact top ``k`` and the fill is their cosine, as the search's stage 1."""
+    import torch
+    import torch.nn.functional as F
+
+    from training.sinkhorn import score_candidates, sinkhorn_biases_sparse, stage1_candidates
+
+    n = int(np.asarray(norms).shape[0])
+    t0 = time.time()
+    q_raw = np.asarray(queries, dtype=np.float32)
+    dev = torch.device(device) if device is not None else model.device
+    qn = F.normalize(torch.from_numpy(q_raw), dim=-1)
+    g = np.asarray(stage1 if stage1 is not None else units, dtype=np.float32)
+    _, rows = stage1_candidates(qn, g, k)
+    pair = scorer if scorer is not None else psi_pair_scorer(model, q_raw, frames, masks, units, norms)
+    sc = score_candidates(pair, rows)
+    _, b, sinfo = sinkhorn_biases_sparse(rows, sc, n, gamma, n_iters, fill=fill, queries=qn.to(dev),
+                                         gallery=g, device=dev)
+    seconds = time.time() - t0
+    log.info("served-score NCL biases for %d videos against %d queries (K=%d, %s fill) in %.1fs", n, q_raw.shape[0],
+             int(rows.shape[1]), fill, seconds)
+    info = {"score": "served", "scorer": "psi", "form": "dense" if int(rows.shape[1]) >= n else "sparse",
+            "k": int(k), "k_used": int(rows.shape[1]), "fill": fill, "n_uncovered": sinfo["n_uncovered"], "psi_pairs": sinfo["n_entries"],
+            "seconds": round(seconds, 3)}
+    return b.numpy().astype(np.float32), info
+
+
+def describe(binfo: dict[str, Any] | None) -> str:
+    """One line for people: how the biases of an index were computed (the /v1/index and the page use it)."""
+    b = binfo or {}
+    if b.get("source") in (None, "none") or not b.get("n_queries"):
+        return "no NCL biases (the checkpoint has no query queue)"
+    src = {"checkpoint-queue": "the checkpoint's training queue", "traffic": "a bank of served queries",
+           "checkpoint-queue+traffic": "the training queue mixed with a bank of served queries"}.get(b["source"], b["source"])
+    s = b.get("served") or {}
+    if b.get("score") == "served":
+        how = (f"fitted to the psi score the search ranks by ({s.get('form')}: exact psi on each queue query's top "
+               f"{s.get('k')} stage-1 candidates, {'the cosine' if s.get('fill') == 'dual' else 'nothing'} elsewhere)")
+    else:
+        how = "fitted to the dual-tower cosine"
+    return f"Sinkhorn (NCL, {b.get('n_iters')} iterations, gamma {b.get('gamma', 0):.4g}) over {b['n_queries']} queries " \
+           f"from {src}, {how}"
