@@ -1153,6 +1153,8 @@ def stats(out: str | os.PathLike) -> dict[str, Any]:
             "index_type_requested": m.get("index_type_requested"),
             "ann_params": m.get("ann_params"),
             "kv": bool(m.get("kv")),
+            # padded rows: features kept, v̄ over all rows, psi attends to them (checkpoints imported from the authors)
+            "reference_padding": v.reference_padding,
             "precision": m.get("precision"),
             "checkpoint": m.get("checkpoint", {}).get("path"),
             "checkpoint_sha256": m.get("checkpoint", {}).get("sha256"),

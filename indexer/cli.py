@@ -386,7 +386,11 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         print(f"verify: {len(problems)} problem(s) in {args.out}")
         return 1
     name = args.version_name or current_version_name(args.out)
-    print(f"verify: {args.out} {name} OK")
+    from .store import open_version
+
+    with open_version(args.out, name, use_gpu=False) as v:
+        padding = "reference_padding (padded rows kept, v̄ over all rows)" if v.reference_padding else "padded rows masked"
+    print(f"verify: {args.out} {name} OK ({padding})")
     return 0
 
 

@@ -197,7 +197,10 @@ def fused_pair_scores(
 ) -> torch.Tensor:
     """s (P,) for P (text, video) pairs: t (P, d), frames (P, f, d), mask (P, f), vbar (P, d); float32.
 
-    Equal to ``model.score`` on each pair (see the module docstring for the algebra).
+    Equal to ``model.score`` on each pair (see the module docstring for the algebra). With
+    ``model.cfg.reference_padding`` (imported checkpoints) psi attends over every row, padded ones too, as
+    the authors' code does (their features and the all-rows v̄ are what the index stores for such models);
+    the pooling masks padded rows either way.
     """
     psi = model.psi
     P, d = t.shape
@@ -208,7 +211,7 @@ def fused_pair_scores(
     qk = torch.addmm(fw.b_qk, h, fw.w_qk.t()).view(P, H, d)  # W_kᵀ (W_q h + b_q); the q·b_k term is constant
     c = psi.ln1(frames)  # (P, f, d)
     logits = torch.einsum("phd,pfd->phf", qk, c) / math.sqrt(hd)
-    if mask is not None:
+    if mask is not None and not getattr(model.cfg, "reference_padding", False):
         logits = logits.masked_fill(~mask.bool()[:, None, :], float("-inf"))
     w = logits.softmax(dim=-1)
     cbar = torch.einsum("phf,pfd->phd", w, c)  # attention-weighted mean of the normalised frames

@@ -11,8 +11,12 @@ Notation (one video, one text; f frames, d width): ``C x = x - mean(x)`` (centri
 ``LN_k(x) = γ_k ⊙ C x / s(x) + β_k`` with ``s(x) = sqrt(|C x|²/d + ε_k)``; ``Γ_k = diag(γ_k)``; the frames
 ``F_f``; ``σ_f = s(F_f)`` (LN1's scale of frame f) so ``c_f := LN1(F_f) = γ1 ⊙ C F_f / σ_f + β1``; the frame
 weights of v̄, ``ω_f = m_f / max(1, Σ m)`` (``1/f`` for every row in the all-rows mode), ``v̄ = Σ ω_f F_f``;
-the attended / pooled frames are the real ones (``m_f = 1``); an excluded frame gets logit -inf, exactly as
-``pair_scores`` masks it (a video with no real frame therefore scores NaN there and here).
+psi attends to the rows v̄ averages (``ω_f > 0``: the real ones, or every row in the all-rows mode) and the
+pooling to the real ones (``m_f = 1``); an excluded frame gets logit -inf, exactly as ``pair_scores`` masks
+it (a video with no real frame therefore scores NaN there and here). The all-rows mode
+(``fold_videos(..., reference_padding=True)``) is the authors' padding, for checkpoints with
+``cfg.reference_padding``: v̄ over all f rows and psi attending to padded rows too, pooling still masked.
+``mask=None`` is not that mode: it treats every row as real, so the pooling would use padded rows as well.
 
 1. Attention logits. ``h = LN1(v̄ - t)``, ``l_f = (W_q h + b_q)·(W_k c_f + b_k)/√d``. The term with b_k is
    the same for every f and cancels in the softmax, so with ``A = W_kᵀ W_q``:
@@ -216,8 +220,8 @@ class VideoConstants:
       it may be stored lower, e.g. float16, and is upcast on use). One row per video is what the index
       stores and what a rerank gathers (one index_select instead of 17);
     - ``fingerprint``: the psi weights the constants belong to (`PsiFold.fingerprint`).
-    Named views (leading shape S = (b,) or whatever `select` was given): rs 1/σ_f, bias 0 or -inf (excluded
-    frame), le e_f/√d, lg g_f/√d, omega ω_f, g2 g2_f, mu0 μ0_f, mu1 μ1_f, pi0 π0_f, pi1 π1_f: (*S, f);
+    Named views (leading shape S = (b,) or whatever `select` was given): rs 1/σ_f, bias 0 or -inf (a frame the
+    pooling skips; psi skips the frames with ω_f = 0), le e_f/√d, lg g_f/√d, omega ω_f, g2 g2_f, mu0 μ0_f, mu1 μ1_f, pi0 π0_f, pi1 π1_f: (*S, f);
     g1 G1, g2m G2, g3 G3, p P, h H: (*S, f, f); cvv |Cv̄|², vsum Σv̄: S.
     """
 
@@ -306,9 +310,15 @@ def fold_videos(
     psi: Psi | PsiFold,
     *,
     chunk: int = 1024,
+    reference_padding: bool = False,
 ) -> VideoConstants:
     """frames F (b, f, d) (any float dtype), mask (b, f) (bool/0-1; None = every row is real, the same as an
     all-ones mask) -> VideoConstants on the frames' device, float32.
+
+    `reference_padding` (the model's ``cfg.reference_padding``): v̄ is the mean over all f rows and psi
+    attends to every row (ω_f = 1/f marks them), while the pooling still skips the padded rows (bias -inf),
+    as ``training.psi.pair_scores(..., reference_padding=True)``; `frames` must hold the padded rows'
+    features then.
 
     v̄ is the masked mean of the (upcast) frames, as `pair_scores(..., vbar=None)` computes it. Work runs in
     chunks of `chunk` videos: three (chunk·f, d) x (d, d) products each.
@@ -332,7 +342,10 @@ def fold_videos(
             n = fr.shape[0]
             m = torch.ones(n, f, dtype=torch.bool, device=dev) if mask is None else mask[s0 : s0 + chunk].to(dev).bool()
             mf = m.to(torch.float32)
-            omega = mf / mf.sum(1, keepdim=True).clamp_min(1.0)  # masked_mean's weights
+            if reference_padding:  # the plain mean over all rows; psi attends to every row with ω_f > 0
+                omega = torch.full_like(mf, 1.0 / f)
+            else:
+                omega = mf / mf.sum(1, keepdim=True).clamp_min(1.0)  # masked_mean's weights
             vbar = torch.einsum("nf,nfd->nd", omega, fr)  # (n, d)
             cf_raw = fr - fr.mean(-1, keepdim=True)
             rs = torch.rsqrt(cf_raw.pow(2).mean(-1) + eps1)  # (n, f) 1/σ_f
@@ -438,7 +451,8 @@ def _scores_from_dots(q: QueryVectors, v: VideoConstants, dt: torch.Tensor, d1: 
     # ---- psi's attention weights a (a, n, f)
     vct = (omega * dt).sum(-1) - vsum * tsum / d  # v̄·Ct
     s1 = torch.sqrt((cvv - 2.0 * vct + ctt).clamp_min(0.0) / d + eps1)  # (a, n)
-    a = ((le - d1 * rs / math.sqrt(d)) / s1.unsqueeze(-1) + lg + bias).softmax(-1)
+    # psi attends to the rows v̄ averages (ω_f > 0); equal to `bias` unless folded with reference_padding
+    a = ((le - d1 * rs / math.sqrt(d)) / s1.unsqueeze(-1) + lg).masked_fill(omega <= 0, float("-inf")).softmax(-1)
     # ---- aᵀG1a, aᵀG2a, aᵀG3a in one go; a·g2, a·μ0, a·μ1 in another
     quad = ((mat[..., 0:3, :, :] * a[..., None, None, :]).sum(-1) * a[..., None, :]).sum(-1)  # (a, n, 3)
     lin = (vec[..., 5:8, :] * a[..., None, :]).sum(-1)  # (a, n, 3)
@@ -557,8 +571,8 @@ def rerank_scores(
     fold: PsiFold | None = None,
 ) -> torch.Tensor:
     """One switch over the psi implementations for P (text, video) pairs: t (P, d), frames (P, f, d),
-    mask (P, f) -> s (P,) float32 on t's device. v̄ is the masked mean of `frames` on every path, so the
-    three agree to float32 rounding.
+    mask (P, f) -> s (P,) float32 on t's device. v̄ is the masked mean of `frames` on every path (the mean
+    over all rows when ``model.cfg.reference_padding``), so the three agree to float32 rounding.
 
     "fold": `consts` (P rows, already gathered for these pairs) or folded here from frames/mask (`fold` =
     cached `fold_weights(model.psi)`); "model": `model.score` pair by pair.
@@ -573,7 +587,8 @@ def rerank_scores(
     with torch.inference_mode():
         if impl == "fold":
             fw = fold if fold is not None else fold_weights(model.psi)
-            v = consts if consts is not None else fold_videos(frames.to(dev), mask, fw)
+            v = consts if consts is not None else fold_videos(
+                frames.to(dev), mask, fw, reference_padding=getattr(model.cfg, "reference_padding", False))
             if v.n != P:
                 raise ValueError(f"consts has {v.n} rows for {P} pairs")
             q = fold_queries(t, fw, model.cfg.temp)

@@ -10,7 +10,8 @@ Layout (see docs/index-format.md)::
          ids.npy (n,) int64        row order of every array below (ascending ids)
          norms.npy (n,) float32    |v̄|
          units.npy (n,d) float32   v̄/|v̄|
-         frames.npy (n,f,d) float16 frame features F (padded rows zero), opened with mmap_mode="r"
+         frames.npy (n,f,d) float16 frame features F (padded rows zero, or their features when the
+                                   checkpoint has reference_padding), opened with mmap_mode="r"
          masks.npy (n,f) uint8
          biases.npy (n,) float32   NCL video biases b_j (zeros when the checkpoint has no query queue)
          keys.npy, values.npy      optional (n,f,d) float16: psi's per-video K/V projections (--store-kv)

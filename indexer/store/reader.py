@@ -172,6 +172,15 @@ class IndexVersion:
     def checkpoint_sha256(self) -> str | None:
         return (self.manifest.get("checkpoint") or {}).get("sha256")
 
+    @property
+    def reference_padding(self) -> bool:
+        """The checkpoint's ``reference_padding`` (manifest ``checkpoint.model_config``; False when absent).
+
+        True (imported from the authors' code): ``frames.npy`` keeps the padded rows' features, v̄ is the mean
+        over all ``max_frames`` rows and psi attends over all rows; the pooling still uses ``masks``."""
+        cfg = (self.manifest.get("checkpoint") or {}).get("model_config") or {}
+        return bool(cfg.get("reference_padding", False))
+
     def rows(self, ids: np.ndarray, *, missing: str = "raise") -> np.ndarray:
         """Row positions (int64) of `ids`. Unknown ids raise KeyError, or give -1 with missing="mask"."""
         if missing not in ("raise", "mask"):

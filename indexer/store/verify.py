@@ -72,7 +72,8 @@ def verify_index(
 
     Checks: manifest, file sizes and (rehash) sha256; array shapes and dtypes; ids unique and equal across
     ids.npy, FAISS and SQLite; norms positive and finite, units of unit length; at least one frame per
-    video and padded frame rows zero; biases finite. `check_files` also re-checks every indexed video
+    video; padded frame rows zero, or, for a checkpoint with ``reference_padding``, holding their features
+    with v̄ = norm * unit the mean over all rows of the stored frames; biases finite. `check_files` also re-checks every indexed video
     file's size and mtime on disk (a changed file is reported, not an error of the index itself).
     """
     root = Path(root)
@@ -124,12 +125,25 @@ def verify_index(
         masks = np.asarray(v.masks)
         if n and masks.sum(axis=1).min() < 1:
             problems.append("masks.npy: some videos have no frame")
+        rp = v.reference_padding
         for s in range(0, n, 4096):
             fr = np.asarray(v.frames[s : s + 4096])
             pad = masks[s : s + 4096] == 0
-            if pad.any() and np.abs(fr[pad]).max() > 0:
+            if not rp and pad.any() and np.abs(fr[pad]).max() > 0:
                 problems.append(f"frames.npy: padded frame rows are not zero (rows {s}..)")
                 break
+            if rp and pad.any() and (np.abs(fr[pad]).max(axis=-1) == 0).any():
+                problems.append(f"frames.npy: padded frame rows are zero, but the checkpoint has reference_padding "
+                                f"(its scores need those rows' features; rows {s}..)")
+                break
+            if rp and fr.size:
+                # v̄ must be the all-rows mean of the stored frames (float16 storage: ~5e-4 of the frames' scale)
+                f32 = fr.astype(np.float32)
+                err = np.abs(f32.mean(axis=1) - v.vbar(np.arange(s, s + len(fr)))).max(axis=1)
+                if (err > 2e-3 * np.maximum(np.abs(f32).max(axis=(1, 2)), 1e-6)).any():
+                    problems.append(f"norms.npy/units.npy: v̄ is not the mean over all rows of frames.npy, as "
+                                    f"reference_padding requires (rows {s}..)")
+                    break
             if not np.all(np.isfinite(fr)):
                 problems.append(f"frames.npy: non-finite values (rows {s}..)")
                 break

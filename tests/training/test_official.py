@@ -69,6 +69,13 @@ def reference_scores(sd, tokens, frames, mask=None) -> torch.Tensor:
     what their loader gives (zero pixels) and what their model does with them: masked only inside the
     temporal transformer's attention and after the pooling softmax; v̄ averages all f rows and psi attends
     over all rows."""
+    t, Fv = reference_encode(sd, tokens, frames, mask)
+    return reference_pair_scores(sd, t, Fv, mask)
+
+
+def reference_encode(sd, tokens, frames, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first half of `reference_scores`: text embeddings t (a, d) and frame features Fv (b, f, d), padded
+    rows included (what the authors' model computes for them)."""
     clip_sd = {k[5:]: v for k, v in sd.items() if k.startswith("clip.")}
     # open_clip infers the architecture from the OpenAI layout on its own; it stores fp16, so reload in fp32.
     clip = open_clip.model.build_model_from_openai_state_dict(dict(clip_sd), quick_gelu=True, cast_dtype=torch.float32)
@@ -93,7 +100,16 @@ def reference_scores(sd, tokens, frames, mask=None) -> torch.Tensor:
         h = F.layer_norm(x, (D,), sd[p + "ln_2.weight"], sd[p + "ln_2.bias"])
         x = x + _qgelu(h @ sd[p + "mlp.c_fc.weight"].T + sd[p + "mlp.c_fc.bias"]) @ sd[p + "mlp.c_proj.weight"].T + sd[p + "mlp.c_proj.bias"]
     Fv = x + x0  # (b, f, d)
+    return t, Fv
 
+
+def reference_pair_scores(sd, t, Fv, mask=None, vbar=None) -> torch.Tensor:
+    """The second half of `reference_scores`: psi and the pooled cosine for every (text, video) pair from
+    t (a, d) and Fv (b, f, d). v̄ is Fv's mean over all f rows unless `vbar` (b, d) is given (an index
+    stores v̄ in float32 beside float16 frames)."""
+    b, f = Fv.shape[:2]
+    if mask is None:
+        mask = torch.ones(b, f)
     P = "psi.layers.0."
 
     def L(name, z):
@@ -105,7 +121,7 @@ def reference_scores(sd, tokens, frames, mask=None) -> torch.Tensor:
     scores = torch.empty(t.shape[0], b)
     for i in range(t.shape[0]):
         for j in range(b):
-            gap = N(P + "layer_norm1", Fv[j].mean(0) - t[i])
+            gap = N(P + "layer_norm1", (Fv[j].mean(0) if vbar is None else vbar[j]) - t[i])
             C = N(P + "layer_norm1", Fv[j])
             att = (L(P + "cross_attn.k_proj", C) @ L(P + "cross_attn.q_proj", gap) / math.sqrt(D)).softmax(0)
             A = N(P + "layer_norm2", L(P + "cross_attn.out_proj", att @ L(P + "cross_attn.v_proj", C)))
