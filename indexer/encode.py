@@ -41,7 +41,11 @@ def cached_model(checkpoint: str, sha256: str, device: str = "auto") -> tuple[An
 
 @torch.no_grad()
 def encode_batch(model: Any, device: torch.device, precision: str, batch: dict[str, Any]) -> tuple[Shard | None, dict[str, str], int]:
-    """Encode one collate_clips batch -> (shard of good clips or None, {key: reason} failures, frames used)."""
+    """Encode one collate_clips batch -> (shard of good clips or None, {key: reason} failures, frames used).
+
+    The padded rows are whatever `model.encode_video` returns: zero for models trained here, the encoder's
+    features (and v̄ the mean over all rows) for a checkpoint with `cfg.reference_padding`; both are stored as is.
+    """
     from training.model import autocast
 
     keys = list(batch["keys"])
