@@ -1,0 +1,126 @@
+"""Stage 4 of build/add, finish: the NCL biases, the optional InvGC stage-1 vectors, the ANN index (updated in
+place from the previous version when possible) and the manifest, then `indexer.store.write_version` (a complete
+new version and an atomic switch of CURRENT)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from ..ann import AnnIndex, AnnParams, build_index, choose_index_type
+from ..store import IndexVersion, write_version
+from .assemble import _Entry
+from .biases import (
+    _carried_traffic,
+    _served_inputs,
+    _traffic_binfo,
+    bias_score_of,
+    checkpoint_gamma_and_queue,
+    compute_biases,
+)
+from .invgc import _invgc_vectors
+from .options import BuildOptions, RunReport
+from .plan import Plan
+
+log = logging.getLogger(__name__)
+
+
+def _ann_params(index_type: str, opts: BuildOptions, base: dict[str, Any] | None = None) -> AnnParams:
+    d = dict(base or {})
+    d["index_type"] = index_type
+    for name in ("nlist", "nprobe", "hnsw_m", "ef_search", "ef_construction", "pq_m", "rescore"):
+        v = getattr(opts, name)
+        if v is not None:
+            d[name] = v
+    if base and base.get("index_type") != index_type:  # knobs of another type do not carry over
+        d = {k: v for k, v in d.items() if k == "index_type" or getattr(opts, k, None) is not None}
+    return AnnParams.from_dict(d)
+
+
+def _choose_type(requested: str, n: int) -> str:
+    if requested == "auto":
+        return choose_index_type(n)
+    if requested in ("ivf", "ivfpq") and n == 0:
+        return "flat"
+    return requested
+
+
+def _make_ann(units: np.ndarray, ids: np.ndarray, opts: BuildOptions, prev: IndexVersion | None, requested: str,
+              *, incremental: bool, drop_ids: np.ndarray, new_rows: np.ndarray) -> tuple[AnnIndex, dict[str, Any]]:
+    """The ANN index of the new version: updated in place from the previous one when possible, else built."""
+    n = units.shape[0]
+    t = _choose_type(requested, n)
+    knobs = any(getattr(opts, k) is not None for k in ("nlist", "hnsw_m", "ef_construction", "pq_m"))
+    if prev is not None and incremental and not opts.rebuild_ann and not knobs and prev.manifest.get("index_type") == t:
+        trained = int(prev.manifest.get("ann_trained_n") or prev.n)
+        if t not in ("ivf", "ivfpq") or n <= 2 * max(trained, 1):
+            params = _ann_params(t, opts, prev.manifest.get("ann_params"))
+            ann = AnnIndex(prev.ann.cpu_index, params)
+            if drop_ids.size:
+                ann.remove_ids(drop_ids)
+            if new_rows.size:
+                ann.add(units[new_rows], ids[new_rows])
+            return ann, {"ann_params": params.to_dict(), "ann_trained_n": trained}
+    params = _ann_params(t, opts, prev.manifest.get("ann_params") if prev is not None else None)
+    t0 = time.time()
+    ann = AnnIndex(build_index(units, ids, params, use_gpu=False), params)
+    log.info("built a %s index over %d vectors in %.1fs", t, n, time.time() - t0)
+    return ann, {"ann_params": params.to_dict(), "ann_trained_n": n}
+
+
+
+def finish(p: Plan, entries: list[_Entry], arrays: dict[str, Any], opts: BuildOptions, report: RunReport, *,
+           todo_ids: np.ndarray, kept_ids: np.ndarray) -> str:
+    """Biases, stage-1 vectors, ANN and manifest of the assembled arrays; writes the version and returns its name."""
+    prev, pman, mode, cfg = p.prev, p.pman, p.mode, p.model.cfg
+    for e, u in zip(entries, arrays["masks"].sum(axis=1), strict=True):
+        e.meta["frames_used"] = int(u)
+    invgc_m = None
+    if p.post["invgc"]:  # before the biases: the served biases take their candidates from the stage-1 vectors
+        arrays["ann_units"], invgc_m = _invgc_vectors(arrays["units"], entries, prev, mode, p.post)
+    report.invgc = invgc_m
+    score = opts.bias_score or (bias_score_of(pman) if mode == "add" and pman else "served")
+    served = _served_inputs(p.model, arrays, opts.bias_k if mode != "add" or opts.bias_score else
+                            int(((pman.get("biases") or {}).get("served") or {}).get("k") or opts.bias_k)) \
+        if score == "served" else None
+    gamma, queue = checkpoint_gamma_and_queue(p.ckpt, raw=True)
+    tinfo = None
+    if mode == "add" and (pman.get("biases") or {}).get("traffic"):
+        queue, tinfo = _carried_traffic(queue, pman["biases"], prev.dim, report)
+    arrays["biases"], binfo = compute_biases(arrays["units"], gamma, queue, opts.n_iters, served=served)
+    if tinfo is not None:
+        binfo = _traffic_binfo(binfo, tinfo)
+    if binfo["source"] == "none":
+        report.notes.append("the checkpoint has no text query queue: video biases are zero")
+    report.biases = binfo
+    report.ncl_stage1 = p.post["ncl_stage1"] is not None
+    stage1 = arrays.get("ann_units", arrays["units"])
+    ids = arrays["ids"]
+    requested = opts.index_type or (pman.get("index_type_requested", "auto") if mode == "add" else "auto")
+    if mode == "add" and prev is not None:
+        # the new ANN = the previous one - every id not kept + the new and changed clips
+        drop = np.setdiff1d(np.asarray(prev.ids), kept_ids)
+        new_rows = np.flatnonzero(np.isin(ids, todo_ids))
+        ann, ainfo = _make_ann(stage1, ids, opts, prev, requested, incremental=True,
+                               drop_ids=drop, new_rows=new_rows)
+    else:
+        ann, ainfo = _make_ann(stage1, ids, opts, None, requested, incremental=False,
+                               drop_ids=np.zeros(0, np.int64), new_rows=np.zeros(0, np.int64))
+    report.index_type = ann.params.index_type
+    extra = {
+        "checkpoint": {"path": str(p.ckpt_path), "sha256": p.sha, "model_config": cfg.to_dict()},
+        "precision": p.precision,
+        "sampling": {"max_frames": cfg.max_frames, "video_framerate": cfg.video_framerate, "image_size": cfg.image_size},
+        "segment": {"seconds": p.segment, "overlap": p.overlap} if p.segment else None,
+        "index_type_requested": requested,
+        "biases": binfo,
+        "next_id": int(max(p.next_id, int(ids.max()) + 1 if ids.size else 0)),
+        "builder": {"command": mode, "engine": opts.engine},
+        "invgc": invgc_m,
+        "ncl_stage1": p.post["ncl_stage1"],
+        **ainfo,
+    }
+    return write_version(p.root, arrays, [e.meta for e in entries], extra, ann=ann, keep=opts.keep)
