@@ -69,6 +69,11 @@ def project_imports(root: Path, packages=PACKAGES) -> dict[str, set[str]]:
     return out
 
 
+def _within(mod: str, names: set[str]) -> bool:
+    """mod is one of names or a module inside one of them (a heavy package's modules are heavy too)."""
+    return any(mod == n or mod.startswith(n + ".") for n in names)
+
+
 def violations(graph: dict[str, set[str]]) -> list[str]:
     bad = []
     for mod, deps in sorted(graph.items()):
@@ -76,7 +81,7 @@ def violations(graph: dict[str, set[str]]) -> list[str]:
             top, dtop = mod.split(".")[0], dep.split(".")[0]
             if dtop in LAYER and top in LAYER and LAYER[dtop] > LAYER[top]:
                 bad.append(f"{mod} imports {dep}: an upward import ({top} is below {dtop})")
-            if dep in HEAVY and mod not in CLI_SIDE:
+            if _within(dep, HEAVY) and not _within(mod, CLI_SIDE):
                 bad.append(f"{mod} imports the heavy {dep} (only CLI-side modules may: {sorted(CLI_SIDE - HEAVY)})")
     return bad
 
@@ -147,6 +152,14 @@ def test_checker_catches_a_heavy_import_and_allows_a_cli(tmp_path):
                             "indexer/cli.py": "from training import data\n"})
     assert violations(project_imports(root)) == [
         "indexer.build imports the heavy training.data (only CLI-side modules may: "
+        f"{sorted(CLI_SIDE - HEAVY)})"]
+
+
+def test_checker_treats_a_heavy_package_s_modules_as_heavy(tmp_path):
+    root = _tree(tmp_path, {"training/synth/__init__.py": "from .mp4 import w\n", "training/synth/mp4.py": "",
+                            "training/model.py": "from training.synth.mp4 import w\n"})
+    assert violations(project_imports(root)) == [
+        "training.model imports the heavy training.synth.mp4 (only CLI-side modules may: "
         f"{sorted(CLI_SIDE - HEAVY)})"]
 
 
