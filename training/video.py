@@ -16,7 +16,7 @@ reference truncates them to whole seconds), and ``framerate`` may be fractional 
 ``int(framerate)``). For integer seconds and integer framerates the sampled positions are identical.
 
 Everything that can go wrong with a file is reported as :class:`VideoDecodeError` with a short reason.
-:func:`iter_decoded` decodes many clips in DataLoader worker processes and never lets one bad file hang
+:func:`iter_decoded` decodes many clips in worker processes and never lets one bad file hang
 or stop the loop: failures come back in the batch's ``failed`` list.
 
 ``decord``, ``av`` and ``torchvision`` are imported lazily, so importing this module is cheap.
@@ -27,10 +27,11 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import multiprocessing
 import os
 import queue
 import re
-import threading
+import signal
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -358,7 +359,7 @@ class ClipDataset(torch.utils.data.Dataset):
         """Item `index`, its frames passed through `augment` (see `load_frames`) when given."""
         key, path, start, end = self.items[index]
         # One decode thread per worker process; the main process may use decord's own threading.
-        threads = 1 if torch.utils.data.get_worker_info() is not None else 0
+        threads = 1 if _IN_DECODE_WORKER or torch.utils.data.get_worker_info() is not None else 0
         try:
             frames, mask = load_frames(
                 path,
@@ -412,123 +413,131 @@ class DecoderTimeout(RuntimeError):
     """A decoding worker produced nothing for longer than the allowed time."""
 
 
-def _put(q: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
-    while not stop.is_set():
-        try:
-            q.put(item, timeout=0.1)
-            return True
-        except queue.Full:
-            continue
-    return False
+# Set in a decode worker process of :func:`_loader_run` (one decoder thread per process).
+_IN_DECODE_WORKER = False
 
 
-def _kill(workers: list[Any]) -> None:
+def _decode_worker(ds: ClipDataset, tasks: Any, results: Any) -> None:
+    """A decode worker process: decode and collate the batches it is given, in the order given, until None."""
+    global _IN_DECODE_WORKER
+    _IN_DECODE_WORKER = True
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops the workers
+    torch.set_num_threads(1)
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        b, indices = task
+        results.put((b, collate_clips([ds[i] for i in indices])))
+
+
+def _stop(workers: list[Any], tasks: list[Any], *, clean: bool) -> None:
+    """End the workers: a clean finish lets them exit on their own, anything else kills them; then reap."""
+    if clean:
+        for q in tasks:
+            q.put(None)
+        for w in workers:
+            w.join(timeout=10.0)
     for w in workers:
         try:
             if w.is_alive():
                 w.kill()
+            w.join(timeout=1.0)
         except Exception:  # noqa: BLE001 - best effort
             pass
+    for q in tasks:
+        q.cancel_join_thread()  # never block this process's exit on a dead worker's queue
+        q.close()
 
 
 def _loader_run(
     items: list[Item], ds_kwargs: dict[str, Any], batch_size: int, num_workers: int, timeout: float
 ) -> Iterator[tuple[str, Any]]:
-    """Run a multi-worker DataLoader in a helper thread; yields ("batch", dict)... then maybe ("error", exc).
+    """Decode ``items`` in batches in a pool of worker processes; yields ("batch", dict)... in order, then
+    maybe ("error", exc).
 
-    Failure handling lives here rather than in torch:
+    A plain ``multiprocessing`` pool (fork, like the DataLoader's workers on Linux) whose processes this
+    function owns, so failures are handled here with public APIs only:
 
-    * a worker that dies is noticed within a fraction of a second (torch only checks every 5 s, and
-      with a DataLoader ``timeout`` only after that timeout) and reported as :class:`DecoderCrashed`;
+    * a worker that dies is noticed within a fraction of a second (its ``exitcode``) and reported as
+      :class:`DecoderCrashed`, after the batches that came out before it in order;
     * when no batch arrives for ``timeout`` seconds the workers are killed and :class:`DecoderTimeout`
       is reported;
-    * the workers are removed from torch's SIGCHLD watch list, so that a crash cannot raise an error
-      at an arbitrary point of the main thread (the loader runs in a helper thread, which also keeps
-      torch from installing that handler itself).
+    * no signal handler is installed, so a crash cannot raise an error at an arbitrary point of the caller.
+
+    Batch b goes to worker b % n, at most two batches per worker in flight (the DataLoader's prefetch).
     """
-    q: queue.Queue[Any] = queue.Queue(maxsize=2)
-    stop = threading.Event()
-    workers: list[Any] = []
+    ds = ClipDataset(items, **ds_kwargs)
+    batches = [list(range(s, min(s + batch_size, len(items)))) for s in range(0, len(items), batch_size)]
+    if not batches:
+        return
+    n = max(1, min(num_workers, len(batches)))
+    ctx = multiprocessing.get_context("fork")
+    tasks = [ctx.Queue() for _ in range(n)]
+    results = ctx.Queue()
+    workers = [
+        ctx.Process(target=_decode_worker, args=(ds, tasks[w], results), name=f"gare-decode-{w}", daemon=True)
+        for w in range(n)
+    ]
+    for w in workers:
+        w.start()
+    sent = 0
 
-    def work() -> None:
-        try:
-            loader = torch.utils.data.DataLoader(
-                ClipDataset(items, **ds_kwargs),
-                batch_size=batch_size,
-                shuffle=False,
-                num_workers=num_workers,
-                collate_fn=collate_clips,
-            )
-            it = iter(loader)
-            workers.extend(getattr(it, "_workers", []))
-            if getattr(it, "_worker_pids_set", False):
-                try:
-                    from torch.utils.data._utils import signal_handling
+    def send_upto(limit: int) -> None:
+        nonlocal sent
+        while sent < min(limit, len(batches)):
+            tasks[sent % n].put((sent, batches[sent]))
+            sent += 1
 
-                    signal_handling._remove_worker_pids(id(it))
-                    it._worker_pids_set = False
-                except Exception:  # noqa: BLE001 - private API; torch then keeps its own handling
-                    pass
-            try:
-                for batch in it:
-                    if not _put(q, ("batch", batch), stop):
-                        return
-            finally:
-                shutdown = getattr(it, "_shutdown_workers", None)
-                if shutdown is not None:
-                    shutdown()
-                del it
-            _put(q, ("done", None), stop)
-        except Exception as e:  # worker died, or the loader could not start
-            _put(q, ("error", e), stop)
-
-    thread = threading.Thread(target=work, name="gare-video-loader", daemon=True)
-    thread.start()
-    finished = False
+    clean = False
     try:
+        send_upto(2 * n)
+        pending: dict[int, dict[str, Any]] = {}
+        nxt = 0
         deadline = time.monotonic() + timeout
-        while True:
-            try:
-                kind, payload = q.get(timeout=0.1)
-            except queue.Empty:
-                dead = [w for w in list(workers) if w.exitcode not in (None, 0)]
-                if dead:
-                    # Batches that made it out before the death are still good (results are in order).
-                    while True:
-                        try:
-                            kind, payload = q.get_nowait()
-                        except queue.Empty:
-                            break
-                        if kind == "done":
-                            finished = True
-                            return
-                        yield kind, payload
-                        if kind == "error":
-                            return
-                    _kill(workers)
-                    code = dead[0].exitcode
-                    how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-                    yield "error", DecoderCrashed(f"decoder worker process died ({how})")
-                    return
-                if time.monotonic() > deadline:
-                    _kill(workers)
-                    yield "error", DecoderTimeout(f"no decoded batch for {timeout:g}s")
-                    return
-                if not thread.is_alive() and q.empty():
-                    yield "error", RuntimeError("decoder thread exited without a result")
-                    return
+        while nxt < len(batches):
+            if nxt in pending:
+                batch = pending.pop(nxt)
+                nxt += 1
+                send_upto(nxt + 2 * n)
+                yield "batch", batch
+                deadline = time.monotonic() + timeout
                 continue
-            if kind == "done":
-                finished = True
+            try:
+                b, batch = results.get(timeout=0.1)
+            except queue.Empty:
+                pass
+            else:
+                pending[b] = batch
+                deadline = time.monotonic() + timeout
+                continue
+            dead = [w for w in workers if w.exitcode not in (None, 0)]
+            if dead:
+                # Batches that made it out before the death are still good (results are yielded in order).
+                while True:
+                    try:
+                        b, batch = results.get_nowait()
+                    except queue.Empty:
+                        break
+                    pending[b] = batch
+                while nxt in pending:
+                    yield "batch", pending.pop(nxt)
+                    nxt += 1
+                if nxt >= len(batches):
+                    clean = True
+                    return
+                code = dead[0].exitcode
+                how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+                yield "error", DecoderCrashed(f"decoder worker process died ({how})")
                 return
-            yield kind, payload
-            if kind == "error":
+            if time.monotonic() > deadline:
+                yield "error", DecoderTimeout(f"no decoded batch for {timeout:g}s")
                 return
-            deadline = time.monotonic() + timeout
+        clean = True
     finally:
-        stop.set()
-        # A clean finish joins the loader's shutdown; after a failure the helper thread winds down alone.
-        thread.join(timeout=10.0 if finished else 0.05)
+        _stop(workers, tasks, clean=clean)
+        results.cancel_join_thread()
+        results.close()
 
 
 def iter_decoded(
@@ -541,7 +550,7 @@ def iter_decoded(
     num_workers: int = 2,
     timeout: float = 300.0,
 ) -> Iterator[dict[str, Any]]:
-    """Decode ``(key, path, start, end)`` items in batches, in order, in DataLoader worker processes.
+    """Decode ``(key, path, start, end)`` items in batches, in order, in worker processes (:func:`_loader_run`).
 
     Yields :func:`collate_clips` dicts. Undecodable files are reported in ``failed`` with a reason.
     If a worker process dies (e.g. the decoder crashes) or no batch arrives for ``timeout`` seconds,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import sys
@@ -394,6 +395,7 @@ def test_iter_decoded_survives_worker_crash_and_hang(good_video, monkeypatch):
     assert "crashed" in failed["crash"] and "signal 9" in failed["crash"]
     assert "timed out" in failed["hang"]
     assert time.monotonic() - t0 < 40
+    assert multiprocessing.active_children() == []  # every decode worker was reaped (crashed, hung or done)
 
 
 def test_iter_decoded_early_break_and_empty(good_video):
@@ -409,3 +411,4 @@ def test_iter_decoded_early_break_and_empty(good_video):
         first = next(it)
         it.close()
     assert first["keys"] == [0, 1]
+    assert multiprocessing.active_children() == []  # closing the iterator ends its workers
