@@ -9,6 +9,8 @@ import logging
 import sys
 from pathlib import Path
 
+from training.data_args import add_data_args, data_spec
+
 log = logging.getLogger(__name__)
 
 EPILOG = """\
@@ -226,13 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "write result.md / result.json / compare.png.", epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     sp.add_argument("--checkpoint", required=True, metavar="CKPT")
-    g = sp.add_argument_group("test data (one of)")
-    g.add_argument("--synth", help="a `gare-train synth` corpus folder (its test split)")
-    g.add_argument("--msrvtt-anno", help="MSR-VTT annotation folder (1k-A test split); with --videos")
-    g.add_argument("--videos", help="MSR-VTT videos folder")
-    g.add_argument("--data-json", help="MSRVTT_data.json if not in --msrvtt-anno")
-    g.add_argument("--test-manifest", help="your captions: CSV (video,caption[,start,end]) or JSONL")
-    g.add_argument("--train-manifest", help="your training captions (for --gallery all and the InvGC validation split)")
+    add_data_args(sp, "test data (one of)", "--synth: its test split; --msrvtt-anno: the 1k-A test split; "
+                  "--train-manifest: for --gallery all and the InvGC validation split")
     sp.add_argument("--val", metavar="MANIFEST|SYNTH_DIR",
                     help="validation data for InvGC's r search (default: carved from the training split as `gare-train "
                          "fit` does, or the checkpoint's own training data)")
@@ -351,12 +348,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     given = [x for x in (args.synth, args.msrvtt_anno, args.test_manifest) if x]
     if len(given) != 1:
         raise ValueError("give exactly one of --synth, --msrvtt-anno (with --videos) or --test-manifest")
-    if args.synth:
-        data = {"kind": "synth", "root": args.synth}
-    elif args.msrvtt_anno:
-        data = {"kind": "msrvtt", "anno_dir": args.msrvtt_anno, "videos_dir": args.videos, "data_json": args.data_json}
-    else:
-        data = {"kind": "manifest", "test": args.test_manifest, **({"train": args.train_manifest} if args.train_manifest else {})}
+    data = data_spec(args)
     opts = CompareOptions(
         checkpoint=args.checkpoint, data=data, out=args.out, val=args.val, gallery=args.gallery,
         candidates=args.candidates, coverage_ks=tuple(args.coverage_ks), latency_queries=args.latency_queries,

@@ -11,6 +11,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests.psi_weights import randomize_psi  # noqa: E402
+
 
 @pytest.fixture(scope="session")
 def tiny_cfg():
@@ -25,15 +27,7 @@ def tiny_model(tiny_cfg):
 
     torch.manual_seed(0)
     model = GARE.build(tiny_cfg).eval()
-    # psi starts at N(0, 0.02): Δ would be ~0 and every psi test trivially pass; give it real weights.
-    with torch.no_grad():
-        for name, p in model.psi.named_parameters():
-            if name.endswith("weight") and p.ndim == 2:
-                p.normal_(0, 0.3)
-            elif name.startswith(("ln", )):
-                p.normal_(1.0 if name.endswith("weight") else 0.0, 0.2)
-            else:
-                p.normal_(0, 0.1)
+    randomize_psi(model.psi)
     return model
 
 

@@ -7,6 +7,8 @@ import json
 import logging
 import sys
 
+from .data_args import add_data_args, data_spec
+
 log = logging.getLogger(__name__)
 
 
@@ -54,26 +56,6 @@ def _cmd_synth(args: argparse.Namespace) -> int:
     return 0
 
 
-def _data_spec(args: argparse.Namespace) -> dict | None:
-    if args.synth:
-        return {"kind": "synth", "root": args.synth}
-    if args.msrvtt_anno:
-        return {"kind": "msrvtt", "anno_dir": args.msrvtt_anno, "videos_dir": args.videos, "data_json": args.data_json}
-    if args.train_manifest or args.test_manifest:
-        return {"kind": "manifest", "train": args.train_manifest, "test": args.test_manifest}
-    return None
-
-
-def _add_data_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("data (one of)")
-    g.add_argument("--synth", help="a corpus folder written by `gare-train synth`")
-    g.add_argument("--msrvtt-anno", help="folder with MSRVTT_train.9k.csv, MSRVTT_JSFUSION_test.csv (and MSRVTT_data.json)")
-    g.add_argument("--videos", help="MSR-VTT videos folder (<video_id>.mp4)")
-    g.add_argument("--data-json", help="MSRVTT_data.json if not in --msrvtt-anno")
-    g.add_argument("--train-manifest", help="your captions: CSV (video,caption[,start,end]) or JSONL")
-    g.add_argument("--test-manifest")
-
-
 def _cmd_fit(args: argparse.Namespace) -> int:
     from .fit import TrainConfig, Trainer
 
@@ -82,7 +64,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
             "num_workers": args.num_workers, "seed": args.seed, "save_every": args.save_every,
             "ncl_train": True if args.ncl_train else None, "queue_size": args.queue_size,
             "init_checkpoint": args.init_checkpoint, "preset": args.preset}
-    data = _data_spec(args)
+    data = data_spec(args)
     if data:
         over["data"] = data
     if args.pretrained is not None:
@@ -101,7 +83,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from .evaluate import encode_set, evaluate_encoded, write_report
     from .model import resolve_device
 
-    data = _data_spec(args)
+    data = data_spec(args)
     if not data:
         raise ValueError("no evaluation data: give --synth, --msrvtt-anno/--videos or --test-manifest")
     model, ckpt = load_model(args.checkpoint, resolve_device(args.device))
@@ -139,7 +121,7 @@ def _register_train_commands(sub) -> None:
     fit.add_argument("--pretrained", help="openai | a local CLIP weights file | none")
     fit.add_argument("--init-checkpoint", help="start from a GARE checkpoint's weights")
     fit.add_argument("--out", help="output folder (checkpoints, config.yaml, history)")
-    _add_data_args(fit)
+    add_data_args(fit)
     fit.add_argument("--epochs", type=int)
     fit.add_argument("--max-steps", type=int)
     fit.add_argument("--batch-size", type=int)
@@ -157,7 +139,7 @@ def _register_train_commands(sub) -> None:
 
     ev = sub.add_parser("eval", help="R@k tables (dual, +psi, +NCL, both), deviation and coverage figures")
     ev.add_argument("checkpoint")
-    _add_data_args(ev)
+    add_data_args(ev)
     ev.add_argument("--split", default="test", choices=["train", "test"])
     ev.add_argument("--out", default="eval")
     ev.add_argument("--device", default="auto")

@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from .strict import strict_from_dict
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -52,11 +54,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown ModelConfig fields: {sorted(unknown)}")
-        return cls(**d)
+        return strict_from_dict(cls, d)
 
     def replace(self, **kw: Any) -> ModelConfig:
         return dataclasses.replace(self, **kw)

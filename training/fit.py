@@ -44,6 +44,7 @@ from .data import (
 from .loss import gare_loss
 from .model import GARE, autocast, resolve_device
 from .sinkhorn import sinkhorn_biases
+from .strict import strict_from_dict
 
 log = logging.getLogger(__name__)
 
@@ -105,11 +106,7 @@ class TrainConfig:
             if preset not in PRESETS:
                 raise ValueError(f"unknown preset {preset!r}; known: {sorted(PRESETS)}")
             d = {**PRESETS[preset], **d}
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown training options: {sorted(unknown)}")
-        return cls(**d)
+        return strict_from_dict(cls, d, "training options")
 
 
 # Named bundles of TrainConfig values (defaults < preset < YAML < flags).

@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from tests.psi_weights import randomize_psi
+
 _LOCK = threading.Lock()
 _SHARED: dict[str, Any] = {}
 D = 64  # gare-test-tiny's embedding size
@@ -26,9 +28,7 @@ def make_checkpoint_with_queues(path: Path, *, seed: int = 0, video_queue: bool 
 
     torch.manual_seed(seed)
     model = GARE.build(get_model_config("gare-test-tiny")).eval()
-    with torch.no_grad():
-        for name, p in model.psi.named_parameters():
-            p.normal_(0, 0.3 if (name.endswith("weight") and p.ndim == 2) else 0.1)
+    randomize_psi(model.psi)
     g = torch.Generator().manual_seed(seed + 1)
     queues = {"text": torch.randn(256, D, generator=g)}
     if video_queue:

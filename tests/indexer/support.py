@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tests.psi_weights import randomize_psi
+
 REPO = Path(__file__).resolve().parents[2]
 N_VIDEOS = 12
 
@@ -22,12 +24,7 @@ def make_checkpoint(path: Path, *, queue: bool = True, seed: int = 0) -> Path:
 
     torch.manual_seed(seed)
     model = GARE.build(get_model_config("gare-test-tiny")).eval()
-    with torch.no_grad():
-        for name, p in model.psi.named_parameters():
-            if name.endswith("weight") and p.ndim == 2:
-                p.normal_(0, 0.3)
-            else:
-                p.normal_(0, 0.1)
+    randomize_psi(model.psi)
     queues = {"text": torch.randn(256, 64, generator=torch.Generator().manual_seed(seed + 1))} if queue else None
     save_checkpoint(path, model, queues=queues)
     return path

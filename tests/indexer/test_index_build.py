@@ -36,7 +36,7 @@ def opts(**kw) -> BuildOptions:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory, ckpt, corpus):  # noqa: F811
+def built(tmp_path_factory, ckpt, corpus):
     out = tmp_path_factory.mktemp("index") / "INDEX"
     rc = main(["build", "--checkpoint", str(ckpt), "--videos", str(corpus), "--out", str(out),
                "--batch-size", "4", "--workers", "2", "--no-progress"])
@@ -44,7 +44,7 @@ def built(tmp_path_factory, ckpt, corpus):  # noqa: F811
     return out
 
 
-def test_build_writes_the_contract(built, ckpt, corpus):  # noqa: F811
+def test_build_writes_the_contract(built, ckpt, corpus):
     report = json.loads((built / "report.json").read_text())
     assert report["status"] == "ok" and report["exit_code"] == 0 and report["encoded"] == 12 and report["skipped"] == []
     assert report["videos_per_s"] > 0 and report["frames_per_s"] > 0
@@ -103,7 +103,7 @@ def test_stats(built, capsys):
     assert st["total_duration_s"] == pytest.approx(24.0) and st["index_type"] == "flat"
 
 
-def test_other_checkpoint_is_refused(built, ckpt, corpus, tmp_path, capsys):  # noqa: F811
+def test_other_checkpoint_is_refused(built, ckpt, corpus, tmp_path, capsys):
     other = make_checkpoint(tmp_path / "other.safetensors", seed=7)
     sha_other, sha = file_sha256(other), file_sha256(ckpt)
     with pytest.raises(IndexMismatchError) as ei:
@@ -117,7 +117,7 @@ def test_other_checkpoint_is_refused(built, ckpt, corpus, tmp_path, capsys):  # 
     assert main(["verify", "--out", str(built), "--checkpoint", str(ckpt)]) == 0
 
 
-def test_add_remove_biases_gc(tmp_path, ckpt, corpus):  # noqa: F811
+def test_add_remove_biases_gc(tmp_path, ckpt, corpus):
     vids = copy_videos(corpus, tmp_path / "lib", [f"video{i}.mp4" for i in range(6)])
     out = tmp_path / "INDEX"
     r1 = build(ckpt, vids, out, opts())
@@ -181,7 +181,7 @@ def test_add_remove_biases_gc(tmp_path, ckpt, corpus):  # noqa: F811
     assert main(["verify", "--out", str(out)]) == 0
 
 
-def test_segments(tmp_path, ckpt):  # noqa: F811
+def test_segments(tmp_path, ckpt):
     lib = tmp_path / "long"
     make_long_video(lib / "long.mp4", seconds=12.0, fps=4.0)
     out = tmp_path / "INDEX"
@@ -204,7 +204,7 @@ def test_segments(tmp_path, ckpt):  # noqa: F811
     assert verify_index(out) == []
 
 
-def test_index_types_through_the_build(tmp_path, ckpt, corpus, monkeypatch):  # noqa: F811
+def test_index_types_through_the_build(tmp_path, ckpt, corpus, monkeypatch):
     out = tmp_path / "INDEX"
     r = build(ckpt, corpus, out, opts())
     assert r.index_type == "flat"  # auto, 12 videos
@@ -224,7 +224,7 @@ def test_index_types_through_the_build(tmp_path, ckpt, corpus, monkeypatch):  # 
     assert verify_index(out) == []
 
 
-def test_store_kv_and_no_queue(tmp_path, corpus):  # noqa: F811
+def test_store_kv_and_no_queue(tmp_path, corpus):
     ck = make_checkpoint(tmp_path / "noqueue.safetensors", queue=False, seed=3)
     assert "text" not in read_checkpoint(ck).queues
     lib = copy_videos(corpus, tmp_path / "lib", ["video0.mp4", "video1.mp4", "video2.mp4"])
@@ -254,7 +254,7 @@ def test_store_kv_and_no_queue(tmp_path, corpus):  # noqa: F811
         build(None, lib, out, opts(precision="fp32"), mode="add")
 
 
-def test_concurrent_runs_are_refused(tmp_path, ckpt, corpus):  # noqa: F811
+def test_concurrent_runs_are_refused(tmp_path, ckpt, corpus):
     from indexer.build import BUILD_LOCK
     from indexer.store import IndexFormatError, index_lock
 

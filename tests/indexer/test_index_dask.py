@@ -12,7 +12,7 @@ from indexer.store import open_index, verify_index
 distributed = pytest.importorskip("dask.distributed")
 
 
-def test_dask_engine_equals_local(tmp_path, ckpt, corpus):  # noqa: F811
+def test_dask_engine_equals_local(tmp_path, ckpt, corpus):
     local = build(ckpt, corpus, tmp_path / "local", BuildOptions(batch_size=4, workers=0, progress=False))
     with distributed.LocalCluster(host="127.0.0.1", n_workers=2, threads_per_worker=1, processes=True,
                                   dashboard_address=None, protocol="tcp") as cluster:
@@ -35,7 +35,7 @@ def test_dask_engine_equals_local(tmp_path, ckpt, corpus):  # noqa: F811
 
 
 @pytest.mark.slow
-def test_dask_engine_starts_its_own_loopback_cluster(tmp_path, ckpt, corpus):  # noqa: F811
+def test_dask_engine_starts_its_own_loopback_cluster(tmp_path, ckpt, corpus):
     from indexer.cli import main
 
     rc = main(["build", "--checkpoint", str(ckpt), "--videos", str(corpus), "--out", str(tmp_path / "INDEX"),

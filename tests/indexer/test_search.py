@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from indexer import search as S
+from tests.psi_weights import randomize_psi
 from tests.service.support import build_index, shared
 
 
@@ -40,9 +41,7 @@ def test_fused_equals_model_score(tiny_cfg, heads):
 
     torch.manual_seed(1)
     model = GARE.build(tiny_cfg.replace(psi_heads=heads)).eval()
-    with torch.no_grad():
-        for name, p in model.psi.named_parameters():
-            p.normal_(0, 0.3 if p.ndim == 2 else 0.1) if not name.startswith("ln") else p.normal_(1.0 if name.endswith("weight") else 0.0, 0.2)
+    randomize_psi(model.psi)
     d, f = tiny_cfg.embed_dim, tiny_cfg.max_frames
     a, b = 3, 11
     t = torch.randn(a, d)

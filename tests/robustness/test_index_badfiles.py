@@ -19,7 +19,7 @@ def _reasons(out) -> dict[str, str]:
     return {os.path.basename(s["path"]): s["reason"] for s in report["skipped"]}
 
 
-def test_bad_files_in_a_folder(tmp_path, ckpt, corpus, capsys):  # noqa: F811
+def test_bad_files_in_a_folder(tmp_path, ckpt, corpus, capsys):
     lib = copy_videos(corpus, tmp_path / "lib", ["video0.mp4", "video1.mp4", "video2.mp4", "video3.mp4"])
     bad = write_bad_videos(lib / "bad")  # empty, truncated, random, no_moov, wrong_container, text
     os.mkfifo(lib / "pipe.mp4")  # not a regular file (and never opened: reading a FIFO would block)
@@ -52,7 +52,7 @@ def test_bad_files_in_a_folder(tmp_path, ckpt, corpus, capsys):  # noqa: F811
     assert verify_index(out) == []
 
 
-def test_bad_manifest_rows(tmp_path, ckpt, corpus):  # noqa: F811
+def test_bad_manifest_rows(tmp_path, ckpt, corpus):
     lib = copy_videos(corpus, tmp_path / "lib", ["video0.mp4", "video1.mp4", "video2.mp4"])
     (lib / "clip.txt").write_text("x")
     rows = [
@@ -96,7 +96,7 @@ def test_bad_manifest_rows(tmp_path, ckpt, corpus):  # noqa: F811
     assert set(md2) == {5, 6} and (md2[6]["start"], md2[6]["end"]) == (0.5, 1.5)
 
 
-def test_nothing_indexable_fails_without_a_version(tmp_path, ckpt, capsys):  # noqa: F811
+def test_nothing_indexable_fails_without_a_version(tmp_path, ckpt, capsys):
     write_bad_videos(tmp_path / "bad")
     out = tmp_path / "INDEX"
     rc = main(["build", "--checkpoint", str(ckpt), "--videos", str(tmp_path / "bad"), "--out", str(out),
@@ -111,7 +111,7 @@ def test_nothing_indexable_fails_without_a_version(tmp_path, ckpt, capsys):  # n
     (["build", "--checkpoint", "/nope.safetensors", "--videos", ".", "--out", "X"], "/nope.safetensors"),
     (["build", "--checkpoint", "CK", "--videos", "/no/such/dir", "--out", "X"], "/no/such/dir"),
 ])
-def test_errors_name_the_bad_value(tmp_path, ckpt, argv, message, capsys):  # noqa: F811
+def test_errors_name_the_bad_value(tmp_path, ckpt, argv, message, capsys):
     argv = [str(ckpt) if a == "CK" else str(tmp_path / "X") if a == "X" else a for a in argv]
     assert main(argv + ["--no-progress"]) == 1
     assert message in capsys.readouterr().err

@@ -67,7 +67,7 @@ def _assert_intact(out: Path, name: str, n: int) -> None:
     v.close()
 
 
-def test_kill_and_resume(tmp_path, ckpt, corpus):  # noqa: F811
+def test_kill_and_resume(tmp_path, ckpt, corpus):
     lib = copy_videos(corpus, tmp_path / "lib", [f"video{i}.mp4" for i in range(4)])
     out = tmp_path / "INDEX"
     marker = tmp_path / "paused"
@@ -113,7 +113,7 @@ def test_kill_and_resume(tmp_path, ckpt, corpus):  # noqa: F811
 
 
 @pytest.mark.slow
-def test_kill_before_the_first_version_and_before_the_switch(tmp_path, ckpt, corpus):  # noqa: F811
+def test_kill_before_the_first_version_and_before_the_switch(tmp_path, ckpt, corpus):
     lib = copy_videos(corpus, tmp_path / "lib", [f"video{i}.mp4" for i in range(8)])
     out = tmp_path / "INDEX"
     marker = tmp_path / "paused"

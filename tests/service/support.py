@@ -23,6 +23,8 @@ from typing import Any
 
 import httpx
 
+from tests.psi_weights import randomize_psi
+
 REPO = Path(__file__).resolve().parents[2]
 _LOCK = threading.Lock()
 _SHARED: dict[str, Any] = {}
@@ -37,10 +39,7 @@ def make_checkpoint(path: Path, seed: int = 0) -> Path:
 
     torch.manual_seed(seed)
     model = GARE.build(get_model_config("gare-test-tiny")).eval()
-    with torch.no_grad():  # psi at N(0, 0.02) would make the rerank a no-op; give it real weights
-        for name, p in model.psi.named_parameters():
-            if name.endswith("weight") and p.ndim == 2:
-                p.normal_(0, 0.3)
+    randomize_psi(model.psi)  # psi at N(0, 0.02) would make the rerank a no-op
     queue = torch.nn.functional.normalize(torch.randn(64, model.cfg.embed_dim), dim=-1)
     save_checkpoint(path, model, queues={"text": queue})
     return path

@@ -10,6 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.psi_weights import randomize_psi
 from training import psi_fold as pf
 from training.psi import Psi, pair_scores
 
@@ -18,17 +19,8 @@ TOL = 1e-5
 
 def random_psi(d: int, seed: int, wstd: float = 0.3) -> Psi:
     """A psi with non-trivial weights and LayerNorm gamma/beta (the N(0, 0.02) init makes Δ ~ 0)."""
-    g = torch.Generator().manual_seed(seed)
-    psi = Psi(d).eval()
-    with torch.no_grad():
-        for name, p in psi.named_parameters():
-            if name.startswith("ln"):
-                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.4 * torch.randn(p.shape, generator=g))
-            elif p.ndim == 2:
-                p.copy_(wstd * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
-    return psi
+    return randomize_psi(Psi(d).eval(), wstd=wstd, ln_std=0.4, other_std=0.2,
+                         generator=torch.Generator().manual_seed(seed))
 
 
 def reference(psi: Psi, t, frames, mask, temp, dtype=torch.float64) -> torch.Tensor:

@@ -7,6 +7,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from ..strict import strict_from_dict
+
 CORPUS_VERSION = 1
 
 BACKGROUNDS: dict[str, tuple[int, int, int]] = {
@@ -83,11 +85,7 @@ class SynthConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SynthConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown SynthConfig fields: {sorted(unknown)}")
-        return cls(**d)
+        return strict_from_dict(cls, d)
 
 
 presets: dict[str, SynthConfig] = {
