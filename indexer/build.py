@@ -1,6 +1,6 @@
 """Videos -> index versions: `build`, `add`, `remove` and `biases` (the work behind `gare-index`).
 
-build/add run four named stages, one module each:
+build/add run four named stages, one module each in ``indexer/pipeline/``:
 
 1. ``plan``     bind the run to a checkpoint and precision, load the model, find the clips and decide where each
                 clip's features come from: the current version (same checkpoint and precision, same file
@@ -29,21 +29,11 @@ from typing import Any
 
 import numpy as np
 
-from ..store import (
-    REPORT_FILE,
-    WORK_DIR,
-    ExistingFile,
-    IndexFormatError,
-    IndexVersion,
-    index_lock,
-    open_index,
-    write_version,
-)
-from .assemble import _assemble, _Entry, alloc_npy
-from .biases import _biases_for, bias_score_of, checkpoint_gamma_and_queue, compute_biases
-from .encode import _Encoder, _kv_fn, collect_entries
-from .finish import _make_ann, finish
-from .options import (
+from .pipeline.assemble import _assemble, _Entry, alloc_npy
+from .pipeline.biases import _biases_for, bias_score_of, checkpoint_gamma_and_queue, compute_biases
+from .pipeline.encode import _Encoder, _kv_fn, collect_entries
+from .pipeline.finish import _make_ann, finish
+from .pipeline.options import (
     BUILD_LOCK,
     EXIT_FAILED,
     EXIT_OK,
@@ -53,8 +43,18 @@ from .options import (
     RunReport,
     write_report,
 )
-from .plan import Plan, _clean_staging, _progress_enabled, plan
-from .stats import stats
+from .pipeline.plan import Plan, _clean_staging, _progress_enabled, plan
+from .pipeline.stats import stats
+from .store import (
+    REPORT_FILE,
+    WORK_DIR,
+    ExistingFile,
+    IndexFormatError,
+    IndexVersion,
+    index_lock,
+    open_index,
+    write_version,
+)
 
 __all__ = [
     "BUILD_LOCK", "EXIT_FAILED", "EXIT_OK", "EXIT_SKIPPED", "PRECISIONS", "BuildOptions", "Plan", "RunReport",
