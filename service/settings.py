@@ -8,18 +8,26 @@ of ``gare-serve``. API keys are never kept in clear: :func:`load_api_key_hashes`
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
-import json
 import os
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    JsonConfigSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
 
 from indexer.search import DEFAULT_CANDIDATES
 
 ENV_PREFIX = "GARE_"
+# The config file of the load_settings call in progress (read by Settings.settings_customise_sources).
+_CONFIG_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("gare_config_file", default=None)
 
 
 class SettingsError(ValueError):
@@ -28,6 +36,17 @@ class SettingsError(ValueError):
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", validate_default=True)
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource
+                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Overrides (init) < GARE_* environment < config file (load_settings' file: pydantic-settings' YAML/JSON
+        source) < defaults, first wins."""
+        path = _CONFIG_FILE.get()
+        base = (init_settings, env_settings, dotenv_settings, file_secret_settings)
+        return base if path is None else (*base, config_file_source(settings_cls, path))
 
     # what to serve
     index: Path | None = Field(None, description="index directory (the one holding CURRENT)")
@@ -133,26 +152,11 @@ def load_api_key_hashes(settings: Settings) -> list[str]:
     return sorted(out)
 
 
-def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
-    """A YAML or JSON mapping of setting names (with or without the GARE_ prefix, any case)."""
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as e:
-        raise SettingsError(f"cannot read config file {p}: {e.strerror or e}") from None
-    try:
-        if p.suffix.lower() == ".json":
-            data = json.loads(text)
-        else:
-            import yaml
-
-            data = yaml.safe_load(text)
-    except Exception as e:  # noqa: BLE001 - yaml and json raise many types
-        raise SettingsError(f"config file {p} is not valid {'JSON' if p.suffix.lower() == '.json' else 'YAML'}: {e}") from None
-    if data is None:
-        return {}
+def _normalise(path: Path, data: Any) -> dict[str, Any]:
+    """The settings of a config file's mapping: keys with or without the GARE_ prefix, any case, '-' or '_';
+    unknown keys refused; lists of api_keys/cors_origins joined as the environment gives them."""
     if not isinstance(data, dict):
-        raise SettingsError(f"config file {p} must hold a mapping of settings, not a {type(data).__name__}")
+        raise SettingsError(f"config file {path} must hold a mapping of settings, not a {type(data).__name__}")
     out: dict[str, Any] = {}
     known = set(Settings.model_fields)
     for key, value in data.items():
@@ -160,23 +164,63 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
         if name.startswith(ENV_PREFIX.lower()):
             name = name[len(ENV_PREFIX):]
         if name not in known:
-            raise SettingsError(f"config file {p}: unknown setting {key!r}; known: {', '.join(sorted(known))}")
+            raise SettingsError(f"config file {path}: unknown setting {key!r}; known: {', '.join(sorted(known))}")
         if isinstance(value, list) and name in ("api_keys", "cors_origins"):
             value = ",".join(str(v) for v in value)
         out[name] = value
     return out
 
 
+class _YamlFile(YamlConfigSettingsSource):
+    """pydantic-settings' YAML source, with the errors and key rules of this service."""
+
+    def _read_file(self, file_path: Path) -> dict[str, Any]:  # type: ignore[override]
+        try:
+            data = super()._read_file(file_path)
+        except OSError as e:
+            raise SettingsError(f"cannot read config file {file_path}: {e.strerror or e}") from None
+        except Exception as e:  # noqa: BLE001 - yaml raises many types
+            raise SettingsError(f"config file {file_path} is not valid YAML: {e}") from None
+        return _normalise(file_path, data)
+
+
+class _JsonFile(JsonConfigSettingsSource):
+    """pydantic-settings' JSON source, with the errors and key rules of this service."""
+
+    def _read_file(self, file_path: Path) -> dict[str, Any]:  # type: ignore[override]
+        try:
+            data = super()._read_file(file_path)
+        except OSError as e:
+            raise SettingsError(f"cannot read config file {file_path}: {e.strerror or e}") from None
+        except ValueError as e:
+            raise SettingsError(f"config file {file_path} is not valid JSON: {e}") from None
+        return _normalise(file_path, data)
+
+
+def config_file_source(settings_cls: type[BaseSettings], path: str | os.PathLike) -> PydanticBaseSettingsSource:
+    """The settings source of a YAML (or, by its .json suffix, JSON) config file."""
+    p = Path(path)
+    if not p.is_file():  # pydantic-settings skips a missing file silently; a named one must exist
+        raise SettingsError(f"cannot read config file {p}: {'is a directory' if p.is_dir() else 'no such file'}")
+    if p.suffix.lower() == ".json":
+        return _JsonFile(settings_cls, json_file=p)
+    return _YamlFile(settings_cls, yaml_file=p)
+
+
+def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """The settings a YAML or JSON config file sets (names with or without the GARE_ prefix, any case)."""
+    return config_file_source(Settings, path)()
+
+
 def load_settings(config_file: str | os.PathLike | None = None, **overrides: Any) -> Settings:
     """Merge defaults < config file < GARE_* environment < overrides (None values are ignored)."""
     config_file = config_file or os.environ.get(f"{ENV_PREFIX}CONFIG") or None
-    file_values = read_config_file(config_file) if config_file else {}
+    token = _CONFIG_FILE.set(Path(config_file) if config_file else None)
     try:
-        env = Settings()
-        env_values = {k: getattr(env, k) for k in env.model_fields_set}
-        merged = {**file_values, **env_values, **{k: v for k, v in overrides.items() if v is not None}}
-        return Settings(**merged)
+        return Settings(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as e:
         raise SettingsError("invalid settings: " + "; ".join(
             f"{'.'.join(str(x) for x in err['loc']) or 'settings'}: {err['msg']}" for err in e.errors()
         )) from None
+    finally:
+        _CONFIG_FILE.reset(token)
