@@ -171,30 +171,27 @@ def _normalise(path: Path, data: Any) -> dict[str, Any]:
     return out
 
 
-class _YamlFile(YamlConfigSettingsSource):
-    """pydantic-settings' YAML source, with the errors and key rules of this service."""
+class _Checked:
+    """Mixed into pydantic-settings' YAML/JSON sources: this service's errors and key rules on the file read."""
 
-    def _read_file(self, file_path: Path) -> dict[str, Any]:  # type: ignore[override]
+    kind = "YAML"
+
+    def _read_file(self, file_path: Path) -> dict[str, Any]:
         try:
-            data = super()._read_file(file_path)
+            data = super()._read_file(file_path)  # type: ignore[misc]
         except OSError as e:
             raise SettingsError(f"cannot read config file {file_path}: {e.strerror or e}") from None
-        except Exception as e:  # noqa: BLE001 - yaml raises many types
-            raise SettingsError(f"config file {file_path} is not valid YAML: {e}") from None
+        except Exception as e:  # noqa: BLE001 - yaml and json raise many types
+            raise SettingsError(f"config file {file_path} is not valid {self.kind}: {e}") from None
         return _normalise(file_path, data)
 
 
-class _JsonFile(JsonConfigSettingsSource):
-    """pydantic-settings' JSON source, with the errors and key rules of this service."""
+class _YamlFile(_Checked, YamlConfigSettingsSource):
+    kind = "YAML"
 
-    def _read_file(self, file_path: Path) -> dict[str, Any]:  # type: ignore[override]
-        try:
-            data = super()._read_file(file_path)
-        except OSError as e:
-            raise SettingsError(f"cannot read config file {file_path}: {e.strerror or e}") from None
-        except ValueError as e:
-            raise SettingsError(f"config file {file_path} is not valid JSON: {e}") from None
-        return _normalise(file_path, data)
+
+class _JsonFile(_Checked, JsonConfigSettingsSource):
+    kind = "JSON"
 
 
 def config_file_source(settings_cls: type[BaseSettings], path: str | os.PathLike) -> PydanticBaseSettingsSource:
