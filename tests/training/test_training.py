@@ -18,7 +18,7 @@ from training.checkpoint import CheckpointError, read_checkpoint
 from training.cli import main as train_cli
 from training.data import carve_validation, load_dataset, load_manifest, load_msrvtt
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # The real annotation files ship in shared/ beside the checkout (CI lays a copy there too).
 MSRVTT = Path(os.environ.get("GARE_MSRVTT_ANNO", REPO.parent / "shared" / "data" / "msrvtt"))
 

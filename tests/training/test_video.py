@@ -149,7 +149,7 @@ def test_import_is_light():
     )
     import subprocess
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     subprocess.run(
         [sys.executable, "-c", code], check=True, cwd=root, env={**os.environ, "PYTHONPATH": str(root)}
     )
