@@ -32,6 +32,7 @@ import numpy as np
 
 from training.checkpoint import file_sha256
 
+from . import psi_consts
 from .ann import INDEX_TYPES, AnnIndex, AnnParams, build_index, choose_index_type
 from .discover import Clip, Skip, discover, expand_segments, fmt_time, scan, seg_of
 from .store import (
@@ -830,6 +831,7 @@ def _build_locked(checkpoint: Any, videos: Any, root: Path, opts: BuildOptions, 
             "ncl_stage1": post["ncl_stage1"],
             **ainfo,
         }
+        extra["psi_fold"] = psi_consts.attach(arrays, model, prev, checkpoint_sha=sha, staging=staging, device=device)
         name = write_version(root, arrays, [e.meta for e in entries], extra, ann=ann, keep=opts.keep)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -1046,6 +1048,7 @@ def remove(out: str | os.PathLike, items: Sequence[str], *, checkpoint: str | os
                     arrays["ann_units"] = np.asarray(prev.ann_units[src], dtype=np.float32).reshape(len(entries), prev.dim)
                 arrays["biases"], binfo = _biases_for(prev, arrays, checkpoint, n_iters, report=report,
                                                       carry_traffic=True)
+                psi_consts.carry(arrays, prev, np.array([e.src[1] for e in entries], dtype=np.int64))
                 requested = prev.manifest.get("index_type_requested", "auto")
                 ann, ainfo = _make_ann(arrays.get("ann_units", arrays["units"]), arrays["ids"], BuildOptions(), prev,
                                        requested, incremental=True,
@@ -1074,7 +1077,7 @@ def _no_kv(frames16: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _carry_manifest(m: dict[str, Any]) -> dict[str, Any]:
     """Manifest fields a derived version keeps (checkpoint binding, sampling, ANN choice, ...)."""
     keys = ("checkpoint", "precision", "sampling", "segment", "index_type_requested", "ann_params", "ann_trained_n",
-            "next_id", "biases", "invgc", "ncl_stage1")
+            "next_id", "biases", "invgc", "ncl_stage1", "psi_fold")
     return {k: m[k] for k in keys if k in m}
 
 
@@ -1100,7 +1103,7 @@ def recompute_biases(out: str | os.PathLike, *, checkpoint: str | os.PathLike | 
             b, binfo = _biases_for(prev, feats, checkpoint, n_iters, traffic=traffic, traffic_weight=traffic_weight,
                                    report=report, score=score, k=k)
             arrays: dict[str, Any] = _prev_files(prev, ["ids", "norms", "units", "frames", "masks", "keys", "values",
-                                                        "ann_units"])
+                                                        "ann_units", "psi_consts"])
             arrays["biases"] = b
             files = prev.manifest["files"]
             extra = _carry_manifest(prev.manifest) | {"biases": binfo, "builder": {"command": "biases"}}

@@ -208,6 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fraction of traffic queries in the mixed queue (default 0.5; 1 = traffic only)")
     _add_bias_score_args(sp, build=True)
 
+    sp = sub.add_parser("upgrade", help="bring the current version to this format: add/refresh psi's per-video constants "
+                        "(new version, other files hard-linked)", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_index_arg(sp)
+    sp.add_argument("--checkpoint", help="default: the index's (same sha256 required)")
+    sp.add_argument("--device", default=None, help="where to fold (default: cuda when present, else cpu)")
+    sp.add_argument("--force", action="store_true", help="write a new version even if the constants are valid")
+    sp.add_argument("--keep", type=_positive_int, default=3)
+
     sp = sub.add_parser("verify", help="check counts (FAISS, arrays, SQLite), files and checksums; exit 1 with the reasons",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_index_arg(sp)
@@ -341,6 +349,16 @@ def _cmd_biases(args: argparse.Namespace) -> int:
     return report.exit_code
 
 
+def _cmd_upgrade(args: argparse.Namespace) -> int:
+    from .upgrade import upgrade
+
+    report = upgrade(args.out, checkpoint=args.checkpoint, keep=args.keep, device=args.device, force=args.force)
+    print(report.summary())
+    for note in report.notes:
+        print(f"note: {note}", file=sys.stderr)
+    return report.exit_code
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
     from .compare import CompareOptions, run_compare
 
@@ -421,7 +439,8 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"build": _cmd_build, "add": _cmd_build, "remove": _cmd_remove, "biases": _cmd_biases,
-            "verify": _cmd_verify, "stats": _cmd_stats, "gc": _cmd_gc, "compare": _cmd_compare}
+            "verify": _cmd_verify, "stats": _cmd_stats, "gc": _cmd_gc, "compare": _cmd_compare,
+            "upgrade": _cmd_upgrade}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -168,6 +168,28 @@ def test_equals_model_score_and_fused(tiny_model):
         pf.rerank_scores("nope", tiny_model, tp, fp, mp)
 
 
+def test_explicit_vbar_equals_model_score(tiny_model):
+    """An index's v̄ (norm * unit of float32 features) is not the mean of its float16 frames: constants folded
+    with that v̄ (one extra dot per pair) equal model.score(..., vbar=) for all pairs, candidates and chunks."""
+    torch.manual_seed(4)
+    d, f = tiny_model.cfg.embed_dim, tiny_model.cfg.max_frames
+    t, frames = torch.randn(4, d), torch.randn(9, f, d)
+    mask = torch.ones(9, f, dtype=torch.bool)
+    mask[1, 2:] = False
+    frames = frames * mask[..., None]
+    vbar = (frames * mask[..., None]).sum(1) / mask.sum(1, keepdim=True) + 0.05 * torch.randn(9, d)
+    with torch.no_grad():
+        ref = tiny_model.score(t, frames.half(), mask, vbar=vbar)
+    fw = pf.fold_weights(tiny_model.psi)
+    v = pf.fold_videos(frames.half(), mask, fw, vbar=vbar)
+    q = pf.fold_queries(t, fw, tiny_model.cfg.temp)
+    torch.testing.assert_close(pf.pair_scores(q, v), ref, atol=TOL, rtol=0)
+    idx = torch.randint(0, 9, (4, 5))
+    torch.testing.assert_close(pf.pair_scores(q, v, idx), ref.gather(1, idx), atol=TOL, rtol=0)
+    torch.testing.assert_close(pf.exhaustive(q, v, chunk=4, query_chunk=3), ref, atol=TOL, rtol=0)
+    assert (pf.pair_scores(q, pf.fold_videos(frames.half(), mask, fw)) - ref).abs().max() > 1e-3  # v̄ matters
+
+
 def test_exhaustive_chunks_equal_pair_scores():
     psi = random_psi(24, 5)
     g = torch.Generator().manual_seed(0)
