@@ -5,11 +5,11 @@
 
 One run, one CPU thread (torch.set_num_threads(1)), median of 3 repeats, ViT-B/32 sizes (d = 512, f = 12):
 - psi rerank of K = 256 candidates for one query: the fold (per-query vectors + pair scores from the
-  gathered constants and fp16 frames), `service.search.fused_pair_scores` (today's default) and
+  gathered constants and fp16 frames), `indexer.search.fused_pair_scores` (today's default) and
   `model.score` (the training definition), each including the gather of the candidates' stored rows;
 - the ViT-B/32 text tower for one query (open_clip ViT-B-32 with random weights: timing only);
 - exhaustive psi over a 100k-entry gallery for one query: `psi_fold.exhaustive` against
-  `service.search.exhaustive_psi` measured on a 10k slice and extrapolated x10 (labelled);
+  `indexer.search.exhaustive_psi` measured on a 10k slice and extrapolated x10 (labelled);
 - added bytes per video, index-time cost of folding, and the score differences fold vs fused / model
   (float32 constants, and float16-stored constants).
 The 100k gallery is `--distinct` distinct videos (fp16 frames, some padded) tiled to 100k rows (real
@@ -189,8 +189,8 @@ def main() -> None:
 
     sl = Slice(args.fused_slice)
     with torch.inference_mode():
-        ex_fused, per = median_time(lambda: exhaustive_psi(model, sl, t), 1, reps)
-        s_fused = exhaustive_psi(model, sl, t)
+        ex_fused, per = median_time(lambda: exhaustive_psi(model, sl, t, impl="fused"), 1, reps)
+        s_fused = exhaustive_psi(model, sl, t, impl="fused")
     results["exhaustive_fused_slice_s"] = {**per, "entries": args.fused_slice}
     scale = args.gallery / args.fused_slice
     results["exhaustive_fused_extrapolated_s"] = ex_fused * scale
@@ -233,7 +233,7 @@ def main() -> None:
     body += table(
         ["path", "entries measured", "CPU s", f"CPU s for {args.gallery:,}", f"wall s for {args.gallery:,}"],
         [["fold (psi_fold.exhaustive)", args.gallery, ex_fold, ex_fold, wf],
-         [f"fused (service.search.exhaustive_psi), EXTRAPOLATED x{scale:g} from a {args.fused_slice:,} slice",
+         [f"fused (indexer.search.exhaustive_psi), EXTRAPOLATED x{scale:g} from a {args.fused_slice:,} slice",
           args.fused_slice, ex_fused, ex_fused * scale, wu * scale]],
     )
     body += (f"\nmax |fold - fused| over the measured slice: {results['max_abs_score_diff']['exhaustive_fold_vs_fused']:.2e}. "
