@@ -163,3 +163,12 @@ def test_compute_rows_uses_the_served_vbar(env):
     psi_consts.compute_rows(fold, version.frames, version.masks, version.units, version.norms, out, device="cpu")
     np.testing.assert_allclose(out, np.asarray(version.psi_consts), rtol=1e-5, atol=1e-5)
     assert torch.isfinite(torch.from_numpy(out[:, packed_width(version.max_frames) - 1])).all()
+
+
+def test_doc_states_the_exact_bytes_per_video():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "index-format.md").read_text(encoding="utf-8")
+    w = packed_width(12)
+    assert f"{w} floats = {4 * w:,} bytes per video at f = 12" in doc
+    assert f'"bytes_per_video": {4 * w}' in doc
