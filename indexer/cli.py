@@ -153,8 +153,8 @@ def _add_encode_args(p: argparse.ArgumentParser, *, build: bool) -> None:
     g.add_argument("--device", default="auto", help="auto (cuda when present) | cpu | cuda | cuda:N")
     g.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
                    help="encoder autocast (default fp32; bf16 on CPUs with AVX512-bf16 or GPUs; fp16 on CUDA only)")
-    g.add_argument("--store-kv", action=argparse.BooleanOptionalAction, default=None,
-                   help="also store psi's per-video K/V projections (3x the frame bytes, ~5x faster CPU reranking)")
+    # --store-kv is gone (issue 12): the fold's stored constants rerank 3-6x faster than stored K/V at 27% of
+    # the frame bytes instead of 200% (bench/results/index_kv.md). `add` keeps the K/V of an index that has them.
     g.add_argument("--decode-timeout", type=_positive_float, default=300.0, help="seconds before a stuck decoder is killed")
     g.add_argument("--n-iters", type=_positive_int, default=4, help="Sinkhorn iterations for the NCL biases (default 4)")
     _add_bias_score_args(g, build=build)
@@ -292,7 +292,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
         ef_construction=args.ef_construction, pq_m=args.pq_m, rescore=args.rescore, rebuild_ann=args.rebuild_ann,
         segment=args.segment, overlap=args.overlap, batch_size=args.batch_size, workers=args.workers,
         device=args.device, precision=args.precision, engine=args.engine, scheduler=args.scheduler,
-        dask_workers=args.dask_workers, shard_size=args.shard_size, store_kv=args.store_kv, keep=args.keep,
+        dask_workers=args.dask_workers, shard_size=args.shard_size, store_kv=None, keep=args.keep,
         n_iters=args.n_iters, progress=args.progress, decode_timeout=args.decode_timeout,
         invgc=args.invgc, ncl_stage1=args.ncl_stage1, bias_score=args.bias_score,
     )

@@ -514,8 +514,20 @@ def pair_scores(q: QueryVectors, v: VideoConstants, idx: torch.Tensor | None = N
             raise ValueError(f"idx must be ({a}, K) candidate ids, got {tuple(idx.shape)}")
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= v.n):
             raise ValueError(f"candidate ids must lie in [0, {v.n}), got [{int(idx.min())}, {int(idx.max())}]")
-        vs = v.select(idx)  # fields (a, K, ...)
         k, f = idx.shape[1], v.frames.shape[1]
+        if v.n <= idx.numel():
+            # v holds (about) just the candidates, e.g. the unique rows of a batch: dot every frame of v with
+            # every query's 3 vectors in one matmul (each frame upcast once, no gathered copy of the frames),
+            # then gather the (a, K, f, 3) dots and the packed rows each query needs.
+            dots_all = (_f32(v.frames).reshape(v.n * f, d) @ q.u.reshape(3 * a, d).t()).view(v.n, f, a, 3)
+            dq = dots_all.permute(2, 0, 1, 3)  # (a, n, f, 3), a view
+            g = torch.gather(dq, 1, idx[:, :, None, None].expand(a, k, f, 3)).permute(0, 3, 1, 2)  # (a, 3, K, f)
+            packed = v.packed.index_select(0, idx.reshape(-1)).view(a, k, -1)
+            vs = VideoConstants(frames=v.frames[:1].expand(a * k, f, d).view(a, k, f, d) if v.n else v.frames.new_zeros(a, k, f, d),
+                                packed=packed, fingerprint=v.fingerprint)
+            vt = None if v.vbar is None else torch.gather(q.u[:, 0] @ _f32(v.vbar).t(), 1, idx)  # (a, K) t·v̄
+            return _scores_from_dots(q, vs, g[:, 0], g[:, 1], g[:, 2], vt)
+        vs = v.select(idx)  # fields (a, K, ...)
         fr = vs.frames.to(torch.float32).reshape(a, k * f, d)
         dots = torch.bmm(fr, q.u.transpose(1, 2)).view(a, k, f, 3).permute(0, 3, 1, 2)  # (a, 3, K, f)
         vt = None if vs.vbar is None else torch.bmm(_f32(vs.vbar), q.u[:, 0, :, None]).view(a, k)

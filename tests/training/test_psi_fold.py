@@ -257,3 +257,23 @@ def test_refuses_other_head_counts_and_mismatches():
 def test_docstring_byte_figure_is_the_packed_width():
     """The figure the module docstring quotes for f = 12 is what the code stores."""
     assert f"{pf.packed_width(12)} floats, {pf.packed_width(12) * 4:,} bytes" in " ".join(pf.__doc__.split())
+
+
+def test_candidate_paths_agree():
+    """pair_scores(idx) dots the frames of a small v once (v.n <= a·K) or gathers them (v.n > a·K): same scores,
+    with and without an explicit vbar, repeats allowed."""
+    psi = random_psi(16, seed=5)
+    fw = pf.fold_weights(psi)
+    g = torch.Generator().manual_seed(5)
+    frames = torch.randn(6, 4, 16, generator=g)
+    mask = torch.ones(6, 4, dtype=torch.bool)
+    mask[2, 1:] = False
+    frames = frames * mask[..., None]
+    q = pf.fold_queries(torch.randn(3, 16, generator=g), fw, 0.05)
+    for vbar in (None, torch.randn(6, 16, generator=g)):
+        v = pf.fold_videos(frames, mask, fw, vbar=vbar)
+        full = pf.pair_scores(q, v)
+        small = torch.tensor([[0, 1, 2, 2], [5, 4, 3, 0], [1, 1, 1, 1]])  # 12 >= 6 rows: one matmul over v
+        big = torch.tensor([[0], [5], [2]])  # 3 < 6 rows: gathered frames
+        torch.testing.assert_close(pf.pair_scores(q, v, small), full.gather(1, small), atol=TOL, rtol=0)
+        torch.testing.assert_close(pf.pair_scores(q, v, big), full.gather(1, big), atol=TOL, rtol=0)
