@@ -5,6 +5,9 @@ the video only (`model.video_kv(F)`), so they can be computed at query time from
 precomputed at index time (`gare-index build --store-kv`, keys.npy + values.npy, float16).
 This measures model.score for K candidates read from float16 memmaps (page cache warm), both ways, at the
 ViT-B/32 sizes (d = 512, f = 12, random weights: the cost does not depend on them).
+Issue 12 adds the third way the index now serves by default: psi folded into per-video constants
+(psi_consts.npy, float32, 3,368 B per video at f = 12; `indexer.psi_consts`), gather of frames + constants +
+v̄, then `training.psi_fold.pair_scores`. The verdict line says whether stored K/V still pays for its bytes.
 """
 
 from __future__ import annotations
@@ -42,6 +45,12 @@ def main() -> None:
     frames = np.lib.format.open_memmap(tmp / "frames.npy", mode="w+", dtype=np.float16, shape=(n, f, d))
     keys = np.lib.format.open_memmap(tmp / "keys.npy", mode="w+", dtype=np.float16, shape=(n, f, d))
     values = np.lib.format.open_memmap(tmp / "values.npy", mode="w+", dtype=np.float16, shape=(n, f, d))
+    from training import psi_fold as pf
+    from training.psi_fold import packed_width
+
+    fw = pf.fold_weights(model.psi)
+    consts = np.lib.format.open_memmap(tmp / "psi_consts.npy", mode="w+", dtype=np.float32, shape=(n, packed_width(f)))
+    vbars = np.empty((n, d), np.float32)
     masks = np.ones((n, f), dtype=np.uint8)
     with torch.no_grad():
         for s in range(0, n, 2048):
@@ -50,13 +59,17 @@ def main() -> None:
             frames[s : s + len(fr)] = fr.numpy().astype(np.float16)
             keys[s : s + len(fr)] = k.numpy().astype(np.float16)
             values[s : s + len(fr)] = v.numpy().astype(np.float16)
-    for a in (frames, keys, values):
+            vb = fr.mean(1)  # the index's v̄ (float32 features), not the mean of the float16 frames
+            vbars[s : s + len(fr)] = vb.numpy()
+            consts[s : s + len(fr)] = pf.fold_videos(fr.half(), None, fw, vbar=vb).packed.numpy()
+    for a in (frames, keys, values, consts):
         a.flush()
-    del frames, keys, values
+    del frames, keys, values, consts
     frames = np.load(tmp / "frames.npy", mmap_mode="r")
     keys = np.load(tmp / "keys.npy", mmap_mode="r")
     values = np.load(tmp / "values.npy", mmap_mode="r")
-    for a in (frames, keys, values):  # warm the page cache: the service's steady state
+    consts = np.load(tmp / "psi_consts.npy", mmap_mode="r")
+    for a in (frames, keys, values, consts):  # warm the page cache: the service's steady state
         np.asarray(a).sum()
 
     torch.set_num_threads(args.threads)  # one request = one thread (OpenMP jitter on a shared box otherwise)
@@ -66,11 +79,23 @@ def main() -> None:
         t = torch.nn.functional.normalize(torch.randn(nq, d), dim=1)
         for kc in args.candidates:
             res = {}
-            for mode in ("frames only (kv computed)", "precomputed K/V"):
+            for mode in ("frames only (kv computed)", "precomputed K/V", "fold"):
                 gather, compute = [], []
                 for r in range(args.repeats + 1):
                     rows = np.sort(rng.choice(n, size=kc, replace=False))
                     t0 = time.perf_counter()
+                    if mode == "fold":  # what indexer.search does: gather rows once, fold the queries, pair scores
+                        v = pf.VideoConstants(frames=torch.from_numpy(frames[rows]), packed=torch.from_numpy(consts[rows]),
+                                              fingerprint=fw.fingerprint, vbar=torch.from_numpy(vbars[rows]))
+                        t1 = time.perf_counter()
+                        with torch.no_grad():
+                            q = pf.fold_queries(t, fw, cfg.temp)
+                            pf.pair_scores(q, v, torch.arange(kc).expand(nq, kc))
+                        t2 = time.perf_counter()
+                        if r:
+                            gather.append(t1 - t0)
+                            compute.append(t2 - t1)
+                        continue
                     fr = torch.from_numpy(np.asarray(frames[rows], dtype=np.float32))
                     mk = torch.from_numpy(masks[rows])
                     kv = None
@@ -87,12 +112,13 @@ def main() -> None:
                 # minimum over repeats: the machine is shared and the computation is deterministic
                 g, c = 1000 * float(np.min(gather)), 1000 * float(np.min(compute))
                 res[mode] = (g + c, g, c)
-            a, b = res["frames only (kv computed)"], res["precomputed K/V"]
+            a, b, c = res["frames only (kv computed)"], res["precomputed K/V"], res["fold"]
             rows_out.append([nq, kc, f"{a[0]:.1f} ({a[1]:.1f} + {a[2]:.1f})", f"{b[0]:.1f} ({b[1]:.1f} + {b[2]:.1f})",
-                             a[0] / b[0]])
+                             a[0] / b[0], f"{c[0]:.2f} ({c[1]:.2f} + {c[2]:.2f})", b[0] / c[0]])
             data.append({"queries": nq, "candidates": kc, "frames_only_ms": a[0], "frames_only_gather_ms": a[1],
                          "frames_only_score_ms": a[2], "kv_ms": b[0], "kv_gather_ms": b[1], "kv_score_ms": b[2],
-                         "speedup": a[0] / b[0]})
+                         "speedup": a[0] / b[0], "fold_ms": c[0], "fold_gather_ms": c[1], "fold_score_ms": c[2],
+                         "kv_over_fold": b[0] / c[0]})
             print(rows_out[-1], flush=True)
 
     per_video_frames = f * d * 2
@@ -101,14 +127,23 @@ def main() -> None:
         f"times are the minimum over {args.repeats} reranks of (gather from the memmaps) + (`model.score`), "
         f"torch threads = {torch.get_num_threads()} (one request per thread).\n\n"
         + table(["queries", "candidates K", "frames only: ms (gather + score)", "with stored K/V: ms (gather + score)",
-                 "speed-up"], rows_out)
+                 "K/V speed-up", "fold (stored constants): ms (gather + score)", "fold vs K/V"], rows_out)
         + "\nBytes per video on disk (and in the page cache when hot): frames "
         f"{per_video_frames:,} B; with K/V {3 * per_video_frames:,} B (3x). For 1M videos: "
-        f"{per_video_frames * 1e6 / 2**30:.1f} GiB vs {3 * per_video_frames * 1e6 / 2**30:.1f} GiB.\n"
+        f"{per_video_frames * 1e6 / 2**30:.1f} GiB vs {3 * per_video_frames * 1e6 / 2**30:.1f} GiB; "
+        f"with the fold's constants {per_video_frames + 4 * packed_width(f):,} B "
+        f"({(per_video_frames + 4 * packed_width(f)) * 1e6 / 2**30:.1f} GiB).\n"
     )
+    slower = [r for r in data if r["kv_ms"] < r["fold_ms"]]
+    verdict = ("stored K/V is slower than the fold in every case measured, at 3x the frame bytes (the fold adds "
+               f"{4 * packed_width(f) / per_video_frames:.0%}): it no longer pays; `gare-index build` no longer offers --store-kv"
+               if not slower else f"stored K/V beats the fold in {len(slower)} of {len(data)} cases: "
+               + ", ".join(f"{r['queries']} q x K={r['candidates']}" for r in slower))
+    body += f"\nVerdict (from this run): {verdict}.\n"
     write_results("index_kv", "psi K/V precomputation: rerank latency vs bytes", body,
                   {"videos": n, "d": d, "f": f, "rows": data, "bytes_per_video_frames": per_video_frames,
-                   "bytes_per_video_with_kv": 3 * per_video_frames}, started)
+                   "bytes_per_video_with_kv": 3 * per_video_frames, "bytes_per_video_fold_consts": 4 * packed_width(f),
+                   "verdict": verdict}, started)
 
 
 if __name__ == "__main__":

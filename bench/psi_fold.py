@@ -5,11 +5,11 @@
 
 One run, one CPU thread (torch.set_num_threads(1)), median of 3 repeats, ViT-B/32 sizes (d = 512, f = 12):
 - psi rerank of K = 256 candidates for one query: the fold (per-query vectors + pair scores from the
-  gathered constants and fp16 frames), `service.search.fused_pair_scores` (today's default) and
+  gathered constants and fp16 frames), `indexer.search.fused_pair_scores` (today's default) and
   `model.score` (the training definition), each including the gather of the candidates' stored rows;
 - the ViT-B/32 text tower for one query (open_clip ViT-B-32 with random weights: timing only);
 - exhaustive psi over a 100k-entry gallery for one query: `psi_fold.exhaustive` against
-  `service.search.exhaustive_psi` measured on a 10k slice and extrapolated x10 (labelled);
+  `indexer.search.exhaustive_psi` measured on a 10k slice and extrapolated x10 (labelled);
 - added bytes per video, index-time cost of folding, and the score differences fold vs fused / model
   (float32 constants, and float16-stored constants).
 The 100k gallery is `--distinct` distinct videos (fp16 frames, some padded) tiled to 100k rows (real
@@ -130,9 +130,11 @@ def main() -> None:
     idx = torch.randperm(args.distinct, generator=g)[:K]
     vbar_all = masked_mean(frames.float(), mask)
 
-    def rr_fold() -> torch.Tensor:
+    ar = torch.arange(K).view(1, K)
+
+    def rr_fold() -> torch.Tensor:  # as indexer.search: gather the candidates' rows once, then score them
         q = pf.fold_queries(t, fw, cfg.temp)
-        return pf.pair_scores(q, consts, idx.view(1, K))[0]
+        return pf.pair_scores(q, consts.select(idx), ar)[0]
 
     def rr_fused() -> torch.Tensor:
         fr = frames[idx].float()
@@ -144,7 +146,7 @@ def main() -> None:
     consts16 = consts.to(dtype=torch.float16)
 
     def rr_fold16() -> torch.Tensor:
-        return pf.pair_scores(pf.fold_queries(t, fw, cfg.temp), consts16, idx.view(1, K))[0]
+        return pf.pair_scores(pf.fold_queries(t, fw, cfg.temp), consts16.select(idx), ar)[0]
 
     rr: dict[str, Any] = {}
     with torch.inference_mode():
@@ -189,8 +191,8 @@ def main() -> None:
 
     sl = Slice(args.fused_slice)
     with torch.inference_mode():
-        ex_fused, per = median_time(lambda: exhaustive_psi(model, sl, t), 1, reps)
-        s_fused = exhaustive_psi(model, sl, t)
+        ex_fused, per = median_time(lambda: exhaustive_psi(model, sl, t, impl="fused"), 1, reps)
+        s_fused = exhaustive_psi(model, sl, t, impl="fused")
     results["exhaustive_fused_slice_s"] = {**per, "entries": args.fused_slice}
     scale = args.gallery / args.fused_slice
     results["exhaustive_fused_extrapolated_s"] = ex_fused * scale
@@ -223,7 +225,7 @@ def main() -> None:
         [["fold (fp32 constants)", fold_rr * ms, 1.0, wall("fold"), diffs["fold_vs_model"]],
          ["fold (fp16 constants)", rr["fold_fp16_consts"]["median_s"] * ms, rr["fold_fp16_consts"]["median_s"] / fold_rr,
           wall("fold_fp16_consts"), diffs["fold_fp16_consts_vs_model"]],
-         ["fused (service.search, today's default)", fused_rr * ms, fused_rr / fold_rr, wall("fused"), diffs["fused_vs_model"]],
+         ["fused (indexer.search, the previous default)", fused_rr * ms, fused_rr / fold_rr, wall("fused"), diffs["fused_vs_model"]],
          ["model.score", rr["model"]["median_s"] * ms, rr["model"]["median_s"] / fold_rr, wall("model"), 0.0],
          ["text encoder ViT-B/32, one query", t_text * ms, t_text / fold_rr, results["text_encoder_s"]["wall_median"] * ms, "-"]],
     )
@@ -233,7 +235,7 @@ def main() -> None:
     body += table(
         ["path", "entries measured", "CPU s", f"CPU s for {args.gallery:,}", f"wall s for {args.gallery:,}"],
         [["fold (psi_fold.exhaustive)", args.gallery, ex_fold, ex_fold, wf],
-         [f"fused (service.search.exhaustive_psi), EXTRAPOLATED x{scale:g} from a {args.fused_slice:,} slice",
+         [f"fused (indexer.search.exhaustive_psi), EXTRAPOLATED x{scale:g} from a {args.fused_slice:,} slice",
           args.fused_slice, ex_fused, ex_fused * scale, wu * scale]],
     )
     body += (f"\nmax |fold - fused| over the measured slice: {results['max_abs_score_diff']['exhaustive_fold_vs_fused']:.2e}. "

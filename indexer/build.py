@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from . import psi_consts
 from .pipeline.assemble import _assemble, _Entry, alloc_npy
 from .pipeline.biases import _biases_for, bias_score_of, checkpoint_gamma_and_queue, compute_biases
 from .pipeline.encode import _Encoder, _kv_fn, collect_entries
@@ -129,7 +130,7 @@ def _build_locked(checkpoint: Any, videos: Any, root: Path, opts: BuildOptions, 
     staging = root / WORK_DIR / f".staging-{os.getpid()}"
     try:
         arrays = _assemble(entries, p.f, p.d, p.prev, p.cache, staging, _kv_fn(p.model) if p.store_kv else None)
-        name = finish(p, entries, arrays, opts, report, todo_ids=todo_ids, kept_ids=kept_ids)
+        name = finish(p, entries, arrays, opts, report, todo_ids=todo_ids, kept_ids=kept_ids, staging=staging)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     report.version = name
@@ -179,6 +180,7 @@ def remove(out: str | os.PathLike, items: Sequence[str], *, checkpoint: str | os
                 arrays["ann_units"] = np.asarray(prev.ann_units[src], dtype=np.float32).reshape(len(entries), prev.dim)
             arrays["biases"], binfo = _biases_for(prev, arrays, checkpoint, n_iters, report=report,
                                                   carry_traffic=True)
+            psi_consts.carry(arrays, prev, np.array([e.src[1] for e in entries], dtype=np.int64))
             requested = prev.manifest.get("index_type_requested", "auto")
             ann, ainfo = _make_ann(arrays.get("ann_units", arrays["units"]), arrays["ids"], BuildOptions(), prev,
                                    requested, incremental=True,
@@ -200,7 +202,7 @@ def _no_kv(frames16: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _carry_manifest(m: dict[str, Any]) -> dict[str, Any]:
     """Manifest fields a derived version keeps (checkpoint binding, sampling, ANN choice, ...)."""
     keys = ("checkpoint", "precision", "sampling", "segment", "index_type_requested", "ann_params", "ann_trained_n",
-            "next_id", "biases", "invgc", "ncl_stage1")
+            "next_id", "biases", "invgc", "ncl_stage1", "psi_fold")
     return {k: m[k] for k in keys if k in m}
 
 
@@ -224,7 +226,7 @@ def recompute_biases(out: str | os.PathLike, *, checkpoint: str | os.PathLike | 
         b, binfo = _biases_for(prev, feats, checkpoint, n_iters, traffic=traffic, traffic_weight=traffic_weight,
                                report=report, score=score, k=k)
         arrays: dict[str, Any] = _prev_files(prev, ["ids", "norms", "units", "frames", "masks", "keys", "values",
-                                                    "ann_units"])
+                                                    "ann_units", "psi_consts"])
         arrays["biases"] = b
         files = prev.manifest["files"]
         extra = _carry_manifest(prev.manifest) | {"biases": binfo, "builder": {"command": "biases"}}

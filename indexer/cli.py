@@ -155,8 +155,8 @@ def _add_encode_args(p: argparse.ArgumentParser, *, build: bool) -> None:
     g.add_argument("--device", default="auto", help="auto (cuda when present) | cpu | cuda | cuda:N")
     g.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
                    help="encoder autocast (default fp32; bf16 on CPUs with AVX512-bf16 or GPUs; fp16 on CUDA only)")
-    g.add_argument("--store-kv", action=argparse.BooleanOptionalAction, default=None,
-                   help="also store psi's per-video K/V projections (3x the frame bytes, ~5x faster CPU reranking)")
+    # --store-kv is gone (issue 12): the fold's stored constants rerank 3-6x faster than stored K/V at 27% of
+    # the frame bytes instead of 200% (bench/results/index_kv.md). `add` keeps the K/V of an index that has them.
     g.add_argument("--decode-timeout", type=_positive_float, default=300.0, help="seconds before a stuck decoder is killed")
     g.add_argument("--n-iters", type=_positive_int, default=4, help="Sinkhorn iterations for the NCL biases (default 4)")
     _add_bias_score_args(g, build=build)
@@ -209,6 +209,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--traffic-weight", type=_unit_float, default=0.5, metavar="W",
                     help="fraction of traffic queries in the mixed queue (default 0.5; 1 = traffic only)")
     _add_bias_score_args(sp, build=True)
+
+    sp = sub.add_parser("upgrade", help="bring the current version to this format: add/refresh psi's per-video constants "
+                        "(new version, other files hard-linked)", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_index_arg(sp)
+    sp.add_argument("--checkpoint", help="default: the index's (same sha256 required)")
+    sp.add_argument("--device", default=None, help="where to fold (default: cuda when present, else cpu)")
+    sp.add_argument("--force", action="store_true", help="write a new version even if the constants are valid")
+    sp.add_argument("--keep", type=_positive_int, default=3)
 
     sp = sub.add_parser("verify", help="check counts (FAISS, arrays, SQLite), files and checksums; exit 1 with the reasons",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -281,7 +289,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
         ef_construction=args.ef_construction, pq_m=args.pq_m, rescore=args.rescore, rebuild_ann=args.rebuild_ann,
         segment=args.segment, overlap=args.overlap, batch_size=args.batch_size, workers=args.workers,
         device=args.device, precision=args.precision, engine=args.engine, scheduler=args.scheduler,
-        dask_workers=args.dask_workers, shard_size=args.shard_size, store_kv=args.store_kv, keep=args.keep,
+        dask_workers=args.dask_workers, shard_size=args.shard_size, store_kv=None, keep=args.keep,
         n_iters=args.n_iters, progress=args.progress, decode_timeout=args.decode_timeout,
         invgc=args.invgc, ncl_stage1=args.ncl_stage1, bias_score=args.bias_score,
     )
@@ -333,6 +341,16 @@ def _cmd_biases(args: argparse.Namespace) -> int:
         t = b["traffic"]
         msg += f"; {t['traffic_queries']} traffic + {t['train_queries']} training queries"
     print(msg)
+    for note in report.notes:
+        print(f"note: {note}", file=sys.stderr)
+    return report.exit_code
+
+
+def _cmd_upgrade(args: argparse.Namespace) -> int:
+    from .upgrade import upgrade
+
+    report = upgrade(args.out, checkpoint=args.checkpoint, keep=args.keep, device=args.device, force=args.force)
+    print(report.summary())
     for note in report.notes:
         print(f"note: {note}", file=sys.stderr)
     return report.exit_code
@@ -413,7 +431,8 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"build": _cmd_build, "add": _cmd_build, "remove": _cmd_remove, "biases": _cmd_biases,
-            "verify": _cmd_verify, "stats": _cmd_stats, "gc": _cmd_gc, "compare": _cmd_compare}
+            "verify": _cmd_verify, "stats": _cmd_stats, "gc": _cmd_gc, "compare": _cmd_compare,
+            "upgrade": _cmd_upgrade}
 
 
 def main(argv: list[str] | None = None) -> int:

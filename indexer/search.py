@@ -13,11 +13,18 @@ Modes: ``rerank=False`` ranks the K candidates by the dual-tower cosine (ANN-onl
 the biases out. :func:`search` is the offline entry point; the service calls the same stage functions
 on micro-batches (:func:`search_batch`), so its answers equal the offline ones.
 
-Two implementations of the psi stage give the same scores (tests check it to 1e-5):
+Three implementations of the psi stage give the same scores (tests check it to 1e-5):
+
+* ``"fold"`` (default): psi folded exactly into per-video constants stored in the index
+  (:mod:`training.psi_fold`, :mod:`indexer.psi_consts`) and per-query vectors: ~3f + 1 dot products per
+  pair plus O(f²) work. The candidates of a whole batch are read once (unique rows) and share their
+  constants. An index without valid constants (written before them, or folded for other psi weights) is
+  never served with them: the search logs one WARNING per version naming `gare-index upgrade` and uses
+  ``"fused"`` for it (same scores, slower);
 
 * ``"model"``: ``model.score(t, F[rows], mask[rows], vbar=norms*units, kv=...)`` as the training code
   defines it, one query at a time (``kv`` from the index when it stores psi's K/V projections);
-* ``"fused"`` (default): the same algebra rearranged so the per-frame work is query side. psi's
+* ``"fused"``: the same algebra rearranged so the per-frame work is query side. psi's
   attention logits are ``q·(W_k c_f + b_k) = (W_kᵀ q)·c_f + const`` and its output is
   ``Σ_f w_f (W_v c_f + b_v) = W_v (Σ_f w_f c_f) + b_v`` (the weights sum to 1), so instead of projecting
   every one of the K·f candidate frames by W_k and W_v (2·K·f·d² multiply-adds, the bulk of the cost)
@@ -27,6 +34,7 @@ Two implementations of the psi stage give the same scores (tests check it to 1e-
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Sequence
@@ -37,11 +45,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from training import psi_fold as pf
 from training.model import autocast
 
+from . import psi_consts
 from .ncl_ann import Stage1Unavailable
 
-RERANK_IMPLS = ("fused", "model")
+RERANK_IMPLS = ("fold", "fused", "model")
+DEFAULT_RERANK_IMPL = "fold"
 DEFAULT_CANDIDATES = 256  # K, the stage-1 shortlist, when nobody says (service, compare, SearchOptions)
 # The default for `ncl` follows the evidence (issue 17): on only if + psi + NCL(served) >= + psi in t2v R@1 and
 # R@5 on both benchmark corpora (bench/results/ncl_served/); tests/test_ncl_default.py checks this constant
@@ -49,6 +60,7 @@ DEFAULT_CANDIDATES = 256  # K, the stage-1 shortlist, when nobody says (service,
 NCL_DEFAULT = False
 NCL_DEFAULT_REASON = ("NCL biases are off by default: on the two benchmark corpora (bench/results/ncl_served) "
                       "adding them to the psi score did not keep t2v R@1 and R@5 at least as high as psi alone")
+log = logging.getLogger(__name__)
 _PAIR_CHUNK = 512  # pairs per fused chunk: ~12 MB of float32 frames stays in cache (bigger chunks are slower)
 
 
@@ -232,7 +244,7 @@ def psi_scores(
     t: torch.Tensor,
     cand_ids: np.ndarray | Sequence[np.ndarray],
     *,
-    impl: str = "fused",
+    impl: str = DEFAULT_RERANK_IMPL,
 ) -> list[np.ndarray]:
     """psi scores s_tj for each query's candidates: t (a, d); cand_ids[i] (K_i,) valid ids -> list of (K_i,)."""
     if impl not in RERANK_IMPLS:
@@ -243,11 +255,64 @@ def psi_scores(
     if offs[-1] == 0:
         return [np.zeros(0, np.float32) for _ in lists]
     rows = version.rows(np.concatenate(lists))
+    if impl == "fold" and not fold_usable(model, version):
+        impl = "fused"
     with torch.inference_mode():
+        if impl == "fold":
+            flat = _psi_scores_fold(model, version, t, rows, sizes)
+            return [flat[a:b] for a, b in zip(offs[:-1], offs[1:], strict=True)]
         if impl == "model":
             return _psi_scores_model(model, version, t, rows, offs)
         flat = _psi_scores_fused(model, version, t, rows, np.repeat(np.arange(len(lists)), sizes))
     return [flat[a:b] for a, b in zip(offs[:-1], offs[1:], strict=True)]
+
+
+_WARNED: set[tuple[str, str]] = set()
+
+
+def fold_usable(model: Any, version: Any) -> bool:
+    """Whether `version` stores psi constants valid for model.psi; logs one WARNING per version when not."""
+    fold = psi_consts.fold_of(model)
+    why = psi_consts.fold_status(version, fold)
+    if why is None:
+        return True
+    key = (str(getattr(version, "path", version.name)), fold.fingerprint)
+    if key not in _WARNED:
+        _WARNED.add(key)
+        log.warning("psi rerank: %s; using the fused path for this version (same scores, slower)", why)
+    return False
+
+
+def _psi_scores_fold(model: Any, version: Any, t: torch.Tensor, rows: np.ndarray, sizes: list[int]) -> np.ndarray:
+    """Folded psi for the pairs (query i, rows of its candidates), flat in the callers' order.
+
+    The batch's candidate rows are read once, ascending (memmap friendly), into one VideoConstants that every
+    query shares; each query's candidates are ids into it (padded to the batch's largest K, pads dropped)."""
+    dev = t.device
+    fold = psi_consts.fold_of(model)
+    uniq, inv = np.unique(rows, return_inverse=True)
+    v = psi_consts.gather(version, uniq, fold, dev)
+    q = pf.fold_queries(t, fold, model.cfg.temp)
+    kmax = max(sizes)
+    idx = np.zeros((len(sizes), kmax), dtype=np.int64)
+    offs = np.cumsum([0] + sizes)
+    for i, (a, b) in enumerate(zip(offs[:-1], offs[1:], strict=True)):
+        idx[i, : b - a] = inv[a:b]
+    s = pf.pair_scores(q, v, torch.from_numpy(idx).to(dev)).cpu().numpy()
+    return np.concatenate([s[i, :k] for i, k in enumerate(sizes)]) if len(sizes) > 1 else s[0, : sizes[0]].copy()
+
+
+def rerank_scores(impl: str, model: Any, t: torch.Tensor, frames: torch.Tensor, mask: torch.Tensor | None, **kw: Any) -> torch.Tensor:
+    """training.psi_fold.rerank_scores ("fold", "model") plus this module's "fused" path, for P pairs (v̄ = the
+    masked mean of `frames` on every path)."""
+    if impl != "fused":
+        return pf.rerank_scores(impl, model, t, frames, mask, **kw)
+    from training.psi import masked_mean
+
+    with torch.inference_mode():
+        fr = frames.to(t.device, torch.float32)
+        mk = None if mask is None else mask.to(t.device)
+        return fused_pair_scores(model, t.float(), fr, mk, masked_mean(fr, mk))
 
 
 def _psi_scores_model(model: Any, version: Any, t: torch.Tensor, rows: np.ndarray, offs: np.ndarray) -> list[np.ndarray]:
@@ -298,12 +363,35 @@ def _psi_scores_fused(model: Any, version: Any, t: torch.Tensor, rows: np.ndarra
     return out
 
 
-def exhaustive_psi(model: Any, version: Any, t: torch.Tensor, *, block: int = 8192) -> np.ndarray:
-    """psi scores of every gallery entry for each query (a, n), block by block (benchmarks, recall checks)."""
+def exhaustive_psi(model: Any, version: Any, t: torch.Tensor, *, block: int = 8192, impl: str = DEFAULT_RERANK_IMPL,
+                   progress: bool = False) -> np.ndarray:
+    """psi scores of every gallery entry for each query (a, n), block by block (coverage, benchmarks, compare).
+
+    impl "fold" (default): the index's stored constants when valid, else the fold computed block by block
+    (one log line); "fused": the fused pair path, query by query (the old reference)."""
     n = version.n
     a = t.shape[0]
     out = np.empty((a, n), dtype=np.float32)
     dev = t.device
+    if impl == "fold":
+        fold = psi_consts.fold_of(model)
+        why = psi_consts.fold_status(version, fold)
+        if why is not None:
+            log.info("exhaustive psi: %s; folding the constants block by block instead", why)
+        q = pf.fold_queries(t, fold, model.cfg.temp)
+        starts = range(0, n, block)
+        if progress:
+            from tqdm import tqdm
+
+            starts = tqdm(starts, desc="exhaustive psi (fold)", unit="block")
+        with torch.inference_mode():
+            for s0 in starts:
+                v = psi_consts.block(version, s0, min(n, s0 + block), fold, dev, stored=why is None,
+                                     reference_padding=psi_consts.reference_padding(model))
+                out[:, s0 : s0 + v.n] = pf.exhaustive(q, v, device=dev).numpy()
+        return out
+    if impl != "fused":
+        raise ValueError(f"exhaustive psi impl must be 'fold' or 'fused', got {impl!r}")
     with torch.inference_mode():
         for s0 in range(0, n, block):
             s1 = min(n, s0 + block)
@@ -349,7 +437,7 @@ def search_batch(
     options: SearchOptions | Sequence[SearchOptions] = SearchOptions(),
     *,
     precision: str = "fp32",
-    rerank_impl: str = "fused",
+    rerank_impl: str = DEFAULT_RERANK_IMPL,
     on_units: Any = None,
 ) -> list[QueryResult]:
     """Search many queries with one text-encoder pass, one ANN call per distinct K and one rerank pass.
@@ -413,14 +501,14 @@ def search(
     options: SearchOptions = SearchOptions(),
     *,
     precision: str = "fp32",
-    rerank_impl: str = "fused",
+    rerank_impl: str = DEFAULT_RERANK_IMPL,
 ) -> QueryResult:
     """The offline search of one query (what the API must return for the same index and options)."""
     return search_batch(model, version, [query], options, precision=precision, rerank_impl=rerank_impl)[0]
 
 
 __all__ = [
-    "RERANK_IMPLS", "DEFAULT_CANDIDATES", "Stage1Unavailable", "SearchOptions", "Hit", "QueryResult", "resolve_precision", "trim_tokens",
+    "RERANK_IMPLS", "DEFAULT_RERANK_IMPL", "DEFAULT_CANDIDATES", "fold_usable", "rerank_scores", "Stage1Unavailable", "SearchOptions", "Hit", "QueryResult", "resolve_precision", "trim_tokens",
     "encode_queries", "unit_rows", "ann_stage", "folded_psi", "fused_pair_scores", "psi_scores", "exhaustive_psi",
     "rank", "search_batch", "search",
 ]

@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="port (default 8000; 0 = any free port)")
     p.add_argument("--device", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], help="text encoder precision")
-    p.add_argument("--rerank-impl", choices=["fused", "model"], help="psi rerank implementation (same scores)")
+    p.add_argument("--rerank-impl", choices=["fold", "fused", "model"],
+                   help="psi rerank implementation (same scores; default fold, GARE_RERANK_IMPL)")
     p.add_argument("--torch-threads", type=int, help="torch intra-op threads")
     p.add_argument("--library-root", help="show video paths relative to this folder; files outside it are not served")
     p.add_argument("--cors-origins", help="comma-separated allowed origins (default: none, CORS closed)")

@@ -94,7 +94,7 @@ class IndexInfo(BaseModel):
         "version": "v000003", "n": 1000, "dim": 512, "max_frames": 12, "index_type": "flat", "created": "2025-06-01T12:00:00+00:00",
         "checkpoint": {"name": "gare-msrvtt.safetensors", "sha256": "ab12...", "model_config": {"backbone": "ViT-B-32"}},
         "biases": {"gamma": 0.01, "n_iters": 4, "n_queries": 16384, "source": "checkpoint queue"},
-        "device": "cpu", "precision": "fp32", "rerank_impl": "fused",
+        "device": "cpu", "precision": "fp32", "rerank_impl": "fold",
     }]})
     version: str
     n: int

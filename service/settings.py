@@ -57,10 +57,12 @@ class Settings(BaseSettings):
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="text encoder precision; auto = fp16 on CUDA, fp32 on CPU. The rerank always runs in fp32"
     )
-    rerank_impl: Literal["fused", "model"] = Field(
-        "fused",
-        description="fused: psi with its key/value projections folded onto the query side (same scores, ~5x "
-        "less work per candidate); model: model.score() as is (uses the index's stored K/V when present)",
+    rerank_impl: Literal["fold", "fused", "model"] = Field(
+        "fold",
+        description="fold: psi folded into the index's per-video constants (~3f+1 dots per candidate; an index "
+        "without valid constants is served by fused, with one WARNING naming `gare-index upgrade`); fused: psi "
+        "with its key/value projections folded onto the query side; model: model.score() as is (uses the "
+        "index's stored K/V when present). Same scores within 1e-5",
     )
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's choice)")
     use_gpu_ann: bool | None = Field(None, description="search FAISS on the GPU (default: when faiss has one)")

@@ -288,6 +288,8 @@ class ServiceState:
                 f"index version {version.name} has dim={version.dim}, max_frames={version.max_frames}; "
                 f"the model has embed_dim={cfg.embed_dim}, max_frames={cfg.max_frames}"
             )
+        if self.settings.rerank_impl == "fold":
+            S.fold_usable(self.model, version)  # logs now (not at the first search) when the index needs an upgrade
 
     def _publish(self, version: Any) -> None:
         self.metrics.set_index(

@@ -57,7 +57,7 @@ Public API (a queries, b videos, K candidates per query, f frames, d width):
 - ``fold_queries(t (a, d), psi_or_fold, temp) -> QueryVectors``;
 - ``pair_scores(q, v, idx=None) -> (a, b)`` scores, or ``(a, K)`` for candidate ids ``idx`` (a, K);
 - ``exhaustive(q, v, chunk=...) -> (a, b)`` in bounded memory for whole galleries;
-- ``rerank_scores(impl, ...)``: one switch over "fold" / "fused" / "model" for callers.
+- ``rerank_scores(impl, ...)``: one switch over "fold" / "model" (indexer.search.rerank_scores adds "fused").
 Inputs may be float16/bfloat16 (stored features); everything is computed in float32 on the inputs' device.
 """
 
@@ -223,17 +223,24 @@ class VideoConstants:
     Named views (leading shape S = (b,) or whatever `select` was given): rs 1/σ_f, bias 0 or -inf (a frame the
     pooling skips; psi skips the frames with ω_f = 0), le e_f/√d, lg g_f/√d, omega ω_f, g2 g2_f, mu0 μ0_f, mu1 μ1_f, pi0 π0_f, pi1 π1_f: (*S, f);
     g1 G1, g2m G2, g3 G3, p P, h H: (*S, f, f); cvv |Cv̄|², vsum Σv̄: S.
+    - ``vbar`` (b, d) or None: an explicit v̄ (kept by reference) when the caller's v̄ is not the masked mean
+      of ``frames`` (the index rebuilds v̄ = norm * unit from float32 features while ``frames`` are stored
+      float16). The pair stage then computes t·v̄ with one more dot per pair instead of Σ ω_f t·F_f;
+      le, cvv and vsum in ``packed`` must have been folded from the same v̄ (``fold_videos(..., vbar=)``).
     """
 
     frames: torch.Tensor
     packed: torch.Tensor
     fingerprint: str
+    vbar: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         f = self.frames.shape[-2]
         if self.packed.shape[:-1] != self.frames.shape[:-2] or self.packed.shape[-1] != packed_width(f):
             raise ValueError(f"packed constants {tuple(self.packed.shape)} do not match frames {tuple(self.frames.shape)}: "
                              f"expected {(*self.frames.shape[:-2], packed_width(f))}")
+        if self.vbar is not None and tuple(self.vbar.shape) != (*self.frames.shape[:-2], self.frames.shape[-1]):
+            raise ValueError(f"vbar {tuple(self.vbar.shape)} does not match frames {tuple(self.frames.shape)}")
 
     @property
     def n(self) -> int:
@@ -275,19 +282,22 @@ class VideoConstants:
             # index_select: several times faster than advanced indexing (x[idx]) on the CPU
             return x.index_select(0, flat.to(x.device)).view(*idx.shape, *x.shape[1:])
 
-        return VideoConstants(frames=take(self.frames), packed=take(self.packed), fingerprint=self.fingerprint)
+        return VideoConstants(frames=take(self.frames), packed=take(self.packed), fingerprint=self.fingerprint,
+                              vbar=None if self.vbar is None else take(self.vbar))
 
     def slice(self, s0: int, s1: int) -> VideoConstants:
-        return VideoConstants(frames=self.frames[s0:s1], packed=self.packed[s0:s1], fingerprint=self.fingerprint)
+        return VideoConstants(frames=self.frames[s0:s1], packed=self.packed[s0:s1], fingerprint=self.fingerprint,
+                              vbar=None if self.vbar is None else self.vbar[s0:s1])
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> VideoConstants:
         """Move everything to `device`; `dtype` (e.g. float16 for storage) applies to `packed` only."""
-        fr, pk = self.frames, self.packed
+        fr, pk, vb = self.frames, self.packed, self.vbar
         if device is not None:
             fr, pk = fr.to(device), pk.to(device)
+            vb = None if vb is None else vb.to(device)
         if dtype is not None:
             pk = pk.to(dtype)
-        return VideoConstants(frames=fr, packed=pk, fingerprint=self.fingerprint)
+        return VideoConstants(frames=fr, packed=pk, fingerprint=self.fingerprint, vbar=vb)
 
     @classmethod
     def cat(cls, parts: list[VideoConstants]) -> VideoConstants:
@@ -296,8 +306,11 @@ class VideoConstants:
         fps = {p.fingerprint for p in parts}
         if len(fps) != 1:
             raise ValueError(f"cannot concatenate constants of different psi weights: {sorted(fps)}")
+        if len({p.vbar is None for p in parts}) != 1:
+            raise ValueError("cannot concatenate constants with and without an explicit vbar")
+        vb = None if parts[0].vbar is None else torch.cat([p.vbar for p in parts])
         return cls(frames=torch.cat([p.frames for p in parts]), packed=torch.cat([p.packed for p in parts]),
-                   fingerprint=parts[0].fingerprint)
+                   fingerprint=parts[0].fingerprint, vbar=vb)
 
     def bytes_per_video(self) -> int:
         """Added bytes per video: one packed row at its current dtype (the frames are not counted)."""
@@ -311,6 +324,7 @@ def fold_videos(
     *,
     chunk: int = 1024,
     reference_padding: bool = False,
+    vbar: torch.Tensor | None = None,
 ) -> VideoConstants:
     """frames F (b, f, d) (any float dtype), mask (b, f) (bool/0-1; None = every row is real, the same as an
     all-ones mask) -> VideoConstants on the frames' device, float32.
@@ -320,7 +334,9 @@ def fold_videos(
     as ``training.psi.pair_scores(..., reference_padding=True)``; `frames` must hold the padded rows'
     features then.
 
-    v̄ is the masked mean of the (upcast) frames, as `pair_scores(..., vbar=None)` computes it. Work runs in
+    v̄ is the masked mean of the (upcast) frames, as `pair_scores(..., vbar=None)` computes it, unless `vbar`
+    (b, d) is given (e.g. the index's norm * unit): then the constants use it and keep it by reference, and
+    the pair stage adds one dot per pair (t·v̄). Work runs in
     chunks of `chunk` videos: three (chunk·f, d) x (d, d) products each.
     """
     fold = _as_fold(psi)
@@ -329,6 +345,8 @@ def fold_videos(
     b, f, d = frames.shape
     if mask is not None and tuple(mask.shape) != (b, f):
         raise ValueError(f"mask must be ({b}, {f}), got {tuple(mask.shape)}")
+    if vbar is not None and tuple(vbar.shape) != (b, d):
+        raise ValueError(f"vbar must be ({b}, {d}), got {tuple(vbar.shape)}")
     dev = frames.device
     fw = fold.to(dev) if fold.device != dev else fold
     if chunk < 1:
@@ -346,12 +364,13 @@ def fold_videos(
                 omega = torch.full_like(mf, 1.0 / f)
             else:
                 omega = mf / mf.sum(1, keepdim=True).clamp_min(1.0)  # masked_mean's weights
-            vbar = torch.einsum("nf,nfd->nd", omega, fr)  # (n, d)
+            vb = (torch.einsum("nf,nfd->nd", omega, fr) if vbar is None
+                  else vbar[s0 : s0 + chunk].to(dev, torch.float32))  # (n, d)
             cf_raw = fr - fr.mean(-1, keepdim=True)
             rs = torch.rsqrt(cf_raw.pow(2).mean(-1) + eps1)  # (n, f) 1/σ_f
             c = F.layer_norm(fr, (d,), fw.gamma1, fw.beta1, eps1)  # (n, f, d) LN1(F)
-            vc = vbar - vbar.mean(-1, keepdim=True)
-            le = torch.einsum("nd,nfd->nf", vbar @ fw.a_e.t(), c) / sqd
+            vc = vb - vb.mean(-1, keepdim=True)
+            le = torch.einsum("nd,nfd->nf", vb @ fw.a_e.t(), c) / sqd
             lg = (c @ fw.k1) / sqd
             y = torch.addmm(fw.c0, c.reshape(-1, d), fw.w_y.t())  # (n·f, d)
             cy = y - y.mean(-1, keepdim=True)
@@ -376,11 +395,11 @@ def fold_videos(
                     p=mm @ fr.transpose(1, 2),
                     h=fr @ fr.transpose(1, 2),
                     cvv=vc.pow(2).sum(-1),
-                    vsum=vbar.sum(-1),
+                    vsum=vb.sum(-1),
             )
             parts.append(torch.cat([fields[k].reshape(n, -1) for k in CONST_FIELDS], dim=1))  # (n, packed_width)
     packed = torch.cat(parts) if parts else torch.empty(0, packed_width(f), device=dev)
-    return VideoConstants(frames=frames, packed=packed, fingerprint=fold.fingerprint)
+    return VideoConstants(frames=frames, packed=packed, fingerprint=fold.fingerprint, vbar=vbar)
 
 
 # ------------------------------------------------------------------------------------------ queries
@@ -432,9 +451,10 @@ def _f32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float32 else x.float()
 
 
-def _scores_from_dots(q: QueryVectors, v: VideoConstants, dt: torch.Tensor, d1: torch.Tensor, d2: torch.Tensor) -> torch.Tensor:
+def _scores_from_dots(q: QueryVectors, v: VideoConstants, dt: torch.Tensor, d1: torch.Tensor, d2: torch.Tensor,
+                      vt: torch.Tensor | None = None) -> torch.Tensor:
     """dt, d1, d2 (a, n, f) = t·F_f, u1·F_f, u2·F_f; v's packed (n, W) shared by the queries or (a, n, W)
-    -> s (a, n). Fields that are used together sit side by side in the packed row, so each group is one op
+    -> s (a, n); vt (a, n) = t·v̄ when v carries an explicit vbar (else Σ ω_f t·F_f). Fields that are used together sit side by side in the packed row, so each group is one op
     (this stage is ~40 small ops; at K = 256 their count, not their arithmetic, is the cost)."""
     d = q.u.shape[-1]
     f = v.num_frames
@@ -449,7 +469,7 @@ def _scores_from_dots(q: QueryVectors, v: VideoConstants, dt: torch.Tensor, d1: 
     rs, bias, le, lg, omega = (vec[..., i, :] for i in range(5))
     cvv, vsum = pk[..., -2], pk[..., -1]
     # ---- psi's attention weights a (a, n, f)
-    vct = (omega * dt).sum(-1) - vsum * tsum / d  # v̄·Ct
+    vct = ((omega * dt).sum(-1) if vt is None else vt) - vsum * tsum / d  # v̄·Ct
     s1 = torch.sqrt((cvv - 2.0 * vct + ctt).clamp_min(0.0) / d + eps1)  # (a, n)
     # psi attends to the rows v̄ averages (ω_f > 0); equal to `bias` unless folded with reference_padding
     a = ((le - d1 * rs / math.sqrt(d)) / s1.unsqueeze(-1) + lg).masked_fill(omega <= 0, float("-inf")).softmax(-1)
@@ -494,11 +514,24 @@ def pair_scores(q: QueryVectors, v: VideoConstants, idx: torch.Tensor | None = N
             raise ValueError(f"idx must be ({a}, K) candidate ids, got {tuple(idx.shape)}")
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= v.n):
             raise ValueError(f"candidate ids must lie in [0, {v.n}), got [{int(idx.min())}, {int(idx.max())}]")
-        vs = v.select(idx)  # fields (a, K, ...)
         k, f = idx.shape[1], v.frames.shape[1]
+        if v.n <= idx.numel():
+            # v holds (about) just the candidates, e.g. the unique rows of a batch: dot every frame of v with
+            # every query's 3 vectors in one matmul (each frame upcast once, no gathered copy of the frames),
+            # then gather the (a, K, f, 3) dots and the packed rows each query needs.
+            dots_all = (_f32(v.frames).reshape(v.n * f, d) @ q.u.reshape(3 * a, d).t()).view(v.n, f, a, 3)
+            dq = dots_all.permute(2, 0, 1, 3)  # (a, n, f, 3), a view
+            g = torch.gather(dq, 1, idx[:, :, None, None].expand(a, k, f, 3)).permute(0, 3, 1, 2)  # (a, 3, K, f)
+            packed = v.packed.index_select(0, idx.reshape(-1)).view(a, k, -1)
+            vs = VideoConstants(frames=v.frames[:1].expand(a * k, f, d).view(a, k, f, d) if v.n else v.frames.new_zeros(a, k, f, d),
+                                packed=packed, fingerprint=v.fingerprint)
+            vt = None if v.vbar is None else torch.gather(q.u[:, 0] @ _f32(v.vbar).t(), 1, idx)  # (a, K) t·v̄
+            return _scores_from_dots(q, vs, g[:, 0], g[:, 1], g[:, 2], vt)
+        vs = v.select(idx)  # fields (a, K, ...)
         fr = vs.frames.to(torch.float32).reshape(a, k * f, d)
         dots = torch.bmm(fr, q.u.transpose(1, 2)).view(a, k, f, 3).permute(0, 3, 1, 2)  # (a, 3, K, f)
-        return _scores_from_dots(q, vs, dots[:, 0], dots[:, 1], dots[:, 2])
+        vt = None if vs.vbar is None else torch.bmm(_f32(vs.vbar), q.u[:, 0, :, None]).view(a, k)
+        return _scores_from_dots(q, vs, dots[:, 0], dots[:, 1], dots[:, 2], vt)
 
 
 def _all_pairs(q: QueryVectors, v: VideoConstants, buf: torch.Tensor | None) -> torch.Tensor:
@@ -514,7 +547,8 @@ def _all_pairs(q: QueryVectors, v: VideoConstants, buf: torch.Tensor | None) -> 
     else:
         fr = v.frames.to(torch.float32).reshape(b * f, d)
     dots = (fr @ q.u.reshape(3 * a, d).t()).view(b, f, a, 3).permute(2, 3, 0, 1)  # (a, 3, b, f)
-    return _scores_from_dots(q, v, dots[:, 0], dots[:, 1], dots[:, 2])
+    vt = None if v.vbar is None else q.u[:, 0] @ _f32(v.vbar).t()  # (a, b)
+    return _scores_from_dots(q, v, dots[:, 0], dots[:, 1], dots[:, 2], vt)
 
 
 def exhaustive(
@@ -608,4 +642,5 @@ def _diag(q: QueryVectors, v: VideoConstants) -> torch.Tensor:
     dots = torch.einsum("ped,pfd->pef", q.u, fr)  # (P, 3, f)
     # Treat the P pairs as P queries with one candidate each: fields (P, 1, ...).
     vs = VideoConstants(frames=v.frames.unsqueeze(1), packed=v.packed.unsqueeze(1), fingerprint=v.fingerprint)
-    return _scores_from_dots(q, vs, dots[:, None, 0], dots[:, None, 1], dots[:, None, 2]).view(P)
+    vt = None if v.vbar is None else (q.u[:, 0] * _f32(v.vbar)).sum(-1)[:, None]  # (P, 1)
+    return _scores_from_dots(q, vs, dots[:, None, 0], dots[:, None, 1], dots[:, None, 2], vt).view(P)

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import psi_consts
 from ..ann import AnnIndex, AnnParams, build_index, choose_index_type
 from ..store import IndexVersion, write_version
 from .assemble import _Entry
@@ -73,7 +74,7 @@ def _make_ann(units: np.ndarray, ids: np.ndarray, opts: BuildOptions, prev: Inde
 
 
 def finish(p: Plan, entries: list[_Entry], arrays: dict[str, Any], opts: BuildOptions, report: RunReport, *,
-           todo_ids: np.ndarray, kept_ids: np.ndarray) -> str:
+           todo_ids: np.ndarray, kept_ids: np.ndarray, staging: Any = None) -> str:
     """Biases, stage-1 vectors, ANN and manifest of the assembled arrays; writes the version and returns its name."""
     prev, pman, mode, cfg = p.prev, p.pman, p.mode, p.model.cfg
     for e, u in zip(entries, arrays["masks"].sum(axis=1), strict=True):
@@ -123,4 +124,6 @@ def finish(p: Plan, entries: list[_Entry], arrays: dict[str, Any], opts: BuildOp
         "ncl_stage1": p.post["ncl_stage1"],
         **ainfo,
     }
+    # psi's folded per-video constants (issue 12): carried for unchanged rows, folded for the new ones
+    extra["psi_fold"] = psi_consts.attach(arrays, p.model, prev, checkpoint_sha=p.sha, staging=staging, device=p.device)
     return write_version(p.root, arrays, [e.meta for e in entries], extra, ann=ann, keep=opts.keep)

@@ -51,9 +51,21 @@ OPTIONAL_ARRAYS: dict[str, tuple[np.dtype, int]] = {
     "keys": (np.dtype(np.float16), 3),
     "values": (np.dtype(np.float16), 3),
     "ann_units": (np.dtype(np.float32), 2),  # InvGC-corrected stage-1 vectors (n, d)
+    "psi_consts": (np.dtype(np.float32), 2),  # psi folded per video (n, 10f + 5f² + 2), training.psi_fold
 }
-_MMAP_ARRAYS = ("frames", "units", "keys", "values", "ann_units")
-_ROW_DIM_ARRAYS = ("units", "ann_units")  # 2-D arrays of width d (the others are (n, f))
+_MMAP_ARRAYS = ("frames", "units", "keys", "values", "ann_units", "psi_consts")
+_ROW_DIM_ARRAYS = ("units", "ann_units")  # 2-D arrays of width d (the others are (n, f), psi_consts below)
+PSI_CONSTS_ARRAY = "psi_consts"
+
+
+def expected_shape(name: str, n: int, d: int, f: int) -> tuple[int, ...]:
+    """The shape an array of the format must have for n videos of f frames of width d."""
+    from training.psi_fold import packed_width
+
+    ndim = (ARRAY_SPECS.get(name) or OPTIONAL_ARRAYS[name])[1]
+    if name == PSI_CONSTS_ARRAY:
+        return (n, packed_width(f))
+    return {1: (n,), 2: (n, d if name in _ROW_DIM_ARRAYS else f), 3: (n, f, d)}[ndim]
 META_COLUMNS: tuple[str, ...] = (
     "id", "path", "size", "mtime", "checksum", "duration", "fps", "frames_used", "start", "end", "status",
 )

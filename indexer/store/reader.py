@@ -23,7 +23,6 @@ from ..ann import AnnIndex, AnnParams
 from ..ncl_ann import FoldedRows, Stage1Unavailable
 from .format import (
     _MMAP_ARRAYS,
-    _ROW_DIM_ARRAYS,
     ANN_FILE,
     ANN_NCL_FILE,
     ARRAY_SPECS,
@@ -38,6 +37,7 @@ from .format import (
     IndexFormatError,
     IndexMismatchError,
     _version_number,
+    expected_shape,
 )
 
 log = logging.getLogger("indexer.store")
@@ -143,6 +143,7 @@ class IndexVersion:
     values: np.ndarray | None = None
     ann_units: np.ndarray | None = None  # InvGC-corrected stage-1 vectors (ann.faiss is built on them), memmap
     ann_ncl: AnnIndex | None = None  # FAISS over [stage-1 vector ; b / c] (--ncl-stage1), else None
+    psi_consts: np.ndarray | None = None  # psi folded per video (n, 10f+5f²+2) float32 memmap (indexer.psi_consts)
     _sorted_ids: np.ndarray = field(init=False, repr=False)
     _sorted_rows: np.ndarray = field(init=False, repr=False)
     _conn: sqlite3.Connection | None = field(init=False, repr=False, default=None)
@@ -336,11 +337,11 @@ def open_version(
 
     n, d, f = int(manifest["n"]), int(manifest["dim"]), int(manifest["max_frames"])
     arrays: dict[str, np.ndarray] = {}
-    for aname, (dtype, ndim) in {**ARRAY_SPECS, **OPTIONAL_ARRAYS}.items():
+    for aname, (dtype, _ndim) in {**ARRAY_SPECS, **OPTIONAL_ARRAYS}.items():
         if aname in OPTIONAL_ARRAYS and f"{aname}.npy" not in files:
             continue
         arr = _load_array(path, aname, mmap=aname in _MMAP_ARRAYS)
-        expect = {1: (n,), 2: (n, d if aname in _ROW_DIM_ARRAYS else f), 3: (n, f, d)}[ndim]
+        expect = expected_shape(aname, n, d, f)
         if arr.shape != expect or arr.dtype != dtype:
             raise IndexFormatError(
                 f"{path / (aname + '.npy')}: {arr.dtype} {arr.shape}, manifest implies {dtype} {expect}"
@@ -371,6 +372,7 @@ def open_version(
         ids=arrays["ids"], norms=arrays["norms"], units=arrays["units"], frames=arrays["frames"],
         masks=arrays["masks"], biases=arrays["biases"], ann=ann, dim=d, max_frames=f,
         keys=arrays.get("keys"), values=arrays.get("values"), ann_units=arrays.get("ann_units"), ann_ncl=ann_ncl,
+        psi_consts=arrays.get("psi_consts"),
     )
     # Sizes alone do not prove the metadata is a database: a same-size junk file would pass them and then
     # fail every search. One cheap query (no full re-hash) catches it at open/reload time.

@@ -67,13 +67,15 @@ def verify_index(
     rehash: bool = True,
     expect_checkpoint_sha: str | None = None,
     check_files: bool = False,
+    psi_sample: int = 64,
 ) -> list[str]:
     """Problems found in a version (CURRENT by default); an empty list means it is consistent.
 
     Checks: manifest, file sizes and (rehash) sha256; array shapes and dtypes; ids unique and equal across
     ids.npy, FAISS and SQLite; norms positive and finite, units of unit length; at least one frame per
     video; padded frame rows zero, or, for a checkpoint with ``reference_padding``, holding their features
-    with v̄ = norm * unit the mean over all rows of the stored frames; biases finite. `check_files` also re-checks every indexed video
+    with v̄ = norm * unit the mean over all rows of the stored frames; biases finite; psi's constants (psi_consts.npy): shape,
+    fingerprint, finite, and `psi_sample` random rows recomputed with the index's checkpoint when readable. `check_files` also re-checks every indexed video
     file's size and mtime on disk (a changed file is reported, not an error of the index itself).
     """
     root = Path(root)
@@ -98,6 +100,9 @@ def verify_index(
             problems.append(str(e))
         if v.ann_ncl is not None:
             problems += _ncl_problems(v)
+        from ..psi_consts import problems as psi_problems  # lazily: indexer.psi_consts imports this package
+
+        problems += psi_problems(v, sample=psi_sample)
         try:
             meta = v.all_metadata()
         except sqlite3.Error as e:

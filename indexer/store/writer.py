@@ -23,7 +23,6 @@ from ..ann import AnnIndex, AnnParams, build_index, choose_index_type
 from ..ncl_ann import build_ncl_ann, ncl_ann_params
 from .format import (
     _META_SQL_TYPES,
-    _ROW_DIM_ARRAYS,
     _TMP_PREFIX,
     ANN_FILE,
     ANN_NCL_FILE,
@@ -41,6 +40,7 @@ from .format import (
     _HashingWriter,
     _version_number,
     atomic_write_text,
+    expected_shape,
     index_lock,
     test_pause,
     version_name,
@@ -239,8 +239,7 @@ def write_version(
     d = shapes["units"][0][1]
     f = shapes["frames"][0][1]
     for k, (shape, _) in shapes.items():
-        ndim = (ARRAY_SPECS.get(k) or OPTIONAL_ARRAYS[k])[1]
-        expect = {1: (n,), 2: (n, d if k in _ROW_DIM_ARRAYS else f), 3: (n, f, d)}[ndim]
+        expect = expected_shape(k, n, d, f)
         if shape != expect:
             raise ValueError(f"write_version: {k} has shape {shape}, expected {expect}")
     ids = np.asarray(np.load(arrays["ids"].path) if isinstance(arrays["ids"], ExistingFile) else arrays["ids"], dtype=np.int64)

@@ -118,13 +118,15 @@ def test_model_impl_equals_fused_and_batch_equals_single(env):
     opts = [S.SearchOptions(k=4, candidates=8), S.SearchOptions(k=3, candidates=16, ncl=False),
             S.SearchOptions(k=5, candidates=8, rerank=False), S.SearchOptions(k=2, candidates=2),
             S.SearchOptions(k=4, candidates=8)]
+    assert S.fold_usable(model, version)  # the built index stores valid psi constants: "fold" really folds
     fused = S.search_batch(model, version, texts, opts, rerank_impl="fused")
     viamodel = S.search_batch(model, version, texts, opts, rerank_impl="model")
-    singles = [S.search(model, version, t, o) for t, o in zip(texts, opts, strict=True)]
-    for a, b, c in zip(fused, viamodel, singles, strict=True):
-        assert [h.id for h in a.hits] == [h.id for h in b.hits] == [h.id for h in c.hits]
-        np.testing.assert_allclose([h.score for h in a.hits], [h.score for h in b.hits], atol=1e-5)
-        np.testing.assert_allclose([h.score for h in a.hits], [h.score for h in c.hits], atol=1e-5)
+    folded = S.search_batch(model, version, texts, opts, rerank_impl="fold")
+    singles = [S.search(model, version, t, o) for t, o in zip(texts, opts, strict=True)]  # default impl: fold
+    for a, b, c, d in zip(fused, viamodel, singles, folded, strict=True):
+        assert [h.id for h in a.hits] == [h.id for h in b.hits] == [h.id for h in c.hits] == [h.id for h in d.hits]
+        for other in (b, c, d):
+            np.testing.assert_allclose([h.score for h in a.hits], [h.score for h in other.hits], atol=1e-5)
 
 
 def test_stored_kv_index(env, tmp_path):

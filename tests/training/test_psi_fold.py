@@ -160,6 +160,28 @@ def test_equals_model_score_and_fused(tiny_model):
         pf.rerank_scores("nope", tiny_model, tp, fp, mp)
 
 
+def test_explicit_vbar_equals_model_score(tiny_model):
+    """An index's v̄ (norm * unit of float32 features) is not the mean of its float16 frames: constants folded
+    with that v̄ (one extra dot per pair) equal model.score(..., vbar=) for all pairs, candidates and chunks."""
+    torch.manual_seed(4)
+    d, f = tiny_model.cfg.embed_dim, tiny_model.cfg.max_frames
+    t, frames = torch.randn(4, d), torch.randn(9, f, d)
+    mask = torch.ones(9, f, dtype=torch.bool)
+    mask[1, 2:] = False
+    frames = frames * mask[..., None]
+    vbar = (frames * mask[..., None]).sum(1) / mask.sum(1, keepdim=True) + 0.05 * torch.randn(9, d)
+    with torch.no_grad():
+        ref = tiny_model.score(t, frames.half(), mask, vbar=vbar)
+    fw = pf.fold_weights(tiny_model.psi)
+    v = pf.fold_videos(frames.half(), mask, fw, vbar=vbar)
+    q = pf.fold_queries(t, fw, tiny_model.cfg.temp)
+    torch.testing.assert_close(pf.pair_scores(q, v), ref, atol=TOL, rtol=0)
+    idx = torch.randint(0, 9, (4, 5))
+    torch.testing.assert_close(pf.pair_scores(q, v, idx), ref.gather(1, idx), atol=TOL, rtol=0)
+    torch.testing.assert_close(pf.exhaustive(q, v, chunk=4, query_chunk=3), ref, atol=TOL, rtol=0)
+    assert (pf.pair_scores(q, pf.fold_videos(frames.half(), mask, fw)) - ref).abs().max() > 1e-3  # v̄ matters
+
+
 def test_exhaustive_chunks_equal_pair_scores():
     psi = random_psi(24, 5)
     g = torch.Generator().manual_seed(0)
@@ -227,3 +249,23 @@ def test_refuses_other_head_counts_and_mismatches():
 def test_docstring_byte_figure_is_the_packed_width():
     """The figure the module docstring quotes for f = 12 is what the code stores."""
     assert f"{pf.packed_width(12)} floats, {pf.packed_width(12) * 4:,} bytes" in " ".join(pf.__doc__.split())
+
+
+def test_candidate_paths_agree():
+    """pair_scores(idx) dots the frames of a small v once (v.n <= a·K) or gathers them (v.n > a·K): same scores,
+    with and without an explicit vbar, repeats allowed."""
+    psi = random_psi(16, seed=5)
+    fw = pf.fold_weights(psi)
+    g = torch.Generator().manual_seed(5)
+    frames = torch.randn(6, 4, 16, generator=g)
+    mask = torch.ones(6, 4, dtype=torch.bool)
+    mask[2, 1:] = False
+    frames = frames * mask[..., None]
+    q = pf.fold_queries(torch.randn(3, 16, generator=g), fw, 0.05)
+    for vbar in (None, torch.randn(6, 16, generator=g)):
+        v = pf.fold_videos(frames, mask, fw, vbar=vbar)
+        full = pf.pair_scores(q, v)
+        small = torch.tensor([[0, 1, 2, 2], [5, 4, 3, 0], [1, 1, 1, 1]])  # 12 >= 6 rows: one matmul over v
+        big = torch.tensor([[0], [5], [2]])  # 3 < 6 rows: gathered frames
+        torch.testing.assert_close(pf.pair_scores(q, v, small), full.gather(1, small), atol=TOL, rtol=0)
+        torch.testing.assert_close(pf.pair_scores(q, v, big), full.gather(1, big), atol=TOL, rtol=0)

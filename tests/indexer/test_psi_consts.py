@@ -1,0 +1,174 @@
+"""psi's per-video constants in the index (issue 12): built, carried by add/remove, verified, upgraded, and
+the folded rerank equal to the fused and model paths on a real built index (tiny model, real mp4s)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from indexer import psi_consts
+from indexer import search as S
+from tests.service.support import build_index, copy_index, shared
+from training.psi_fold import packed_width
+
+
+@pytest.fixture(scope="module")
+def env():
+    from indexer.store import open_index
+    from training.checkpoint import load_model
+
+    sh = shared()
+    model, _ = load_model(sh["checkpoint"], "cpu")
+    version = open_index(sh["index"])
+    yield model, version, sh
+    version.close()
+
+
+def test_built_index_stores_valid_constants(env):
+    from indexer.store import verify_index
+
+    model, version, sh = env
+    info = version.manifest["psi_fold"]
+    w = packed_width(version.max_frames)
+    assert version.psi_consts.shape == (version.n, w) and version.psi_consts.dtype == np.float32
+    assert info["fingerprint"] == psi_consts.fold_of(model).fingerprint
+    assert info["checkpoint_sha256"] == version.checkpoint_sha256
+    assert info["bytes_per_video"] == 4 * w and info["floats_per_video"] == w
+    assert 0 < version.manifest["files"]["psi_consts.npy"]["bytes"] - 4 * w * version.n <= 128  # + the .npy header
+    assert verify_index(sh["index"], psi_sample=version.n) == []
+
+
+def test_every_impl_equal_on_all_candidates(env):
+    """psi scores of every gallery entry for 4 queries: fold == fused == model within 1e-5; a batch shares the
+    constants (ragged K per query)."""
+    model, version, sh = env
+    t = S.encode_queries(model, sh["captions"][:4])
+    ids = np.asarray(version.ids)
+    cands = [ids, ids[::-1][:7], ids[3:9], ids[:1]]
+    got = {impl: S.psi_scores(model, version, t, cands, impl=impl) for impl in S.RERANK_IMPLS}
+    for i in range(4):
+        assert np.std(got["fold"][0]) > 1e-3
+        for impl in ("fused", "model"):
+            np.testing.assert_allclose(got["fold"][i], got[impl][i], atol=1e-5, rtol=0, err_msg=impl)
+    ex = S.exhaustive_psi(model, version, t, block=5)
+    np.testing.assert_allclose(ex, S.exhaustive_psi(model, version, t, impl="fused"), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(ex[0], got["model"][0], atol=1e-5, rtol=0)
+
+
+def _strip_constants(index, tmp_path):
+    """A copy of the index whose current version is what a pre-issue-12 gare-index wrote (no psi constants)."""
+    from indexer.store import ExistingFile, open_index, write_version
+
+    root = copy_index(index, tmp_path / "old")
+    with open_index(root) as v:
+        files = v.manifest["files"]
+        arrays = {k: ExistingFile(v.path / f"{k}.npy") for k in ("ids", "norms", "units", "frames", "masks", "biases")}
+        extra = {k: v.manifest[k] for k in ("checkpoint", "precision", "sampling", "ann_params", "biases", "next_id")}
+        write_version(root, arrays, ExistingFile(v.path / "meta.sqlite"), extra,
+                      ann=ExistingFile(v.path / "ann.faiss", files["ann.faiss"]["sha256"]))
+    return root
+
+
+def test_old_index_falls_back_with_a_log_line_then_upgrade(env, tmp_path, caplog):
+    from indexer.cli import main
+    from indexer.store import open_index, verify_index
+
+    model, version, sh = env
+    root = _strip_constants(sh["index"], tmp_path)
+    text = sh["captions"][3]
+    with open_index(root) as old:
+        assert old.psi_consts is None and "psi_fold" not in old.manifest
+        assert verify_index(root) == []  # an old index is still a valid index (the search falls back)
+        with caplog.at_level(logging.WARNING, logger="indexer.search"):
+            a = S.search(model, old, text, S.SearchOptions(k=5, candidates=10))
+        assert "gare-index upgrade" in caplog.text and "fused" in caplog.text
+        b = S.search(model, version, text, S.SearchOptions(k=5, candidates=10))
+        assert [h.id for h in a.hits] == [h.id for h in b.hits]
+        np.testing.assert_allclose([h.score for h in a.hits], [h.score for h in b.hits], atol=1e-5)
+        name_before = old.name
+    assert main(["upgrade", "--out", str(root)]) == 0
+    with open_index(root) as new:
+        assert new.name != name_before and S.fold_usable(model, new)
+        np.testing.assert_array_equal(np.asarray(new.psi_consts), np.asarray(version.psi_consts))
+        for k in ("frames.npy", "ann.faiss", "meta.sqlite"):  # hard-linked, unchanged
+            assert new.manifest["files"][k]["sha256"] == version.manifest["files"][k]["sha256"]
+    assert verify_index(root, psi_sample=100) == []
+    assert main(["upgrade", "--out", str(root)]) == 0  # already valid: no new version
+    with open_index(root) as again:
+        assert again.name == new.name
+
+
+def test_stale_or_corrupt_constants_are_refused_and_reported(env, tmp_path):
+    from indexer.store import open_index, verify_index
+
+    model, version, sh = env
+    root = copy_index(sh["index"], tmp_path / "stale")
+    with open_index(root) as v:
+        path = v.path
+    man = json.loads((path / "manifest.json").read_text())
+    man["psi_fold"]["fingerprint"] = "0" * 64  # constants of other psi weights
+    (path / "manifest.json").write_text(json.dumps(man))
+    with open_index(root) as v:
+        assert not S.fold_usable(model, v)
+        assert "stale" in psi_consts.fold_status(v, psi_consts.fold_of(model))
+        assert any("fingerprint" in p for p in verify_index(root, rehash=False))
+    man["psi_fold"]["fingerprint"] = psi_consts.fold_of(model).fingerprint
+    (path / "manifest.json").write_text(json.dumps(man))
+    arr = np.load(path / "psi_consts.npy", mmap_mode="r+")
+    arr[3, -1] += 1.0  # one constant of row 3 (same file size: only the recomputation or the hash sees it)
+    arr.flush()
+    del arr
+    probs = verify_index(root, rehash=False, psi_sample=version.n)
+    assert any("rows [3]" in p and "recomputation" in p for p in probs), probs
+
+
+def test_add_and_remove_keep_constants_aligned(env, tmp_path):
+    import shutil
+
+    from indexer.build import BuildOptions, build, remove
+    from indexer.store import open_index, verify_index
+
+    model, version, sh = env
+    vids = sorted(sh["videos"].glob("*.mp4"))
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    for p in vids[:10]:
+        shutil.copy(p, lib / p.name)
+    root = build_index(sh["checkpoint"], lib, tmp_path / "idx")
+    for p in vids[10:]:
+        shutil.copy(p, lib / p.name)
+    build(str(sh["checkpoint"]), str(lib), str(root), BuildOptions(workers=0, progress=False), mode="add")
+    with open_index(root) as v:
+        assert v.n == len(vids)
+        doomed = [str(int(i)) for i in np.asarray(v.ids)[[1, 7, 12]]]
+    assert verify_index(root, psi_sample=len(vids)) == []
+    remove(str(root), doomed)
+    with open_index(root) as v:
+        assert v.n == len(vids) - 3 and v.manifest.get("psi_fold")
+        t = S.encode_queries(model, sh["captions"][:2])
+        ex = S.exhaustive_psi(model, v, t)
+        np.testing.assert_allclose(ex, S.exhaustive_psi(model, v, t, impl="fused"), atol=1e-5, rtol=0)
+    assert verify_index(root, psi_sample=len(vids)) == []
+
+
+def test_compute_rows_uses_the_served_vbar(env):
+    """The constants are folded with v̄ = norm * unit (SPEC §4), not the mean of the float16 frames."""
+    model, version, sh = env
+    fold = psi_consts.fold_of(model)
+    out = np.empty_like(np.asarray(version.psi_consts))
+    psi_consts.compute_rows(fold, version.frames, version.masks, version.units, version.norms, out, device="cpu")
+    np.testing.assert_allclose(out, np.asarray(version.psi_consts), rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(torch.from_numpy(out[:, packed_width(version.max_frames) - 1])).all()
+
+
+def test_doc_states_the_exact_bytes_per_video():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "index-format.md").read_text(encoding="utf-8")
+    w = packed_width(12)
+    assert f"{w} floats = {4 * w:,} bytes per video at f = 12" in doc
+    assert f'"bytes_per_video": {4 * w}' in doc
