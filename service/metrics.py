@@ -12,7 +12,8 @@ Several workers (``gare-serve --workers N``): when ``PROMETHEUS_MULTIPROC_DIR`` 
 empties it) every worker writes its series to that directory and ``/metrics`` (on any worker) renders all
 of them with prometheus_client's ``MultiProcessCollector``: counters and histograms are summed over the
 workers, ``gare_index_entries`` is the largest live value and ``gare_index_info`` is shown per worker
-(``pid`` label), so a worker left on an old version after a reload is visible.
+(``pid`` label), so a worker left on an old version after a reload is visible, as is
+``gare_worker_requests`` (requests each worker answered).
 
 Routes are labelled by their template (``/v1/videos/{video_id}``), never by the raw path, so the label
 set stays bounded; unmatched paths are labelled ``unmatched``.
@@ -74,6 +75,11 @@ class Metrics:
         self.reloads = Counter("gare_reloads", "index reloads by result", ["result"], registry=r)
         self.thumb_cache = Counter("gare_thumbnail_cache", "thumbnail cache lookups", ["result"], registry=r)
         self.query_cache = QueryCacheMetrics(r)
+        # per worker process (a gauge, so multiprocess mode keeps the pid label instead of summing):
+        # shows how the kernel spreads connections over the workers
+        self.worker_requests = Gauge(
+            "gare_worker_requests", "HTTP requests answered by this worker process", registry=r, multiprocess_mode="liveall"
+        )
 
     def observe_stages(self, timings_s: dict[str, float]) -> None:
         for stage, v in timings_s.items():
@@ -134,3 +140,4 @@ class MetricsMiddleware:
             if status["code"] >= 400:
                 m.errors.labels(route, code).inc()
             m.latency.labels(route).observe(time.perf_counter() - start)
+            m.worker_requests.inc()
