@@ -150,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+WORKER_HEALTHCHECK_S = 60
+
+
 def _env_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
@@ -189,6 +192,9 @@ def serve_workers(settings: Settings, workers: int) -> int:
         uvicorn.run(
             "service.app:create_app", factory=True, workers=workers, host=settings.host, port=settings.port,
             log_level=settings.log_level, proxy_headers=False, server_header=False, timeout_graceful_shutdown=10,
+            # uvicorn pings each worker and kills one that does not answer in time (default 5 s): importing
+            # torch and loading a model on a busy machine holds the GIL longer than that
+            timeout_worker_healthcheck=WORKER_HEALTHCHECK_S,
         )
     except KeyboardInterrupt:  # pragma: no cover
         pass
