@@ -150,9 +150,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-WORKER_HEALTHCHECK_S = 60
-
-
 def _env_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
@@ -194,7 +191,7 @@ def serve_workers(settings: Settings, workers: int) -> int:
             log_level=settings.log_level, proxy_headers=False, server_header=False, timeout_graceful_shutdown=10,
             # uvicorn pings each worker and kills one that does not answer in time (default 5 s): importing
             # torch and loading a model on a busy machine holds the GIL longer than that
-            timeout_worker_healthcheck=WORKER_HEALTHCHECK_S,
+            timeout_worker_healthcheck=settings.worker_healthcheck_s,
         )
     except KeyboardInterrupt:  # pragma: no cover
         pass

@@ -77,6 +77,9 @@ class Settings(BaseSettings):
     run_dir: Path | None = Field(
         None, description="shared state of the workers of one gare-serve (set by gare-serve --workers; see service/workers.py)"
     )
+    worker_healthcheck_s: int = Field(
+        120, ge=5, le=3600, description="uvicorn kills a worker that does not answer its ping for this long (startup included)"
+    )
     reload_wait_s: float = Field(
         15.0, ge=0, le=600, description="how long POST /v1/admin/reload waits for every worker to switch"
     )
@@ -125,7 +128,8 @@ class Settings(BaseSettings):
     thumbnail_width: int = Field(320, ge=16, le=1920)
     thumbnail_cache_size: int = Field(1024, ge=0)
 
-    @field_validator("checkpoint", "index", "api_keys_file", "library_root", "query_bank_path", "run_dir", mode="before")
+    @field_validator("checkpoint", "index", "api_keys_file", "library_root", "query_bank_path", "run_dir",
+                     "workers", "torch_threads", mode="before")
     @classmethod
     def _empty_is_none(cls, v: Any) -> Any:
         return None if v == "" else v

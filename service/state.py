@@ -283,7 +283,8 @@ class ServiceState:
         self.model, self.checkpoint_path, self.checkpoint_sha = model, path, sha
         self._load_text_encoder(model)
         try:
-            version = open_index(s.index, expect_checkpoint_sha=sha, verify=s.verify_index, use_gpu=s.use_gpu_ann)
+            # mmap_ann: the FAISS index is mapped read-only like the arrays, one copy for all workers
+            version = open_index(s.index, expect_checkpoint_sha=sha, verify=s.verify_index, use_gpu=s.use_gpu_ann, mmap_ann=True)
         except IndexFormatError as e:
             raise StartupError(f"cannot open the index: {e}") from None
         self._check_fit(version)
@@ -421,7 +422,8 @@ class ServiceState:
                 return {"reloaded": False, "version": name, "previous": name, "n": old.version.n}
             try:
                 version = await run_in_threadpool(
-                    lambda: open_index(s.index, expect_checkpoint_sha=self.checkpoint_sha, verify=s.verify_index, use_gpu=s.use_gpu_ann)
+                    lambda: open_index(s.index, expect_checkpoint_sha=self.checkpoint_sha, verify=s.verify_index,
+                                       use_gpu=s.use_gpu_ann, mmap_ann=True)
                 )
             except IndexMismatchError as e:
                 log.error("reload refused: %s", e)

@@ -32,9 +32,10 @@ def server(tmp_path_factory):
     prom = root / "prom"
     prom.mkdir()
     (prom / "counter_999999.db").write_bytes(b"stale")  # an earlier run's file: must be cleared at start
-    env = {"GARE_API_KEYS": KEY, "PROMETHEUS_MULTIPROC_DIR": str(prom)}
+    # a worker importing torch on a loaded machine can miss uvicorn's ping for minutes: do not kill it
+    env = {"GARE_API_KEYS": KEY, "PROMETHEUS_MULTIPROC_DIR": str(prom), "GARE_WORKER_HEALTHCHECK_S": "900"}
     with UvicornProcess(["--index", str(idx), "--workers", "2", "--batch-max-wait-ms", "2"], env=env,
-                        ready_timeout_s=300) as srv:  # two workers import torch at once on a shared machine
+                        ready_timeout_s=600) as srv:  # two workers import torch at once on a shared machine
         yield srv, idx, sh, prom
 
 
