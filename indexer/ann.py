@@ -501,11 +501,19 @@ class AnnIndex:
         use_gpu: bool | None = None,
         *,
         vector_ids: np.ndarray | None = None,
+        mmap: bool = False,
     ) -> AnnIndex:
         """Read an index written by :meth:`save`.  ``params`` (default: recovered from the file) set the
         query-time knobs (nprobe, ef_search, rescore); its index_type must match the file.  ``use_gpu=None``
-        moves flat/ivf to the GPU when faiss has one."""
-        index = faiss.read_index(str(path))
+        moves flat/ivf to the GPU when faiss has one.  ``mmap=True`` maps the flat codes (flat, HNSW storage)
+        read-only from the file instead of copying them (IVF inverted lists are still read into memory), so several serving processes share one
+        copy through the page cache; such an index must never be modified (add/remove)."""
+        if mmap:
+            # IO_FLAG_MMAP_IFC maps flat codes (flat, HNSW storage); faiss 1.15 cannot also map IVF lists
+            # read through this path ("mmap only supported for File objects"), so IVF lists are still copied
+            index = faiss.read_index(str(path), faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY)
+        else:
+            index = faiss.read_index(str(path))
         found = AnnParams.from_index(index)
         if params is None:
             params = found

@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,6 +92,7 @@ class Hit:
 class QueryResult:
     hits: list[Hit]
     timings: dict[str, float] = field(default_factory=dict)  # seconds: encode, ann, rerank, total
+    cached: bool = False  # the query embedding came from the service's cache (encode 0 for this query)
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -439,11 +440,14 @@ def search_batch(
     precision: str = "fp32",
     rerank_impl: str = DEFAULT_RERANK_IMPL,
     on_units: Any = None,
+    encoder: Callable[[list[str]], torch.Tensor] | None = None,
 ) -> list[QueryResult]:
     """Search many queries with one text-encoder pass, one ANN call per distinct K and one rerank pass.
 
     Every result carries the batch's stage timings (seconds). `on_units`, when given, receives the unit
-    query embeddings (n_q, d) as a float32 array (the service's adaptive query bank).
+    query embeddings (n_q, d) as a float32 array (the service's adaptive query bank). `encoder`, when
+    given, replaces ``encode_queries(model, texts, precision)``: texts -> t (n_q, d) float32 on the model's
+    device (the service's query-embedding cache and its int8/ONNX text towers).
     """
     n_q = len(texts)
     opts = [options] * n_q if isinstance(options, SearchOptions) else list(options)
@@ -453,7 +457,8 @@ def search_batch(
         return []
     dev = model.device
     t0 = time.perf_counter()
-    t = encode_queries(model, texts, precision)
+    t = encoder(list(texts)) if encoder is not None else encode_queries(model, texts, precision)
+    t = t.to(dev)
     _sync(dev)
     t1 = time.perf_counter()
     units = unit_rows(t)

@@ -8,10 +8,13 @@ The HTTP layer only: routes (``service.routes``: search, videos, admin, ops) cal
 of ``indexer.search``; request/response bodies are in ``service.schemas``, keys and signed media URLs in
 ``service.security``, middleware and error handlers in ``service.middleware``.
 
-Run it with ``gare-serve --index INDEX`` (service/cli.py) or ``uvicorn --factory service.app:create_app``
-(settings from ``GARE_*`` variables).
+Run it with ``gare-serve --index INDEX [--workers N]`` (service/cli.py) or ``uvicorn --factory
+service.app:create_app`` (settings from ``GARE_*`` variables). With several workers each process builds
+its app with :func:`create_app` from the environment the CLI prepared and joins the others through the
+run directory (``service.workers``).
 """
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -22,12 +25,13 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
-from .metrics import Metrics, MetricsMiddleware
+from .metrics import Metrics, MetricsMiddleware, mark_worker_dead
 from .middleware import BodySizeLimitMiddleware, SecurityHeadersMiddleware, install_error_handlers
 from .routes import admin, ops, search, videos
 from .routes.ops import STATIC_DIR
 from .settings import Settings, SettingsError, load_api_key_hashes, load_settings
 from .state import API_VERSION, ServiceState, StartupError, VersionHandle, resolve_checkpoint
+from .workers import watch_reloads
 
 log = logging.getLogger("gare.service")
 
@@ -55,12 +59,21 @@ def create_app(settings: Settings | None = None, **overrides: Any) -> FastAPI:
             raise
         app.state.gare = state
         state.batcher.start()
+        watcher = (
+            asyncio.get_running_loop().create_task(watch_reloads(state, state.board), name="gare-reload-watch")
+            if state.board is not None else None
+        )
         try:
             yield
         finally:
+            if watcher is not None:
+                watcher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watcher
             await state.batcher.stop()
             state.close()
             app.state.gare = None
+            mark_worker_dead()
 
     app = FastAPI(
         title="GARE search",

@@ -1,11 +1,22 @@
 """``gare-serve``: run the search service with uvicorn.
 
-    gare-serve --index INDEX [--checkpoint CKPT] [--config FILE] [--host 127.0.0.1] [--port 8000] ...
+    gare-serve --index INDEX [--checkpoint CKPT] [--config FILE] [--host 127.0.0.1] [--port 8000] [--workers N] ...
     gare-serve --index INDEX --check          # verify settings, checkpoint hash and index, then exit
     echo -n KEY | gare-serve --hash-key       # print sha256:<hex> for a keys file
 
 Settings come from (lowest to highest priority) defaults, the ``--config`` file (YAML/JSON), ``GARE_*``
 environment variables and the options below. Exit status 2 means bad settings (message on stderr).
+
+Workers. ``--workers N`` (default: the usable cores, ``os.sched_getaffinity``) runs N processes behind the
+port with uvicorn's own process manager (``uvicorn.run(..., factory=True, workers=N)``): one listening
+socket opened here and inherited, a supervisor that restarts a worker that dies, no extra dependency.
+(gunicorn + uvicorn workers would give the same model, but one more package and config surface, and
+uvicorn's supervisor already restarts workers.) Each worker builds the app with ``service.app.create_app``
+from the resolved settings, exported here as ``GARE_*`` variables, and bounds its torch and FAISS threads
+to ``usable cores // N`` (at least 1) unless ``--torch-threads`` says otherwise, so N workers never fight
+over the cores. The workers share a run directory (reload generation, per-worker state for readiness;
+``service.workers``) and a Prometheus multiprocess directory, both emptied at start.
+``--workers 1`` serves in this process, as before.
 """
 
 from __future__ import annotations
@@ -13,10 +24,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from .settings import Settings, SettingsError, hash_key, load_settings
+from .workers import usable_cores
 
 
 def _bool(v: str) -> bool:
@@ -43,7 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], help="text encoder precision")
     p.add_argument("--rerank-impl", choices=["fold", "fused", "model"],
                    help="psi rerank implementation (same scores; default fold, GARE_RERANK_IMPL)")
-    p.add_argument("--torch-threads", type=int, help="torch intra-op threads")
+    p.add_argument("--torch-threads", type=int, help="torch/FAISS threads per worker (default: usable cores // workers)")
+    p.add_argument("--workers", type=int, help="worker processes (default: the usable cores; 1 = serve in this process)")
+    p.add_argument("--text-encoder", choices=["fp32", "int8", "onnx", "onnx-int8"],
+                   help="query text tower (int8/onnx are CPU options; fp32 = the model's own at --precision)")
+    p.add_argument("--query-cache-entries", type=int, help="query embedding cache size (0 = off)")
     p.add_argument("--library-root", help="show video paths relative to this folder; files outside it are not served")
     p.add_argument("--cors-origins", help="comma-separated allowed origins (default: none, CORS closed)")
     p.add_argument("--require-key-for-search", type=_bool, nargs="?", const=True, help="search routes need an API key too")
@@ -61,7 +80,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     names = [
         "index", "checkpoint", "host", "port", "device", "precision", "rerank_impl", "torch_threads", "library_root",
         "cors_origins", "require_key_for_search", "api_keys_file", "verify_index", "batch_max_size",
-        "batch_max_wait_ms", "log_level",
+        "batch_max_wait_ms", "log_level", "workers", "text_encoder", "query_cache_entries",
     ]
     overrides: dict[str, Any] = {n: getattr(args, n) for n in names}
     return load_settings(args.config, **overrides)
@@ -111,6 +130,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
+    workers = settings.workers or usable_cores()
+    if settings.torch_threads is None:
+        settings = settings.model_copy(update={"torch_threads": max(1, usable_cores() // workers)})
+    if workers > 1:
+        return serve_workers(settings, workers)
+    app = create_app(settings)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level, proxy_headers=False,
         server_header=False, timeout_graceful_shutdown=10,
@@ -123,6 +148,58 @@ def main(argv: list[str] | None = None) -> int:
     if not server.started:
         print("gare-serve: the service did not start (see the error above)", file=sys.stderr)
         return 1
+    return 0
+
+
+def _env_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)
+
+
+def worker_environment(settings: Settings, workers: int, run_dir: Path, prom_dir: Path) -> dict[str, str]:
+    """The GARE_* variables that make every worker's ``load_settings()`` equal ``settings`` (plus the run dirs)."""
+    env = {f"GARE_{name.upper()}": _env_value(v) for name, v in settings.model_dump().items() if v is not None}
+    env["GARE_WORKERS"] = str(workers)
+    env["GARE_RUN_DIR"] = str(run_dir)
+    env["PROMETHEUS_MULTIPROC_DIR"] = str(prom_dir)
+    return env
+
+
+def _empty_dir(d: Path) -> None:
+    d.mkdir(parents=True, exist_ok=True)
+    for p in d.iterdir():
+        if p.is_file() and p.suffix == ".db":  # only prometheus_client's files: never someone else's
+            p.unlink()
+
+
+def serve_workers(settings: Settings, workers: int) -> int:
+    """Run ``workers`` uvicorn worker processes over one socket (see the module docstring)."""
+    import uvicorn
+
+    run_dir = Path(tempfile.mkdtemp(prefix="gare-serve-"))
+    given = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    prom_dir = Path(given) if given else run_dir / "prometheus"
+    _empty_dir(prom_dir)  # stale series of an earlier run would be summed in
+    os.environ.pop("GARE_CONFIG", None)  # the exported values already include the file's
+    os.environ.update(worker_environment(settings, workers, run_dir, prom_dir))
+    logging.getLogger("gare.service").info(
+        "starting %d workers, %d torch threads each (run dir %s)", workers, settings.torch_threads, run_dir
+    )
+    try:
+        uvicorn.run(
+            "service.app:create_app", factory=True, workers=workers, host=settings.host, port=settings.port,
+            log_level=settings.log_level, proxy_headers=False, server_header=False, timeout_graceful_shutdown=10,
+            # uvicorn pings each worker and kills one that does not answer in time (default 5 s): importing
+            # torch and loading a model on a busy machine holds the GIL longer than that
+            timeout_worker_healthcheck=settings.worker_healthcheck_s,
+        )
+    except KeyboardInterrupt:  # pragma: no cover
+        pass
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        if given:
+            _empty_dir(prom_dir)
     return 0
 
 

@@ -6,23 +6,47 @@
 - ``gare_batch_size``: queries per micro-batch;
 - ``gare_index_entries`` and ``gare_index_info{version,index_type,checkpoint}``; ``gare_reloads_total{result}``.
 
+- ``gare_query_cache_*``: the query embedding cache (service/query_cache.py).
+
+Several workers (``gare-serve --workers N``): when ``PROMETHEUS_MULTIPROC_DIR`` is set (the CLI sets and
+empties it) every worker writes its series to that directory and ``/metrics`` (on any worker) renders all
+of them with prometheus_client's ``MultiProcessCollector``: counters and histograms are summed over the
+workers, ``gare_index_entries`` is the largest live value and ``gare_index_info`` is shown per worker
+(``pid`` label), so a worker left on an old version after a reload is visible, as is
+``gare_worker_requests`` (requests each worker answered).
+
 Routes are labelled by their template (``/v1/videos/{video_id}``), never by the raw path, so the label
 set stays bounded; unmatched paths are labelled ``unmatched``.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from .query_cache import QueryCacheMetrics
 
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "CONNECT"})
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
-__all__ = ["Metrics", "MetricsMiddleware", "CONTENT_TYPE_LATEST"]
+__all__ = ["Metrics", "MetricsMiddleware", "CONTENT_TYPE_LATEST", "multiprocess_dir", "mark_worker_dead"]
+
+
+def multiprocess_dir() -> str | None:
+    """The prometheus multiprocess directory when this process is one of several workers, else None."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+
+def mark_worker_dead(pid: int | None = None) -> None:
+    """Drop a worker's live gauges (multiprocess mode only; call when the worker exits)."""
+    d = multiprocess_dir()
+    if d is not None:
+        multiprocess.mark_process_dead(os.getpid() if pid is None else pid, d)
 
 
 class Metrics:
@@ -40,24 +64,43 @@ class Metrics:
             "gare_search_stage_seconds", "search time per stage and query", ["stage"], buckets=LATENCY_BUCKETS, registry=r
         )
         self.batch_size = Histogram("gare_batch_size", "queries per micro-batch", buckets=BATCH_BUCKETS, registry=r)
-        self.entries = Gauge("gare_index_entries", "entries in the served index version", registry=r)
-        self.info = Gauge(
-            "gare_index_info", "the served index version (value 1)", ["version", "index_type", "checkpoint"], registry=r
+        self.entries = Gauge(
+            "gare_index_entries", "entries in the served index version", registry=r, multiprocess_mode="livemax"
         )
+        self.info = Gauge(
+            "gare_index_info", "the served index version (value 1)", ["version", "index_type", "checkpoint"], registry=r,
+            multiprocess_mode="liveall",
+        )
+        self._info_labels: tuple[str, str, str] | None = None
         self.reloads = Counter("gare_reloads", "index reloads by result", ["result"], registry=r)
         self.thumb_cache = Counter("gare_thumbnail_cache", "thumbnail cache lookups", ["result"], registry=r)
+        self.query_cache = QueryCacheMetrics(r)
+        # per worker process (a gauge, so multiprocess mode keeps the pid label instead of summing):
+        # shows how the kernel spreads connections over the workers
+        self.worker_requests = Gauge(
+            "gare_worker_requests", "HTTP requests answered by this worker process", registry=r, multiprocess_mode="liveall"
+        )
 
     def observe_stages(self, timings_s: dict[str, float]) -> None:
         for stage, v in timings_s.items():
             self.stage.labels(stage).observe(max(0.0, float(v)))
 
     def set_index(self, version: str, index_type: str, checkpoint: str, n: int) -> None:
+        if self._info_labels is not None:
+            # in multiprocess mode clear() leaves the old value in this worker's file: zero it first
+            self.info.labels(*self._info_labels).set(0)
         self.info.clear()
+        self._info_labels = (version, index_type, checkpoint)
         self.info.labels(version, index_type, checkpoint).set(1)
         self.entries.set(n)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        d = multiprocess_dir()
+        if d is None:
+            return generate_latest(self.registry)
+        reg = CollectorRegistry()
+        multiprocess.MultiProcessCollector(reg, path=d)  # every worker's series, merged
+        return generate_latest(reg)
 
 
 def _route_label(scope: dict[str, Any]) -> str:
@@ -97,3 +140,4 @@ class MetricsMiddleware:
             if status["code"] >= 400:
                 m.errors.labels(route, code).inc()
             m.latency.labels(route).observe(time.perf_counter() - start)
+            m.worker_requests.inc()

@@ -39,6 +39,7 @@ class Timings(BaseModel):
     rerank: float = Field(description="ms in the psi rerank (whole micro-batch; 0 when rerank is off)")
     rank: float = Field(0.0, description="ms adding biases and sorting")
     total: float = Field(description="ms from request arrival to response (server side)")
+    cache: str = Field("miss", description="query embedding cache: hit (encode skipped, 0 ms) or miss")
 
 
 class Hit(BaseModel):
@@ -117,6 +118,10 @@ class ReloadResponse(BaseModel):
     version: str
     previous: str
     n: int
+    workers: int | None = Field(None, description="live worker processes (gare-serve --workers N > 1)")
+    workers_on_version: int | None = Field(
+        None, description="how many of them serve `version` when the response was sent (all, unless one failed)"
+    )
 
 
 class ErrorResponse(BaseModel):

@@ -24,6 +24,7 @@ from pydantic_settings import (
 )
 
 from indexer.search import DEFAULT_CANDIDATES
+from training.text_quant import DEFAULT_CPU_TEXT_ENCODER
 
 ENV_PREFIX = "GARE_"
 # The config file of the load_settings call in progress (read by Settings.settings_customise_sources).
@@ -64,7 +65,26 @@ class Settings(BaseSettings):
         "with its key/value projections folded onto the query side; model: model.score() as is (uses the "
         "index's stored K/V when present). Same scores within 1e-5",
     )
-    torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's choice)")
+    text_encoder: Literal["fp32", "int8", "onnx", "onnx-int8"] = Field(
+        DEFAULT_CPU_TEXT_ENCODER,  # type: ignore[arg-type]
+        description="query text tower: fp32 = the model's own (at `precision`; fp16/bf16 on CUDA); int8 (torch "
+        "dynamic quantisation), onnx, onnx-int8 (ONNX Runtime) are CPU options, fidelity in bench/results/text_encoder*",
+    )
+    torch_threads: int | None = Field(
+        None, ge=1, description="torch (and FAISS) intra-op threads; gare-serve sets usable cores // workers"
+    )
+    workers: int | None = Field(
+        None, ge=1, le=256, description="worker processes behind the port (gare-serve; default: the usable cores)"
+    )
+    run_dir: Path | None = Field(
+        None, description="shared state of the workers of one gare-serve (set by gare-serve --workers; see service/workers.py)"
+    )
+    worker_healthcheck_s: int = Field(
+        120, ge=5, le=3600, description="uvicorn kills a worker that does not answer its ping for this long (startup included)"
+    )
+    reload_wait_s: float = Field(
+        15.0, ge=0, le=600, description="how long POST /v1/admin/reload waits for every worker to switch"
+    )
     use_gpu_ann: bool | None = Field(None, description="search FAISS on the GPU (default: when faiss has one)")
     verify_index: bool = Field(False, description="re-hash every index file when opening a version")
     library_root: Path | None = Field(
@@ -110,7 +130,8 @@ class Settings(BaseSettings):
     thumbnail_width: int = Field(320, ge=16, le=1920)
     thumbnail_cache_size: int = Field(1024, ge=0)
 
-    @field_validator("checkpoint", "index", "api_keys_file", "library_root", "query_bank_path", mode="before")
+    @field_validator("checkpoint", "index", "api_keys_file", "library_root", "query_bank_path", "run_dir",
+                     "workers", "torch_threads", mode="before")
     @classmethod
     def _empty_is_none(cls, v: Any) -> Any:
         return None if v == "" else v

@@ -41,8 +41,10 @@ from training.model import resolve_device
 
 from .batcher import MicroBatcher
 from .metrics import Metrics
+from .query_cache import QueryCache, make_normalizer
 from .querybank import QueryBank
 from .settings import Settings, hash_key, load_api_key_hashes
+from .workers import WorkerBoard
 
 log = logging.getLogger("gare.service")
 
@@ -213,6 +215,15 @@ class ServiceState:
         self.reload_lock = asyncio.Lock()
         self.thumbs = ThumbnailCache(settings.thumbnail_cache_size)
         self.query_bank: Any = None  # service.querybank.QueryBank when GARE_QUERY_BANK_SIZE > 0
+        self.query_cache: QueryCache | None = None  # built in load() (needs the tokenizer's normaliser)
+        self.text_encoder = "fp32"  # the text tower that runs (settings.text_encoder; fp32 = the model's own)
+        self._tower: Any = None  # training.text_quant encoder for int8 / onnx / onnx-int8, else None
+        self.cache_variant = "fp32"  # cache key part: the tower and precision that made an embedding
+        # Several workers behind one port (gare-serve --workers N): their shared run directory.
+        self.board: WorkerBoard | None = (
+            WorkerBoard(settings.run_dir, settings.workers or 1) if settings.run_dir is not None else None
+        )
+        self.generation = self.board.generation() if self.board is not None else 0
         self.batcher: MicroBatcher[Job, S.QueryResult] = MicroBatcher(
             self._process,
             max_batch=settings.batch_max_size,
@@ -250,6 +261,12 @@ class ServiceState:
         s = self.settings
         if s.torch_threads:
             torch.set_num_threads(s.torch_threads)
+            try:  # FAISS (OpenMP) gets the same bound: N workers x threads <= the cores
+                import faiss
+
+                faiss.omp_set_num_threads(s.torch_threads)
+            except (ImportError, AttributeError):  # pragma: no cover - faiss is a dependency
+                pass
         path, sha, _ = resolve_checkpoint(s)
         try:
             self.device = resolve_device(s.device)
@@ -264,8 +281,10 @@ class ServiceState:
         except (CheckpointError, OSError) as e:
             raise StartupError(f"cannot load checkpoint {path}: {e}") from None
         self.model, self.checkpoint_path, self.checkpoint_sha = model, path, sha
+        self._load_text_encoder(model)
         try:
-            version = open_index(s.index, expect_checkpoint_sha=sha, verify=s.verify_index, use_gpu=s.use_gpu_ann)
+            # mmap_ann: the FAISS index is mapped read-only like the arrays, one copy for all workers
+            version = open_index(s.index, expect_checkpoint_sha=sha, verify=s.verify_index, use_gpu=s.use_gpu_ann, mmap_ann=True)
         except IndexFormatError as e:
             raise StartupError(f"cannot open the index: {e}") from None
         self._check_fit(version)
@@ -277,9 +296,61 @@ class ServiceState:
                 raise StartupError("query_bank_size is set but query_bank_path is not (GARE_QUERY_BANK_PATH)")
             self.query_bank = QueryBank(s.query_bank_size, model.cfg.embed_dim, s.query_bank_path, s.query_bank_flush_every)
         log.info(
-            "serving index %s version %s (%d entries, %s) with %s on %s (%s)",
+            "serving index %s version %s (%d entries, %s) with %s on %s (%s, text encoder %s, query cache %s)",
             s.index, version.name, version.n, version.manifest.get("index_type"), path.name, self.device, self.precision,
+            self.text_encoder, "on" if self.query_cache is not None and self.query_cache.enabled else "off",
         )
+        self.publish_worker()
+
+    def _load_text_encoder(self, model: Any) -> None:
+        """The text tower (settings.text_encoder) and the query-embedding cache in front of it."""
+        s = self.settings
+        kind = s.text_encoder
+        if kind != "fp32":
+            if self.device.type != "cpu":
+                raise StartupError(
+                    f"text_encoder={kind!r} is a CPU option; on {self.device} the encoder runs in "
+                    f"{self.precision} (set GARE_PRECISION / --precision) with text_encoder=fp32"
+                )
+            if self.precision != "fp32":
+                raise StartupError(f"text_encoder={kind!r} runs its own arithmetic; use it with precision fp32/auto, not {self.precision}")
+            from training.text_quant import build_text_encoder
+
+            try:
+                self._tower = build_text_encoder(model, kind, threads=torch.get_num_threads())
+            except (ImportError, ValueError, RuntimeError) as e:
+                raise StartupError(f"cannot build the {kind} text encoder: {e}") from None
+        self.text_encoder = kind
+        # fp32 means the model's own encoder, run at self.precision (fp16/bf16 under autocast on CUDA).
+        self.cache_variant = kind if kind != "fp32" else self.precision
+        self.query_cache = QueryCache(
+            s.query_cache_entries, s.query_cache_bytes,
+            normalize=make_normalizer(getattr(model, "_tokenizer", None) or self._tokenizer(model)),
+            metrics=self.metrics.query_cache,
+        )
+
+    @staticmethod
+    def _tokenizer(model: Any) -> Any:
+        model.tokenize(["warm up"])  # builds model._tokenizer (open_clip's, whose clean_fn is the key normaliser)
+        return getattr(model, "_tokenizer", None)
+
+    def encode_texts(self, texts: list[str]) -> torch.Tensor:
+        """Texts -> t (a, d) float32 on the model's device, by the configured tower (no cache)."""
+        if self._tower is None:
+            return S.encode_queries(self.model, texts, self.precision)
+        return self._tower(S.trim_tokens(self.model.tokenize(list(texts))))
+
+    def publish_worker(self, generation: int | None = None) -> None:
+        """Tell the other workers (run directory) what this one serves."""
+        if self.board is None:
+            return
+        if generation is not None:
+            self.generation = generation
+        h = self.handle
+        try:
+            self.board.publish(h.version.name if h is not None else None, h is not None, self.generation)
+        except OSError as e:  # pragma: no cover - the run directory vanished
+            log.error("cannot publish this worker's state in %s: %s", self.board.root, e)
 
     def _check_fit(self, version: Any) -> None:
         cfg = self.model.cfg
@@ -297,6 +368,8 @@ class ServiceState:
         )
 
     def close(self) -> None:
+        if self.board is not None:
+            self.board.withdraw()
         if self.handle is not None:
             self.handle.retire()
         if self.query_bank is not None:
@@ -317,7 +390,25 @@ class ServiceState:
         finally:
             h.release()
 
-    async def reload(self) -> dict[str, Any]:
+    async def reload(self, broadcast: bool = True) -> dict[str, Any]:
+        """Switch this worker to CURRENT; with several workers and ``broadcast``, then every other worker.
+
+        The response waits (at most ``reload_wait_s``) for the other workers and reports how many serve
+        the new version (``workers``, ``workers_on_version``).
+        """
+        res = await self._reload_local()
+        if self.board is None:
+            return res
+        if broadcast:
+            self.generation = await run_in_threadpool(self.board.bump_generation)
+        self.publish_worker()
+        if broadcast:
+            recs = await self.board.wait_for_version(res["version"], self.settings.reload_wait_s)
+            res["workers"] = len(recs)
+            res["workers_on_version"] = sum(r.get("version") == res["version"] for r in recs)
+        return res
+
+    async def _reload_local(self) -> dict[str, Any]:
         s = self.settings
         async with self.reload_lock:
             old = self.handle
@@ -333,7 +424,8 @@ class ServiceState:
                 return {"reloaded": False, "version": name, "previous": name, "n": old.version.n}
             try:
                 version = await run_in_threadpool(
-                    lambda: open_index(s.index, expect_checkpoint_sha=self.checkpoint_sha, verify=s.verify_index, use_gpu=s.use_gpu_ann)
+                    lambda: open_index(s.index, expect_checkpoint_sha=self.checkpoint_sha, verify=s.verify_index,
+                                       use_gpu=s.use_gpu_ann, mmap_ann=True)
                 )
             except IndexMismatchError as e:
                 log.error("reload refused: %s", e)
@@ -368,8 +460,20 @@ class ServiceState:
         groups: dict[int, list[int]] = {}
         for i, j in enumerate(jobs):
             groups.setdefault(id(j.version), []).append(i)
+        cache = self.query_cache
         for members in groups.values():
             version = jobs[members[0]].version
+            flags: list[bool] = []
+
+            def encode(texts: list[str], flags: list[bool] = flags) -> torch.Tensor:
+                # distinct misses go through the tower once; hits skip it (key: checkpoint sha + variant + text)
+                if cache is None or not cache.enabled:
+                    flags.extend([False] * len(texts))
+                    return self.encode_texts(texts)
+                t, hit = cache.encode(texts, self.checkpoint_sha or "", self.encode_texts, variant=self.cache_variant)
+                flags.extend(hit)
+                return t
+
             res = S.search_batch(
                 self.model,
                 version,
@@ -378,8 +482,12 @@ class ServiceState:
                 precision=self.precision,
                 rerank_impl=self.settings.rerank_impl,
                 on_units=self.query_bank.push if self.query_bank is not None else None,
+                encoder=encode,
             )
-            for i, r in zip(members, res, strict=True):
+            for i, r, hit in zip(members, res, flags, strict=True):
+                if hit:  # this query's embedding came from the cache: it cost no encoder time
+                    r.timings = {**r.timings, "encode": 0.0}
+                    r.cached = True
                 out[i] = r
         return out  # type: ignore[return-value]
 

@@ -320,8 +320,12 @@ def open_version(
     expect_checkpoint_sha: str | None = None,
     verify: bool = False,
     use_gpu: bool | None = None,
+    mmap_ann: bool = False,
 ) -> IndexVersion:
-    """Open a named version (open_index opens the one CURRENT names)."""
+    """Open a named version (open_index opens the one CURRENT names).
+
+    ``mmap_ann=True`` memory-maps the FAISS indexes read-only (``AnnIndex.load(mmap=True)``): for serving
+    processes that share them through the page cache; never for a version that will be modified."""
     root = Path(root)
     path = root / VERSIONS_DIR / name
     if not path.is_dir():
@@ -350,7 +354,7 @@ def open_version(
     params = AnnParams.from_dict(manifest.get("ann_params") or {"index_type": manifest.get("index_type", "flat")})
     stage1 = arrays.get("ann_units", arrays["units"])  # ivfpq re-scores with the vectors the ANN was built on
     try:
-        ann = AnnIndex.load(path / ANN_FILE, params, stage1, use_gpu, vector_ids=arrays["ids"])
+        ann = AnnIndex.load(path / ANN_FILE, params, stage1, use_gpu, vector_ids=arrays["ids"], mmap=mmap_ann)
     except (RuntimeError, ValueError) as e:
         raise IndexFormatError(f"{path / ANN_FILE}: unreadable ({e})") from e
     if ann.ntotal != n or (n and ann.d != d):
@@ -361,7 +365,7 @@ def open_version(
         nparams = AnnParams.from_dict(ncl.get("ann_params") or {"index_type": "flat"})
         try:
             ann_ncl = AnnIndex.load(path / ANN_NCL_FILE, nparams, FoldedRows(stage1, arrays["biases"], float(ncl.get("c", 1.0))),
-                                    use_gpu, vector_ids=arrays["ids"])
+                                    use_gpu, vector_ids=arrays["ids"], mmap=mmap_ann)
         except (RuntimeError, ValueError) as e:
             raise IndexFormatError(f"{path / ANN_NCL_FILE}: unreadable ({e})") from e
         if ann_ncl.ntotal != n or (n and ann_ncl.d != d + 1):
@@ -393,8 +397,9 @@ def open_index(
     expect_checkpoint_sha: str | None = None,
     verify: bool = False,
     use_gpu: bool | None = None,
+    mmap_ann: bool = False,
 ) -> IndexVersion:
-    """Open the version CURRENT names.
+    """Open the version CURRENT names (``mmap_ann``: see :func:`open_version`).
 
     `verify=True` re-hashes every file against manifest["files"] (IndexFormatError naming the bad file);
     without it, presence and byte sizes are still checked. `expect_checkpoint_sha` that differs from the
@@ -405,4 +410,5 @@ def open_index(
     if not root.is_dir():
         raise IndexFormatError(f"{root}: no such index directory")
     name = current_version_name(root)
-    return open_version(root, name, expect_checkpoint_sha=expect_checkpoint_sha, verify=verify, use_gpu=use_gpu)
+    return open_version(root, name, expect_checkpoint_sha=expect_checkpoint_sha, verify=verify, use_gpu=use_gpu,
+                        mmap_ann=mmap_ann)

@@ -46,7 +46,8 @@ async def run_queries(state: ServiceState, version: Any, queries: list[str], opt
         payload.append(SearchResponse(
             query=q, index_version=version.name, k=opts.k, candidates=opts.candidates, rerank=opts.rerank,
             ncl=opts.ncl, results=hits, batch_size=info.size,
-            timings_ms=Timings(**{k: round(v * 1000, 3) for k, v in stage_s.items()}, total=round(total * 1000, 3)),
+            timings_ms=Timings(**{k: round(v * 1000, 3) for k, v in stage_s.items()}, total=round(total * 1000, 3),
+                               cache="hit" if res.cached else "miss"),
         ))
     return payload
 

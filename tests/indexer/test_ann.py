@@ -129,6 +129,11 @@ def test_save_load_roundtrip(built, data, tmp_path, index_type):
     s, i = loaded.search(q, K)
     np.testing.assert_array_equal(i, built[index_type]["ids"])
     np.testing.assert_allclose(s, built[index_type]["scores"], atol=1e-6)
+    # memory-mapped read-only (the service's workers share it through the page cache): same answers
+    mapped = AnnIndex.load(path, None, x, use_gpu=False, vector_ids=ids, mmap=True)
+    s2, i2 = mapped.search(q, K)
+    np.testing.assert_array_equal(i2, built[index_type]["ids"])
+    np.testing.assert_allclose(s2, built[index_type]["scores"], atol=1e-6)
     # explicit params must agree with the file
     wrong = "flat" if index_type != "flat" else "ivf"
     with pytest.raises(ValueError, match="holds"):

@@ -102,7 +102,8 @@ def free_port() -> int:
 class UvicornProcess:
     """`gare-serve` (service.cli) in a child process on 127.0.0.1:<free port>."""
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, ready_timeout_s: float = 90) -> None:
+        self.ready_timeout_s = ready_timeout_s
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.args = [sys.executable, "-m", "service.cli", "--host", "127.0.0.1", "--port", str(self.port), *args]
@@ -112,7 +113,7 @@ class UvicornProcess:
 
     def __enter__(self) -> UvicornProcess:
         self.proc = subprocess.Popen(self.args, cwd=REPO, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 90
+        deadline = time.time() + self.ready_timeout_s
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"gare-serve exited with {self.proc.returncode}:\n{self.output()}")

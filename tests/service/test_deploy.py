@@ -102,3 +102,16 @@ def test_dependency_extraction_used_by_the_images_runs():
     data = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert any(d.startswith("faiss-cpu") for d in data["dependencies"])
     assert data["optional-dependencies"]["gpu"]
+
+
+
+def test_api_containers_run_several_workers(monkeypatch):
+    """The CPU api uses gare-serve's workers (GARE_WORKERS, default: one per usable core); the GPU api one."""
+    from service.settings import Settings
+
+    svcs = yaml.safe_load(COMPOSE.read_text())["services"]
+    assert "GARE_WORKERS" in svcs["api"]["environment"] and "--workers" not in svcs["api"]["command"]
+    monkeypatch.setenv("GARE_WORKERS", "")  # what ${GARE_WORKERS:-} gives when unset: the usable cores
+    assert Settings().workers is None
+    gpu_cmd = svcs["api-gpu"]["command"]
+    assert gpu_cmd[gpu_cmd.index("--workers") + 1] == "1"

@@ -1,0 +1,290 @@
+"""Serving benchmark over real HTTP: `gare-serve --workers N` processes on 127.0.0.1, closed-loop clients.
+
+    python bench/serve_http.py                                   # 10k entries, ViT-B/32 text tower (random weights)
+    python bench/serve_http.py --n 10000 --duration 8 --workers 1,2
+
+One index (``serve_bench.write_gallery``: the real index format, ViT-B/32 sizes d=512, f=12) and one ViT-B/32
+GARE checkpoint with random weights. For every server configuration a real ``gare-serve`` is started
+(``python -m service.cli``; uvicorn, ``--workers N``), and closed-loop clients (threads, one keep-alive
+HTTP/1.1 connection each, ``POST /v1/search`` back to back, two-stage, k=10) run for ``--duration`` s with
+1 and then 32 clients. Reported per run: q/s, p50/p95/p99 latency (client side), CPU seconds per second
+used by each worker process (/proc/PID/stat utime+stime) and each worker's RSS at the end (VmRSS).
+
+Configurations: workers x {cache off with distinct queries (every request runs the encoder), cache on with
+a Zipf(1.0) stream over 2,000 distinct queries (``bench/zipf_queries.py``)}. Plus an in-process component
+table (one query): fp32 / int8 text tower, a cache hit, ANN top-256, fused psi rerank of 256.
+
+The client threads run on the same cores as the server: on a 2-core machine they take a share of the CPU
+(reported as ``client_cpu``). Results: bench/results/serve_http.{json,md} with commit, command, date, CPU
+and the load average before and after (the machine may be shared: compare ratios within one run only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+for p in (str(REPO), str(BENCH)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from serve_bench import loadavg, machine, make_queries, summary_ms, timed, write_gallery  # noqa: E402
+from zipf_queries import zipf_stream  # noqa: E402
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / TICK  # utime + stime
+
+
+def rss_mib(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        return None
+    return None
+
+
+def worker_pids(parent: int) -> list[int]:
+    """The serving processes: the children of uvicorn's supervisor (or the process itself with 1 worker)."""
+    import psutil
+
+    p = psutil.Process(parent)
+    kids = [c.pid for c in p.children(recursive=False) if "multiprocessing.resource_tracker" not in " ".join(c.cmdline())]
+    return kids or [parent]
+
+
+def closed_loop(url: str, stream: list[str], clients: int, duration: float) -> dict[str, Any]:
+    lat: list[list[float]] = [[] for _ in range(clients)]
+    errors = [0] * clients
+    stop = time.perf_counter() + duration
+    start_gate = threading.Barrier(clients)
+
+    def client(i: int) -> None:
+        j = i * 7919
+        with httpx.Client(base_url=url, timeout=60) as c:
+            start_gate.wait()
+            while time.perf_counter() < stop:
+                q = stream[j % len(stream)]
+                j += 1
+                t0 = time.perf_counter()
+                r = c.post("/v1/search", json={"query": q, "k": 10})
+                if r.status_code == 200:
+                    lat[i].append(time.perf_counter() - t0)
+                else:
+                    errors[i] += 1
+
+    t0 = time.perf_counter()
+    c0 = time.process_time()
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    all_lat = [x for xs in lat for x in xs]
+    return {"clients": clients, "qps": round(len(all_lat) / wall, 2), **{f"latency_{k}": v for k, v in summary_ms(all_lat).items()},
+            "errors": sum(errors), "wall_s": round(wall, 2), "client_cpu": round((time.process_time() - c0) / wall, 2)}
+
+
+def serve(index: Path, workers: int, cache: bool, threads: int | None) -> tuple[subprocess.Popen, str, Path]:
+    from tests.service.support import free_port
+
+    port = free_port()
+    log = Path(f"/tmp/gare-serve-http-{port}.log")
+    args = [sys.executable, "-m", "service.cli", "--index", str(index), "--port", str(port), "--workers", str(workers),
+            "--log-level", "warning", "--query-cache-entries", "10000" if cache else "0"]
+    if threads:
+        args += ["--torch-threads", str(threads)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"gare-serve exited: {log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+                return proc, url, log
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.terminate()
+    raise RuntimeError(f"gare-serve not ready: {log.read_text()[-3000:]}")
+
+
+def components(index: Path, reps: int) -> dict[str, Any]:
+    import torch
+
+    from indexer import search as S
+    from indexer.store import open_index
+    from service.query_cache import QueryCache
+    from training.checkpoint import load_model
+    from training.text_quant import build_text_encoder
+
+    torch.set_num_threads(1)
+    v = open_index(index)
+    model, _ = load_model(Path(v.manifest["checkpoint"]["path"]), "cpu")
+    qs = make_queries(reps, seed=5)
+    tok = [S.trim_tokens(model.tokenize([q])) for q in qs]
+    int8 = build_text_encoder(model, "int8")
+    it = iter(range(10**9))
+    out = {
+        "text encoder fp32 (model)": summary_ms(timed(lambda: S.encode_queries(model, [qs[next(it) % reps]]), reps)),
+        "text encoder int8 (torch.ao dynamic)": summary_ms(timed(lambda: int8(tok[next(it) % reps]), reps)),
+    }
+    cache = QueryCache(1000, 1 << 26)
+    cache.encode([qs[0]], "sha", lambda m: S.encode_queries(model, m))
+    out["cache hit (lookup, no encoder)"] = summary_ms(timed(lambda: cache.encode([qs[0]], "sha", lambda m: S.encode_queries(model, m)), reps))
+    t = S.encode_queries(model, [qs[0]])
+    units = S.unit_rows(t)
+    out["ANN top-256"] = summary_ms(timed(lambda: S.ann_stage(v, units, 256), reps))
+    _, ids = S.ann_stage(v, units, 256)
+    out["psi rerank 256 (fused)"] = summary_ms(timed(lambda: S.psi_scores(model, v, t, [ids[0][ids[0] >= 0]], impl="fused"), reps))
+    out["two-stage search, cache hit (encoder skipped)"] = summary_ms(timed(
+        lambda: S.search_batch(model, v, [qs[0]], S.SearchOptions(k=10), encoder=lambda m: t), reps))
+    out["two-stage search, encoder fp32"] = summary_ms(timed(lambda: S.search_batch(model, v, [qs[next(it) % reps]], S.SearchOptions(k=10)), reps))
+    v.close()
+    return out
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "?"
+
+
+def markdown(d: dict[str, Any]) -> str:
+    m = d["machine"]
+    L = ["# Serving over HTTP: gare-serve --workers N, closed-loop clients on loopback", "",
+         f"Generated by `{d['command']}` at commit `{d['commit']}` on {d['date']}.", "",
+         f"CPU: {m['cpu']} ({m['cores']} cores, usable {d['usable_cores']}); torch {m['torch']}, faiss {m['faiss']}. "
+         f"Load average (1/5/15 min) before: {d['load_start']}, after: {d['load_end']}. Index: {d['n']:,} entries, "
+         "ViT-B/32 text tower (random weights), two-stage (ANN top-256 + fused psi rerank), k=10.", "",
+         "| workers | stream | clients | q/s | p50 ms | p95 ms | p99 ms | errors | CPU/s per worker | RSS MiB per worker | client CPU/s |",
+         "|---:|---|---:|---:|---:|---:|---:|---:|---|---|---:|"]
+    for r in d["runs"]:
+        L.append(f"| {r['workers']} | {r['stream']} | {r['clients']} | {r['qps']} | {r['latency_p50']} | {r['latency_p95']} | "
+                 f"{r['latency_p99']} | {r['errors']} | {', '.join(str(x) for x in r['worker_cpu'])} | "
+                 f"{', '.join(str(x) for x in r['worker_rss_mib'])} | {r['client_cpu']} |")
+    L += ["", "Ratios (same run): 32 clients vs 1 client, q/s and p99:", ""]
+    for key, rs in d["ratios"].items():
+        L.append(f"- {key}: q/s x{rs['qps']}, p99 x{rs['p99']}")
+    L += ["", "## Components (in process, one query, 1 thread)", "", "| component | p50 ms | p95 ms | mean ms | n |", "|---|---:|---:|---:|---:|"]
+    for k, s in d["components"].items():
+        L.append(f"| {k} | {s['p50']} | {s['p95']} | {s['mean']} | {s['n']} |")
+    L += ["", d["notes"], ""]
+    return "\n".join(L)
+
+
+NOTES = (
+    "Notes: the clients (Python threads) share the machine's cores with the workers, and other jobs may run at "
+    "the same time (load averages above); numbers are comparable only within this run. `CPU/s per worker` is "
+    "CPU seconds each worker process used per second of the run (1.0 = one core busy). `zipf` = cache on, a "
+    "Zipf(1.0) stream over 2,000 distinct queries (repeats hit the cache: encode skipped); `distinct` = cache "
+    "off, every request runs the text encoder."
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=10000, help="index entries")
+    ap.add_argument("--workers", default="1,2", help="worker counts to compare")
+    ap.add_argument("--clients", default="1,32")
+    ap.add_argument("--duration", type=float, default=8.0, help="seconds per run")
+    ap.add_argument("--component-reps", type=int, default=20)
+    ap.add_argument("--work", default="/tmp/gare-serve-http")
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "serve_http"))
+    args = ap.parse_args(argv)
+    import torch
+
+    from service.workers import usable_cores
+    from training.checkpoint import file_sha256, save_checkpoint
+    from training.config import get_model_config
+    from training.model import GARE
+
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    data: dict[str, Any] = {
+        "command": "python " + " ".join(shlex.quote(a) for a in ["bench/serve_http.py", *(argv if argv is not None else sys.argv[1:])]),
+        "commit": git_commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
+        "usable_cores": usable_cores(), "load_start": loadavg(), "n": args.n, "runs": [], "ratios": {}, "notes": NOTES,
+    }
+    try:
+        torch.manual_seed(0)
+        cfg = get_model_config("gare-vit-b-32", pretrained="none")
+        m = GARE.build(cfg).eval()
+        ck = work / "gare-vit-b-32-random.safetensors"
+        save_checkpoint(ck, m, queues={})
+        del m
+        print("writing the gallery", flush=True)
+        write_gallery(work / "g", args.n, {"path": str(ck), "sha256": file_sha256(ck), "model_config": cfg.to_dict()})
+        index = work / "g" / "index"
+        data["components"] = components(index, args.component_reps)
+        print(json.dumps(data["components"]), flush=True)
+        distinct = make_queries(20000, seed=1)
+        zipf = zipf_stream(20000, n_distinct=2000, s=1.0, seed=3)
+        for w in [int(x) for x in args.workers.split(",")]:
+            for stream_name, stream, cache in (("distinct", distinct, False), ("zipf", zipf, True)):
+                proc, url, log = serve(index, w, cache, None)
+                try:
+                    pids = worker_pids(proc.pid)
+                    closed_loop(url, stream[:50], 2, 2.0)  # warm up
+                    by_c = {}
+                    for c in [int(x) for x in args.clients.split(",")]:
+                        c0 = [cpu_seconds(p) or 0.0 for p in pids]
+                        t0 = time.perf_counter()
+                        r = closed_loop(url, stream, c, args.duration)
+                        dt = time.perf_counter() - t0
+                        r["worker_cpu"] = [round(((cpu_seconds(p) or 0.0) - a) / dt, 2) for p, a in zip(pids, c0, strict=True)]
+                        r["worker_rss_mib"] = [rss_mib(p) for p in pids]
+                        r.update(workers=w, stream=stream_name)
+                        print(json.dumps(r), flush=True)
+                        data["runs"].append(r)
+                        by_c[c] = r
+                    if len(by_c) >= 2:
+                        lo, hi = by_c[min(by_c)], by_c[max(by_c)]
+                        data["ratios"][f"{w} worker(s), {stream_name}"] = {
+                            "qps": round(hi["qps"] / lo["qps"], 2) if lo["qps"] else None,
+                            "p99": round(hi["latency_p99"] / lo["latency_p99"], 2) if lo["latency_p99"] else None}
+                finally:
+                    proc.terminate()
+                    try:
+                        proc.wait(30)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    data["load_end"] = loadavg()
+    out = Path(args.out)
+    out.with_suffix(".json").write_text(json.dumps(data, indent=1))
+    out.with_suffix(".md").write_text(markdown(data))
+    print(markdown(data))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

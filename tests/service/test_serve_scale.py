@@ -1,0 +1,148 @@
+"""Issue 14 in process: the query-embedding cache on the request path and the text-encoder option."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from indexer import search as S
+from service.app import StartupError, create_app
+from service.metrics import Metrics
+from service.state import Job, ServiceState
+from tests.service.support import make_checkpoint, settings, shared
+from training.checkpoint import load_model
+
+
+class CountingEncoder:
+    """Counts calls of the real model's encode_text (and the rows each call encoded); changes nothing."""
+
+    def __init__(self, model):
+        self.model, self.inner, self.rows = model, model.encode_text, []
+
+    def __enter__(self):
+        def counted(tokens, *a, **kw):
+            self.rows.append(int(tokens.shape[0]))
+            return self.inner(tokens, *a, **kw)
+
+        self.model.encode_text = counted
+        return self
+
+    def __exit__(self, *exc):
+        del self.model.encode_text  # back to the class method
+
+
+def _ids_scores(body):
+    return [(h["id"], h["score"]) for h in body["results"]]
+
+
+def test_repeated_query_does_not_run_the_encoder():
+    sh = shared()
+    app = create_app(settings(sh["index"]))
+    q, q2 = sh["captions"][0], sh["captions"][1]
+    with TestClient(app) as c, CountingEncoder(app.state.gare.model) as enc:
+        first = c.post("/v1/search", json={"query": q, "k": 5}).json()
+        assert enc.rows == [1] and first["timings_ms"]["cache"] == "miss" and first["timings_ms"]["encode"] > 0
+        # the same text, as the tokenizer sees it (case, spacing): no encoder call, identical results
+        again = c.post("/v1/search", json={"query": "  " + q.upper().replace(" ", "   ") + " ", "k": 5}).json()
+        assert enc.rows == [1]
+        assert again["timings_ms"]["cache"] == "hit" and again["timings_ms"]["encode"] == 0
+        assert _ids_scores(again) == _ids_scores(first)
+        # batch route: the hit is skipped, the miss is encoded alone (one row), both equal the offline search
+        batch = c.post("/v1/search/batch", json={"queries": [q, q2], "k": 5}).json()
+        assert enc.rows == [1, 1]
+        assert [r["timings_ms"]["cache"] for r in batch["results"]] == ["hit", "miss"]
+        assert _ids_scores(batch["results"][0]) == _ids_scores(first)
+        state = app.state.gare
+        with state.use_version() as v:
+            off = S.search(state.model, v, q2, S.SearchOptions(k=5))
+        assert [h["id"] for h in batch["results"][1]["results"]] == [h.id for h in off.hits]
+        assert [h["score"] for h in batch["results"][1]["results"]] == pytest.approx([h.score for h in off.hits], abs=1e-5)
+        text = c.get("/metrics").text
+        assert 'gare_query_cache_lookups_total{result="hit"} 2.0' in text
+        assert 'gare_query_cache_lookups_total{result="miss"} 2.0' in text
+
+
+def test_cache_off_runs_the_encoder_every_time():
+    sh = shared()
+    app = create_app(settings(sh["index"], query_cache_entries=0))
+    with TestClient(app) as c, CountingEncoder(app.state.gare.model) as enc:
+        for _ in range(3):
+            r = c.post("/v1/search", json={"query": sh["captions"][2], "k": 3}).json()
+            assert r["timings_ms"]["cache"] == "miss"
+        assert enc.rows == [1, 1, 1]
+
+
+def test_another_checkpoint_never_gets_old_embeddings(tmp_path):
+    """The key holds the checkpoint sha256: after a model swap the same text is encoded by the new model."""
+    sh = shared()
+    st = ServiceState(settings(sh["index"]), Metrics())
+    st.load()
+    try:
+        q = sh["captions"][3]
+        opts = S.SearchOptions(k=5)
+        with st.use_version() as v:
+            r1 = st._process([Job(v, q, opts)])[0]
+            assert not r1.cached and st._process([Job(v, q, opts)])[0].cached
+            other = make_checkpoint(tmp_path / "other.safetensors", seed=7)
+            st.model, _ = load_model(other, st.device)
+            st.checkpoint_sha = "other-" + st.checkpoint_sha
+            with CountingEncoder(st.model) as enc:
+                r2 = st._process([Job(v, q, opts)])[0]
+            assert enc.rows == [1] and not r2.cached
+            want = S.search(st.model, v, q, opts)
+            assert [h.id for h in r2.hits] == [h.id for h in want.hits]
+            assert [h.score for h in r2.hits] == pytest.approx([h.score for h in want.hits], abs=1e-5)
+            assert [h.score for h in r2.hits] != pytest.approx([h.score for h in r1.hits], abs=1e-4)
+    finally:
+        st.close()
+
+
+def test_reload_keeps_results_and_cache_is_keyed_by_checkpoint(tmp_path):
+    """A reload to a version of the same checkpoint keeps serving cached embeddings correctly."""
+    from indexer.build import remove
+    from tests.service.support import copy_index
+
+    sh = shared()
+    idx = copy_index(sh["index"], tmp_path / "index")
+    app = create_app(settings(idx, api_keys="k"))
+    q = sh["captions"][4]
+    with TestClient(app) as c:
+        c.post("/v1/search", json={"query": q, "k": 16})
+        remove(str(idx), ["4"])
+        assert c.post("/v1/admin/reload", headers={"X-API-Key": "k"}).json()["version"] == "v000002"
+        r = c.post("/v1/search", json={"query": q, "k": 16}).json()
+        assert r["timings_ms"]["cache"] == "hit" and r["index_version"] == "v000002"
+        state = app.state.gare
+        with state.use_version() as v:
+            off = S.search(state.model, v, q, S.SearchOptions(k=16))
+        assert [h["id"] for h in r["results"]] == [h.id for h in off.hits]
+
+
+def test_int8_text_encoder_option():
+    sh = shared()
+    st = ServiceState(settings(sh["index"], text_encoder="int8"), Metrics())
+    st.load()
+    try:
+        assert st.text_encoder == "int8" and st.cache_variant == "int8" and st._tower is not None
+        texts = sh["captions"][:6]
+        t8 = st.encode_texts(texts)
+        t32 = S.encode_queries(st.model, texts, "fp32")
+        cos = torch.nn.functional.cosine_similarity(t8, t32, dim=-1)
+        assert t8.shape == t32.shape and bool((cos > 0.98).all()), cos
+        assert not torch.equal(t8, t32)  # really the quantised tower
+    finally:
+        st.close()
+
+
+def test_text_encoder_needs_fp32_precision():
+    sh = shared()
+    with pytest.raises(StartupError, match="int8"):
+        ServiceState(settings(sh["index"], text_encoder="int8", precision="bf16"), Metrics()).load()
+
+
+def test_cli_text_encoder_and_workers_options():
+    from service.cli import build_parser, settings_from_args
+
+    s = settings_from_args(build_parser().parse_args(["--index", "x", "--text-encoder", "onnx-int8", "--workers", "3"]))
+    assert s.text_encoder == "onnx-int8" and s.workers == 3
