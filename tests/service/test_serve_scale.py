@@ -52,7 +52,11 @@ def test_repeated_query_does_not_run_the_encoder():
         batch = c.post("/v1/search/batch", json={"queries": [q, q2], "k": 5}).json()
         assert enc.rows == [1, 1]
         assert [r["timings_ms"]["cache"] for r in batch["results"]] == ["hit", "miss"]
-        assert _ids_scores(batch["results"][0]) == _ids_scores(first)
+        # a batch of two queries shares the folded constants in one matmul: same ranking, scores equal to
+        # float32 rounding (not bit for bit)
+        got, want = _ids_scores(batch["results"][0]), _ids_scores(first)
+        assert [i for i, _ in got] == [i for i, _ in want]
+        assert max(abs(a - b) for (_, a), (_, b) in zip(got, want, strict=True)) < 1e-6
         state = app.state.gare
         with state.use_version() as v:
             off = S.search(state.model, v, q2, S.SearchOptions(k=5))
