@@ -123,7 +123,7 @@ def test_concurrent_requests_are_batched_and_equal_offline(sh, offline):
 @pytest.mark.parametrize("body, status, fragment", [
     ({"query": ""}, 422, "query"),
     ({"query": "   \t "}, 422, "blank"),
-    ({"k": 5}, 422, "query: Field required"),
+    ({"k": 5}, 422, "give exactly one of query, video_id, video_ids"),
     ({"query": "x" * 513}, 422, "at most 512"),
     ({"query": "dog", "k": 0}, 422, "k: Input should be greater than or equal to 1"),
     ({"query": "dog", "k": 1001}, 422, "k: Input should be less than or equal to 1000"),
