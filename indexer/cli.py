@@ -9,6 +9,7 @@ import logging
 import sys
 from pathlib import Path
 
+from training.cli_logging import setup_cli_logging
 from training.data_args import add_data_args, data_spec
 
 log = logging.getLogger(__name__)
@@ -180,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="gare-index", description="Index a video library for GARE search: FAISS + frame features + NCL biases.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging, third-party libraries' lines included")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     for name, helptext in (("build", "index a video library (the new version holds exactly these videos)"),
@@ -226,8 +227,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--checkpoint", help="also check that the index was built with this checkpoint")
     sp.add_argument("--check-videos", action="store_true", help="also check that every video file is unchanged on disk")
 
-    sp = sub.add_parser("stats", help="print the index's statistics (JSON)")
+    sp.add_argument("--json", action="store_true", help="print {index, version, ok, problems} as JSON on stdout")
+
+    sp = sub.add_parser("stats", help="print the index's statistics (--json for all of them as JSON)")
     _add_index_arg(sp)
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
 
     sp = sub.add_parser(
         "compare", help="measure every post-processing combination side by side on a captioned test set",
@@ -281,9 +285,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _validate_build(args: argparse.Namespace) -> None:
+    """Checks that need no model: a typo in a path costs a second, not a model load."""
+    if args.checkpoint is not None and not Path(args.checkpoint).is_file():
+        raise FileNotFoundError(f"--checkpoint {args.checkpoint!r} does not exist or is not a file; give a GARE "
+                                "checkpoint (.safetensors) written by `gare-train fit`")
+    if not Path(args.videos).exists():
+        raise FileNotFoundError(f"--videos {args.videos!r} does not exist; give a folder of video files or a "
+                                "JSONL/JSON/CSV manifest with a 'video' column")
+    if args.cmd == "add" and not (Path(args.out) / "CURRENT").is_file():
+        raise FileNotFoundError(f"--out {args.out!r} is not a gare index (no CURRENT file); use `gare-index build` "
+                                "to create one")
+    if args.segment is None and args.overlap:
+        raise ValueError(f"--overlap {args.overlap:g} needs --segment SECONDS")
+    if args.segment is not None and args.overlap >= args.segment:
+        raise ValueError(f"--overlap {args.overlap:g} must be smaller than --segment {args.segment:g}")
+
+
 def _cmd_build(args: argparse.Namespace) -> int:
     from .build import BuildOptions, build
 
+    _validate_build(args)
     opts = BuildOptions(
         index_type=args.index_type, nlist=args.nlist, nprobe=args.nprobe, hnsw_m=args.hnsw_m, ef_search=args.ef_search,
         ef_construction=args.ef_construction, pq_m=args.pq_m, rescore=args.rescore, rebuild_ann=args.rebuild_ann,
@@ -390,12 +412,16 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     sha = file_sha256(args.checkpoint) if args.checkpoint else None
     problems = verify_index(args.out, name=args.version_name, rehash=not args.quick, expect_checkpoint_sha=sha,
                             check_files=args.check_videos)
+    name = args.version_name or current_version_name(args.out)
+    if args.json:
+        print(json.dumps({"index": str(args.out), "version": name, "ok": not problems, "problems": list(problems)},
+                         indent=1))
+        return 1 if problems else 0
     if problems:
         for p in problems:
             print(f"FAIL {p}", file=sys.stderr)
         print(f"verify: {len(problems)} problem(s) in {args.out}")
         return 1
-    name = args.version_name or current_version_name(args.out)
     from .store import open_version
 
     with open_version(args.out, name, use_gpu=False) as v:
@@ -407,7 +433,18 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _cmd_stats(args: argparse.Namespace) -> int:
     from .build import stats
 
-    print(json.dumps(stats(args.out), indent=1, default=str))
+    if not (Path(args.out) / "CURRENT").is_file():
+        raise FileNotFoundError(f"--out {args.out!r} is not a gare index (no CURRENT file)")
+    st = stats(args.out)
+    if args.json:
+        print(json.dumps(st, indent=1, default=str))
+        return 0
+    # A readable summary of the scalar fields; --json has everything (nested fields included).
+    width = max(len(k) for k in st)
+    for k, v in st.items():
+        if not isinstance(v, (dict, list)):
+            print(f"{k:<{width}}  {v:.4g}" if isinstance(v, float) else f"{k:<{width}}  {v}")
+    print("(--json prints everything)")
     return 0
 
 
@@ -437,10 +474,7 @@ COMMANDS = {"build": _cmd_build, "add": _cmd_build, "remove": _cmd_remove, "bias
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for name in ("indexer", "training"):  # third-party libraries stay at WARNING
-        logging.getLogger(name).setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    setup_cli_logging(args.verbose)  # third-party libraries stay at WARNING unless -v
     from .store import IndexFormatError
 
     try:

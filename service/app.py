@@ -114,7 +114,9 @@ def create_app(settings: Settings | None = None, **overrides: Any) -> FastAPI:
             expose_headers=["Content-Range", "Accept-Ranges", "Content-Length"], max_age=600,
         )
     app.add_middleware(SecurityHeadersMiddleware)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
+    # the image upload may be larger than a JSON body (plus the multipart envelope)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes,
+                       path_limits={f"/{API_VERSION}/search/image": settings.max_image_bytes + 64 * 1024})
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app
 

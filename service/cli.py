@@ -22,13 +22,14 @@ over the cores. The workers share a run directory (reload generation, per-worker
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from training.cli_logging import setup_cli_logging
 
 from .settings import Settings, SettingsError, hash_key, load_settings
 from .workers import usable_cores
@@ -100,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as e:
         print(f"gare-serve: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Our loggers at --log-level; third-party libraries (open_clip's root-logger lines) only at debug.
+    setup_cli_logging(settings.log_level == "debug", level=settings.log_level)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     from .app import StartupError, create_app, resolve_checkpoint

@@ -20,22 +20,24 @@ class BodyTooLarge(Exception):
 class BodySizeLimitMiddleware:
     """413 for request bodies over `max_bytes` (declared Content-Length or counted while streaming)."""
 
-    def __init__(self, app: Any, max_bytes: int) -> None:
+    def __init__(self, app: Any, max_bytes: int, path_limits: dict[str, int] | None = None) -> None:
         self.app = app
-        self.max_bytes = max_bytes
+        self.default_max = max_bytes
+        self.path_limits = dict(path_limits or {})  # e.g. the image upload route: a larger limit
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        max_bytes = self.path_limits.get(scope.get("path", ""), self.default_max)
         for k, v in scope.get("headers", []):
             if k == b"content-length":
                 try:
                     declared = int(v)
                 except ValueError:
                     declared = -1
-                if declared > self.max_bytes or declared < 0:
-                    await self._reject(send, declared)
+                if declared > max_bytes or declared < 0:
+                    await self._reject(send, declared, max_bytes)
                     return
         seen = 0
         started = False
@@ -46,12 +48,12 @@ class BodySizeLimitMiddleware:
             msg = await receive()
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
-                if seen > self.max_bytes:
+                if seen > max_bytes:
                     # Answer now: the framework would turn any exception raised while it reads the body
                     # into its own 400; whatever the app sends after this is dropped.
                     if not started and not rejected:
                         rejected = True
-                        await self._reject(send, seen)
+                        await self._reject(send, seen, max_bytes)
                     raise BodyTooLarge
             return msg
 
@@ -68,9 +70,9 @@ class BodySizeLimitMiddleware:
         except BodyTooLarge:
             pass
 
-    async def _reject(self, send: Any, size: int) -> None:
+    async def _reject(self, send: Any, size: int, max_bytes: int) -> None:
         detail = (
-            f"request body too large (limit {self.max_bytes} bytes)" if size >= 0 else "invalid Content-Length header"
+            f"request body too large (limit {max_bytes} bytes)" if size >= 0 else "invalid Content-Length header"
         )
         code = 413 if size >= 0 else 400
         resp = JSONResponse({"detail": detail}, status_code=code)

@@ -61,7 +61,9 @@ class SearchResponse(BaseModel):
         "query": "a dog catches a frisbee", "index_version": "v000003", "k": 10, "candidates": 256, "rerank": True,
         "ncl": True, "results": [EXAMPLE_HIT], "timings_ms": EXAMPLE_TIMINGS, "batch_size": 1,
     }]})
-    query: str
+    query: str | None = Field(description="the text query; null for a search by example")
+    example: dict[str, Any] | None = Field(None, description="search by example: {kind: videos, ids} or {kind: image, "
+                                           "content_type, bytes}; the score is then s_vv or the cosine (no psi, no NCL)")
     index_version: str
     k: int
     candidates: int
@@ -184,12 +186,28 @@ def make_request_models(settings: Settings) -> tuple[type[BaseModel], type[BaseM
             {"query": "a dog catches a frisbee", "k": 10},
             {"query": "a red circle rises, then two blue squares slide to the left", "k": 20, "candidates": 512, "rerank": True, "ncl": False},
         ]})
-        query: QueryStr = Field(description=f"the text to search for (1..{max_q} characters, not blank)")
+        query: QueryStr | None = Field(None, description=f"the text to search for (1..{max_q} characters, not blank)")
+        video_id: int | None = Field(None, ge=0, description="instead of query: more like this indexed video")
+        video_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+            None, min_length=1, max_length=max_batch,
+            description=f"instead of query: more like these 1..{max_batch} videos (their mean unit vector)")
 
         @field_validator("query")
         @classmethod
-        def _blank(cls, v: str) -> str:
-            return _not_blank(v)
+        def _blank(cls, v: str | None) -> str | None:
+            return v if v is None else _not_blank(v)
+
+        @model_validator(mode="after")
+        def _one_kind(self):
+            given = [n for n in ("query", "video_id", "video_ids") if getattr(self, n) is not None]
+            if len(given) != 1:
+                raise ValueError(f"give exactly one of query, video_id, video_ids (got {given or 'none'})")
+            return self
+
+        def example_ids(self) -> list[int] | None:
+            if self.video_id is not None:
+                return [self.video_id]
+            return list(self.video_ids) if self.video_ids is not None else None
 
     class BatchSearchRequest(_Options):
         model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [

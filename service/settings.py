@@ -102,6 +102,8 @@ class Settings(BaseSettings):
     api_keys_file: Path | None = Field(None, description="file with one API key a line")
     require_key_for_search: bool = False
     max_body_bytes: int = Field(256 * 1024, ge=1024)
+    max_image_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="largest image upload (/v1/search/image)")
+    max_image_pixels: int = Field(16_000_000, ge=1024, description="largest decoded image (width x height)")
     max_query_chars: int = Field(512, ge=1, le=100_000)
     max_k: int = Field(1000, ge=1, le=100_000)
     default_candidates: int = Field(DEFAULT_CANDIDATES, ge=1)

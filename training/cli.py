@@ -6,7 +6,9 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
+from .cli_logging import setup_cli_logging
 from .data_args import add_data_args, data_spec
 
 log = logging.getLogger(__name__)
@@ -24,9 +26,16 @@ def _cmd_import_official(args: argparse.Namespace) -> int:
     return 0
 
 
+def _require_file(path: str | None, what: str, fix: str) -> None:
+    """Fail before anything heavy is loaded when a named input file is missing."""
+    if path is not None and not Path(path).is_file():
+        raise FileNotFoundError(f"{what} {path!r} does not exist or is not a file; {fix}")
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
     from .checkpoint import file_sha256, read_checkpoint
 
+    _require_file(args.checkpoint, "checkpoint", "give a .safetensors written by `gare-train fit` or `import-official`")
     ckpt = read_checkpoint(args.checkpoint)
     out = {
         "path": args.checkpoint,
@@ -37,7 +46,19 @@ def _cmd_info(args: argparse.Namespace) -> int:
         "train_args": ckpt.train_args,
         "info": {k: v for k, v in ckpt.info.items() if k != "dropped"},
     }
-    print(json.dumps(out, indent=2, default=str))
+    if args.json:
+        print(json.dumps(out, indent=2, default=str))
+        return 0
+    cfg = out["model_config"]
+    print(f"checkpoint  {out['path']}")
+    print(f"sha256      {out['sha256']}")
+    print(f"model       {cfg.get('name', '?')} (backbone {cfg.get('backbone', '?')}, embed_dim {cfg.get('embed_dim', '?')}, "
+          f"{cfg.get('max_frames', '?')} frames, {cfg.get('max_words', '?')} words)")
+    print(f"parameters  {out['parameters']:,}")
+    print(f"queues      {', '.join(f'{k} {v}' for k, v in out['queues'].items()) or 'none'}")
+    for k, v in out["info"].items():
+        print(f"{k:<11} {v}")
+    print("(--json prints everything, including the training arguments)")
     return 0
 
 
@@ -56,6 +77,55 @@ def _cmd_synth(args: argparse.Namespace) -> int:
     return 0
 
 
+def _validate_fit(cfg, args: argparse.Namespace) -> None:
+    """Everything that can be checked without building the model: the model name, the files named on the
+    command line and the training data itself (read, not decoded), so that a typo costs a second, not the
+    model build."""
+    from .config import get_model_config
+    from .data import carve_validation, load_dataset
+
+    if not cfg.data:
+        raise ValueError("no training data: give --synth, --msrvtt-anno/--videos, --train-manifest or data: in --config")
+    get_model_config(cfg.model)  # names the registered configs when unknown
+    _require_file(args.resume, "--resume", "give a last.safetensors / best.safetensors written by an earlier fit")
+    _require_file(cfg.init_checkpoint, "--init-checkpoint", "give a GARE checkpoint (.safetensors)")
+    _check_data_paths(cfg.data)
+    rs = load_dataset(cfg.data, "train")
+    if not rs.clips:
+        raise ValueError(f"the training data {cfg.data} has no clips; check the manifest's 'video' column and paths")
+    missing = [c.path for c in rs.clips if not Path(c.path).is_file()]
+    if len(missing) == len(rs.clips):
+        raise FileNotFoundError(f"none of the {len(rs.clips)} video files in the training data exists (first: "
+                                f"{missing[0]!r}); manifest video paths are relative to the manifest's folder")
+    if missing:
+        log.warning("%d of %d training video files do not exist (first: %s); they will be skipped",
+                    len(missing), len(rs.clips), missing[0])
+    train, _ = carve_validation(rs, cfg.val_fraction, cfg.seed)
+    n = len(train.captions) if cfg.epoch == "captions" else len(train.clips)
+    if n < cfg.batch_size:
+        raise ValueError(f"{n} training examples ({cfg.epoch}, after holding out {cfg.val_fraction:g} for validation) "
+                         f"is fewer than one batch of {cfg.batch_size}; give more data or a smaller --batch-size")
+
+
+def _check_data_paths(data: dict) -> None:
+    kind = data.get("kind")
+    if kind == "synth":
+        root = Path(data["root"])
+        if not (root / "MSRVTT_data.json").is_file():
+            raise FileNotFoundError(f"--synth {str(root)!r} is not a corpus written by `gare-train synth` "
+                                    f"(no MSRVTT_data.json); run `gare-train synth {root}` first")
+    elif kind == "manifest":
+        for split in ("train", "test"):
+            if data.get(split) is not None:
+                _require_file(data[split], f"--{split}-manifest",
+                              "give a CSV (video,caption[,start,end]) or JSONL caption file")
+    elif kind == "msrvtt":
+        for key, flag in (("anno_dir", "--msrvtt-anno"), ("videos_dir", "--videos")):
+            if not data.get(key) or not Path(data[key]).is_dir():
+                raise FileNotFoundError(f"{flag} {data.get(key)!r} is not a folder; give the MSR-VTT "
+                                        f"{'annotation' if key == 'anno_dir' else 'videos'} folder")
+
+
 def _cmd_fit(args: argparse.Namespace) -> int:
     from .fit import TrainConfig, Trainer
 
@@ -70,8 +140,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     if args.pretrained is not None:
         over["model_overrides"] = {"pretrained": args.pretrained}
     cfg = TrainConfig.from_sources(args.config, over)
-    if not cfg.data:
-        raise ValueError("no training data: give --synth, --msrvtt-anno/--videos, --train-manifest or data: in --config")
+    _validate_fit(cfg, args)
     summary = Trainer(cfg, resume=args.resume, progress=not args.no_progress).fit()
     print(json.dumps({k: v for k, v in summary.items() if k != "skipped"} | {"skipped": len(summary["skipped"])}, indent=2))
     return 0
@@ -86,8 +155,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     data = data_spec(args)
     if not data:
         raise ValueError("no evaluation data: give --synth, --msrvtt-anno/--videos or --test-manifest")
+    _require_file(args.checkpoint, "checkpoint", "give a .safetensors written by `gare-train fit`")
+    _check_data_paths(data)
+    rs = load_dataset(data, args.split)  # before the model: a bad data argument fails in a second
     model, ckpt = load_model(args.checkpoint, resolve_device(args.device))
-    rs = load_dataset(data, args.split)
     enc = encode_set(model, rs, batch_size=args.batch_size, num_workers=args.num_workers, precision=args.precision,
                      progress=True)
     queue = ckpt.queues.get("text")
@@ -152,7 +223,7 @@ def _register_train_commands(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gare-train", description="Train, evaluate and convert GARE models.")
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging, third-party libraries' lines included")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     imp = sub.add_parser("import-official", help="convert a checkpoint saved by the authors' training code")
@@ -167,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="print a checkpoint's header")
     info.add_argument("checkpoint")
+    info.add_argument("--json", action="store_true", help="machine-readable output (everything in the header)")
     info.set_defaults(fn=_cmd_info)
 
     _register_train_commands(sub)
@@ -175,11 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_cli_logging(args.verbose)
     try:
         return int(args.fn(args) or 0)
     except (ValueError, FileNotFoundError, KeyError) as e:
-        print(f"gare-train {args.cmd}: error: {e}", file=sys.stderr)
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e  # str(KeyError) adds quotes
+        print(f"gare-train {args.cmd}: error: {msg}", file=sys.stderr)
         return 2
 
 

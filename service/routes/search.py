@@ -1,11 +1,16 @@
-"""``POST /v1/search`` and ``POST /v1/search/batch``: route -> micro-batcher -> ``indexer.search.search_batch``."""
+"""``POST /v1/search`` and ``POST /v1/search/batch``: route -> micro-batcher -> ``indexer.search.search_batch``.
+
+Search by example (``video_id``/``video_ids`` in ``/v1/search``, an upload to ``/v1/search/image``) runs
+``indexer.by_example`` in the thread pool: it has no text to encode, so the micro-batcher has nothing to share.
+"""
 
 import time
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, HTTPException
+from fastapi import APIRouter, Depends, File, Form, HTTPException, UploadFile
 from starlette.concurrency import run_in_threadpool
 
+from indexer import by_example as E
 from indexer import search as S
 
 from ..schemas import ERRORS, BatchSearchResponse, Hit, SearchResponse, Timings, make_request_models
@@ -52,6 +57,24 @@ async def run_queries(state: ServiceState, version: Any, queries: list[str], opt
     return payload
 
 
+async def run_example(state: ServiceState, version: Any, fn: Any, *args: Any, opts: S.SearchOptions,
+                      example: dict[str, Any], t_start: float) -> SearchResponse:
+    """One search by example: the same response, limits and per-stage metrics as a text query."""
+    try:
+        res = await run_in_threadpool(fn, *args, opts)
+    except E.ExampleError as e:
+        raise HTTPException(404 if "not in index" in str(e) else 422, str(e)) from None
+    hits = await run_in_threadpool(_hit_models, state, version, res)
+    total = time.perf_counter() - t_start
+    stage_s = {"queue": 0.0, **{k: res.timings.get(k, 0.0) for k in ("encode", "ann", "rerank", "rank")}}
+    state.metrics.observe_stages({**stage_s, "total": total})
+    return SearchResponse(
+        query=None, example=example, index_version=version.name, k=opts.k, candidates=opts.candidates,
+        rerank=opts.rerank and example["kind"] == "videos", ncl=False, results=hits, batch_size=1,
+        timings_ms=Timings(**{k: round(v * 1000, 3) for k, v in stage_s.items()}, total=round(total * 1000, 3)),
+    )
+
+
 def make_router(settings: Settings) -> APIRouter:
     """The search routes, with this deployment's request bounds in their bodies (and so in the OpenAPI)."""
     SearchRequest, BatchSearchRequest = make_request_models(settings)
@@ -61,7 +84,42 @@ def make_router(settings: Settings) -> APIRouter:
     async def search_one(body: SearchRequest, state: StateDep) -> SearchResponse:  # type: ignore[valid-type]
         t_start = time.perf_counter()
         with state.use_version() as version:
+            ids = body.example_ids()
+            if ids is not None:  # more like this: stage 1 with the videos' mean v̂, rerank by s_vv
+                opts = body.options()
+                opts = S.SearchOptions(k=opts.k, candidates=opts.candidates, rerank=opts.rerank, ncl=False)
+                return await run_example(state, version, E.search_by_videos, version, ids, opts=opts,
+                                         example={"kind": "videos", "ids": ids}, t_start=t_start)
             return (await run_queries(state, version, [body.query], body.options(), t_start))[0]
+
+    max_k, max_K, default_K = settings.max_k, settings.max_candidates, settings.default_candidates
+
+    @router.post(f"/{API_VERSION}/search/image", response_model=SearchResponse,
+                 summary="search by an image (multipart field `image`: JPEG, PNG, WebP or GIF); stage 1 only")
+    async def search_image(
+        state: StateDep,
+        image: Annotated[UploadFile, File(description=f"the image (at most {settings.max_image_bytes} bytes)")],
+        k: Annotated[int, Form(ge=1, le=max_k)] = 10,
+        candidates: Annotated[int | None, Form(ge=1, le=max_K)] = None,
+    ) -> SearchResponse:
+        t_start = time.perf_counter()
+        data = await image.read(settings.max_image_bytes + 1)
+        if len(data) > settings.max_image_bytes:
+            raise HTTPException(413, f"image is larger than {settings.max_image_bytes} bytes")
+        if not data:
+            raise HTTPException(422, "the image file is empty")
+        K = candidates if candidates is not None else min(max_K, max(default_K, k))
+        if K < k:
+            raise HTTPException(422, f"candidates ({K}) must be >= k ({k})")
+        try:
+            pil = await run_in_threadpool(E.decode_image, data, image.content_type, max_pixels=settings.max_image_pixels)
+        except E.ExampleError as e:
+            raise HTTPException(415 if "not accepted" in str(e) else 422, str(e)) from None
+        opts = S.SearchOptions(k=k, candidates=K, rerank=False, ncl=False)
+        with state.use_version() as version:
+            return await run_example(state, version, E.search_by_image, state.model, version, pil, opts=opts,
+                                     example={"kind": "image", "content_type": image.content_type, "bytes": len(data)},
+                                     t_start=t_start)
 
     @router.post(f"/{API_VERSION}/search/batch", response_model=BatchSearchResponse,
                  summary="many queries in one request (shared options)")

@@ -57,8 +57,10 @@
   }
 
   function card(hit) {
-    const b = document.createElement("button");
-    b.type = "button";
+    // A div with role=button (not a <button>): it holds the "more like this" button, and buttons do not nest.
+    const b = document.createElement("div");
+    b.setAttribute("role", "button");
+    b.tabIndex = 0;
     b.className = "card";
     b.dataset.id = String(hit.id);
     b.dataset.start = hit.start === null ? "" : String(hit.start);
@@ -92,9 +94,17 @@
       seg.textContent = "segment " + secs(hit.start || 0) + " – " + secs(hit.end);
       body.appendChild(seg);
     }
+    const more = document.createElement("button");
+    more.type = "button";
+    more.className = "more";
+    more.textContent = "more like this";
+    more.title = "find videos like this one (stage 1 with its vector, rerank by frame matching)";
+    more.addEventListener("click", (ev) => { ev.stopPropagation(); moreLikeThis(hit); });
+    body.appendChild(more);
     b.appendChild(img);
     b.appendChild(body);
     b.addEventListener("click", () => play(hit));
+    b.addEventListener("keydown", (ev) => { if (ev.target === b && (ev.key === "Enter" || ev.key === " ")) { ev.preventDefault(); play(hit); } });
     return b;
   }
 
@@ -127,21 +137,62 @@
     playerBox.hidden = true;
   });
 
+  // What the switches re-run: the last text query, "more like this" video or image.
+  let last = { kind: "text" };
+
+  function describe(data) {
+    const ex = data.example;
+    if (!ex) return "for “" + data.query + "”";
+    if (ex.kind === "videos") return "like video " + ex.ids.join(", ") + " (frame matching, no psi)";
+    return "for the image " + (last.name || "") + " (stage 1 only)";
+  }
+
+  function moreLikeThis(hit) {
+    last = { kind: "videos", id: hit.id, name: (hit.metadata && hit.metadata.path) || ("video " + hit.id) };
+    run({ video_id: hit.id, k: parseInt($("k").value, 10), rerank: $("rerank").checked });
+  }
+
+  function searchImage(file) {
+    if (!file) return;
+    if (!/^image\/(jpeg|png|webp|gif)$/.test(file.type)) {
+      setStatus("not an image the server accepts (" + (file.type || "unknown type") + "): use JPEG, PNG, WebP or GIF", true);
+      return;
+    }
+    last = { kind: "image", file: file, name: file.name };
+    run(null, file);
+  }
+
   async function search(ev) {
     if (ev) ev.preventDefault();
     const query = q.value.trim();
     if (!query) { setStatus("type a query first", true); return; }
+    last = { kind: "text" };
+    await run({ query: query, k: parseInt($("k").value, 10), rerank: $("rerank").checked, ncl: $("ncl").checked });
+  }
+
+  function rerun() {
+    if (last.kind === "videos") moreLikeThis({ id: last.id, metadata: { path: last.name } });
+    else if (last.kind === "image") searchImage(last.file);
+    else if (q.value.trim()) search();
+  }
+
+  async function run(body, file) {
     if (keyInput.value) sessionStorage.setItem("gare-api-key", keyInput.value);
-    const body = {
-      query: query, k: parseInt($("k").value, 10), rerank: $("rerank").checked, ncl: $("ncl").checked,
-    };
     go.disabled = true;
     setStatus("searching…");
     const t0 = performance.now();
     try {
-      const resp = await apiFetch("/v1/search", {
-        method: "POST", headers: headers({ "Content-Type": "application/json" }), body: JSON.stringify(body),
-      });
+      let resp;
+      if (file) {
+        const fd = new FormData();
+        fd.append("image", file, file.name);
+        fd.append("k", $("k").value);
+        resp = await apiFetch("/v1/search/image", { method: "POST", headers: headers(), body: fd });
+      } else {
+        resp = await apiFetch("/v1/search", {
+          method: "POST", headers: headers({ "Content-Type": "application/json" }), body: JSON.stringify(body),
+        });
+      }
       const data = await resp.json().catch(() => ({}));
       if (!resp.ok) {
         setStatus("error " + resp.status + ": " + (data.detail || resp.statusText), true);
@@ -149,7 +200,7 @@
       }
       results.replaceChildren(...data.results.map(card));
       const rtt = performance.now() - t0;
-      setStatus(data.results.length + " results for “" + data.query + "” (index " + data.index_version + ")");
+      setStatus(data.results.length + " results " + describe(data) + " (index " + data.index_version + ")");
       const t = data.timings_ms;
       timingsEl.textContent = "server " + fmt(t.total, 1) + " ms = queue " + fmt(t.queue, 1) + " + encode " +
         fmt(t.encode, 1) + " + ANN " + fmt(t.ann, 1) + " + rerank " + fmt(t.rerank, 1) + " ms (batch of " +
@@ -164,7 +215,17 @@
 
   form.addEventListener("submit", search);
   for (const id of ["rerank", "ncl", "k"]) {
-    $(id).addEventListener("change", () => { if (q.value.trim()) search(); });
+    $(id).addEventListener("change", rerun);
   }
+  // Search by image: choose a file, or drop one on the search box.
+  $("image").addEventListener("change", (ev) => searchImage(ev.target.files[0]));
+  form.addEventListener("dragover", (ev) => { ev.preventDefault(); form.classList.add("dropping"); });
+  form.addEventListener("dragleave", () => form.classList.remove("dropping"));
+  form.addEventListener("drop", (ev) => {
+    ev.preventDefault();
+    form.classList.remove("dropping");
+    const f = ev.dataTransfer && ev.dataTransfer.files && ev.dataTransfer.files[0];
+    if (f) searchImage(f);
+  });
   loadIndexInfo();
 })();

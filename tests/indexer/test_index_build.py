@@ -97,7 +97,7 @@ def test_build_writes_the_contract(built, ckpt, corpus):
 
 
 def test_stats(built, capsys):
-    assert main(["stats", "--out", str(built)]) == 0
+    assert main(["stats", "--out", str(built), "--json"]) == 0
     st = json.loads(capsys.readouterr().out)
     assert st["n"] == 12 and st["distinct_files"] == 12 and st["bytes_per_video"] > 0
     assert st["total_duration_s"] == pytest.approx(24.0) and st["index_type"] == "flat"

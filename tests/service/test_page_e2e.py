@@ -82,7 +82,43 @@ def test_search_page_end_to_end(tmp_path):
                 dst.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy(shot, dst)
 
-            # the switches re-run the search: ANN only shows no psi score
+            # "more like this" on a result: a video search, the clicked video is not among the results
+            first = page.locator(".card").first
+            clicked = first.get_attribute("data-id")
+            first.locator("button.more").click()
+            page.wait_for_function("() => document.getElementById('status').textContent.includes('like video')")
+            assert f"like video {clicked}" in page.text_content("#status")
+            assert not page.locator(f'.card[data-id="{clicked}"]').count()
+            assert page.locator(".card").count() == 24 and "psi" not in page.locator(".card").first.text_content()
+
+            # search by image: choose a file ...
+            from PIL import Image
+
+            png = tmp_path / "red.png"
+            Image.new("RGB", (64, 48), (220, 30, 30)).save(png)
+            page.set_input_files("#image", str(png))
+            page.wait_for_function("() => document.getElementById('status').textContent.includes('for the image red.png')")
+            assert page.locator(".card").count() == 24
+            # ... or drop one on the search box (a real drop event with a File in its DataTransfer)
+            page.evaluate("""async () => {
+                const c = document.createElement('canvas'); c.width = 32; c.height = 32;
+                const g = c.getContext('2d'); g.fillStyle = '#1040e0'; g.fillRect(0, 0, 32, 32);
+                const blob = await new Promise(r => c.toBlob(r, 'image/png'));
+                const dt = new DataTransfer(); dt.items.add(new File([blob], 'blue.png', {type: 'image/png'}));
+                document.getElementById('search-form').dispatchEvent(new DragEvent('drop', {dataTransfer: dt, bubbles: true, cancelable: true}));
+            }""")
+            page.wait_for_function("() => document.getElementById('status').textContent.includes('for the image blue.png')")
+            # a non-image dropped is refused in the page
+            page.evaluate("""() => {
+                const dt = new DataTransfer(); dt.items.add(new File(['hello'], 'a.txt', {type: 'text/plain'}));
+                document.getElementById('search-form').dispatchEvent(new DragEvent('drop', {dataTransfer: dt, bubbles: true, cancelable: true}));
+            }""")
+            page.wait_for_function("() => document.getElementById('status').textContent.includes('not an image')")
+
+            # back to the text query; the switches re-run the search: ANN only shows no psi score
+            page.fill("#q", sh["captions"][0])
+            page.press("#q", "Enter")
+            page.wait_for_function("() => document.getElementById('status').textContent.includes('results for “')")
             page.uncheck("#rerank")
             page.wait_for_function("() => !document.querySelector('.card').textContent.includes('psi')")
             # no psi stage: its timing is only the bookkeeping around it (well under a millisecond)

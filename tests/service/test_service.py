@@ -124,7 +124,7 @@ def test_concurrent_requests_are_batched_and_equal_offline(sh, offline):
 @pytest.mark.parametrize("body, status, fragment", [
     ({"query": ""}, 422, "query"),
     ({"query": "   \t "}, 422, "blank"),
-    ({"k": 5}, 422, "query: Field required"),
+    ({"k": 5}, 422, "give exactly one of query, video_id, video_ids"),
     ({"query": "x" * 513}, 422, "at most 512"),
     ({"query": "dog", "k": 0}, 422, "k: Input should be greater than or equal to 1"),
     ({"query": "dog", "k": 1001}, 422, "k: Input should be less than or equal to 1000"),
@@ -365,7 +365,10 @@ def test_openapi_document(client):
     schemas = doc["components"]["schemas"]
     req = schemas["SearchRequest"]
     assert req["properties"]["k"]["maximum"] == 1000 and req["properties"]["k"]["default"] == 10
-    assert req["properties"]["query"]["maxLength"] == 512
+    query = req["properties"]["query"]  # optional since search by example (video_id / video_ids)
+    assert next(a for a in query["anyOf"] if a.get("type") == "string")["maxLength"] == 512
+    assert "video_id" in req["properties"] and "video_ids" in req["properties"]
+    assert "/v1/search/image" in paths
     assert req["examples"][0]["query"]
     assert schemas["SearchResponse"]["examples"][0]["results"][0]["score"]
     assert "422" in paths["/v1/search"]["post"]["responses"]
