@@ -1,10 +1,18 @@
-"""Store psi's per-video K/V in the index or not? Rerank latency against bytes per video.
+"""Store psi's per-video K/V in the index or not? Rerank latency of what the service runs, against bytes per video.
 
-Reranking K candidates runs psi for every (query, candidate) pair; psi's key/value projections depend on
-the video only (`model.video_kv(F)`), so they can be computed at query time from the stored frames F, or
-precomputed at index time (`gare-index build --store-kv`, keys.npy + values.npy, float16).
-This measures model.score for K candidates read from float16 memmaps (page cache warm), both ways, at the
-ViT-B/32 sizes (d = 512, f = 12, random weights: the cost does not depend on them).
+Reranking K candidates runs psi for every (query, candidate) pair. psi's key/value projections depend on the
+video only (`model.video_kv(F)`), so they can be precomputed at index time (`gare-index build --store-kv`,
+keys.npy + values.npy, float16) and passed to `model.score(..., kv=)`. The service does neither by default:
+its rerank is the fused path (`indexer.search.psi_scores(..., impl="fused")`, GARE_RERANK_IMPL=fused), which
+moves psi's per-frame projections to the query side and never reads K/V. This measures, through
+`indexer.search.psi_scores` on the same float16 memmaps (page cache warm), ViT-B/32 sizes (d = 512, f = 12,
+random weights: the cost does not depend on them):
+
+* fused (the service's default; frames only),
+* model.score with the stored K/V (`rerank_impl=model` on an index built with --store-kv),
+* model.score computing K/V from the frames (`rerank_impl=model`, no --store-kv),
+
+and checks that the three give the same scores (max abs difference in the table).
 """
 
 from __future__ import annotations
@@ -60,53 +68,65 @@ def main() -> None:
         np.asarray(a).sum()
 
     torch.set_num_threads(args.threads)  # one request = one thread (OpenMP jitter on a shared box otherwise)
+    from indexer.search import psi_scores
+
+    class Gallery:
+        """The part of an IndexVersion the rerank reads (ids are row positions here)."""
+
+        def __init__(self, kv: bool) -> None:
+            self.frames, self.masks = frames, masks
+            self.units = np.ones((n, d), np.float32) / np.sqrt(d)
+            self.norms = np.ones(n, np.float32)
+            self.kv = (keys, values) if kv else None
+
+        def rows(self, ids: np.ndarray) -> np.ndarray:
+            return np.asarray(ids, dtype=np.int64)
+
+    modes = {"fused (service default)": ("fused", Gallery(kv=False)),
+             "model.score + stored K/V": ("model", Gallery(kv=True)),
+             "model.score, K/V computed": ("model", Gallery(kv=False))}
     rows_out = []
     data = []
     for nq in args.queries:
         t = torch.nn.functional.normalize(torch.randn(nq, d), dim=1)
         for kc in args.candidates:
-            res = {}
-            for mode in ("frames only (kv computed)", "precomputed K/V"):
-                gather, compute = [], []
-                for r in range(args.repeats + 1):
-                    rows = np.sort(rng.choice(n, size=kc, replace=False))
+            times: dict[str, list[float]] = {m: [] for m in modes}
+            diff = 0.0
+            for r in range(args.repeats + 1):
+                cands = [np.sort(rng.choice(n, size=kc, replace=False)) for _ in range(nq)]
+                got = {}
+                for mode, (impl, gal) in modes.items():  # interleaved: the three see the same machine state
                     t0 = time.perf_counter()
-                    fr = torch.from_numpy(np.asarray(frames[rows], dtype=np.float32))
-                    mk = torch.from_numpy(masks[rows])
-                    kv = None
-                    if mode == "precomputed K/V":
-                        kv = (torch.from_numpy(np.asarray(keys[rows], dtype=np.float32)),
-                              torch.from_numpy(np.asarray(values[rows], dtype=np.float32)))
-                    t1 = time.perf_counter()
-                    with torch.no_grad():
-                        model.score(t, fr, mk, kv=kv)
-                    t2 = time.perf_counter()
+                    got[mode] = psi_scores(model, gal, t, cands, impl=impl)
                     if r:  # the first run is a warm-up
-                        gather.append(t1 - t0)
-                        compute.append(t2 - t1)
-                # minimum over repeats: the machine is shared and the computation is deterministic
-                g, c = 1000 * float(np.min(gather)), 1000 * float(np.min(compute))
-                res[mode] = (g + c, g, c)
-            a, b = res["frames only (kv computed)"], res["precomputed K/V"]
-            rows_out.append([nq, kc, f"{a[0]:.1f} ({a[1]:.1f} + {a[2]:.1f})", f"{b[0]:.1f} ({b[1]:.1f} + {b[2]:.1f})",
-                             a[0] / b[0]])
-            data.append({"queries": nq, "candidates": kc, "frames_only_ms": a[0], "frames_only_gather_ms": a[1],
-                         "frames_only_score_ms": a[2], "kv_ms": b[0], "kv_gather_ms": b[1], "kv_score_ms": b[2],
-                         "speedup": a[0] / b[0]})
+                        times[mode].append(time.perf_counter() - t0)
+                ref = got["fused (service default)"]
+                for mode in modes:
+                    diff = max(diff, max(float(np.abs(a - b).max()) for a, b in zip(got[mode], ref, strict=True)))
+            # minimum over repeats: the machine is shared and the computation is deterministic
+            ms = {m: 1000 * float(np.min(v)) for m, v in times.items()}
+            fused, kv_ms, plain = ms["fused (service default)"], ms["model.score + stored K/V"], ms["model.score, K/V computed"]
+            rows_out.append([nq, kc, f"{fused:.1f}", f"{kv_ms:.1f}", f"{plain:.1f}", kv_ms / fused, plain / fused,
+                             f"{diff:.1e}"])
+            data.append({"queries": nq, "candidates": kc, "fused_ms": fused, "model_kv_ms": kv_ms, "model_ms": plain,
+                         "model_kv_over_fused": kv_ms / fused, "model_over_fused": plain / fused, "max_abs_diff": diff})
             print(rows_out[-1], flush=True)
+            if diff > 1e-3:
+                raise SystemExit(f"the rerank implementations disagree by {diff} (queries {nq}, K {kc})")
 
     per_video_frames = f * d * 2
     body = (
-        f"Gallery: {n:,} videos as float16 memmaps (page cache warm), d = {d}, f = {f}, all frames real; "
-        f"times are the minimum over {args.repeats} reranks of (gather from the memmaps) + (`model.score`), "
-        f"torch threads = {torch.get_num_threads()} (one request per thread).\n\n"
-        + table(["queries", "candidates K", "frames only: ms (gather + score)", "with stored K/V: ms (gather + score)",
-                 "speed-up"], rows_out)
+        f"Gallery: {n:,} videos as float16 memmaps (page cache warm), d = {d}, f = {f}; times are the minimum over "
+        f"{args.repeats} reranks through `indexer.search.psi_scores` (gather from the memmaps included), torch "
+        f"threads = {torch.get_num_threads()} (one request per thread); the three are run interleaved, side by side.\n\n"
+        + table(["queries", "candidates K", "fused, frames only (service default): ms", "model.score + stored K/V: ms",
+                 "model.score, K/V computed: ms", "stored K/V / fused", "computed / fused", "max abs score diff"], rows_out)
         + "\nBytes per video on disk (and in the page cache when hot): frames "
         f"{per_video_frames:,} B; with K/V {3 * per_video_frames:,} B (3x). For 1M videos: "
-        f"{per_video_frames * 1e6 / 2**30:.1f} GiB vs {3 * per_video_frames * 1e6 / 2**30:.1f} GiB.\n"
+        f"{per_video_frames * 1e6 / 2**30:.1f} GiB vs {3 * per_video_frames * 1e6 / 2**30:.1f} GiB. "
+        "A ratio above 1 means the stored K/V path is slower than what the service runs without them.\n"
     )
-    write_results("index_kv", "psi K/V precomputation: rerank latency vs bytes", body,
+    write_results("index_kv", "psi K/V precomputation vs the fused rerank: latency vs bytes", body,
                   {"videos": n, "d": d, "f": f, "rows": data, "bytes_per_video_frames": per_video_frames,
                    "bytes_per_video_with_kv": 3 * per_video_frames}, started)
 

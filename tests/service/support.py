@@ -113,7 +113,7 @@ class UvicornProcess:
 
     def __enter__(self) -> UvicornProcess:
         self.proc = subprocess.Popen(self.args, cwd=REPO, env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 90
+        deadline = time.time() + 240  # a loaded shared machine can take minutes to import torch
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"gare-serve exited with {self.proc.returncode}:\n{self.output()}")
