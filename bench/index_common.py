@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -64,20 +65,34 @@ def rss_bytes() -> int:
     return 0
 
 
+def git_commit() -> str:
+    """HEAD's short hash, with "+uncommitted changes" when tracked files outside bench/results differ from it
+    (the result files themselves are what a run rewrites)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results"],
+                               cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + (" +uncommitted changes" if dirty else "")
+
+
 def write_results(name: str, title: str, markdown_body: str, data: dict[str, Any], started: float) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     info = machine()
     elapsed = time.time() - started
+    commit = git_commit()
     header = (
         f"# {title}\n\n"
-        f"Command (from the repository root): `{command_line()}`\n\n"
+        f"Command (from the repository root): `{command_line()}`; commit {commit}\n\n"
         f"Machine: {info['cpu']}, {info['cores']} cores, GPU: {info['gpu'] or 'none'}; torch {info['torch']}, "
         f"faiss {info['faiss']}, numpy {info['numpy']}. Benchmark wall time: {elapsed:.0f} s. "
         f"Date: {time.strftime('%Y-%m-%d', time.gmtime())}.\n\n"
     )
     md = RESULTS / f"{name}.md"
     md.write_text(header + markdown_body.rstrip() + "\n")
-    payload = {"command": command_line(), "machine": info, "elapsed_s": round(elapsed, 1), **data}
+    payload = {"command": command_line(), "commit": commit, "machine": info, "elapsed_s": round(elapsed, 1), **data}
     (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
     print(md.read_text())
     return md

@@ -13,7 +13,7 @@ and the last window (one minute when the run lasts at least 3 minutes, else a qu
 The server's own request counter (`gare_http_requests_total` in /metrics) is read before and after, so
 requests the server saw and requests the clients sent can be compared (none lost on either side).
 
-`run_load()` is what tests/test_robust_load.py and bench/robustness.py call. Traffic never leaves the
+`run_load()` is what tests/robustness/test_robust_load.py and bench/robustness.py call. Traffic never leaves the
 machine: any URL whose host is not a loopback address is refused.
 """
 
@@ -343,12 +343,9 @@ def spawned_server(workdir: Path, n_videos: int = 24, extra_args: Sequence[str] 
     Yields (base_url, pid, index_dir)."""
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
-    if str(REPO / "tests") not in sys.path:
-        sys.path.insert(0, str(REPO / "tests"))
-    from test_index_common import make_checkpoint, make_corpus
-    from test_service_support import UvicornProcess
-
     from indexer.build import BuildOptions, build
+    from tests.indexer.support import make_checkpoint, make_corpus
+    from tests.service.support import UvicornProcess
 
     workdir.mkdir(parents=True, exist_ok=True)
     ckpt = make_checkpoint(workdir / "tiny.safetensors")

@@ -1,12 +1,13 @@
 """Robustness checks of GARE search: load, faults, hostile input, properties (docs/robustness.md).
 
-    python bench/robustness.py            # the fast checks (what CI runs, ~1.5 min on 2 cores)
-    python bench/robustness.py --full     # + the heavy ones (4 min load, 24 kill seeds, disk sweep, ...), ~9 min
+    python bench/robustness.py            # the fast checks (what CI runs, ~4 min on 2 cores)
+    python bench/robustness.py --full     # + the heavy ones (4 min load, 24 kill seeds, disk sweep, ...), ~12 min
 
-Runs tests/test_robust_*.py with pytest `-m "not slow"` (and with --full, then `-m slow` in a second run), collects the figures the tests
+Runs tests/robustness/test_robust_*.py with pytest `-m "not slow"` (and with --full, then `-m slow` in a second run), collects the figures the tests
 record (GARE_ROBUST_RESULTS) and pytest's per-test outcome and time (JUnit XML), merges them into
 bench/results/robustness.json (a fast run keeps the last full run's figures) and rewrites the generated part
-of docs/robustness.md and bench/results/robustness.md. Exit status: pytest's.
+of docs/robustness.md and bench/results/robustness.md. Every figure in them is computed from what the tests
+observed in this run; a failed test shows as FAILED with its reason. Exit status: pytest's.
 
 Every server these checks start listens on 127.0.0.1 only, and the load generator refuses other hosts.
 """
@@ -74,6 +75,9 @@ def machine() -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------ rendering
+# Every cell below is computed from the figures the tests recorded in this run (tests/robustness/test_robust_*.py record
+# what they observed before asserting it, and record it even when the test fails) and from pytest's outcome
+# of the tests behind the cell: a failed test or a figure with an `error` shows as FAILED with the reason.
 def _get(figs: dict, *names: str) -> dict | None:
     for n in names:
         if n in figs:
@@ -81,177 +85,281 @@ def _get(figs: dict, *names: str) -> dict | None:
     return None
 
 
-def _load_cell(f: dict | None) -> str:
-    if not f:
-        return "not run"
+def _count(items, pred) -> int:
+    return sum(1 for x in items if pred(x))
+
+
+def _load_cell(f: dict) -> str:
     r = f.get("rss") or {}
     return (f"{f['clients']} clients x {f['duration_s']:.0f} s: {f['sent']} requests, {f['qps']:.0f} q/s, "
-            f"p50 {f['p50_ms']} ms, p99 {f['p99_ms']} ms; 5xx {f['errors_5xx']}, dropped {f['dropped']}, "
-            f"server counted {f['server_counted']}; RSS median {r.get('first_window_median_mib')} MiB "
-            f"(first {r.get('window_s')} s) -> {r.get('last_window_median_mib')} MiB (last {r.get('window_s')} s)")
+            f"p50 {f['p50_ms']} ms, p99 {f['p99_ms']} ms; 5xx {f['errors_5xx']}, 4xx {f['errors_4xx']}, dropped "
+            f"{f['dropped']}, server counted {f['server_counted']}; RSS median {r.get('first_window_median_mib')} MiB "
+            f"(first {r.get('window_s')} s) -> {r.get('last_window_median_mib')} MiB (last {r.get('window_s')} s), "
+            f"growth {r.get('growth_mib')} MiB over {r.get('n_samples')} samples")
 
 
-def _reload_cell(f: dict | None) -> str:
-    if not f:
-        return "not run"
-    return (f"{f['reloads']} reloads (status {sorted(set(f['reload_status']))}) during {f['sent']} requests from "
-            f"{f['clients']} clients; {len(f['index_versions'])} versions answered; failed requests "
+def _reload_cell(f: dict) -> str:
+    st = f.get("reload_status", [])
+    return (f"{len(st)} reloads (status {_hist(st)}) during {f['sent']} requests from {f['clients']} clients; "
+            f"{len(f['index_versions'])} versions answered; failed requests "
             f"{f['errors_5xx'] + f['errors_4xx'] + f['dropped'] + f['bad_bodies']}")
 
 
-def _kill_cell(f: dict | None) -> str:
-    if not f:
-        return "not run"
-    land = ", ".join(f"{k} {v}" for k, v in sorted(f["landings"].items(), key=lambda kv: -kv[1]))
-    return (f"{f['seeds']} seeds, {f['killed']} SIGKILLed ({land}); verify OK {f['verify_ok']}/{f['seeds']}; "
-            f"service answered {f['prober_status'].get('200', 0)}/{f['prober_requests']} probes (errors "
-            f"{f['prober_errors']}); every video exactly once after resume {f['exactly_once_after_resume']}/{f['seeds']}")
+def _hist(values) -> str:
+    h: dict[str, int] = {}
+    for v in values:
+        h[str(v)] = h.get(str(v), 0) + 1
+    return ", ".join(f"{k}: {v}" for k, v in sorted(h.items())) or "none"
 
 
-def _tamper_cell(f: dict | None, live: dict | None) -> str:
-    if not f:
-        return "not run"
-    s = (f"{f['cases']} cases (9 files x truncated/altered); verify caught {f['verify_detected']}/{f['cases']}; reload "
-         f"refused every truncated file ({f['truncated_refused']}/9) and, with verify_index, every altered one "
-         f"({f['altered_refused_with_verify_index']}/9); searches failed {f['search_failures']}")
-    if f.get("altered_served_by_default"):
-        s += f"; default settings (no re-hash) took same-size alterations of {', '.join(f['altered_served_by_default'])}"
+def _kill_cell(f: dict) -> str:
+    rounds = f.get("rounds", [])
+    land: dict[str, int] = {}
+    for r in rounds:
+        if "landing" in r:
+            land[r["landing"]] = land.get(r["landing"], 0) + 1
+    land_s = ", ".join(f"{k} {v}" for k, v in sorted(land.items(), key=lambda kv: -kv[1]))
+    done = [r for r in rounds if "served_after_resume" in r]
+    cmds = _hist(r["command"] for r in rounds)
+    return (f"{len(rounds)}/{f['seeds']} rounds ({cmds}), {_count(rounds, lambda r: r.get('killed'))} SIGKILLed "
+            f"({land_s}); verify exit 0 after the kill {_count(rounds, lambda r: r.get('verify_rc') == 0)}/{len(rounds)}; "
+            f"served CURRENT after a reload {_count(rounds, lambda r: r.get('served_current'))}/{len(rounds)}; "
+            f"prober answered {f.get('prober_status', {}).get('200', 0)}/{f.get('prober_requests', 0)} "
+            f"(errors {len(f.get('prober_errors', []))}); every submitted video exactly once after the resume "
+            f"{_count(done, lambda r: not r['lost_after_resume'] and not r['extra_after_resume'] and not r['entries_twice_after_resume'])}/{len(rounds)}")
+
+
+def _tamper_cell(f: dict, live: dict | None) -> str:
+    rows = f.get("rows", [])
+    files = f.get("files", [])
+    tr = [r for r in rows if r["how"] == "truncated"]
+    alt_v = [r for r in rows if r["how"] == "altered" and r["verify_index"]]
+    alt_d = [r for r in rows if r["how"] == "altered" and not r["verify_index"]]
+    s = (f"{len(rows)} cases ({len(files)} files x truncated / altered with re-hash / altered without); verify exit 1 "
+         f"{_count(rows, lambda r: r['verify_rc'] == 1)}/{len(rows)}; reload refused truncated "
+         f"{_count(tr, lambda r: r['reload_status'] != 200)}/{len(tr)}, altered with verify_index "
+         f"{_count(alt_v, lambda r: r['reload_status'] != 200)}/{len(alt_v)}, altered with the default settings "
+         f"{_count(alt_d, lambda r: r['reload_status'] != 200)}/{len(alt_d)}; searches answered 200 "
+         f"{_count(rows, lambda r: r['search_status'] == 200)}/{len(rows)}")
+    taken = [r["file"] for r in alt_d if r["reload_status"] == 200]
+    if taken:
+        s += f"; the default settings (no re-hash) took same-size alterations of {', '.join(taken)}"
     if live:
-        s += f"; live server: reload 503, kept serving {live['served_after']}"
+        s += (f"; live server: reload of a truncated version {live.get('reload_status')}, then searches "
+              f"{live.get('search_status')} from {live.get('served_after')} (was {live.get('served_before')})")
     return s
 
 
-def _disk_cell(f: dict | None) -> str:
-    if not f:
-        return "not run"
-    msgs = "; ".join(f["messages"][:3])
-    return (f"{f['runs']} runs ({', '.join(f['commands'])}; {len(f['levels_kib'])} free-space levels "
-            f"{min(f['levels_kib'])}..{max(f['levels_kib'])} KiB on a 3 MiB tmpfs): failed cleanly (exit 1, "
-            f"CURRENT unchanged, verify OK) {f['failed_cleanly']}, fitted {f['fitted']}, crashed {f['crashed']}, "
-            f"lost {f['data_lost']}; messages: {msgs}")
+def _meta_cell(f: dict) -> str:
+    rows = f.get("rows", [])
+    n = len(rows)
+
+    def c(pred) -> str:
+        return f"{_count(rows, pred)}/{n}"
+
+    return (f"{n} kinds ({', '.join(r['kind'] for r in rows)}): refused by open_index "
+            f"{c(lambda r: str(r.get('open', '')).startswith('refused'))}, gare-index verify (exit 1) "
+            f"{c(lambda r: r.get('verify_rc') == 1)}, gare-serve --check (exit 2) {c(lambda r: r.get('serve_check_rc') == 2)}, "
+            f"service start {c(lambda r: str(r.get('service_start', '')).startswith('refused'))}, reload (503) "
+            f"{c(lambda r: r.get('reload_status') == 503)}; searches meanwhile {_hist(r.get('search_status') for r in rows)}")
 
 
-def _fuzz_cell(f: dict | None) -> str:
-    if not f:
-        return "not run"
+def _disk_cell(f: dict) -> str:
+    rows = f.get("rows", [])
+    levels = f.get("levels_kib") or [0]
+    errs = sorted({r["error"].split(": error: ")[-1][:70] for r in rows if r.get("rc") == 1})
+    per = "; ".join(f"{c}: {_hist(r['outcome'] for r in rows if r['command'] == c)}" for c in f.get("commands", []))
+    return (f"{len(rows)} runs ({len(levels)} free-space levels {min(levels)}..{max(levels)} KiB on a 3 MiB tmpfs) - "
+            f"{per}; messages: {'; '.join(errs[:3])}")
+
+
+def _fuzz_cell(f: dict) -> str:
     o = f.get("open", {})
-    known = sum((f.get(k) or {}).get("known_undocumented", {}) and sum(f[k]["known_undocumented"].values()) or 0
-                for k in ("open", "with_admin_key", "search_needs_key"))
     return (f"{f['requests']} generated requests over {o.get('operations')} operations (positive + negative data, "
-            f"no key / admin key / search key required); 5xx {f['5xx']}; check failures {f['failures']} "
-            f"(+{known} known undocumented 400/401, see bugs)")
+            f"no key / admin key / search key required); 5xx {f['5xx']}; failed checks (schema, content type, "
+            f"undocumented status, accepted invalid data) {f['failures']}")
 
 
-def _hostile_cell(f: dict | None) -> str:
-    if not f:
-        return "not run"
-    st = ", ".join(f"{k}: {v}" for k, v in sorted(f["status"].items()))
-    return f"{f['inputs']} requests (unicode, oversized, traversal, odd ids, keys, methods); status {st}; 5xx {f['5xx']}"
+def _hostile_cell(f: dict) -> str:
+    rows = f.get("rows", [])
+    return (f"{len(rows)} requests (unicode, oversized, traversal, odd ids, keys, methods); status "
+            f"{_hist(r['status'] for r in rows)}; 5xx {_count(rows, lambda r: r['status'] >= 500)}")
 
 
 def _pickle_cell(fi: dict | None, fc: dict | None) -> str:
-    if not fi and not fc:
-        return "not run"
     parts = []
     if fi:
-        parts.append(f"{fi['cases']} index files (pickled .npy, pickled/junk ann.faiss, pickled meta.sqlite): "
-                     "refused by open/verify/serve")
+        rows = fi.get("rows", [])
+        parts.append(f"{len(rows)} index files (pickled .npy, pickled/junk ann.faiss, pickled meta.sqlite): refused by "
+                     f"open {_count(rows, lambda r: r.get('open_refused'))}, verify {_count(rows, lambda r: r.get('verify_rc') == 1)}, "
+                     f"gare-index add {_count(rows, lambda r: r.get('add_rc') == 1)}, service start "
+                     f"{_count(rows, lambda r: r.get('serve_verify_False') == r.get('serve_verify_True') == 'refused to start')} of {len(rows)}")
     if fc:
-        parts.append(f"{fc['cases']} checkpoints (pickle as .safetensors, absurd header, non-GARE, official .bin): refused")
-    marker = any(x and x.get("marker_appeared") for x in (fi, fc))
-    return "; ".join(parts) + f"; payload executed: {'YES' if marker else 'never'}"
+        rows = fc.get("rows", [])
+        parts.append(f"{len(rows)} checkpoints (pickle as .safetensors, absurd header, non-GARE, official .bin): loader "
+                     f"refused {_count(rows, lambda r: r.get('load_refused'))}, gare-serve --check exit 2 "
+                     f"{_count(rows, lambda r: r.get('serve_check_rc') == 2)} of {_count(rows, lambda r: 'serve_check_rc' in r)}")
+    seen = [x.get("marker_appeared") for x in (fi, fc) if x]
+    verdict = "YES" if any(seen) else "not observed" if None in seen else "never"
+    return "; ".join(parts) + f"; payload executed: {verdict}"
 
 
-def _videos_cell(f: dict | None) -> str:
-    if not f:
-        return "not run"
-    return (f"{f['files']} hostile files (empty, truncated, random, no moov, PNG/text as .mp4, 20000x20000 and "
+def _videos_cell(f: dict) -> str:
+    files = f.get("files", [])
+    return (f"{len(files)} hostile files (empty, truncated, random, no moov, PNG/text as .mp4, 20000x20000 and "
             f"9000x9000 headers, over MAX_FRAME_PIXELS, /dev/zero and /dev/urandom links, symlink loop, odd names): "
-            f"skipped with a reason {f['skipped']}, good videos indexed {f['indexed']}, exit code {f['exit_code']}")
+            f"skipped with a reason {len(f.get('skipped_hostile', []))}/{len(files)}, indexed "
+            f"{len(f.get('indexed', []))} ({', '.join(f.get('indexed', []))}), exit code {f.get('exit_code')}")
 
 
-def _props_cell(f: dict | None) -> str:
-    if not f:
-        return "not run"
-    return (f"{f['examples']} hypothesis examples (1-3 videos added, removed by path or id): entries, biases and "
-            f"{f['queries']} queries x (two-stage, ANN-only) equal: {'yes' if f['all_equal'] else 'NO'}")
+def _props_cell(f: dict) -> str:
+    rows = f.get("rows", [])
+    return (f"{len(rows)} hypothesis examples (1-3 videos added, removed by path or id): entries, biases and "
+            f"{f.get('queries')} queries x (two-stage, ANN-only) equal in {_count(rows, lambda r: r.get('equal'))}/{len(rows)}")
 
 
-ROWS = [
-    ("Load (rated concurrency)", lambda F, m: _load_cell(_get(F, f"load_{m}"))),
-    ("Reload under load", lambda F, m: _reload_cell(_get(F, f"reload_under_load_{m}"))),
-    ("SIGKILL of gare-index at random points", lambda F, m: _kill_cell(_get(F, f"kill_{m}"))),
-    ("Truncated / altered index files", lambda F, m: _tamper_cell(_get(F, "tamper"), _get(F, "tamper_live"))),
-    ("Disk full during a build", lambda F, m: _disk_cell(_get(F, f"disk_full_{m}"))),
-    ("API fuzzing (schemathesis, OpenAPI)", lambda F, m: _fuzz_cell(_get(F, f"fuzz_{m}"))),
-    ("Hostile requests (live server)", lambda F, m: _hostile_cell(_get(F, "hostile_requests"))),
-    ("Pickle payloads", lambda F, m: _pickle_cell(_get(F, "pickle_index"), _get(F, "pickle_checkpoint"))),
-    ("Hostile video files", lambda F, m: _videos_cell(_get(F, "hostile_videos"))),
-    ("Add then remove = same results", lambda F, m: _props_cell(_get(F, f"add_remove_{m}"))),
+# (title, figure names per run kind, test names behind the row, cell function)
+ROWS: list[tuple[str, Any, tuple[str, ...], Any]] = [
+    ("Load (rated concurrency) and memory growth", lambda m: [f"load_{m}"],
+     ("test_load_burst_holds", "test_load_sustained_holds"), lambda F: _load_cell(F[0])),
+    ("Reload under load", lambda m: [f"reload_under_load_{m}"],
+     ("test_reload_under_load_fails_no_request", "test_reload_under_load_sustained"), lambda F: _reload_cell(F[0])),
+    ("SIGKILL of gare-index at random points", lambda m: [f"kill_{m}"],
+     ("test_sigkill_at_random_points", "test_sigkill_at_random_points_many_seeds"), lambda F: _kill_cell(F[0])),
+    ("SIGKILL inside the version write / between rename and switch", lambda m: ["kill_windows_fast"],
+     ("test_sigkill_inside_the_version_write_and_before_the_switch",), lambda F: _kill_cell(F[0])),
+    ("Truncated / altered index files", lambda m: ["tamper", "tamper_live"],
+     ("test_tampered_files_are_detected_and_refused", "test_live_server_refuses_a_truncated_version"),
+     lambda F: _tamper_cell(F[0], F[1])),
+    ("Damaged meta.sqlite", lambda m: ["metadata_damage"], ("test_damaged_metadata_is_refused_everywhere",
+     "test_metadata_damaged_after_open_answers_503_not_500"), lambda F: _meta_cell(F[0])),
+    ("Disk full (build, add, remove)", lambda m: [f"disk_full_{m}"], ("test_disk_full_fails_cleanly", "test_disk_full_sweep"),
+     lambda F: _disk_cell(F[0])),
+    ("API fuzzing (schemathesis, OpenAPI)", lambda m: [f"fuzz_{m}"],
+     ("test_fuzz_api_from_openapi", "test_fuzz_api_from_openapi_many_examples"), lambda F: _fuzz_cell(F[0])),
+    ("Hostile requests (live server)", lambda m: ["hostile_requests"], ("test_hostile_requests_to_the_live_server",),
+     lambda F: _hostile_cell(F[0])),
+    ("Pickle payloads", lambda m: ["pickle_index", "pickle_checkpoint"],
+     ("test_pickle_payloads_in_index_files_never_run", "test_pickle_checkpoints_never_run"), lambda F: _pickle_cell(F[0], F[1])),
+    ("Hostile video files", lambda m: ["hostile_videos"], ("test_hostile_video_files_are_reported_and_skipped",),
+     lambda F: _videos_cell(F[0])),
+    ("Add then remove = same results", lambda m: [f"add_remove_{m}"],
+     ("test_add_then_remove_restores_search_results", "test_add_then_remove_restores_search_results_many"),
+     lambda F: _props_cell(F[0])),
 ]
 
 
-def data_lost(figs: dict) -> int:
-    lost = 0
-    for k, f in figs.items():
-        if k.startswith("disk_full"):
-            lost += int(f.get("data_lost", 0)) + int(f.get("crashed", 0))
-        if k.startswith("kill"):
-            lost += int(f["seeds"] - f["exactly_once_after_resume"]) + int(f["seeds"] - f["verify_ok"])
-        if k.startswith("load") or k.startswith("reload"):
-            lost += int(f.get("dropped", 0))
-    return lost
+def cell(sec: dict, mode: str, names_of, tests: tuple[str, ...], fn) -> str:
+    """One table cell: the figures of `sec`, prefixed FAILED (reason) when a test behind it failed or a
+    figure carries an error; "not measured" when no figure was recorded."""
+    if not sec:
+        return "not run"
+    figs = sec.get("figures", {})
+    got = [figs.get(n) for n in names_of(mode)]
+    outcomes = {t["test"].split("::")[-1]: t for t in sec.get("tests", [])}
+    failed = [outcomes[t] for t in tests if t in outcomes and outcomes[t]["outcome"] in ("failure", "error")]
+    skipped = [outcomes[t] for t in tests if t in outcomes and outcomes[t]["outcome"] == "skipped"]
+    errors = [f["error"] for f in got if f and f.get("error")]
+    prefix = ""
+    if failed or errors:
+        why = "; ".join([f"{x['test']}: {x['reason']}" for x in failed] + errors)[:400]
+        prefix = f"**FAILED** ({why}) "
+    elif skipped and not any(got):
+        return "skipped: " + "; ".join(x["reason"] for x in skipped)[:300]
+    if got[0] is None:
+        return prefix + "not measured (no figure recorded)"
+    try:
+        return prefix + fn(got)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:  # a partial figure (the test stopped early)
+        return prefix + f"incomplete figure ({type(e).__name__}: {e})"
+
+
+def data_lost(sec: dict) -> str:
+    """Videos lost or duplicated, measured by comparing index contents with what was submitted (kill, disk
+    full), plus requests dropped under load; "not measured" for any campaign without its figure."""
+    figs = sec.get("figures", {})
+    lost, parts, missing = 0, [], []
+    kills = [f for k, f in figs.items() if k.startswith("kill")]
+    if kills:
+        n = sum(len(r.get("lost_after_kill", [])) + len(r.get("lost_after_resume", [])) + len(r.get("extra_after_resume", []))
+                + r.get("entries_twice", 0) + r.get("entries_twice_after_resume", 0) for f in kills for r in f.get("rounds", []))
+        lost += n
+        parts.append(f"kills {n}")
+    else:
+        missing.append("kills")
+    disks = [f for k, f in figs.items() if k.startswith("disk_full")]
+    if disks:
+        n = sum(len(r.get("lost", [])) + len(r.get("extra", [])) + len(r.get("lost_after_failure", []))
+                for f in disks for r in f.get("rows", []))
+        lost += n
+        parts.append(f"disk full {n}")
+    else:
+        missing.append("disk full")
+    loads = [f for k, f in figs.items() if k.startswith(("load_", "reload_under_load"))]
+    if loads:
+        n = sum(int(f.get("dropped", 0)) for f in loads)
+        lost += n
+        parts.append(f"dropped requests {n}")
+    else:
+        missing.append("load")
+    if not parts:  # nothing measured: no figure, so no number either
+        return f"not measured ({', '.join(missing)})"
+    text = f"{lost} ({', '.join(parts)})"
+    if missing:
+        text += f"; not measured: {', '.join(missing)}"
+    return text
 
 
 def _esc(s: str) -> str:
     return s.replace("|", "\\|").replace("\n", " ")
 
 
-def render(data: dict) -> str:
-    fast, full = data.get("fast") or {}, data.get("full") or {}
-    ff, Ff = fast.get("figures", {}), full.get("figures", {})
-    lines = [
-        "| check | CI run (`python bench/robustness.py`) | full run (`python bench/robustness.py --full`) |",
-        "| --- | --- | --- |",
-    ]
-    for title, fn in ROWS:
-        lines.append(f"| {title} | {_esc(fn(ff, 'fast')) if fast else 'not run'} | {_esc(fn(Ff, 'full')) if full else 'not run'} |")
-
-    def verdict(sec: dict) -> str:
-        if not sec:
-            return "not run"
-        t = sec.get("tests", [])
-        bad = [x for x in t if x["outcome"] in ("failure", "error")]
-        return (f"{'PASS' if sec.get('pytest_rc') == 0 and not bad else 'FAIL'}: {sum(x['outcome'] == 'passed' for x in t)} passed, "
-                f"{len(bad)} failed, {sum(x['outcome'] == 'xfailed' for x in t)} known bugs (xfail)")
-
-    lines.append(f"| **Data lost** | **{data_lost(ff) if fast else '-'}** | **{data_lost(Ff) if full else '-'}** |")
-    lines.append(f"| Tests | {verdict(fast)} | {verdict(full)} |")
-    lines.append(f"| Run | {_run_line(fast)} | {_run_line(full)} |")
-    out = "\n".join(lines) + "\n"
-
-    bugs = {}
-    for sec in (fast, full):
-        for t in sec.get("tests", []):
-            if t["outcome"] == "xfailed":
-                bugs[t["test"]] = t["reason"]
-    if bugs:
-        out += "\nKnown bugs, each kept as an `xfail(strict=True)` test with a `# BUG:` comment (flip it when fixed):\n\n"
-        out += "\n".join(f"- `{k}`: {_esc(v)}" for k, v in sorted(bugs.items())) + "\n"
-    for label, sec in (("CI run", fast), ("full run", full)):
-        if not sec:
-            continue
-        out += f"\nTest times, {label} ({sec.get('date')}, {sec.get('seconds')} s wall including pytest start-up):\n\n"
-        out += "| test | outcome | seconds |\n| --- | --- | --- |\n"
-        out += "\n".join(f"| `{t['test']}` | {t['outcome']} | {t['seconds']} |" for t in sec.get("tests", [])) + "\n"
-    return out
+def _verdict(sec: dict) -> str:
+    if not sec:
+        return "not run"
+    t = sec.get("tests", [])
+    bad = [x for x in t if x["outcome"] in ("failure", "error")]
+    return (f"{'PASS' if sec.get('pytest_rc') == 0 and not bad else 'FAIL'} (pytest exit {sec.get('pytest_rc')}): "
+            f"{_count(t, lambda x: x['outcome'] == 'passed')} passed, {len(bad)} failed, "
+            f"{_count(t, lambda x: x['outcome'] == 'skipped')} skipped, {_count(t, lambda x: x['outcome'] == 'xfailed')} xfailed")
 
 
 def _run_line(sec: dict) -> str:
     if not sec:
         return "not run"
     m = sec.get("machine", {})
-    return f"{sec.get('date')}, {sec.get('seconds')} s, {m.get('cores')} cores ({m.get('cpu')}), Python {m.get('python')}"
+    return (f"`{sec.get('command')}` at commit {sec.get('commit')}, {sec.get('date')}, {sec.get('seconds')} s, "
+            f"{m.get('cores')} cores ({m.get('cpu')}), Python {m.get('python')}")
+
+
+def render(data: dict) -> str:
+    fast, full = data.get("fast") or {}, data.get("full") or {}
+    lines = [
+        "| check | CI run (`python bench/robustness.py`) | full run (`python bench/robustness.py --full`) |",
+        "| --- | --- | --- |",
+    ]
+    for title, names_of, tests, fn in ROWS:
+        lines.append(f"| {title} | {_esc(cell(fast, 'fast', names_of, tests, fn))} | "
+                     f"{_esc(cell(full, 'full', names_of, tests, fn))} |")
+    lines.append(f"| **Data lost** | **{data_lost(fast) if fast else '-'}** | **{data_lost(full) if full else '-'}** |")
+    lines.append(f"| Tests | {_verdict(fast)} | {_verdict(full)} |")
+    lines.append(f"| Run | {_esc(_run_line(fast))} | {_esc(_run_line(full))} |")
+    out = "\n".join(lines) + "\n"
+    for label, sec in (("CI run", fast), ("full run", full)):
+        if not sec:
+            continue
+        out += f"\nTest outcomes, {label} ({sec.get('date')}, {sec.get('seconds')} s wall including pytest start-up):\n\n"
+        out += "| test | outcome | seconds | reason |\n| --- | --- | --- | --- |\n"
+        out += "\n".join(f"| `{t['test']}` | {t['outcome']} | {t['seconds']} | {_esc(t.get('reason', ''))[:200]} |"
+                         for t in sec.get("tests", [])) + "\n"
+    return out
+
+
+def _header(data: dict) -> str:
+    fast = data.get("fast") or {}
+    m = fast.get("machine", {})
+    return (f"<!-- generated by `python bench/robustness.py` at commit {fast.get('commit')} on {fast.get('date')} "
+            f"({m.get('cores')} cores, {m.get('cpu')}); do not edit: rerun the command -->\n")
 
 
 def write_docs(data: dict) -> None:
@@ -261,11 +369,27 @@ def write_docs(data: dict) -> None:
         text = text.rstrip("\n") + f"\n\n{START}\n{END}\n"
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
-    DOC.write_text(f"{head}{START}\n{table}{END}{tail}", encoding="utf-8")
+    DOC.write_text(f"{head}{START}\n{_header(data)}{table}{END}{tail}", encoding="utf-8")
     RESULTS_MD.write_text(
-        "# Robustness results\n\nCommand (from the repository root): `python bench/robustness.py [--full]`; "
-        "what each check does: [docs/robustness.md](../../docs/robustness.md); raw figures: robustness.json.\n\n"
-        + table, encoding="utf-8")
+        _header(data) + "# Robustness results\n\nCommand (from the repository root): `python bench/robustness.py "
+        "[--full]`; what each check does: [docs/robustness.md](../../docs/robustness.md); raw figures: robustness.json "
+        "(every cell is computed from them).\n\n" + table, encoding="utf-8")
+
+
+def git_commit() -> str:
+    """HEAD's short hash, with "+uncommitted changes" when the tree differs from it."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":!bench/results", ":!docs/robustness.md"], cwd=REPO, capture_output=True,
+                               text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + (" +uncommitted changes" if dirty else "")
+
+
+REPORT_FORMAT = 2  # figures recorded as observations (rows); sections in an older format are not rendered
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -275,6 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --), e.g. -x")
     args = p.parse_args(argv)
     data = json.loads(RESULTS_JSON.read_text()) if RESULTS_JSON.exists() else {}
+    for k in ("fast", "full"):  # a section recorded by older tests cannot be rendered from observations
+        if (data.get(k) or {}).get("report_format") != REPORT_FORMAT:
+            data.pop(k, None)
     rc = 0
     if not args.render_only:
         fast = run_section("not slow", "python bench/robustness.py", args.pytest_args)
@@ -300,7 +427,8 @@ def run_section(marker: str, command: str, extra: list[str]) -> dict[str, Any]:
         rc, seconds, junit = run_pytest(marker, extra, results)
         figures = {f.stem: json.loads(f.read_text()) for f in sorted(results.glob("*.json"))}
         tests = read_junit(junit)
-    return {"date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), "command": command,
+    return {"report_format": REPORT_FORMAT, "commit": git_commit(),
+            "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), "command": command,
             "pytest_marker": marker, "pytest_rc": rc, "seconds": round(seconds, 1), "machine": machine(),
             "tests": tests, "figures": figures}
 

@@ -22,6 +22,7 @@ over the cores. The workers share a run directory (reload generation, per-worker
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import sys

@@ -1,6 +1,7 @@
 """ASGI middleware (body-size limit, security headers) and the JSON error handlers of the service."""
 
 import logging
+import sqlite3
 from collections.abc import Sequence
 from typing import Any
 
@@ -154,6 +155,13 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(BatcherClosed)
     async def _closed(request: Request, exc: BatcherClosed) -> JSONResponse:
         return JSONResponse({"detail": "the server is shutting down"}, status_code=503)
+
+    @app.exception_handler(sqlite3.Error)
+    async def _metadata(request: Request, exc: sqlite3.Error) -> JSONResponse:
+        # open/reload refuse a damaged meta.sqlite (indexer.metadb); this is for one damaged after that
+        log.error("index metadata unreadable on %s %s: %s", request.method, request.url.path, exc)
+        return JSONResponse({"detail": f"the index metadata cannot be read ({exc}); run gare-index verify"},
+                            status_code=503)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:

@@ -142,6 +142,16 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
+def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """The ERRORS a route can answer (tests/robustness/test_robust_hostile.py produces each one on each route)."""
+    return {c: ERRORS[c] for c in codes}
+
+
+SEARCH_ERRORS = errors(400, 401, 403, 409, 413, 422, 503)  # 409: ncl_stage1 on an index without it
+MEDIA_ERRORS = errors(400, 401, 403, 404, 413, 422, 503)  # 404: unknown id or file gone; 422: bad id
+INDEX_ERRORS = errors(400, 401, 403, 413, 503)  # 400/413: bad or oversized Content-Length (any route)
+
+
 def _not_blank(v: str) -> str:
     if not v.strip():
         raise ValueError("must not be empty or blank")

@@ -14,6 +14,20 @@ import torch  # noqa: E402
 from tests.psi_weights import randomize_psi  # noqa: E402
 
 
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def require(condition: object, reason: str) -> None:
+    """A test's prerequisite (a browser, root for a tmpfs, a linter binary). Missing: under CI=true the test
+    fails with `reason` (CI must run it); elsewhere it is skipped with `reason`."""
+    if condition:
+        return
+    if in_ci():
+        pytest.fail(f"prerequisite missing under CI=true: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
 @pytest.fixture(scope="session")
 def tiny_cfg():
     from training.config import get_model_config

@@ -20,6 +20,7 @@ from training.checkpoint import file_sha256
 from training.sinkhorn import fold_query
 
 from ..ann import AnnIndex, AnnParams
+from ..metadb import check_meta_db
 from ..ncl_ann import FoldedRows, Stage1Unavailable
 from .format import (
     _MMAP_ARRAYS,
@@ -378,16 +379,13 @@ def open_version(
         keys=arrays.get("keys"), values=arrays.get("values"), ann_units=arrays.get("ann_units"), ann_ncl=ann_ncl,
         psi_consts=arrays.get("psi_consts"),
     )
-    # Sizes alone do not prove the metadata is a database: a same-size junk file would pass them and then
-    # fail every search. One cheap query (no full re-hash) catches it at open/reload time.
-    try:
-        rows = version._db().execute("SELECT count(*) FROM videos").fetchone()[0]
-    except sqlite3.Error as e:
+    # Sizes alone do not prove the metadata is a database, and SQLite is read lazily (per search): check it
+    # now, so that a damaged meta.sqlite fails this open (and a reload) instead of every later request.
+    problems = check_meta_db(path / META_FILE, n=n, columns=META_COLUMNS, ids=arrays["ids"],
+                             sha256=(files.get(META_FILE) or {}).get("sha256"))
+    if problems:
         version.close()
-        raise IndexFormatError(f"{path / META_FILE}: not a readable index database ({e})") from e
-    if rows != n:
-        version.close()
-        raise IndexFormatError(f"{path / META_FILE}: holds {rows} videos, manifest says n={n}")
+        raise IndexFormatError("; ".join(problems))
     return version
 
 

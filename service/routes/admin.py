@@ -4,7 +4,7 @@ from fastapi import APIRouter, Depends
 
 from indexer.served_biases import describe as describe_biases
 
-from ..schemas import ERRORS, ErrorResponse, IndexInfo, ReloadResponse
+from ..schemas import INDEX_ERRORS, ErrorResponse, IndexInfo, ReloadResponse
 from ..security import StateDep, require_admin, require_search
 from ..state import API_VERSION
 
@@ -12,7 +12,7 @@ router = APIRouter()
 
 
 @router.get(f"/{API_VERSION}/index", response_model=IndexInfo, tags=["index"], summary="the served index version",
-            dependencies=[Depends(require_search)], responses=ERRORS)
+            dependencies=[Depends(require_search)], responses=INDEX_ERRORS)
 async def index_info(state: StateDep) -> IndexInfo:
     with state.use_version() as v:
         m = v.manifest
@@ -31,7 +31,7 @@ async def index_info(state: StateDep) -> IndexInfo:
 
 
 @router.post(f"/{API_VERSION}/admin/reload", response_model=ReloadResponse, tags=["admin"],
-             responses={**ERRORS, 409: {"model": ErrorResponse, "description": "new version built with another checkpoint"}},
+             responses={**INDEX_ERRORS, 409: {"model": ErrorResponse, "description": "new version built with another checkpoint"}},
              dependencies=[Depends(require_admin)], summary="switch to the index's CURRENT version atomically")
 async def admin_reload(state: StateDep) -> ReloadResponse:
     return ReloadResponse(**(await state.reload()))

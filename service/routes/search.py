@@ -13,7 +13,7 @@ from starlette.concurrency import run_in_threadpool
 from indexer import by_example as E
 from indexer import search as S
 
-from ..schemas import ERRORS, BatchSearchResponse, Hit, SearchResponse, Timings, make_request_models
+from ..schemas import SEARCH_ERRORS, BatchSearchResponse, Hit, SearchResponse, Timings, make_request_models
 from ..security import StateDep, require_search
 from ..settings import Settings
 from ..state import API_VERSION, Job, ServiceState
@@ -78,7 +78,7 @@ async def run_example(state: ServiceState, version: Any, fn: Any, *args: Any, op
 def make_router(settings: Settings) -> APIRouter:
     """The search routes, with this deployment's request bounds in their bodies (and so in the OpenAPI)."""
     SearchRequest, BatchSearchRequest = make_request_models(settings)
-    router = APIRouter(tags=["search"], dependencies=[Depends(require_search)], responses=ERRORS)
+    router = APIRouter(tags=["search"], dependencies=[Depends(require_search)], responses=SEARCH_ERRORS)
 
     @router.post(f"/{API_VERSION}/search", response_model=SearchResponse, summary="search the index with one text query")
     async def search_one(body: SearchRequest, state: StateDep) -> SearchResponse:  # type: ignore[valid-type]

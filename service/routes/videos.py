@@ -13,7 +13,7 @@ from fastapi.responses import FileResponse, Response
 from PIL import Image
 from starlette.concurrency import run_in_threadpool
 
-from ..schemas import ERRORS, VideoInfo
+from ..schemas import MEDIA_ERRORS, VideoInfo
 from ..security import StateDep, VideoId, require_media, require_search
 from ..state import API_VERSION, ServiceState
 
@@ -66,7 +66,7 @@ def make_thumbnail(path: Path, meta: dict[str, Any], width: int) -> bytes:
     return buf.getvalue()
 
 
-@router.get(f"/{API_VERSION}/videos/{{video_id}}", response_model=VideoInfo, responses=ERRORS,
+@router.get(f"/{API_VERSION}/videos/{{video_id}}", response_model=VideoInfo, responses=MEDIA_ERRORS,
             dependencies=[Depends(require_search)], summary="metadata of one index entry")
 async def video_info(video_id: VideoId, state: StateDep) -> VideoInfo:
     with state.use_version() as version:
@@ -79,7 +79,8 @@ async def video_info(video_id: VideoId, state: StateDep) -> VideoInfo:
 
 
 @router.get(f"/{API_VERSION}/videos/{{video_id}}/thumbnail", dependencies=[Depends(require_media)],
-            responses={**ERRORS, 200: {"content": {"image/jpeg": {}}, "description": "a JPEG frame of the entry"}},
+            responses={**MEDIA_ERRORS, 200: {"content": {"image/jpeg": {}}, "description": "a JPEG frame of the entry"},
+                       304: {"description": "not modified (If-None-Match matched the ETag)"}},
             response_class=Response, summary="a JPEG thumbnail (middle frame of the entry), cached")
 async def video_thumbnail(video_id: VideoId, request: Request, state: StateDep) -> Response:
     width = state.settings.thumbnail_width
@@ -104,7 +105,7 @@ async def video_thumbnail(video_id: VideoId, request: Request, state: StateDep) 
 
 
 @router.get(f"/{API_VERSION}/videos/{{video_id}}/file", dependencies=[Depends(require_media)],
-            responses={**ERRORS, 200: {"description": "the whole file"}, 206: {"description": "a byte range"},
+            responses={**MEDIA_ERRORS, 200: {"description": "the whole file"}, 206: {"description": "a byte range"},
                        416: {"description": "range not satisfiable"}},
             response_class=FileResponse, summary="the video file (HTTP range requests supported)")
 async def video_file(video_id: VideoId, state: StateDep) -> FileResponse:

@@ -1,5 +1,6 @@
 """indexer.ann: recall of every FAISS index type against brute force on clustered unit vectors, ids,
-save/load, incremental remove/add, and the automatic type choice.  `pytest -s` prints the recall table."""
+save/load, incremental remove/add, and the automatic type choice (the recall table people compare is
+bench/index_ann*.py: a benchmark, not a test)."""
 
 from __future__ import annotations
 
@@ -100,21 +101,6 @@ def test_rescored_ivfpq_beats_raw_pq(built, data):
     s, i = built["ivfpq"]["scores"], built["ivfpq"]["ids"]
     rows = (i - 1000) // 7
     np.testing.assert_allclose(s, np.einsum("qkd,qd->qk", x[rows], q), atol=1e-5)
-
-
-def test_recall_table(built):
-    lines = [
-        "",
-        f"recall@{K} vs exact, {N} x {D} clustered ({N_CLUSTERS} centres), {N_QUERIES} queries",
-        "| index | recall@10 | floor | build s | search ms/query |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    for t in INDEX_TYPES:
-        r = built[t]
-        lines.append(
-            f"| {t} | {r['recall']:.4f} | {RECALL_FLOORS[t]:.2f} | {r['build_s']:.2f} | {r['search_ms']:.3f} |"
-        )
-    print("\n".join(lines))
 
 
 @pytest.mark.parametrize("index_type", INDEX_TYPES)

@@ -1,4 +1,4 @@
-"""Shared helpers for the robustness tests (tests/test_robust_*.py); holds no tests itself.
+"""Shared helpers for the robustness tests (tests/robustness/test_robust_*.py); holds no tests itself.
 
 The fixtures are made the real way (a tiny GARE checkpoint saved with ``save_checkpoint``, real H.264 mp4
 files from ``training.synth``, indexes written by ``indexer.build``) once per test process. Tests that
@@ -39,6 +39,21 @@ def record(name: str, data: dict[str, Any]) -> None:
     p = Path(out)
     p.mkdir(parents=True, exist_ok=True)
     (p / f"{name}.json").write_text(json.dumps(data, indent=1, default=str), encoding="utf-8")
+
+
+@contextlib.contextmanager
+def recording(name: str, **initial: Any):
+    """Collect a figure while the test runs and record it even when the test fails: ``with recording("x") as
+    fig: fig["rows"].append(...)``. A failure adds ``error`` (the exception), so the report shows what was
+    observed up to the failure and why it stopped, never a figure that only exists when everything passed."""
+    fig: dict[str, Any] = dict(initial)
+    try:
+        yield fig
+    except BaseException as e:
+        fig["error"] = f"{type(e).__name__}: {e}"[:600]
+        raise
+    finally:
+        record(name, fig)
 
 
 def load_bench_module(name: str):

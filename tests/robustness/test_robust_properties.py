@@ -22,7 +22,7 @@ from tests.robustness.test_robust_common import (
     Stopwatch,
     index_cli,
     private_index,
-    record,
+    recording,
     shared,
 )
 
@@ -94,10 +94,14 @@ def _add_then_remove(world, names: list[str], by: str) -> dict:
     for n in names:
         (lib / n).unlink()
     after = snapshot(model, idx)
+    row = {"added": names, "removed_by": by, "n_before": len(before["entries"]), "n_with_added": len(added["entries"]),
+           "versions": [before["version"], added["version"], after["version"]], "equal": False}
+    world["examples"].append(row)
     assert_same(before, after)
-    assert index_cli("verify", "--out", str(idx))[0] == 0
-    return {"added": names, "removed_by": by, "n_before": len(before["entries"]), "n_with_added": len(added["entries"]),
-            "versions": [before["version"], added["version"], after["version"]]}
+    row["verify_rc"] = index_cli("verify", "--out", str(idx))[0]
+    assert row["verify_rc"] == 0
+    row["equal"] = True  # every comparison of assert_same held
+    return row
 
 
 def _run(world, n_examples: int, name: str, derandomize: bool) -> None:
@@ -108,12 +112,12 @@ def _run(world, n_examples: int, name: str, derandomize: bool) -> None:
     @given(names=st.lists(st.sampled_from(POOL), min_size=1, max_size=3, unique=True),
            by=st.sampled_from(["path", "id"]))
     def prop(names, by):
-        world["examples"].append(_add_then_remove(world, names, by))
+        _add_then_remove(world, names, by)
 
     world["examples"].clear()
-    prop()
-    record(name, {"examples": len(world["examples"]), "queries": len(QUERIES), "modes": ["two-stage", "ann-only"],
-                  "all_equal": True, "seconds": sw.s, "rows": world["examples"]})
+    with recording(name, queries=len(QUERIES), modes=["two-stage", "ann-only"], rows=world["examples"]) as fig:
+        prop()
+        fig["seconds"] = sw.s
 
 
 def test_add_then_remove_restores_search_results(world):

@@ -102,7 +102,7 @@ def free_port() -> int:
 class UvicornProcess:
     """`gare-serve` (service.cli) in a child process on 127.0.0.1:<free port>."""
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None, ready_timeout_s: float = 90) -> None:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, ready_timeout_s: float = 240) -> None:
         self.ready_timeout_s = ready_timeout_s
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"

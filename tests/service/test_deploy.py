@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.conftest import require
+
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 COMPOSE = REPO / "docker-compose.yml"
@@ -22,8 +24,8 @@ DOCKERFILES = sorted((REPO / "deploy").glob("Dockerfile.*"))
 
 def _tool(name: str) -> str:
     path = shutil.which(name, path=str(BIN)) or shutil.which(name)
-    assert path, f"{name} is not installed (it is in the project's test extra)"
-    return path
+    require(path, f"{name} is not installed (it is in the project's test extra: pip install -e '.[test]')")
+    return str(path)
 
 
 def test_compose_file_matches_the_compose_specification():

@@ -2,8 +2,8 @@
 against a real `gare-serve` process on 127.0.0.1.
 
 Needs: `apt-get install -y chromium` and `pip install playwright` (never `playwright install`: the
-system Chromium is used through executable_path). Skips, saying which is missing, only when one of
-the two is absent. GARE_PAGE_SCREENSHOT=docs/img/page.png also writes the screenshot there.
+system Chromium is used through executable_path); `bash run.sh test` installs both. When one is missing
+the test fails under CI=true and is skipped elsewhere, saying which (tests/conftest.py `require`). GARE_PAGE_SCREENSHOT=docs/img/page.png also writes the screenshot there.
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ import re
 import shutil
 from pathlib import Path
 
-import pytest
-
+from tests.conftest import require
 from tests.service.support import REPO, UvicornProcess, shared
 
 CHROMIUM = os.environ.get("GARE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
@@ -28,13 +27,10 @@ try:
 except ImportError:  # pragma: no cover - depends on the environment
     sync_playwright = None
 
-pytestmark = [
-    pytest.mark.skipif(sync_playwright is None, reason="Playwright for Python is not installed (pip install playwright)"),
-    pytest.mark.skipif(not Path(CHROMIUM).is_file(), reason=f"Chromium not found at {CHROMIUM} (apt-get install -y chromium)"),
-]
-
 
 def test_search_page_end_to_end(tmp_path):
+    require(sync_playwright is not None, "Playwright for Python is not installed (pip install playwright)")
+    require(Path(CHROMIUM).is_file(), f"Chromium not found at {CHROMIUM} (apt-get install -y chromium, or GARE_CHROMIUM)")
     sh = shared()
     with UvicornProcess(["--index", str(sh["seg_index"])]) as srv, sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
