@@ -34,6 +34,7 @@ from training.checkpoint import file_sha256
 
 from .ann import INDEX_TYPES, AnnIndex, AnnParams, build_index, choose_index_type
 from .discover import Clip, Skip, discover, expand_segments, fmt_time, scan, seg_of
+from .stage1_tune import STAGE1_KEY, Stage1Options
 from .store import (
     MANIFEST_FILE,
     REPORT_FILE,
@@ -99,6 +100,9 @@ class BuildOptions:
     # dual-tower cosine; None: "served" for build, as the index for add
     bias_score: str | None = None
     bias_k: int = 256
+    # stage-1 tuning (indexer/stage1_tune.py): recall target, latency budget, psi coverage -> default K
+    stage1: Stage1Options = field(default_factory=Stage1Options)
+    tune_captions: Sequence[str] | None = None  # caption texts for the sample queries (--tune-captions)
 
     def validate(self) -> None:
         if self.index_type not in (None, "auto", *INDEX_TYPES):
@@ -134,6 +138,7 @@ class BuildOptions:
             raise ValueError(f"--bias-k must be >= 1, got {self.bias_k}")
         if not (math.isfinite(self.ncl_c) and self.ncl_c > 0):
             raise ValueError(f"--ncl-c must be > 0, got {self.ncl_c}")
+        self.stage1.validate()
         if self.invgc is False and (self.invgc_r_g is not None or self.invgc_val is not None):
             raise ValueError("--invgc-val / --invgc-r-g / --invgc-r-q need --invgc")
 
@@ -165,6 +170,7 @@ class RunReport:
     biases: dict[str, Any] = field(default_factory=dict)
     invgc: dict[str, Any] | None = None  # the InvGC values applied to the stage-1 vectors (manifest["invgc"])
     ncl_stage1: bool = False  # whether the version has ann_ncl.faiss
+    stage1: dict[str, Any] | None = None  # manifest["stage1"] of the new version (build / add / tune)
     skipped: list[dict[str, Any]] = field(default_factory=list)
     ignored: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -794,6 +800,7 @@ def _build_locked(checkpoint: Any, videos: Any, root: Path, opts: BuildOptions, 
                                 int(((pman.get("biases") or {}).get("served") or {}).get("k") or opts.bias_k)) \
             if score == "served" else None
         gamma, queue = checkpoint_gamma_and_queue(ckpt, raw=True)
+        ckpt_queue = queue  # the sample queries of the stage-1 tuning (raw rows; traffic may be mixed into `queue` below)
         tinfo = None
         if mode == "add" and (pman.get("biases") or {}).get("traffic"):
             queue, tinfo = _carried_traffic(queue, pman["biases"], prev.dim, report)
@@ -807,6 +814,7 @@ def _build_locked(checkpoint: Any, videos: Any, root: Path, opts: BuildOptions, 
         stage1 = arrays.get("ann_units", arrays["units"])
         ids = arrays["ids"]
         requested = opts.index_type or (pman.get("index_type_requested", "auto") if mode == "add" else "auto")
+        t_ann = time.time()
         if mode == "add" and prev is not None:
             # the new ANN = the previous one - every id not kept + the new and changed clips
             drop = np.setdiff1d(np.asarray(prev.ids), kept_ids)
@@ -816,6 +824,9 @@ def _build_locked(checkpoint: Any, videos: Any, root: Path, opts: BuildOptions, 
         else:
             ann, ainfo = _make_ann(stage1, ids, opts, None, requested, incremental=False,
                                    drop_ids=np.zeros(0, np.int64), new_rows=np.zeros(0, np.int64))
+        ann, ainfo = _tune_stage1(ann, ainfo, stage1, ids, arrays, model, ckpt_queue, opts, requested,
+                                   time.time() - t_ann)
+        report.stage1 = ainfo.get(STAGE1_KEY)
         report.index_type = ann.params.index_type
         extra = {
             "checkpoint": {"path": str(ckpt_path), "sha256": sha, "model_config": cfg.to_dict()},
@@ -836,6 +847,28 @@ def _build_locked(checkpoint: Any, videos: Any, root: Path, opts: BuildOptions, 
     report.version = name
     report.n_videos = len(entries)
     cache.clear()  # its features are in the current version now
+
+
+def _tune_stage1(ann: AnnIndex, ainfo: dict[str, Any], units: np.ndarray, ids: np.ndarray, arrays: dict[str, Any],
+                 model: Any, queue: np.ndarray | None, opts: BuildOptions, requested: str, build_s: float,
+                 ) -> tuple[AnnIndex, dict[str, Any]]:
+    """Meet the recall target and choose the default K (indexer.stage1_tune); ainfo gains manifest["stage1"]."""
+    if not opts.stage1.enabled:
+        return ann, {**ainfo, STAGE1_KEY: None}
+    from .stage1_tune import encode_captions, tune_version_ann
+
+    caps = encode_captions(model, list(opts.tune_captions)) if opts.tune_captions else None
+    def arr(name: str) -> np.ndarray:  # a fresh array, or the previous version's file (memmapped)
+        v = arrays[name]
+        return np.load(v.path, mmap_mode="r", allow_pickle=False) if isinstance(v, ExistingFile) else v
+
+    tuned, entry = tune_version_ann(units if not isinstance(units, ExistingFile) else np.load(units.path, mmap_mode="r"), ids, frames=arr("frames"), masks=arr("masks"), biases=arr("biases"),
+                                    model=model, queue=queue, captions=caps, ann=ann, build_s=build_s,
+                                    requested_type=requested, options=opts.stage1,
+                                    progress=_progress_enabled(opts.progress))
+    same = tuned.cpu_index is ann.cpu_index
+    return tuned, {**ainfo, "ann_params": tuned.params.to_dict(),
+                   "ann_trained_n": ainfo.get("ann_trained_n") if same else int(units.shape[0]), STAGE1_KEY: entry}
 
 
 def _postprocess_setup(opts: BuildOptions, mode: str, pman: dict[str, Any], model: Any, ckpt: Any,
@@ -1074,7 +1107,7 @@ def _no_kv(frames16: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _carry_manifest(m: dict[str, Any]) -> dict[str, Any]:
     """Manifest fields a derived version keeps (checkpoint binding, sampling, ANN choice, ...)."""
     keys = ("checkpoint", "precision", "sampling", "segment", "index_type_requested", "ann_params", "ann_trained_n",
-            "next_id", "biases", "invgc", "ncl_stage1")
+            "next_id", "biases", "invgc", "ncl_stage1", "stage1")
     return {k: m[k] for k in keys if k in m}
 
 
@@ -1162,6 +1195,8 @@ def stats(out: str | os.PathLike) -> dict[str, Any]:
             "invgc": None if not m.get("invgc") else {k: v for k, v in m["invgc"].items() if k != "selection"}
             | {"selection": {k: v for k, v in (m["invgc"].get("selection") or {}).items() if k != "tried"}},
             "ncl_stage1": m.get("ncl_stage1"),
+            "stage1": None if not m.get(STAGE1_KEY) else {k: v for k, v in m[STAGE1_KEY].items() if k != "trials"},
+            "default_candidates": (m.get(STAGE1_KEY) or {}).get("default_candidates"),
             "bytes": files,
             "bytes_total": total,
             "bytes_per_video": round(total / n, 1) if n else None,
