@@ -7,6 +7,7 @@ from fastapi import APIRouter, Depends, HTTPException
 from starlette.concurrency import run_in_threadpool
 
 from indexer import search as S
+from indexer.stage1_tune import index_default_candidates
 
 from ..schemas import ERRORS, BatchSearchResponse, Hit, SearchResponse, Timings, make_request_models
 from ..security import StateDep, require_search
@@ -60,14 +61,16 @@ def make_router(settings: Settings) -> APIRouter:
     async def search_one(body: SearchRequest, state: StateDep) -> SearchResponse:  # type: ignore[valid-type]
         t_start = time.perf_counter()
         with state.use_version() as version:
-            return (await run_queries(state, version, [body.query], body.options(), t_start))[0]
+            return (await run_queries(state, version, [body.query], body.options(index_default_candidates(version.manifest)),
+                                       t_start))[0]
 
     @router.post(f"/{API_VERSION}/search/batch", response_model=BatchSearchResponse,
                  summary="many queries in one request (shared options)")
     async def search_batch(body: BatchSearchRequest, state: StateDep) -> BatchSearchResponse:  # type: ignore[valid-type]
         t_start = time.perf_counter()
         with state.use_version() as version:
-            res = await run_queries(state, version, list(body.queries), body.options(), t_start)
+            res = await run_queries(state, version, list(body.queries),
+                                    body.options(index_default_candidates(version.manifest)), t_start)
             return BatchSearchResponse(
                 index_version=version.name, results=res,
                 timings_ms={"total": round((time.perf_counter() - t_start) * 1000, 3)},
