@@ -74,10 +74,10 @@ def test_queue_queries_and_biases_match_a_naive_reference(gallery):
     st = v.manifest["stage1"]
     assert st["query_source"] == "ncl-queue (256 queries)"  # the queue wins over the captions
     model, ck = load_model(gallery["ckpt_q"], "cpu")
-    q = ck.queues["text"].float()
-    q = q / q.norm(dim=1, keepdim=True)
+    t = ck.queues["text"].float()  # psi scores the stored (un-normalised) rows, the ANN their unit vectors
+    q = t / t.norm(dim=1, keepdim=True)
     with torch.no_grad():
-        psi = model.score(q, torch.from_numpy(np.asarray(v.frames, dtype=np.float32)),
+        psi = model.score(t, torch.from_numpy(np.asarray(v.frames, dtype=np.float32)),
                           torch.from_numpy(np.asarray(v.masks))).numpy()
     final = psi + np.asarray(v.biases)[None, :]
     assert np.abs(v.biases).max() > 1e-3

@@ -34,7 +34,8 @@ def test_index_info_shows_stage1(client, sh):
     for key in ("recall", "recall_target", "recall_at", "coverage", "default_candidates", "query_source", "params",
                 "p50_ms", "index_type", "latency_budget_ms"):
         assert got[key] == st[key], key
-    assert got["query_source"] == "ncl-queue (256 queries)" and got["recall"] >= got["recall_target"] == 0.995
+    nq = m["biases"]["n_queries"]  # the checkpoint's queue: the sample queries
+    assert got["query_source"] == f"ncl-queue ({nq} queries)" and got["recall"] >= got["recall_target"] == 0.995
 
 
 def test_search_defaults_to_the_index_K(client):
