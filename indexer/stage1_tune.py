@@ -101,6 +101,7 @@ def psi_fold_scorer(model: Any, frames: np.ndarray, masks: np.ndarray, biases: n
 
     from training.psi_fold import exhaustive, fold_queries, fold_videos, fold_weights
 
+    ref_pad = bool(getattr(model.cfg, "reference_padding", False))  # the authors' padding: v̄ and psi over all rows
     fold = fold_weights(model.psi).to("cpu")  # the scoring runs on the CPU next to the memmapped frames
     qv = fold_queries(torch.from_numpy(np.ascontiguousarray(raw_queries, dtype=np.float32)), fold, model.cfg.temp)
     where = {np.ascontiguousarray(unit_queries[i], dtype=np.float32).tobytes(): i for i in range(unit_queries.shape[0])}
@@ -118,7 +119,7 @@ def psi_fold_scorer(model: Any, frames: np.ndarray, masks: np.ndarray, biases: n
         srt = np.argsort(rows, kind="stable")  # sorted reads from the memmap
         fr = torch.from_numpy(np.asarray(frames[rows[srt]], dtype=np.float16))
         mk = torch.from_numpy(np.asarray(masks[rows[srt]]))
-        vc = fold_videos(fr, mk, fold)
+        vc = fold_videos(fr, mk, fold, reference_padding=ref_pad)
         sub = dataclasses.replace(qv, u=qv.u[torch.from_numpy(qi)], sc=qv.sc[torch.from_numpy(qi)])
         s = np.empty((q.shape[0], rows.shape[0]), dtype=np.float32)
         s[:, srt] = exhaustive(sub, vc).numpy()
