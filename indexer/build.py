@@ -202,7 +202,7 @@ def _no_kv(frames16: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _carry_manifest(m: dict[str, Any]) -> dict[str, Any]:
     """Manifest fields a derived version keeps (checkpoint binding, sampling, ANN choice, ...)."""
     keys = ("checkpoint", "precision", "sampling", "segment", "index_type_requested", "ann_params", "ann_trained_n",
-            "next_id", "biases", "invgc", "ncl_stage1", "psi_fold")
+            "next_id", "biases", "invgc", "ncl_stage1", "psi_fold", "stage1")
     return {k: m[k] for k in keys if k in m}
 
 

@@ -1,4 +1,4 @@
-"""`gare-index`: build | add | remove | biases | verify | stats | gc | compare (see docs/index-format.md and
+"""`gare-index`: build | add | remove | biases | tune | verify | stats | gc | compare (see docs/index-format.md and
 docs/postprocessing.md)."""
 
 from __future__ import annotations
@@ -147,6 +147,8 @@ def _add_encode_args(p: argparse.ArgumentParser, *, build: bool) -> None:
     g.add_argument("--rescore", type=_positive_int, help="IVF-PQ: re-score k * RESCORE candidates exactly (default 4)")
     g.add_argument("--rebuild-ann", action="store_true", help="rebuild (re-train) the ANN index instead of updating it")
 
+    _add_tune_args(p)
+
     g = p.add_argument_group("encoding")
     g.add_argument("--segment", type=_positive_float, metavar="SECONDS",
                    help="index windows of SECONDS of each video as separate entries (with start/end)")
@@ -172,6 +174,53 @@ def _add_encode_args(p: argparse.ArgumentParser, *, build: bool) -> None:
     p.add_argument("--keep", type=_positive_int, default=3, help="versions to keep (default 3; older ones are removed)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar (default: when stderr is a terminal)")
+
+
+def _add_tune_args(p: argparse.ArgumentParser, *, tune_cmd: bool = False) -> None:
+    g = p.add_argument_group("stage-1 tuning (recall target, psi coverage, default K; docs/index-format.md)")
+    if not tune_cmd:
+        g.add_argument("--tune", action=argparse.BooleanOptionalAction, default=True,
+                       help="tune the ANN to the recall target and choose the default K (default: on; --no-tune keeps "
+                            "the built index and its knobs and records no stage1 figures)")
+    g.add_argument("--recall-target", type=_positive_float, default=0.995, metavar="R",
+                   help="recall@K of the exact cosine top-10 the ANN must reach on held-out sample queries, K = the "
+                        "service's default candidates (default 0.995)")
+    g.add_argument("--latency-budget-ms", type=_positive_float, default=5.0, metavar="MS",
+                   help="single-query p50 on one thread the ANN may take (default 5)")
+    g.add_argument("--tune-captions", metavar="MANIFEST|SYNTH_DIR",
+                   help="caption manifest (CSV video,caption / JSONL) or a `gare-train synth` folder (test split) whose "
+                        "caption embeddings are the sample queries when the checkpoint has no NCL text queue")
+    g.add_argument("--tune-queries", type=_positive_int, default=1000, metavar="N", help="sample queries (default 1000)")
+
+
+def _stage1_options(args: argparse.Namespace):
+    from .search import DEFAULT_CANDIDATES
+    from .stage1_tune import Stage1Options
+
+    if args.recall_target > 1:
+        raise ValueError(f"--recall-target must be in (0, 1], got {args.recall_target}")
+    return Stage1Options(enabled=getattr(args, "tune", True), recall_target=args.recall_target,
+                         candidates=DEFAULT_CANDIDATES, latency_budget_ms=args.latency_budget_ms,
+                         n_queries=max(2, args.tune_queries))
+
+
+def _caption_texts(source: str | None) -> list[str] | None:
+    """--tune-captions: the caption strings of a manifest, or of a synth corpus's test split."""
+    if not source:
+        return None
+    from training.data import load_dataset, load_manifest
+
+    p = Path(source)
+    if p.is_dir():
+        rs = load_dataset({"kind": "synth", "root": str(p)}, "test")
+    elif p.is_file():
+        rs = load_manifest(p)
+    else:
+        raise ValueError(f"--tune-captions {source}: no such file or folder")
+    texts = list(rs.captions)
+    if not texts:
+        raise ValueError(f"--tune-captions {source}: no captions")
+    return texts
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -278,6 +327,17 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--workers", type=int, default=2)
     sp.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
 
+    sp = sub.add_parser("tune", help="re-tune stage 1 of the current version (recall target, psi coverage, default "
+                        "K) without re-encoding; writes a new version", epilog=EPILOG,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_index_arg(sp)
+    sp.add_argument("--checkpoint", help="default: the index's (same sha256 required)")
+    sp.add_argument("--index-type", choices=("auto", *INDEX_TYPES), default=None,
+                    help="index types the tuner may use (default: the index's requested type)")
+    _add_tune_args(sp, tune_cmd=True)
+    sp.add_argument("--keep", type=_positive_int, default=3)
+    sp.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+
     sp = sub.add_parser("gc", help="remove old versions (never the current one), unfinished writes and, with --work, the work cache")
     _add_index_arg(sp)
     sp.add_argument("--keep", type=_positive_int, default=3)
@@ -313,7 +373,8 @@ def _cmd_build(args: argparse.Namespace) -> int:
         device=args.device, precision=args.precision, engine=args.engine, scheduler=args.scheduler,
         dask_workers=args.dask_workers, shard_size=args.shard_size, store_kv=None, keep=args.keep,
         n_iters=args.n_iters, progress=args.progress, decode_timeout=args.decode_timeout,
-        invgc=args.invgc, ncl_stage1=args.ncl_stage1, bias_score=args.bias_score,
+        invgc=args.invgc, ncl_stage1=args.ncl_stage1, bias_score=args.bias_score, stage1=_stage1_options(args),
+        tune_captions=_caption_texts(args.tune_captions),
     )
     if args.bias_k is not None:
         opts.bias_k = args.bias_k
@@ -331,6 +392,22 @@ def _cmd_build(args: argparse.Namespace) -> int:
         print(f"InvGC applied to the stage-1 vectors: r_g={inv['r_g']:g}, r_q={inv['r_q']:g}, k={inv['k_percent']:g}% ({how})")
     if report.ncl_stage1:
         print("NCL stage 1: ann_ncl.faiss written (candidates by cos + b)")
+    if report.stage1:
+        from .stage1_tune import describe_stage1
+
+        print(describe_stage1(report.stage1))
+    return report.exit_code
+
+
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from .retune import retune
+    from .stage1_tune import describe_stage1
+
+    report = retune(args.out, options=_stage1_options(args), checkpoint=args.checkpoint,
+                    captions=_caption_texts(args.tune_captions), index_type=args.index_type, keep=args.keep,
+                    progress=args.progress)
+    print(report.summary())
+    print(describe_stage1(report.stage1))
     return report.exit_code
 
 
@@ -469,7 +546,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 
 COMMANDS = {"build": _cmd_build, "add": _cmd_build, "remove": _cmd_remove, "biases": _cmd_biases,
             "verify": _cmd_verify, "stats": _cmd_stats, "gc": _cmd_gc, "compare": _cmd_compare,
-            "upgrade": _cmd_upgrade}
+            "upgrade": _cmd_upgrade, "tune": _cmd_tune}
 
 
 def main(argv: list[str] | None = None) -> int:

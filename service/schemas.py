@@ -97,7 +97,9 @@ class IndexInfo(BaseModel):
         "version": "v000003", "n": 1000, "dim": 512, "max_frames": 12, "index_type": "flat", "created": "2025-06-01T12:00:00+00:00",
         "checkpoint": {"name": "gare-msrvtt.safetensors", "sha256": "ab12...", "model_config": {"backbone": "ViT-B-32"}},
         "biases": {"gamma": 0.01, "n_iters": 4, "n_queries": 16384, "source": "checkpoint queue"},
-        "device": "cpu", "precision": "fp32", "rerank_impl": "fold",
+        "device": "cpu", "precision": "fp32", "rerank_impl": "fold", "default_candidates": 64,
+        "stage1": {"recall": 1.0, "recall_target": 0.995, "recall_at": 256, "index_type": "flat", "p50_ms": 0.4,
+                   "coverage": {"32": 0.99, "64": 0.997}, "default_candidates": 64, "query_source": "ncl-queue (1000 queries)"},
     }]})
     version: str
     n: int
@@ -113,6 +115,10 @@ class IndexInfo(BaseModel):
     device: str
     precision: str
     rerank_impl: str
+    default_candidates: int = Field(description="K a search uses when it gives no candidates: the index's chosen K "
+                                    "(smallest K holding >= 99.5% of the exhaustive psi top-10), else the setting")
+    stage1: dict[str, Any] | None = Field(None, description="the index's stage-1 tuning: recall vs exact search, "
+                                          "psi coverage per K, query source, parameters and latency (manifest stage1)")
 
 
 class ReloadResponse(BaseModel):
@@ -169,7 +175,8 @@ def make_request_models(settings: Settings) -> tuple[type[BaseModel], type[BaseM
         k: int = Field(10, ge=1, le=max_k, description="results to return")
         candidates: int | None = Field(
             None, ge=1, le=max_K,
-            description=f"K, the ANN shortlist the rerank scores (>= k; default {default_K}, or k when k is larger)",
+            description=f"K, the ANN shortlist the rerank scores (>= k; default: the index's chosen K (GET /v1/index "
+            f"default_candidates), else {default_K}; k when k is larger)",
         )
         rerank: bool = Field(True, description="score the K candidates with psi (false: dual-tower cosine only)")
         ncl: bool = Field(NCL_DEFAULT, description="add the NCL Sinkhorn video biases (default: "
@@ -181,14 +188,17 @@ def make_request_models(settings: Settings) -> tuple[type[BaseModel], type[BaseM
 
         @model_validator(mode="after")
         def _k_le_K(self):
-            if self.candidates is None:
-                self.candidates = min(max_K, max(default_K, self.k))
-            if self.candidates < self.k:
+            # candidates None: resolved in options() against the served index's own default K
+            if self.candidates is not None and self.candidates < self.k:
                 raise ValueError(f"candidates ({self.candidates}) must be >= k ({self.k})")
             return self
 
-        def options(self) -> S.SearchOptions:
-            return S.SearchOptions(k=self.k, candidates=int(self.candidates or default_K), rerank=self.rerank,
+        def options(self, index_default: int | None = None) -> S.SearchOptions:
+            """``index_default``: the served index's chosen K (manifest stage1), used when no candidates are given."""
+            K = self.candidates
+            if K is None:
+                K = min(max_K, max(index_default or default_K, self.k))
+            return S.SearchOptions(k=self.k, candidates=int(K), rerank=self.rerank,
                                    ncl=self.ncl or self.ncl_stage1, ncl_stage1=self.ncl_stage1)
 
     class SearchRequest(_Options):

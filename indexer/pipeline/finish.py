@@ -12,6 +12,7 @@ import numpy as np
 
 from .. import psi_consts
 from ..ann import AnnIndex, AnnParams, build_index, choose_index_type
+from ..stage1_tune import STAGE1_KEY
 from ..store import IndexVersion, write_version
 from .assemble import _Entry
 from .biases import (
@@ -88,6 +89,7 @@ def finish(p: Plan, entries: list[_Entry], arrays: dict[str, Any], opts: BuildOp
                             int(((pman.get("biases") or {}).get("served") or {}).get("k") or opts.bias_k)) \
         if score == "served" else None
     gamma, queue = checkpoint_gamma_and_queue(p.ckpt, raw=True)
+    ckpt_queue = queue  # the sample queries of the stage-1 tuning (raw rows; traffic may be mixed into `queue` below)
     tinfo = None
     if mode == "add" and (pman.get("biases") or {}).get("traffic"):
         queue, tinfo = _carried_traffic(queue, pman["biases"], prev.dim, report)
@@ -101,6 +103,7 @@ def finish(p: Plan, entries: list[_Entry], arrays: dict[str, Any], opts: BuildOp
     stage1 = arrays.get("ann_units", arrays["units"])
     ids = arrays["ids"]
     requested = opts.index_type or (pman.get("index_type_requested", "auto") if mode == "add" else "auto")
+    t_ann = time.time()
     if mode == "add" and prev is not None:
         # the new ANN = the previous one - every id not kept + the new and changed clips
         drop = np.setdiff1d(np.asarray(prev.ids), kept_ids)
@@ -110,6 +113,9 @@ def finish(p: Plan, entries: list[_Entry], arrays: dict[str, Any], opts: BuildOp
     else:
         ann, ainfo = _make_ann(stage1, ids, opts, None, requested, incremental=False,
                                drop_ids=np.zeros(0, np.int64), new_rows=np.zeros(0, np.int64))
+    ann, ainfo = _tune_stage1(ann, ainfo, stage1, ids, arrays, p.model, ckpt_queue, opts, requested,
+                              time.time() - t_ann)
+    report.stage1 = ainfo.get(STAGE1_KEY)
     report.index_type = ann.params.index_type
     extra = {
         "checkpoint": {"path": str(p.ckpt_path), "sha256": p.sha, "model_config": cfg.to_dict()},
@@ -127,3 +133,26 @@ def finish(p: Plan, entries: list[_Entry], arrays: dict[str, Any], opts: BuildOp
     # psi's folded per-video constants (issue 12): carried for unchanged rows, folded for the new ones
     extra["psi_fold"] = psi_consts.attach(arrays, p.model, prev, checkpoint_sha=p.sha, staging=staging, device=p.device)
     return write_version(p.root, arrays, [e.meta for e in entries], extra, ann=ann, keep=opts.keep)
+
+
+def _tune_stage1(ann: AnnIndex, ainfo: dict[str, Any], units: Any, ids: np.ndarray, arrays: dict[str, Any],
+                 model: Any, queue: np.ndarray | None, opts: BuildOptions, requested: str, build_s: float,
+                 ) -> tuple[AnnIndex, dict[str, Any]]:
+    """Meet the recall target and choose the default K (indexer.stage1_tune); ainfo gains manifest["stage1"]."""
+    if not opts.stage1.enabled:
+        return ann, {**ainfo, STAGE1_KEY: None}
+    from ..stage1_tune import encode_captions, tune_version_ann
+    from ..store import ExistingFile
+    from .plan import _progress_enabled
+
+    def arr(v: Any) -> Any:  # a fresh array, or the previous version's file (memmapped)
+        return np.load(v.path, mmap_mode="r", allow_pickle=False) if isinstance(v, ExistingFile) else v
+
+    caps = encode_captions(model, list(opts.tune_captions)) if opts.tune_captions else None
+    tuned, entry = tune_version_ann(arr(units), ids, frames=arr(arrays["frames"]), masks=arr(arrays["masks"]),
+                                    biases=arr(arrays["biases"]), model=model, queue=queue, captions=caps, ann=ann,
+                                    build_s=build_s, requested_type=requested, options=opts.stage1,
+                                    progress=_progress_enabled(opts.progress))
+    same = tuned.cpu_index is ann.cpu_index
+    return tuned, {**ainfo, "ann_params": tuned.params.to_dict(),
+                   "ann_trained_n": ainfo.get("ann_trained_n") if same else int(units.shape[0]), STAGE1_KEY: entry}

@@ -7,11 +7,13 @@ import datetime as _dt
 import json
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..ann import INDEX_TYPES
+from ..stage1_tune import Stage1Options
 from ..store import REPORT_FILE, atomic_write_text
 
 BUILD_LOCK = ".build.lock"
@@ -59,6 +61,9 @@ class BuildOptions:
     # dual-tower cosine; None: "served" for build, as the index for add
     bias_score: str | None = None
     bias_k: int = 256
+    # stage-1 tuning (indexer/stage1_tune.py): recall target, latency budget, psi coverage -> default K
+    stage1: Stage1Options = field(default_factory=Stage1Options)
+    tune_captions: Sequence[str] | None = None  # caption texts for the sample queries (--tune-captions)
 
     def validate(self) -> None:
         if self.index_type not in (None, "auto", *INDEX_TYPES):
@@ -94,6 +99,7 @@ class BuildOptions:
             raise ValueError(f"--bias-k must be >= 1, got {self.bias_k}")
         if not (math.isfinite(self.ncl_c) and self.ncl_c > 0):
             raise ValueError(f"--ncl-c must be > 0, got {self.ncl_c}")
+        self.stage1.validate()
         if self.invgc is False and (self.invgc_r_g is not None or self.invgc_val is not None):
             raise ValueError("--invgc-val / --invgc-r-g / --invgc-r-q need --invgc")
 
@@ -125,6 +131,7 @@ class RunReport:
     biases: dict[str, Any] = field(default_factory=dict)
     invgc: dict[str, Any] | None = None  # the InvGC values applied to the stage-1 vectors (manifest["invgc"])
     ncl_stage1: bool = False  # whether the version has ann_ncl.faiss
+    stage1: dict[str, Any] | None = None  # manifest["stage1"] of the new version (build / add / tune)
     skipped: list[dict[str, Any]] = field(default_factory=list)
     ignored: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from ..stage1_tune import STAGE1_KEY
 from ..store import MANIFEST_FILE, VERSIONS_DIR, WORK_DIR, open_index
 
 
@@ -51,6 +52,8 @@ def stats(out: str | os.PathLike) -> dict[str, Any]:
             "invgc": None if not m.get("invgc") else {k: v for k, v in m["invgc"].items() if k != "selection"}
             | {"selection": {k: v for k, v in (m["invgc"].get("selection") or {}).items() if k != "tried"}},
             "ncl_stage1": m.get("ncl_stage1"),
+            "stage1": None if not m.get(STAGE1_KEY) else {k: v for k, v in m[STAGE1_KEY].items() if k != "trials"},
+            "default_candidates": (m.get(STAGE1_KEY) or {}).get("default_candidates"),
             "bytes": files,
             "bytes_total": total,
             "bytes_per_video": round(total / n, 1) if n else None,

@@ -3,6 +3,7 @@
 from fastapi import APIRouter, Depends
 
 from indexer.served_biases import describe as describe_biases
+from indexer.stage1_tune import STAGE1_KEY, index_default_candidates
 
 from ..schemas import INDEX_ERRORS, ErrorResponse, IndexInfo, ReloadResponse
 from ..security import StateDep, require_admin, require_search
@@ -27,6 +28,8 @@ async def index_info(state: StateDep) -> IndexInfo:
             biases=m.get("biases"), biases_description=describe_biases(m.get("biases")),
             device=str(state.device), precision=state.precision,
             rerank_impl=state.settings.rerank_impl,
+            default_candidates=index_default_candidates(m) or state.settings.default_candidates,
+            stage1=None if not m.get(STAGE1_KEY) else {k: x for k, x in m[STAGE1_KEY].items() if k != "trials"},
         )
 
 

@@ -12,6 +12,7 @@ from starlette.concurrency import run_in_threadpool
 
 from indexer import by_example as E
 from indexer import search as S
+from indexer.stage1_tune import index_default_candidates
 
 from ..schemas import SEARCH_ERRORS, BatchSearchResponse, Hit, SearchResponse, Timings, make_request_models
 from ..security import StateDep, require_search
@@ -86,11 +87,12 @@ def make_router(settings: Settings) -> APIRouter:
         with state.use_version() as version:
             ids = body.example_ids()
             if ids is not None:  # more like this: stage 1 with the videos' mean v̂, rerank by s_vv
-                opts = body.options()
+                opts = body.options(index_default_candidates(version.manifest))
                 opts = S.SearchOptions(k=opts.k, candidates=opts.candidates, rerank=opts.rerank, ncl=False)
                 return await run_example(state, version, E.search_by_videos, version, ids, opts=opts,
                                          example={"kind": "videos", "ids": ids}, t_start=t_start)
-            return (await run_queries(state, version, [body.query], body.options(), t_start))[0]
+            return (await run_queries(state, version, [body.query],
+                                       body.options(index_default_candidates(version.manifest)), t_start))[0]
 
     max_k, max_K, default_K = settings.max_k, settings.max_candidates, settings.default_candidates
 
@@ -126,7 +128,8 @@ def make_router(settings: Settings) -> APIRouter:
     async def search_batch(body: BatchSearchRequest, state: StateDep) -> BatchSearchResponse:  # type: ignore[valid-type]
         t_start = time.perf_counter()
         with state.use_version() as version:
-            res = await run_queries(state, version, list(body.queries), body.options(), t_start)
+            res = await run_queries(state, version, list(body.queries),
+                                    body.options(index_default_candidates(version.manifest)), t_start)
             return BatchSearchResponse(
                 index_version=version.name, results=res,
                 timings_ms={"total": round((time.perf_counter() - t_start) * 1000, 3)},

@@ -38,6 +38,18 @@
 
   let nclTouched = false;
   $("ncl").addEventListener("change", () => { nclTouched = true; });
+  // Footer: what the index measured about stage 1 when it was built (GET /v1/index stage1).
+  function stage1Text(info) {
+    const st = info.stage1;
+    if (!st) return "Stage 1 not tuned; default K " + info.default_candidates + ".";
+    const K = st.default_candidates;
+    const cov = K && st.coverage ? st.coverage[String(K)] : null;
+    return "Stage 1: recall@" + st.recall_at + " of the exact top-" + st.recall_k + " " + Number(st.recall).toFixed(4) +
+      " (target " + st.recall_target + "), " + st.index_type + " " + (st.setting || "") + ", p50 " +
+      Number(st.p50_ms).toFixed(2) + " ms; psi top-" + st.coverage_top + " inside the top-" + (K || "?") + ": " +
+      (cov === null || cov === undefined ? "n/a" : (100 * cov).toFixed(2) + "%") + " (default K " +
+      info.default_candidates + "); queries: " + st.query_source + ".";
+  }
 
   async function loadIndexInfo() {
     try {
@@ -51,6 +63,7 @@
       if (info.ncl_default_reason) {
         $("ncl-label").title = info.ncl_default_reason + (info.biases_description ? " · biases: " + info.biases_description : "");
       }
+      $("stage1-info").textContent = stage1Text(info);
     } catch (e) {
       $("index-info").textContent = "index information unavailable";
     }

@@ -1,0 +1,147 @@
+"""Stage-1 tuning wired into the index (issue 13): `gare-index build --recall-target/--latency-budget-ms/
+--tune-captions`, the manifest's `stage1` entry (recall, psi coverage per K, default K, query source,
+parameters, latency), `gare-index stats`, `gare-index tune`, and the failure path (exit 1, message, the last
+good version intact). Real mp4 files, the tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from indexer.cli import main
+from indexer.stage1_tune import COVERAGE_KS, index_default_candidates
+from indexer.store import current_version_name, list_versions, open_index
+from tests.indexer.support import copy_videos, make_checkpoint
+from training.checkpoint import load_model
+
+
+@pytest.fixture(scope="module")
+def gallery(tmp_path_factory):
+    """40 test-split videos with 2 captions each (80 queries): large enough that K=16 misses some psi top-10."""
+    from training.synth import SynthConfig, generate_corpus
+
+    root = tmp_path_factory.mktemp("stage1")
+    info = generate_corpus(root / "corpus", SynthConfig(n_videos=50, seed=3, width=32, height=32, duration=2.0, fps=8.0,
+                                                        captions_per_video=2, test_fraction=0.8), progress=False)
+    return {"root": root, "manifest": str(info["manifest_test"]),
+            "ckpt_noq": make_checkpoint(root / "noq.safetensors", queue=False),
+            "ckpt_q": make_checkpoint(root / "q.safetensors", queue=True)}
+
+
+def _build(ckpt, videos, out, *extra: str) -> int:
+    return main(["build", "--checkpoint", str(ckpt), "--videos", str(videos), "--out", str(out), "--workers", "0",
+                 "--no-progress", *extra])
+
+
+def test_build_coverage_equals_gare_train_eval(gallery, capsys):
+    """The coverage recorded at build time equals `gare-train eval`'s figure: same checkpoint, same gallery (the
+    test split), same queries (its captions, via --tune-captions; the checkpoint has no queue, so the biases
+    are zero and eval's psi top-10 is the index's psi + b top-10)."""
+    from training.cli import main as train_cli
+
+    out = gallery["root"] / "IDX_captions"
+    assert _build(gallery["ckpt_noq"], gallery["manifest"], out, "--tune-captions", gallery["manifest"]) == 0
+    printed = capsys.readouterr().out
+    st = open_index(out).manifest["stage1"]
+    assert st["query_source"].startswith("manifest-captions (80 queries") and st["n_queries"] == 80
+    ev = gallery["root"] / "eval"
+    assert train_cli(["eval", str(gallery["ckpt_noq"]), "--test-manifest", gallery["manifest"], "--out", str(ev),
+                      "--num-workers", "0"]) == 0
+    res = json.loads((ev / "result.json").read_text())
+    assert res["n_videos"] == 40 and res["n_captions"] == 80
+    offline = {int(k): v for k, v in res["coverage_top10_in_dual_topK"].items()}
+    built = {int(k): v for k, v in st["coverage"].items()}
+    assert sorted(built) == sorted(offline) == list(COVERAGE_KS)
+    for K in COVERAGE_KS:  # the same hit count out of 80 x 10 (eval averages in float32)
+        assert abs(built[K] - offline[K]) < 0.5 / 800, (K, built[K], offline[K])
+    assert built[16] < 0.995  # not trivial: the smallest K misses part of the psi top-10
+    want_K = min(K for K in COVERAGE_KS if offline[K] >= 0.995)
+    assert st["default_candidates"] == want_K and index_default_candidates(open_index(out).manifest) == want_K
+    assert st["met"] and st["recall"] >= 0.995 and st["recall_target"] == 0.995 and st["latency_budget_ms"] == 5.0
+    assert st["index_type"] == "flat" and st["p50_ms"] > 0 and st["params"]["index_type"] == "flat"
+    assert f"default K={want_K}" in printed and "manifest-captions" in printed
+
+
+def test_queue_queries_and_biases_match_a_naive_reference(gallery):
+    """With a queue the sample queries are the queue rows, and the coverage counts the exhaustive psi + NCL
+    biases top-10 (here recomputed with model.score, the unfolded psi) inside the ANN (flat: exact) top-K."""
+    out = gallery["root"] / "IDX_queue"
+    assert _build(gallery["ckpt_q"], gallery["manifest"], out, "--tune-captions", gallery["manifest"]) == 0
+    v = open_index(out)
+    st = v.manifest["stage1"]
+    assert st["query_source"] == "ncl-queue (256 queries)"  # the queue wins over the captions
+    model, ck = load_model(gallery["ckpt_q"], "cpu")
+    t = ck.queues["text"].float()  # psi scores the stored (un-normalised) rows, the ANN their unit vectors
+    q = t / t.norm(dim=1, keepdim=True)
+    with torch.no_grad():
+        psi = model.score(t, torch.from_numpy(np.asarray(v.frames, dtype=np.float32)),
+                          torch.from_numpy(np.asarray(v.masks))).numpy()
+    final = psi + np.asarray(v.biases)[None, :]
+    assert np.abs(v.biases).max() > 1e-3
+    truth = np.argsort(-final, axis=1, kind="stable")[:, :10]
+    dual = np.argsort(-(q.numpy() @ np.asarray(v.units).T), axis=1, kind="stable")
+    for K in COVERAGE_KS:
+        hits = np.mean([np.isin(truth[i], dual[i, :K]).mean() for i in range(len(q))])
+        assert abs(st["coverage"][str(K)] - hits) < 0.5 / (10 * len(q)), (K, st["coverage"][str(K)], hits)
+
+
+def test_failure_keeps_the_last_good_version(gallery, tmp_path, capsys):
+    out = tmp_path / "IDX"
+    videos = copy_videos(gallery["root"] / "corpus" / "videos", tmp_path / "v", [f"video{i}.mp4" for i in range(8)])
+    assert _build(gallery["ckpt_q"], videos, out, "--no-tune") == 0
+    assert open_index(out).manifest["stage1"] is None
+    capsys.readouterr()
+    rc = _build(gallery["ckpt_q"], videos, out, "--latency-budget-ms", "0.000001")
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "recall target 0.995" in err and "NOT met within p50 <= 1e-06 ms" in err and "raise the latency budget" in err
+    assert current_version_name(out) == "v000001" and list_versions(out) == ["v000001"]
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["status"] == "failed" and "NOT met" in rep["error"]
+    # bad values are refused before anything runs
+    assert _build(gallery["ckpt_q"], videos, out, "--recall-target", "1.5") == 1
+    assert "--recall-target must be in (0, 1]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _build(gallery["ckpt_q"], videos, out, "--latency-budget-ms", "0")
+    # gare-index tune: a new version, nothing re-encoded, the figures recorded; a failing tune changes nothing
+    assert main(["tune", "--out", str(out), "--recall-target", "0.99", "--tune-queries", "300"]) == 0
+    assert "stage 1: recall@8" in capsys.readouterr().out
+    v1 = open_index(out)
+    assert v1.name == "v000002"
+    st = v1.manifest["stage1"]
+    assert st["recall_target"] == 0.99 and st["n_queries"] == 256 and st["query_source"].startswith("ncl-queue")
+    assert st["default_candidates"] == 16 and st["coverage"]["16"] == 1.0  # 8 videos: every K holds them all
+    old = json.loads((out / "versions" / "v000001" / "manifest.json").read_text())["files"]
+    for name in ("units.npy", "frames.npy", "biases.npy", "meta.sqlite"):
+        assert v1.manifest["files"][name]["sha256"] == old[name]["sha256"]
+    assert v1.manifest["builder"]["command"] == "tune"
+    assert main(["tune", "--out", str(out), "--latency-budget-ms", "0.000001"]) == 1
+    assert "NOT met" in capsys.readouterr().err and current_version_name(out) == "v000002"
+    # stats shows the figures
+    assert main(["stats", "--out", str(out)]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["default_candidates"] == 16 and s["stage1"]["recall_target"] == 0.99
+    assert s["stage1"]["query_source"].startswith("ncl-queue") and "p50_ms" in s["stage1"] and "trials" not in s["stage1"]
+
+
+def test_add_and_requested_types_are_tuned(gallery, tmp_path, monkeypatch):
+    """`add` grows the ANN and tunes it again; a requested index type stays that type (its knobs are tuned)."""
+    out = tmp_path / "IDX"
+    src = gallery["root"] / "corpus" / "videos"
+    videos = copy_videos(src, tmp_path / "v", [f"video{i}.mp4" for i in range(10)])
+    assert _build(gallery["ckpt_q"], videos, out, "--index-type", "hnsw") == 0
+    st = open_index(out).manifest["stage1"]
+    assert st["index_type"] == "hnsw" and st["met"] and st["params"]["ef_search"] >= 10
+    copy_videos(src, videos, [f"video{i}.mp4" for i in range(10, 20)])
+    assert main(["add", "--videos", str(videos), "--out", str(out), "--workers", "0", "--no-progress",
+                 "--recall-target", "0.99"]) == 0
+    v = open_index(out)
+    st = v.manifest["stage1"]
+    assert v.n == 20 and v.manifest["builder"]["command"] == "add" and st["recall_target"] == 0.99
+    assert st["index_type"] == v.manifest["index_type"] == "hnsw" and st["trials"][0]["index_type"] == "hnsw"
+    # the recorded recall is what the saved index does: recompute it on perturbed-free exact ground truth
+    _, got = v.search(np.asarray(v.units), 10)
+    assert (got[:, 0] == v.ids).mean() >= 0.95
