@@ -521,6 +521,11 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     for k, v in st.items():
         if not isinstance(v, (dict, list)):
             print(f"{k:<{width}}  {v:.4g}" if isinstance(v, float) else f"{k:<{width}}  {v}")
+    s1 = st.get("stage1")
+    if s1:  # the stage-1 promise measured at build time (issue 13)
+        print(f"{'stage1':<{width}}  recall@{s1.get('recall_at')} of the exact top-{s1.get('k', 10)} "
+              f"{s1.get('recall')} (target {s1.get('recall_target')}), p50 {s1.get('p50_ms')} ms, "
+              f"psi coverage {s1.get('coverage')}, queries: {s1.get('query_source')}")
     print("(--json prints everything)")
     return 0
 

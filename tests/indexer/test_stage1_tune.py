@@ -121,7 +121,7 @@ def test_failure_keeps_the_last_good_version(gallery, tmp_path, capsys):
     assert main(["tune", "--out", str(out), "--latency-budget-ms", "0.000001"]) == 1
     assert "NOT met" in capsys.readouterr().err and current_version_name(out) == "v000002"
     # stats shows the figures
-    assert main(["stats", "--out", str(out)]) == 0
+    assert main(["stats", "--out", str(out), "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
     assert s["default_candidates"] == 16 and s["stage1"]["recall_target"] == 0.99
     assert s["stage1"]["query_source"].startswith("ncl-queue") and "p50_ms" in s["stage1"] and "trials" not in s["stage1"]
