@@ -7,8 +7,9 @@ form of :func:`training.sinkhorn.sinkhorn_biases_sparse`: exact psi on each queu
 (the exact top K of the stage-1 vectors, i.e. what the ANN approximates) and the stage-1 cosine elsewhere
 ("dual" fill; "none" leaves the other entries out). With K >= N this is the dense, exact computation.
 
-The psi scores come from a pair scorer (``(query idx, gallery rows) -> scores``): by default the search's
-fused psi (exactly ``model.score``); any exact psi implementation with that signature plugs in.
+The psi scores come from a pair scorer (``(query idx, gallery rows) -> scores``): by default the exact fold
+of psi (training.psi_fold, equal to ``model.score`` to float32 rounding; tested against the fused scorer);
+any exact psi implementation with that signature plugs in.
 
 Queries: psi needs the un-normalised text embedding t (the gap v̄ - t and the pooling softmax(t·F / temp)
 depend on |t|). The checkpoint's queue stores t as trained; a bank of served queries stores unit rows only,
@@ -70,6 +71,40 @@ def psi_pair_scorer(model: Any, queries: np.ndarray, frames: Any, masks: Any, un
     return score
 
 
+def fold_pair_scorer(model: Any, queries: np.ndarray, frames: Any, masks: Any, units: Any, norms: Any,
+                     *, chunk: int = 4096):
+    """The same pair scorer as :func:`psi_pair_scorer`, through the exact fold of psi (training.psi_fold):
+    the queue is folded once, each chunk's distinct gallery rows are folded once (with the served v̄ =
+    norm * unit), and a pair costs a few dot products instead of psi's d x d products (issue 12)."""
+    import dataclasses
+
+    import torch
+
+    from training import psi_fold as pf
+
+    dev = model.device
+    fw = pf.fold_weights(model.psi).to(dev)
+    ref_pad = bool(getattr(model.cfg, "reference_padding", False))
+    q_all = pf.fold_queries(torch.as_tensor(np.asarray(queries, dtype=np.float32)).to(dev), fw, model.cfg.temp)
+
+    def score(qi: np.ndarray, rows: np.ndarray):
+        qi, rows = np.asarray(qi, dtype=np.int64).reshape(-1), np.asarray(rows, dtype=np.int64).reshape(-1)
+        out = torch.empty(rows.shape[0], dtype=torch.float32)
+        with torch.inference_mode():
+            for s in range(0, rows.shape[0], chunk):
+                r, q = rows[s:s + chunk], torch.from_numpy(qi[s:s + chunk]).to(dev)
+                uniq, inv = np.unique(r, return_inverse=True)
+                fr = torch.from_numpy(np.asarray(frames[uniq], dtype=np.float32)).to(dev)
+                mk = torch.from_numpy(np.asarray(masks[uniq]).astype(bool)).to(dev)
+                vb = np.asarray(units[uniq], dtype=np.float32) * np.asarray(norms[uniq], dtype=np.float32)[:, None]
+                v = pf.fold_videos(fr, mk, fw, vbar=torch.from_numpy(vb).to(dev), reference_padding=ref_pad)
+                qs = dataclasses.replace(q_all, u=q_all.u[q], sc=q_all.sc[q])
+                out[s:s + r.shape[0]] = pf._diag(qs, v.select(torch.from_numpy(inv).to(dev))).float().cpu()
+        return out
+
+    return score
+
+
 def served_biases(model: Any, queries: np.ndarray, gamma: float, *, units: Any, norms: Any, frames: Any, masks: Any,
                   stage1: Any | None = None, n_iters: int = 4, k: int = DEFAULT_BIAS_K, fill: str = DEFAULT_BIAS_FILL,
                   scorer: Any = None, device: Any = None) -> tuple[np.ndarray, dict[str, Any]]:
@@ -89,7 +124,7 @@ def served_biases(model: Any, queries: np.ndarray, gamma: float, *, units: Any, 
     qn = F.normalize(torch.from_numpy(q_raw), dim=-1)
     g = np.asarray(stage1 if stage1 is not None else units, dtype=np.float32)
     _, rows = stage1_candidates(qn, g, k)
-    pair = scorer if scorer is not None else psi_pair_scorer(model, q_raw, frames, masks, units, norms)
+    pair = scorer if scorer is not None else fold_pair_scorer(model, q_raw, frames, masks, units, norms)
     sc = score_candidates(pair, rows)
     _, b, sinfo = sinkhorn_biases_sparse(rows, sc, n, gamma, n_iters, fill=fill, queries=qn.to(dev),
                                          gallery=g, device=dev)
