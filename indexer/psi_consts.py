@@ -122,7 +122,10 @@ def attach(arrays: dict[str, Any], model: Any, prev: Any = None, *, checkpoint_s
     if staging is not None:
         staging.mkdir(parents=True, exist_ok=True)
         path = staging / f"{PSI_CONSTS_ARRAY}.npy"
-        out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(n, w))
+        # space reserved up front: writing a sparse memmap on a full disk would kill the process with SIGBUS
+        from .npy import alloc_npy
+
+        out = alloc_npy(path, np.float32, (n, w))
     else:
         out = np.empty((n, w), np.float32)
     todo = np.arange(n)

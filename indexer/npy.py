@@ -1,0 +1,40 @@
+"""Writable .npy memory maps whose space is reserved before anything is written (the index writers' staging)."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["alloc_npy"]
+
+
+def alloc_npy(path: Path, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """A writable memmap of a new .npy file whose data blocks are reserved up front (posix_fallocate).
+
+    Writing into a sparse memory map on a full disk kills the process with SIGBUS; reserving the space
+    first turns that into an ordinary OSError (ENOSPC) before anything is written.
+    """
+    dtype = np.dtype(dtype)
+    header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": tuple(int(x) for x in shape)}
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    with open(path, "wb") as fh:
+        np.lib.format.write_array_header_2_0(fh, header)
+        offset = fh.tell()
+        if nbytes:
+            try:
+                os.posix_fallocate(fh.fileno(), offset, nbytes)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                fh.seek(offset)  # no fallocate on this filesystem: write the zeros ourselves
+                zeros = bytes(1 << 20)
+                left = nbytes
+                while left:
+                    left -= fh.write(zeros[: min(left, len(zeros))])
+    if nbytes == 0:
+        return np.zeros(shape, dtype=dtype)
+    return np.lib.format.open_memmap(path, mode="r+")
