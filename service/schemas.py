@@ -143,6 +143,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     403: {"model": ErrorResponse, "description": "invalid API key"},
     404: {"model": ErrorResponse, "description": "unknown id or file gone"},
     413: {"model": ErrorResponse, "description": "request body too large"},
+    415: {"model": ErrorResponse, "description": "unsupported image type (JPEG, PNG, WebP or GIF)"},
     422: {"model": ErrorResponse, "description": "invalid input; `detail` says what"},
     503: {"model": ErrorResponse, "description": "busy or not ready"},
 }
@@ -154,6 +155,8 @@ def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 
 SEARCH_ERRORS = errors(400, 401, 403, 409, 413, 422, 503)  # 409: ncl_stage1 on an index without it
+SEARCH_ONE_ERRORS = errors(400, 401, 403, 404, 409, 413, 422, 503)  # + 404: an unknown video_id (more like this)
+IMAGE_ERRORS = errors(400, 401, 403, 413, 415, 422, 503)  # 415: not JPEG/PNG/WebP/GIF; no ncl_stage1 here
 MEDIA_ERRORS = errors(400, 401, 403, 404, 413, 422, 503)  # 404: unknown id or file gone; 422: bad id
 INDEX_ERRORS = errors(400, 401, 403, 413, 503)  # 400/413: bad or oversized Content-Length (any route)
 

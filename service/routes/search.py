@@ -14,7 +14,16 @@ from indexer import by_example as E
 from indexer import search as S
 from indexer.stage1_tune import index_default_candidates
 
-from ..schemas import SEARCH_ERRORS, BatchSearchResponse, Hit, SearchResponse, Timings, make_request_models
+from ..schemas import (
+    IMAGE_ERRORS,
+    SEARCH_ERRORS,
+    SEARCH_ONE_ERRORS,
+    BatchSearchResponse,
+    Hit,
+    SearchResponse,
+    Timings,
+    make_request_models,
+)
 from ..security import StateDep, require_search
 from ..settings import Settings
 from ..state import API_VERSION, Job, ServiceState
@@ -79,9 +88,10 @@ async def run_example(state: ServiceState, version: Any, fn: Any, *args: Any, op
 def make_router(settings: Settings) -> APIRouter:
     """The search routes, with this deployment's request bounds in their bodies (and so in the OpenAPI)."""
     SearchRequest, BatchSearchRequest = make_request_models(settings)
-    router = APIRouter(tags=["search"], dependencies=[Depends(require_search)], responses=SEARCH_ERRORS)
+    # each route lists exactly the errors it can answer (tests/robustness/test_robust_hostile.py produces each)
+    router = APIRouter(tags=["search"], dependencies=[Depends(require_search)])
 
-    @router.post(f"/{API_VERSION}/search", response_model=SearchResponse, summary="search the index with one text query")
+    @router.post(f"/{API_VERSION}/search", response_model=SearchResponse, responses=SEARCH_ONE_ERRORS, summary="search the index with one text query")
     async def search_one(body: SearchRequest, state: StateDep) -> SearchResponse:  # type: ignore[valid-type]
         t_start = time.perf_counter()
         with state.use_version() as version:
@@ -96,7 +106,7 @@ def make_router(settings: Settings) -> APIRouter:
 
     max_k, max_K, default_K = settings.max_k, settings.max_candidates, settings.default_candidates
 
-    @router.post(f"/{API_VERSION}/search/image", response_model=SearchResponse,
+    @router.post(f"/{API_VERSION}/search/image", response_model=SearchResponse, responses=IMAGE_ERRORS,
                  summary="search by an image (multipart field `image`: JPEG, PNG, WebP or GIF); stage 1 only")
     async def search_image(
         state: StateDep,
@@ -123,7 +133,7 @@ def make_router(settings: Settings) -> APIRouter:
                                      example={"kind": "image", "content_type": image.content_type, "bytes": len(data)},
                                      t_start=t_start)
 
-    @router.post(f"/{API_VERSION}/search/batch", response_model=BatchSearchResponse,
+    @router.post(f"/{API_VERSION}/search/batch", response_model=BatchSearchResponse, responses=SEARCH_ERRORS,
                  summary="many queries in one request (shared options)")
     async def search_batch(body: BatchSearchRequest, state: StateDep) -> BatchSearchResponse:  # type: ignore[valid-type]
         t_start = time.perf_counter()

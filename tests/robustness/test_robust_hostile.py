@@ -158,6 +158,16 @@ def test_fuzz_api_from_openapi_many_examples(fuzz_index):
 
 
 # ============================================================================================ documented statuses
+def _png_bytes() -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32), (200, 30, 30)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
 def _status_recipes(vid: int, too_big: int) -> list[tuple[str, int, str, str, str, dict]]:
     """(route as in /openapi.json, status, app, method, url, httpx kwargs): one request per documented status
     of each route. Apps: "open" (admin key set), "keyed" (require_key_for_search), "cold" (lifespan not run:
@@ -179,6 +189,18 @@ def _status_recipes(vid: int, too_big: int) -> list[tuple[str, int, str, str, st
                 (route, 413, "open", "POST", url, big),
                 (route, 422, "open", "POST", url, {"json": {**body, "k": 0}}),
                 (route, 503, "cold", "POST", url, {"json": body})]
+    out.append(("POST /v1/search", 404, "open", "POST", "/v1/search", {"json": {"video_id": 10**9, "k": 2}}))
+    # search by an uploaded image (multipart)
+    route, url = "POST /v1/search/image", "/v1/search/image"
+    png = {"files": {"image": ("red.png", _png_bytes(), "image/png")}, "data": {"k": "2"}}
+    out += [(route, 200, "open", "POST", url, png),
+            (route, 400, "open", "POST", url, neg_len),
+            (route, 401, "keyed", "POST", url, png),
+            (route, 403, "keyed", "POST", url, {**png, **wrong}),
+            (route, 413, "open", "POST", url, {"files": {"image": ("big.png", b"\x89PNG" + b"0" * (5 << 20), "image/png")}}),
+            (route, 415, "open", "POST", url, {"files": {"image": ("a.txt", b"plain text", "text/plain")}}),
+            (route, 422, "open", "POST", url, {**png, "data": {"k": "0"}}),
+            (route, 503, "cold", "POST", url, png)]
     for suffix in ("", "/thumbnail", "/file"):
         route = f"GET /v1/videos/{{video_id}}{suffix}"
         out += [(route, 200, "open", "GET", f"/v1/videos/{vid}{suffix}", {}),
