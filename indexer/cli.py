@@ -525,7 +525,9 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     if s1:  # the stage-1 promise measured at build time (issue 13)
         print(f"{'stage1':<{width}}  recall@{s1.get('recall_at')} of the exact top-{s1.get('k', 10)} "
               f"{s1.get('recall')} (target {s1.get('recall_target')}), p50 {s1.get('p50_ms')} ms, "
-              f"psi coverage {s1.get('coverage')}, queries: {s1.get('query_source')}")
+              "psi coverage " + ", ".join(f"K={k}: {v}" for k, v in sorted((s1.get("coverage") or {}).items(),
+                                                                            key=lambda kv: int(kv[0])))
+              + f", queries: {s1.get('query_source')}")
     print("(--json prints everything)")
     return 0
 
