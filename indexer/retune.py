@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from .build import (
     _carry_manifest,
     _prev_files,
     _progress_enabled,
-    _write_report_logged,
+    _reported,
     checkpoint_gamma_and_queue,
 )
 from .stage1_tune import STAGE1_KEY, Stage1Options, encode_captions, tune_version_ann
@@ -36,12 +35,10 @@ def retune(out: str | os.PathLike, *, options: Stage1Options | None = None, chec
            progress: bool | None = None) -> RunReport:
     """Tune stage 1 of INDEX's current version again and write the result as a new version (atomic switch)."""
     from training.checkpoint import file_sha256, load_model
-
-    t0 = time.time()
     root = Path(out).expanduser().absolute()
     report = RunReport(command="tune", index=str(root))
     opts = options or Stage1Options()
-    try:
+    with _reported(root, report):
         opts.validate()
         with index_lock(root, BUILD_LOCK, blocking=False):
             prev = open_index(root, use_gpu=False)
@@ -82,11 +79,4 @@ def retune(out: str | os.PathLike, *, options: Stage1Options | None = None, chec
             report.index_type = ann.params.index_type
             report.biases = m.get("biases") or {}
             prev.close()
-    except Exception as e:
-        report.error = str(e)
-        report.finish(t0)
-        _write_report_logged(root, report)
-        raise
-    report.finish(t0)
-    _write_report_logged(root, report)
     return report

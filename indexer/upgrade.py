@@ -11,13 +11,12 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import time
 from pathlib import Path
 
 from training.checkpoint import file_sha256
 
 from . import psi_consts
-from .build import BUILD_LOCK, RunReport, _carry_manifest, _prev_files, _write_report_logged
+from .build import BUILD_LOCK, RunReport, _carry_manifest, _prev_files, _reported
 from .store import (
     ANN_NCL_FILE,
     WORK_DIR,
@@ -35,11 +34,9 @@ def upgrade(out: str | os.PathLike, *, checkpoint: str | os.PathLike | None = No
             device: str | None = None, force: bool = False) -> RunReport:
     """Write a version with valid psi constants; no new version when they are already valid (unless `force`)."""
     from training.checkpoint import load_model
-
-    t0 = time.time()
     root = Path(out).expanduser().absolute()
     report = RunReport(command="upgrade", index=str(root))
-    try:
+    with _reported(root, report):
         with index_lock(root, BUILD_LOCK, blocking=False):
             prev = open_index(root, use_gpu=False)
             report.previous_version = prev.name
@@ -76,11 +73,4 @@ def upgrade(out: str | os.PathLike, *, checkpoint: str | os.PathLike | None = No
                 report.version, report.n_videos = name, prev.n
             report.index_type = prev.manifest.get("index_type")
             prev.close()
-    except Exception as e:
-        report.error = str(e)
-        report.finish(t0)
-        _write_report_logged(root, report)
-        raise
-    report.finish(t0)
-    _write_report_logged(root, report)
     return report
