@@ -8,14 +8,23 @@ Both runs use bench/train_synth.yaml (the `scratch` preset values: gare-cpu-smal
 lr 5e-4, coef_lr 1.0, batch 64, no augmentation) and differ only in `epoch`. Each keeps the checkpoint with
 the best validation R@1 and is scored on the 200-video test split. Writes
 bench/results/train_synth/epoch_compare.{md,json}.
+
+Budgets: `--epochs N` gives both runs N epochs; `--unit-epochs captions=7,clips=20` gives each its own, e.g.
+the same number of optimizer steps (the same training compute: both use the same batch) for a
+same-wall-clock comparison. `--reuse clips=DIR` scores a finished run of this same configuration instead of
+training it again (the benchmark model of bench/train_synth.yaml is the `clips` run at 20 epochs); its
+config.yaml must equal the one this script would train (out_dir aside), or the script refuses it. Its
+training time is read from the run's own files (config.yaml written at the start, summary.json at the end).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 from index_common import REPO, table, write_results
 
@@ -42,12 +51,32 @@ def subset_corpus(root: Path, out: str, train_clips: int, test_videos: int) -> P
     return sub
 
 
+def reused_run(out: Path, cfg: Any) -> tuple[dict[str, Any], list[dict[str, Any]], float]:
+    """(summary, history, training seconds) of a finished run in `out`, refused unless its config.yaml is the
+    configuration `cfg` (out_dir aside)."""
+    import yaml
+
+    from training.fit import TrainConfig
+
+    theirs = TrainConfig.from_sources(str(out / "config.yaml"), {}).fingerprint()
+    mine = cfg.fingerprint()
+    diff = sorted(k for k in set(theirs) | set(mine) if theirs.get(k) != mine.get(k))
+    if diff or yaml.safe_load((out / "config.yaml").read_text()).get("epochs") != cfg.epochs:
+        raise SystemExit(f"{out} was trained with a different configuration: {diff or ['epochs']}")
+    summary = json.loads((out / "summary.json").read_text())
+    history = json.loads((out / "history.json").read_text())
+    wall = (out / "summary.json").stat().st_mtime - (out / "config.yaml").stat().st_mtime
+    return summary, history, wall
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--corpus", default="runs/bench-corpus")
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--out", default="runs/epoch-compare")
     ap.add_argument("--units", default="captions,clips", help="which epochs to run, in this order")
+    ap.add_argument("--unit-epochs", default="", help="per-unit epochs, e.g. captions=7,clips=20 (overrides --epochs)")
+    ap.add_argument("--reuse", default="", help="UNIT=DIR: score that finished run instead of training it")
     ap.add_argument("--train-clips", type=int, default=0, help="use only the first N training clips (0: all)")
     ap.add_argument("--test-videos", type=int, default=0, help="score only the first M test videos (0: all)")
     ap.add_argument("--batch-size", type=int, default=0, help="override the YAML's batch size (0: keep)")
@@ -62,20 +91,30 @@ def main() -> None:
     started = time.time()
     commit = _commit()
     test = load_dataset({"kind": "synth", "root": str(corpus)}, "test")
+    unit_epochs = {u: args.epochs for u in args.units.split(",")}
+    unit_epochs.update({k: int(v) for k, v in (kv.split("=") for kv in args.unit_epochs.split(",") if kv)})
+    reuse = dict(kv.split("=", 1) for kv in args.reuse.split(",") if kv)
     runs = {}
     for unit in args.units.split(","):
         cfg = TrainConfig.from_sources(str(REPO / "bench" / "train_synth.yaml"), {
-            "epoch": unit, "epochs": args.epochs, "out_dir": f"{args.out}/{unit}",
+            "epoch": unit, "epochs": unit_epochs[unit], "out_dir": reuse.get(unit, f"{args.out}/{unit}"),
             "data": {"kind": "synth", "root": str(corpus)}, "batch_size": args.batch_size or None})
-        t0 = time.time()
         trainer = Trainer(cfg, progress=True)
-        summary = trainer.fit()
-        wall = time.time() - t0
+        if unit in reuse:
+            summary, history, wall = reused_run(Path(reuse[unit]), cfg)
+        else:
+            t0 = time.time()
+            summary = trainer.fit()
+            wall = time.time() - t0
+            history = trainer.history
+        if summary["steps"] != trainer.total_steps:
+            raise SystemExit(f"{unit}: the run stopped at step {summary['steps']} of {trainer.total_steps}")
         model, ckpt = load_model(Path(cfg.out_dir) / "best.safetensors", "cpu")
         res = evaluate_encoded(model, encode_set(model, test, batch_size=32, num_workers=cfg.num_workers),
                                ckpt.queues.get("text"), video_queue=ckpt.queues.get("video"))
-        info = [h["info"] for h in trainer.history]
+        info = [h["info"] for h in history]
         runs[unit] = {
+            "epochs": unit_epochs[unit], "reused_run": reuse.get(unit),
             "examples_per_epoch": len(trainer.pairs), "train_clips": len(trainer.train_set.clips),
             "steps_per_epoch": trainer.steps_per_epoch, "steps": summary["steps"],
             "warmup_steps": max(1, int(trainer.total_steps * cfg.warmup_proportion)),
@@ -86,16 +125,26 @@ def main() -> None:
     rows = []
     for unit, r in runs.items():
         name = "corrected: every caption" if unit == "captions" else "current: one caption per clip"
-        rows.append([name, args.epochs, r["examples_per_epoch"], r["steps"], r["warmup_steps"], r["train_wall_s"],
+        rows.append([name, r["epochs"], r["examples_per_epoch"], r["steps"], r["warmup_steps"], r["train_wall_s"],
                      f"{r['first_info']:.2f} -> {r['last_info']:.2f}", round(r["best_val_r1"], 1),
                      round(r["test"]["dual-tower"]["R1"], 1), round(r["test"]["+ psi"]["R1"], 1),
                      round(r["test"]["+ psi"]["R5"], 1), round(r["test"]["+ psi"]["R10"], 1)])
     size = (f"A subset of the benchmark corpus: the first {args.train_clips or 'all'} training clips (10% carved "
             f"for validation) and the first {args.test_videos or 'all'} test videos; batch "
             f"{args.batch_size or 'as the YAML'}. ")
+    steps = {r["steps"] for r in runs.values()}
+    epochs = {r["epochs"] for r in runs.values()}
+    if len(epochs) == 1:
+        budget = (f"Same number of epochs ({epochs.pop()}) for both runs, not the same wall-clock: the corrected epoch "
+                  "has one example per caption, so it takes more steps and time. ")
+    elif len(steps) == 1:
+        budget = (f"Same training budget: {steps.pop()} optimizer steps for both runs (the same batch, so the same "
+                  "compute per step: the same wall-clock up to machine load), hence a different number of epochs. ")
+    else:
+        budget = "Different budgets per run (see the steps and train s columns). "
+    reused = [f"{u} = finished run {r['reused_run']}" for u, r in runs.items() if r["reused_run"]]
     body = (
-        size + f"Commit {commit}. Same number of epochs ({args.epochs}) for both runs, not the same wall-clock: the corrected "
-        "epoch has one example per caption (3 captions per clip here), so it takes ~3x the steps and time. "
+        size + f"Commit {commit}. " + budget + (f"Reused: {'; '.join(reused)}. " if reused else "") +
         "gare-cpu-small from random init with bench/train_synth.yaml (scratch-preset values, no augmentation); "
         "the machine's 2 cores were shared with other jobs, so wall times are indicative only. Test: held-out "
         "videos, one caption each; checkpoint = best validation R@1.\n\n"

@@ -67,6 +67,7 @@ import dataclasses
 import hashlib
 import logging
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -451,46 +452,75 @@ def _f32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float32 else x.float()
 
 
-def _scores_from_dots(q: QueryVectors, v: VideoConstants, dt: torch.Tensor, d1: torch.Tensor, d2: torch.Tensor,
-                      vt: torch.Tensor | None = None) -> torch.Tensor:
-    """dt, d1, d2 (a, n, f) = t·F_f, u1·F_f, u2·F_f; v's packed (n, W) shared by the queries or (a, n, W)
-    -> s (a, n); vt (a, n) = t·v̄ when v carries an explicit vbar (else Σ ω_f t·F_f). Fields that are used together sit side by side in the packed row, so each group is one op
-    (this stage is ~40 small ops; at K = 256 their count, not their arithmetic, is the cost)."""
+_Y_ROWS = torch.tensor([0, 0, 0, 0, 1])  # [a, a, a, a, w] from the stacked (a, w)
+
+
+def _scores_from_dots(q: QueryVectors, packed: torch.Tensor, f: int, dt: torch.Tensor, d1: torch.Tensor,
+                      d2: torch.Tensor, vt: torch.Tensor | None = None) -> torch.Tensor:
+    """dt, d1, d2 (a, n, f) = t·F_f, u1·F_f, u2·F_f; packed (n, W) constants shared by the queries or (a, n, W)
+    -> s (a, n); vt (a, n) = t·v̄ when the constants carry an explicit v̄ (else Σ ω_f t·F_f). Fields used together
+    sit side by side in the packed row and every f x f form is taken in one op: at K = 256 the count of these
+    small ops, not their arithmetic, is the cost."""
     d = q.u.shape[-1]
-    f = v.num_frames
     eps1, eps2, eps3 = q.eps
-    sc = q.sc[:, None, :]  # (a, 1, 7)
-    tt, ctt, tsum, tk2, tm0, tm1 = (sc[..., i] for i in range(6))
+    tt, ctt, tsum, tk2, tm0, tm1, _ = q.sc[:, None, :].unbind(-1)  # (a, 1) each
     cz0, m00, m01, m11 = (float(x) for x in q.wsc.tolist())
-    pk = _f32(v.packed)  # one upcast when the constants are stored lower
+    pk = _f32(packed)  # one upcast when the constants are stored lower
     nv, nm = len(VEC_FIELDS), len(MAT_FIELDS)
     vec = pk[..., : nv * f].unflatten(-1, (nv, f))  # (.., 10, f) in VEC_FIELDS order
     mat = pk[..., nv * f : nv * f + nm * f * f].unflatten(-1, (nm, f, f))  # (.., 5, f, f) in MAT_FIELDS order
-    rs, bias, le, lg, omega = (vec[..., i, :] for i in range(5))
+    rs, bias, le, lg, omega = vec[..., :5, :].unbind(-2)
     cvv, vsum = pk[..., -2], pk[..., -1]
-    # ---- psi's attention weights a (a, n, f)
+    # ---- psi's attention weights a and the pooling weights w (a, n, f), one softmax for both
     vct = ((omega * dt).sum(-1) if vt is None else vt) - vsum * tsum / d  # v̄·Ct
     s1 = torch.sqrt((cvv - 2.0 * vct + ctt).clamp_min(0.0) / d + eps1)  # (a, n)
     # psi attends to the rows v̄ averages (ω_f > 0); equal to `bias` unless folded with reference_padding
-    a = ((le - d1 * rs / math.sqrt(d)) / s1.unsqueeze(-1) + lg).masked_fill(omega <= 0, float("-inf")).softmax(-1)
-    # ---- aᵀG1a, aᵀG2a, aᵀG3a in one go; a·g2, a·μ0, a·μ1 in another
-    quad = ((mat[..., 0:3, :, :] * a[..., None, None, :]).sum(-1) * a[..., None, :]).sum(-1)  # (a, n, 3)
-    lin = (vec[..., 5:8, :] * a[..., None, :]).sum(-1)  # (a, n, 3)
+    la = ((le - d1 * rs / math.sqrt(d)) / s1.unsqueeze(-1) + lg).masked_fill(omega <= 0, float("-inf"))
+    aw = torch.stack([la, torch.broadcast_to(dt * q.inv_temp + bias, la.shape)], dim=-2).softmax(-1)  # (a, n, 2, f)
+    a, w = aw.unbind(-2)
+    # ---- every form with the five f x f matrices at once: Y = [a, a, a, a, w] (a, n, 5, f);
+    # R_k = Y_kᵀ M_k gives G1a, G2a, G3a (symmetric), aᵀP and Hw; (R·Y) gives aᵀG1a, aᵀG2a, aᵀG3a, -, wᵀHw
+    y = aw.index_select(-2, _Y_ROWS.to(aw.device))
+    r = (mat * y.unsqueeze(-1)).sum(-2)  # (a, n, 5, f)
+    quad = (r * y).sum(-1)  # (a, n, 5)
+    lin = (vec[..., 5:8, :] * a.unsqueeze(-2)).sum(-1)  # (a, n, 3): a·g2, a·μ0, a·μ1
     s2 = torch.sqrt(quad[..., 0].clamp_min(0.0) / d + eps2)
     s3 = torch.sqrt((quad[..., 1] / s2**2 + 2.0 * lin[..., 0] / s2 + cz0).clamp_min(0.0) / d + eps3)
     # ---- t·Δ and |Δ|²
     t_delta = (((a * d2 * rs).sum(-1) + tk2) / s2 + tm0) / s3 + tm1  # Σ a_f t·M_f = Σ a_f u2·F_f/σ_f + t·k2
     dd = (quad[..., 2] / s2**2 + 2.0 * lin[..., 1] / s2 + m00) / s3**2 + 2.0 * (lin[..., 2] / s2 + m01) / s3 + m11
-    # ---- pooling p and the cosine
-    w = (dt * q.inv_temp + bias).softmax(-1)
-    ap = (mat[..., 3, :, :] * a[..., :, None]).sum(-2)  # (a, n, f): Σ_f a_f M_f·F_g
+    # ---- pooling p and the cosine: t·p + Δ·p = Σ_g w_g [t·F_g + ((aᵀP)_g / s2 + π0_g) / s3 + π1_g]
     s2e, s3e = s2.unsqueeze(-1), s3.unsqueeze(-1)
-    dp = (w * ((ap / s2e + vec[..., 8, :]) / s3e + vec[..., 9, :])).sum(-1)
-    tp = (w * dt).sum(-1)
-    pp = ((mat[..., 4, :, :] * w[..., None, :]).sum(-1) * w).sum(-1)  # wᵀHw
+    tdp = (w * (dt + (r[..., 3, :] / s2e + vec[..., 8, :]) / s3e + vec[..., 9, :])).sum(-1)
     nx = (tt + 2.0 * t_delta + dd).clamp_min(0.0).sqrt()
-    npp = pp.clamp_min(0.0).sqrt()
-    return (tp + dp) / (nx.clamp_min(_COS_EPS) * npp.clamp_min(_COS_EPS))
+    npp = quad[..., 4].clamp_min(0.0).sqrt()
+    return tdp / (nx.clamp_min(_COS_EPS) * npp.clamp_min(_COS_EPS))
+
+
+_CHUNK_VIDEOS = 64  # videos upcast at a time: 1.5 MB of float32 at f = 12, d = 512 (stays in cache), kept per thread
+_BUF = threading.local()
+
+
+def _frame_dots(frames: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """frames (n, f, d) any float dtype, u (m, d) float32 -> (m, n·f) float32 dots of every frame with every u.
+
+    Lower-precision frames on the CPU are upcast chunk by chunk into one buffer that each thread keeps: a fresh
+    multi-MB float32 copy per call costs more in page faults than the copy and the product together."""
+    n, f, d = frames.shape
+    flat = frames.reshape(n * f, d)
+    if frames.dtype == torch.float32 or frames.device.type != "cpu" or n == 0:
+        return u @ _f32(flat).t()
+    rows = min(n, _CHUNK_VIDEOS) * f
+    buf = getattr(_BUF, "t", None)
+    if buf is None or buf.numel() < rows * d:
+        buf = _BUF.t = torch.empty(rows * d, dtype=torch.float32)
+    parts = []
+    for r0 in range(0, n * f, rows):
+        r1 = min(n * f, r0 + rows)
+        b = buf[: (r1 - r0) * d].view(r1 - r0, d)
+        b.copy_(flat[r0:r1])
+        parts.append(u @ b.t())
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
 def pair_scores(q: QueryVectors, v: VideoConstants, idx: torch.Tensor | None = None) -> torch.Tensor:
@@ -517,21 +547,22 @@ def pair_scores(q: QueryVectors, v: VideoConstants, idx: torch.Tensor | None = N
         k, f = idx.shape[1], v.frames.shape[1]
         if v.n <= idx.numel():
             # v holds (about) just the candidates, e.g. the unique rows of a batch: dot every frame of v with
-            # every query's 3 vectors in one matmul (each frame upcast once, no gathered copy of the frames),
-            # then gather the (a, K, f, 3) dots and the packed rows each query needs.
-            dots_all = (_f32(v.frames).reshape(v.n * f, d) @ q.u.reshape(3 * a, d).t()).view(v.n, f, a, 3)
-            dq = dots_all.permute(2, 0, 1, 3)  # (a, n, f, 3), a view
-            g = torch.gather(dq, 1, idx[:, :, None, None].expand(a, k, f, 3)).permute(0, 3, 1, 2)  # (a, 3, K, f)
+            # every query's 3 vectors in one product (each frame upcast once, no gathered copy of the frames),
+            # then take the (a, 3, K, f) dots and the packed rows each query needs, unless the candidates
+            # already are v's rows in order (one query, the common rerank).
+            dots = _frame_dots(v.frames, q.u.reshape(3 * a, d)).view(a, 3, v.n, f)
+            vt = None if v.vbar is None else q.u[:, 0] @ _f32(v.vbar).t()  # (a, n) t·v̄
+            if a == 1 and k == v.n and torch.equal(idx[0], torch.arange(k, device=dev)):
+                return _scores_from_dots(q, v.packed, f, dots[:, 0], dots[:, 1], dots[:, 2], vt)
+            g = torch.gather(dots, 2, idx[:, None, :, None].expand(a, 3, k, f))  # (a, 3, K, f)
             packed = v.packed.index_select(0, idx.reshape(-1)).view(a, k, -1)
-            vs = VideoConstants(frames=v.frames[:1].expand(a * k, f, d).view(a, k, f, d) if v.n else v.frames.new_zeros(a, k, f, d),
-                                packed=packed, fingerprint=v.fingerprint)
-            vt = None if v.vbar is None else torch.gather(q.u[:, 0] @ _f32(v.vbar).t(), 1, idx)  # (a, K) t·v̄
-            return _scores_from_dots(q, vs, g[:, 0], g[:, 1], g[:, 2], vt)
+            vt = None if vt is None else torch.gather(vt, 1, idx)
+            return _scores_from_dots(q, packed, f, g[:, 0], g[:, 1], g[:, 2], vt)
         vs = v.select(idx)  # fields (a, K, ...)
         fr = vs.frames.to(torch.float32).reshape(a, k * f, d)
         dots = torch.bmm(fr, q.u.transpose(1, 2)).view(a, k, f, 3).permute(0, 3, 1, 2)  # (a, 3, K, f)
         vt = None if vs.vbar is None else torch.bmm(_f32(vs.vbar), q.u[:, 0, :, None]).view(a, k)
-        return _scores_from_dots(q, vs, dots[:, 0], dots[:, 1], dots[:, 2], vt)
+        return _scores_from_dots(q, vs.packed, f, dots[:, 0], dots[:, 1], dots[:, 2], vt)
 
 
 def _all_pairs(q: QueryVectors, v: VideoConstants, buf: torch.Tensor | None) -> torch.Tensor:
@@ -546,9 +577,9 @@ def _all_pairs(q: QueryVectors, v: VideoConstants, buf: torch.Tensor | None) -> 
         fr.copy_(v.frames.reshape(b * f, d))
     else:
         fr = v.frames.to(torch.float32).reshape(b * f, d)
-    dots = (fr @ q.u.reshape(3 * a, d).t()).view(b, f, a, 3).permute(2, 3, 0, 1)  # (a, 3, b, f)
+    dots = (q.u.reshape(3 * a, d) @ fr.t()).view(a, 3, b, f)
     vt = None if v.vbar is None else q.u[:, 0] @ _f32(v.vbar).t()  # (a, b)
-    return _scores_from_dots(q, v, dots[:, 0], dots[:, 1], dots[:, 2], vt)
+    return _scores_from_dots(q, v.packed, f, dots[:, 0], dots[:, 1], dots[:, 2], vt)
 
 
 def exhaustive(
@@ -641,6 +672,6 @@ def _diag(q: QueryVectors, v: VideoConstants) -> torch.Tensor:
     fr = v.frames.to(v.device, torch.float32)
     dots = torch.einsum("ped,pfd->pef", q.u, fr)  # (P, 3, f)
     # Treat the P pairs as P queries with one candidate each: fields (P, 1, ...).
-    vs = VideoConstants(frames=v.frames.unsqueeze(1), packed=v.packed.unsqueeze(1), fingerprint=v.fingerprint)
     vt = None if v.vbar is None else (q.u[:, 0] * _f32(v.vbar)).sum(-1)[:, None]  # (P, 1)
-    return _scores_from_dots(q, vs, dots[:, None, 0], dots[:, None, 1], dots[:, None, 2], vt).view(P)
+    return _scores_from_dots(q, v.packed.unsqueeze(1), v.num_frames, dots[:, None, 0], dots[:, None, 1],
+                             dots[:, None, 2], vt).view(P)

@@ -269,3 +269,31 @@ def test_candidate_paths_agree():
         big = torch.tensor([[0], [5], [2]])  # 3 < 6 rows: gathered frames
         torch.testing.assert_close(pf.pair_scores(q, v, small), full.gather(1, small), atol=TOL, rtol=0)
         torch.testing.assert_close(pf.pair_scores(q, v, big), full.gather(1, big), atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_chunked_upcast_and_in_order_candidates(dtype):
+    """More videos than one upcast chunk (pf._CHUNK_VIDEOS), stored low-precision: the chunked frame dots, the
+    in-order single-query path (candidates = v's rows, the common rerank) and the gathered multi-query path
+    equal the float64 reference on the same (rounded) frames, with an explicit vbar too."""
+    n, f, d = 2 * pf._CHUNK_VIDEOS + 9, 5, 16
+    psi = random_psi(d, seed=11)
+    fw = pf.fold_weights(psi)
+    g = torch.Generator().manual_seed(11)
+    mask = torch.arange(f)[None, :] < torch.randint(1, f + 1, (n,), generator=g)[:, None]
+    frames = (torch.randn(n, f, d, generator=g) * mask[..., None]).to(dtype)
+    t = torch.randn(3, d, generator=g)
+    ref = reference(psi, t, frames.float(), mask, 0.5).float()  # (3, n)
+    v = pf.fold_videos(frames, mask, fw)
+    q = pf.fold_queries(t, fw, 0.5)
+    torch.testing.assert_close(pf.pair_scores(q, v), ref, atol=TOL, rtol=0)
+    in_order = torch.arange(n)[None]
+    q1 = pf.fold_queries(t[:1], fw, 0.5)
+    torch.testing.assert_close(pf.pair_scores(q1, v, in_order), ref[:1], atol=TOL, rtol=0)
+    shuffled = torch.stack([torch.randperm(n, generator=g) for _ in range(3)])
+    torch.testing.assert_close(pf.pair_scores(q, v, shuffled), ref.gather(1, shuffled), atol=TOL, rtol=0)
+    vb = torch.randn(n, d, generator=g)
+    vv = pf.fold_videos(frames, mask, fw, vbar=vb)
+    full = pf.pair_scores(q1, vv)
+    torch.testing.assert_close(pf.pair_scores(q1, vv, in_order), full, atol=TOL, rtol=0)
+    torch.testing.assert_close(pf.pair_scores(q1, vv, shuffled[:1]), full.gather(1, shuffled[:1]), atol=TOL, rtol=0)
