@@ -18,8 +18,12 @@ top-10, p50 budget 5 ms, auto index ladder):
 Pass/fail lines compare with issue 13's targets (1M: recall >= 0.995 with p50 <= 5 ms; 100k: >= 0.999;
 tuning <= 10% of the build time).
 
-Real embeddings: ``--real DIR`` with ``units.npy`` (gallery, unit rows) and ``queries.npy`` (caption
-embeddings) from a trained checkpoint adds a row; without it the report says none was available.
+Real embeddings: ``--real-index INDEX --real-captions captions.jsonl`` adds a row for a trained model: the
+gallery is the index's unit video vectors (its CURRENT version, built by ``gare-index build`` with that
+checkpoint), the queries every caption of the jsonl (``{"captions": [...]}`` per line) encoded by the
+index's own checkpoint, shuffled (seeded) and split in halves (tuner sample / evaluation); ``--real DIR``
+(``units.npy`` + ``queries.npy``) takes exported arrays instead. Without either the report says none was
+available.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import os
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 from index_common import REPO, table, write_results
 
@@ -50,14 +55,38 @@ def _commit() -> str:
         return "unknown"
 
 
+def real_embeddings(index: Path, captions: Path | None, seed: int) -> tuple[Any, Any, str]:
+    """(unit video vectors (n, d), unit caption embeddings (m, d) shuffled, description) of a trained model:
+    the index's CURRENT version and every caption of `captions`, encoded by the index's checkpoint."""
+    import numpy as np
+
+    from indexer.search import encode_queries, unit_rows
+    from indexer.store.reader import open_index
+    from training.checkpoint import load_model
+
+    if captions is None:
+        raise SystemExit("--real-index needs --real-captions (a jsonl with a 'captions' list per line)")
+    version = open_index(index)
+    ckpt = (version.manifest.get("checkpoint") or {}).get("path")
+    model, _ = load_model(ckpt, "cpu")
+    texts = [c for line in captions.read_text().splitlines() if line.strip() for c in json.loads(line)["captions"]]
+    q = np.concatenate([unit_rows(encode_queries(model, texts[i : i + 256])) for i in range(0, len(texts), 256)])
+    q = q[np.random.default_rng(seed).permutation(len(q))]
+    x = np.asarray(version.units, dtype=np.float32)
+    return x, q, (f"real: {x.shape[0]:,} videos of {index} (version {version.name}) and {len(q):,} captions of "
+                  f"{captions}, encoded by {ckpt}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000])
+    ap.add_argument("--sizes", type=int, nargs="*", default=[100_000, 1_000_000], help="CLIP-like sizes (none: real rows only)")
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--queries", type=int, default=1000, help="sample queries for the tuner (and as many to evaluate)")
     ap.add_argument("--latency-queries", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--real", type=Path, default=None, help="folder with units.npy and queries.npy (real embeddings)")
+    ap.add_argument("--real-index", type=Path, default=None, help="a gare-index index built with a trained checkpoint")
+    ap.add_argument("--real-captions", type=Path, default=None, help="captions jsonl encoded as the real queries")
     ap.add_argument("--out", default="index_ann", help="result name under bench/results/")
     args = ap.parse_args()
     started = time.time()
@@ -175,7 +204,11 @@ def main() -> None:
         gc.collect()
         report(final=False)
 
-    if args.real is not None:
+    if args.real_index is not None:
+        x, qr, what = real_embeddings(args.real_index, args.real_captions, args.seed)
+        half = len(qr) // 2
+        run("real", x.shape[0], x, qr[:half], qr[half:], what)
+    elif args.real is not None:
         x = np.load(args.real / "units.npy", mmap_mode="r")
         qr = np.load(args.real / "queries.npy").astype(np.float32)
         half = len(qr) // 2

@@ -178,9 +178,10 @@ def remove(out: str | os.PathLike, items: Sequence[str], *, checkpoint: str | os
             if prev.ann_units is not None:  # InvGC vectors are per item: the kept rows keep theirs
                 src = np.array([e.src[1] for e in entries], dtype=np.int64)
                 arrays["ann_units"] = np.asarray(prev.ann_units[src], dtype=np.float32).reshape(len(entries), prev.dim)
+            # the kept rows' psi constants first: the served biases' psi scores read them
+            psi_consts.carry(arrays, prev, np.array([e.src[1] for e in entries], dtype=np.int64))
             arrays["biases"], binfo = _biases_for(prev, arrays, checkpoint, n_iters, report=report,
                                                   carry_traffic=True)
-            psi_consts.carry(arrays, prev, np.array([e.src[1] for e in entries], dtype=np.int64))
             requested = prev.manifest.get("index_type_requested", "auto")
             ann, ainfo = _make_ann(arrays.get("ann_units", arrays["units"]), arrays["ids"], BuildOptions(), prev,
                                    requested, incremental=True,
@@ -222,7 +223,7 @@ def recompute_biases(out: str | os.PathLike, *, checkpoint: str | os.PathLike | 
         if not 0.0 <= traffic_weight <= 1.0:
             raise ValueError(f"--traffic-weight must be in [0, 1], got {traffic_weight}")
         feats = {"units": prev.units, "norms": prev.norms, "frames": prev.frames, "masks": prev.masks,
-                 "ann_units": prev.ann_units}
+                 "ann_units": prev.ann_units, "psi_consts": prev.psi_consts}
         b, binfo = _biases_for(prev, feats, checkpoint, n_iters, traffic=traffic, traffic_weight=traffic_weight,
                                report=report, score=score, k=k)
         arrays: dict[str, Any] = _prev_files(prev, ["ids", "norms", "units", "frames", "masks", "keys", "values",

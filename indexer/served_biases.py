@@ -72,10 +72,15 @@ def psi_pair_scorer(model: Any, queries: np.ndarray, frames: Any, masks: Any, un
 
 
 def fold_pair_scorer(model: Any, queries: np.ndarray, frames: Any, masks: Any, units: Any, norms: Any,
-                     *, chunk: int = 4096):
+                     *, consts: Any = None, chunk: int = 4096):
     """The same pair scorer as :func:`psi_pair_scorer`, through the exact fold of psi (training.psi_fold):
-    the queue is folded once, each chunk's distinct gallery rows are folded once (with the served v̄ =
-    norm * unit), and a pair costs a few dot products instead of psi's d x d products (issue 12)."""
+    the queue is folded once and a pair costs a few dot products instead of psi's d x d products (issue 12).
+
+    ``consts`` (n, W): the index's stored per-video constants (``psi_consts.npy``, a memmap is fine), which the
+    caller has checked are valid for ``model.psi`` (``indexer.psi_consts.fold_status``): each chunk's rows
+    are then read. Without them each chunk's distinct rows are folded here (three d x d products per frame,
+    with the served v̄ = norm * unit), again in every chunk that meets them: Q x K pairs over a large gallery
+    fold each video many times, so the build passes the constants it has just computed."""
     import dataclasses
 
     import torch
@@ -86,6 +91,10 @@ def fold_pair_scorer(model: Any, queries: np.ndarray, frames: Any, masks: Any, u
     fw = pf.fold_weights(model.psi).to(dev)
     ref_pad = bool(getattr(model.cfg, "reference_padding", False))
     q_all = pf.fold_queries(torch.as_tensor(np.asarray(queries, dtype=np.float32)).to(dev), fw, model.cfg.temp)
+    if consts is not None:
+        want = (int(np.asarray(norms).shape[0]), pf.packed_width(int(frames.shape[1])))
+        if tuple(consts.shape) != want:
+            raise ValueError(f"psi constants have shape {tuple(consts.shape)}, expected {want}")
 
     def score(qi: np.ndarray, rows: np.ndarray):
         qi, rows = np.asarray(qi, dtype=np.int64).reshape(-1), np.asarray(rows, dtype=np.int64).reshape(-1)
@@ -94,10 +103,15 @@ def fold_pair_scorer(model: Any, queries: np.ndarray, frames: Any, masks: Any, u
             for s in range(0, rows.shape[0], chunk):
                 r, q = rows[s:s + chunk], torch.from_numpy(qi[s:s + chunk]).to(dev)
                 uniq, inv = np.unique(r, return_inverse=True)
-                fr = torch.from_numpy(np.asarray(frames[uniq], dtype=np.float32)).to(dev)
-                mk = torch.from_numpy(np.asarray(masks[uniq]).astype(bool)).to(dev)
                 vb = np.asarray(units[uniq], dtype=np.float32) * np.asarray(norms[uniq], dtype=np.float32)[:, None]
-                v = pf.fold_videos(fr, mk, fw, vbar=torch.from_numpy(vb).to(dev), reference_padding=ref_pad)
+                if consts is not None:  # stored frames (float16) and constants: nothing folded per chunk
+                    v = pf.VideoConstants(frames=torch.from_numpy(np.asarray(frames[uniq])).to(dev),
+                                          packed=torch.from_numpy(np.asarray(consts[uniq], dtype=np.float32)).to(dev),
+                                          fingerprint=fw.fingerprint, vbar=torch.from_numpy(vb).to(dev))
+                else:
+                    fr = torch.from_numpy(np.asarray(frames[uniq], dtype=np.float32)).to(dev)
+                    mk = torch.from_numpy(np.asarray(masks[uniq]).astype(bool)).to(dev)
+                    v = pf.fold_videos(fr, mk, fw, vbar=torch.from_numpy(vb).to(dev), reference_padding=ref_pad)
                 qs = dataclasses.replace(q_all, u=q_all.u[q], sc=q_all.sc[q])
                 out[s:s + r.shape[0]] = pf._diag(qs, v.select(torch.from_numpy(inv).to(dev))).float().cpu()
         return out
@@ -107,11 +121,12 @@ def fold_pair_scorer(model: Any, queries: np.ndarray, frames: Any, masks: Any, u
 
 def served_biases(model: Any, queries: np.ndarray, gamma: float, *, units: Any, norms: Any, frames: Any, masks: Any,
                   stage1: Any | None = None, n_iters: int = 4, k: int = DEFAULT_BIAS_K, fill: str = DEFAULT_BIAS_FILL,
-                  scorer: Any = None, device: Any = None) -> tuple[np.ndarray, dict[str, Any]]:
+                  scorer: Any = None, device: Any = None, consts: Any = None) -> tuple[np.ndarray, dict[str, Any]]:
     """Video biases (n,) float32 fitted to the psi score of the queue ``queries`` (un-normalised t) and a description.
 
     ``stage1``: the stage-1 vectors (InvGC-corrected ones when the index has them; default ``units``): the
-    candidates are their exact top ``k`` and the fill is their cosine, as the search's stage 1."""
+    candidates are their exact top ``k`` and the fill is their cosine, as the search's stage 1. ``consts``: the
+    index's psi constants, valid for model.psi (see :func:`fold_pair_scorer`)."""
     import torch
     import torch.nn.functional as F
 
@@ -124,7 +139,7 @@ def served_biases(model: Any, queries: np.ndarray, gamma: float, *, units: Any, 
     qn = F.normalize(torch.from_numpy(q_raw), dim=-1)
     g = np.asarray(stage1 if stage1 is not None else units, dtype=np.float32)
     _, rows = stage1_candidates(qn, g, k)
-    pair = scorer if scorer is not None else fold_pair_scorer(model, q_raw, frames, masks, units, norms)
+    pair = scorer if scorer is not None else fold_pair_scorer(model, q_raw, frames, masks, units, norms, consts=consts)
     sc = score_candidates(pair, rows)
     _, b, sinfo = sinkhorn_biases_sparse(rows, sc, n, gamma, n_iters, fill=fill, queries=qn.to(dev),
                                          gallery=g, device=dev)

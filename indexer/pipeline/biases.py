@@ -65,7 +65,8 @@ def compute_biases(units: np.ndarray, gamma: float, queue: np.ndarray | None, n_
         with torch.no_grad():
             b_np, sinfo = served_biases(model, queue, gamma, units=units, norms=served["norms"], frames=served["frames"],
                                         masks=served["masks"], stage1=served.get("stage1"), n_iters=n_iters,
-                                        k=int(served.get("k", 256)), device=dev if model.device.type == dev else None)
+                                        k=int(served.get("k", 256)), device=dev if model.device.type == dev else None,
+                                        consts=served.get("consts"))
         return b_np, {**info, "score": "served", "served": sinfo}
     unit_q = queue / np.maximum(np.linalg.norm(queue, axis=1, keepdims=True), 1e-12)
     t0 = time.time()
@@ -80,16 +81,17 @@ def bias_score_of(manifest: dict[str, Any]) -> str:
     return str((manifest.get("biases") or {}).get("score") or "dual")
 
 
-def _served_inputs(model: Any, arrays: dict[str, Any], k: int) -> dict[str, Any]:
-    """compute_biases(served=...) from a version's arrays (frames may be a staged file)."""
-    fr = arrays["frames"]
-    if isinstance(fr, ExistingFile):
-        fr = np.load(fr.path, mmap_mode="r")
-    st = arrays.get("ann_units")
-    if isinstance(st, ExistingFile):
-        st = np.load(st.path, mmap_mode="r")
-    return {"model": model, "norms": np.asarray(arrays["norms"]), "frames": fr, "masks": np.asarray(arrays["masks"]),
-            "stage1": None if st is None else np.asarray(st, dtype=np.float32), "k": k}
+def _served_inputs(model: Any, arrays: dict[str, Any], k: int, *, consts_valid: bool = False) -> dict[str, Any]:
+    """compute_biases(served=...) from a version's arrays (frames may be a staged file). ``consts_valid``: the
+    arrays' ``psi_consts`` (when present) belong to model.psi, so the psi scores read them instead of folding."""
+    def val(x: Any) -> Any:
+        return np.load(x.path, mmap_mode="r") if isinstance(x, ExistingFile) else x
+
+    st = val(arrays.get("ann_units"))
+    consts = val(arrays.get("psi_consts")) if consts_valid else None
+    return {"model": model, "norms": np.asarray(arrays["norms"]), "frames": val(arrays["frames"]),
+            "masks": np.asarray(arrays["masks"]), "stage1": None if st is None else np.asarray(st, dtype=np.float32),
+            "k": k, "consts": consts}
 
 
 def _traffic_binfo(binfo: dict[str, Any], tinfo: dict[str, Any]) -> dict[str, Any]:
@@ -170,7 +172,11 @@ def _biases_for(prev: IndexVersion, arrays: dict[str, Any], checkpoint: str | os
     if score == "served" and queue is not None and len(units):
         import torch
 
+        from .. import psi_consts
+
         model, _ = load_model(path, "cuda" if torch.cuda.is_available() else "cpu")
-        served = _served_inputs(model, arrays, k)
+        # the previous version's constants, when they belong to this checkpoint's psi (same sha checked above)
+        valid = arrays.get("psi_consts") is not None and psi_consts.fold_status(prev, psi_consts.fold_of(model)) is None
+        served = _served_inputs(model, arrays, k, consts_valid=valid)
     b, info = compute_biases(units, gamma, queue, iters, served=served)
     return b, (info if tinfo is None else _traffic_binfo(info, tinfo))

@@ -84,10 +84,13 @@ def finish(p: Plan, entries: list[_Entry], arrays: dict[str, Any], opts: BuildOp
     if p.post["invgc"]:  # before the biases: the served biases take their candidates from the stage-1 vectors
         arrays["ann_units"], invgc_m = _invgc_vectors(arrays["units"], entries, prev, mode, p.post)
     report.invgc = invgc_m
+    # psi's folded per-video constants (issue 12): carried for unchanged rows, folded for the new ones; before
+    # the biases, whose psi scores of Q x K queue pairs read them instead of folding each video again
+    psi_fold = psi_consts.attach(arrays, p.model, prev, checkpoint_sha=p.sha, staging=staging, device=p.device)
     score = opts.bias_score or (bias_score_of(pman) if mode == "add" and pman else "served")
     served = _served_inputs(p.model, arrays, opts.bias_k if mode != "add" or opts.bias_score else
-                            int(((pman.get("biases") or {}).get("served") or {}).get("k") or opts.bias_k)) \
-        if score == "served" else None
+                            int(((pman.get("biases") or {}).get("served") or {}).get("k") or opts.bias_k),
+                            consts_valid=True) if score == "served" else None
     gamma, queue = checkpoint_gamma_and_queue(p.ckpt, raw=True)
     ckpt_queue = queue  # the sample queries of the stage-1 tuning (raw rows; traffic may be mixed into `queue` below)
     tinfo = None
@@ -130,8 +133,7 @@ def finish(p: Plan, entries: list[_Entry], arrays: dict[str, Any], opts: BuildOp
         "ncl_stage1": p.post["ncl_stage1"],
         **ainfo,
     }
-    # psi's folded per-video constants (issue 12): carried for unchanged rows, folded for the new ones
-    extra["psi_fold"] = psi_consts.attach(arrays, p.model, prev, checkpoint_sha=p.sha, staging=staging, device=p.device)
+    extra["psi_fold"] = psi_fold
     return write_version(p.root, arrays, [e.meta for e in entries], extra, ann=ann, keep=opts.keep)
 
 

@@ -42,3 +42,26 @@ def test_served_biases_default_scorer_is_the_fold(tiny_model):
     b_fused, _ = served_biases(tiny_model, q, 0.05, scorer=psi_pair_scorer(tiny_model, q, frames, masks, units, norms), **kw)
     assert info["form"] == "dense"
     np.testing.assert_allclose(b_default, b_fused, atol=1e-4)
+
+
+def test_fold_pair_scorer_reads_stored_constants(tiny_model):
+    """With the index's stored constants (what build/add/remove pass) the scorer reads rows instead of folding
+    them: the same scores; constants of the wrong shape are refused; constants that are not this psi's
+    change the scores (so the stored path really reads them)."""
+    from indexer import psi_consts
+
+    frames, masks, units, norms = _gallery(tiny_model, n=11, seed=5)
+    q = torch.randn(4, tiny_model.cfg.embed_dim, generator=torch.Generator().manual_seed(6)).numpy()
+    out = np.empty((11, psi_consts.packed_width(frames.shape[1])), np.float32)
+    psi_consts.compute_rows(psi_consts.fold_of(tiny_model), frames, masks, units, norms, out, np.arange(11), device="cpu")
+    qi, rows = np.repeat(np.arange(4), 11), np.tile(np.arange(11), 4)
+    folded = fold_pair_scorer(tiny_model, q, frames, masks, units, norms, chunk=5)(qi, rows)
+    stored = fold_pair_scorer(tiny_model, q, frames, masks, units, norms, consts=out, chunk=5)(qi, rows)
+    torch.testing.assert_close(stored, folded, atol=1e-5, rtol=0)
+    try:
+        fold_pair_scorer(tiny_model, q, frames, masks, units, norms, consts=out[:, :-1])
+        raise AssertionError("a wrong-width constants array was accepted")
+    except ValueError as e:
+        assert "psi constants have shape" in str(e)
+    wrong = fold_pair_scorer(tiny_model, q, frames, masks, units, norms, consts=out * 1.5, chunk=5)(qi, rows)
+    assert float((wrong - folded).abs().max()) > 1e-3
