@@ -66,8 +66,13 @@ def rss_bytes() -> int:
 
 
 def git_commit() -> str:
-    """HEAD's short hash, with "+uncommitted changes" when tracked files outside bench/results differ from it
-    (the result files themselves are what a run rewrites)."""
+    """The code this process runs: HEAD's short hash when the process started (the tree may move on while a
+    long benchmark runs), with "+uncommitted changes" when tracked files outside bench/results differed from
+    it then (the result files themselves are what a run rewrites)."""
+    return _COMMIT_AT_START
+
+
+def _git_commit_now() -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True,
                               check=True).stdout.strip()
@@ -76,6 +81,9 @@ def git_commit() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + (" +uncommitted changes" if dirty else "")
+
+
+_COMMIT_AT_START = _git_commit_now()
 
 
 def write_results(name: str, title: str, markdown_body: str, data: dict[str, Any], started: float) -> Path:
