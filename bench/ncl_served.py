@@ -172,7 +172,6 @@ def accuracy(args: argparse.Namespace) -> None:
 
 
 def cost(args: argparse.Namespace) -> None:
-    import numpy as np
     import torch
     import torch.nn.functional as F
 
@@ -187,18 +186,17 @@ def cost(args: argparse.Namespace) -> None:
     q_raw = torch.randn(Q, d, generator=g)
     qn = F.normalize(q_raw, dim=-1)
     gamma = 0.01
-    # psi throughput: pairs per second of the search's fused pair scorer on random features
-    n_feat = 4096
-    frames = torch.randn(n_feat, f, d, generator=g)
-    mask = torch.ones(n_feat, f, dtype=torch.long)
-    vbar = frames.mean(1)
-    _, p_scorer = _psi_scorers(model, q_raw, frames, mask, vbar)
-    n_pairs = args.pairs
-    qi = np.random.default_rng(0).integers(0, Q, n_pairs)
-    ri = np.random.default_rng(1).integers(0, n_feat, n_pairs)
-    t0 = time.perf_counter()
-    p_scorer(qi, ri)
-    psi_s_per_pair = (time.perf_counter() - t0) / n_pairs
+    # psi throughput (pairs per second) of the three pair scorers of indexer.served_biases on the same random
+    # pairs, for this checkpoint's psi and for a ViT-B/32-size psi (random weights: speed only)
+    from training.config import get_model_config
+    from training.model import GARE
+
+    big = GARE.build(get_model_config("gare-vit-b-32", pretrained="none")).eval()
+    throughput = {"checkpoint": _psi_throughput(model, args.pairs, seed=1),
+                  "vit-b-32": _psi_throughput(big, args.pairs, seed=2)}
+    for k, v in throughput.items():
+        print(k, v, flush=True)
+    psi_s_per_pair = 1.0 / throughput["vit-b-32"]["fold_stored"]["pairs_per_s"]
 
     measured = []
     for n in args.sizes:
@@ -221,9 +219,56 @@ def cost(args: argparse.Namespace) -> None:
                          "sparse_none_sinkhorn": t_sp_none})
         print(measured[-1], flush=True)
 
-    meta = {"queries": Q, "k": K, "d": d, "frames": f, "psi_seconds_per_pair": psi_s_per_pair, "n_pairs": n_pairs,
-            "checkpoint": args.checkpoint, "gamma": gamma, "measured": measured, "commit": _commit()}
+    meta = {"queries": Q, "k": K, "d": d, "frames": f, "psi_seconds_per_pair": psi_s_per_pair, "n_pairs": args.pairs,
+            "checkpoint": args.checkpoint, "gamma": gamma, "measured": measured, "commit": _commit(),
+            "throughput": throughput}
     _cost_report(args.name, meta, started)
+
+
+def _psi_throughput(model: Any, n_pairs: int, seed: int, n_feat: int = 4096, n_queries: int = 1024) -> dict[str, Any]:
+    """Pairs per second of indexer.served_biases' scorers on n_pairs random (queue query, video) pairs in queue
+    order (each query's candidates together, as score_candidates passes them): "fused" (the search's fused psi),
+    "fold_per_chunk" (the fold, each chunk's videos folded on the fly) and "fold_stored" (the fold reading the
+    index's stored constants: what build/add/remove/biases run). The constants' one-off cost per video (paid
+    by the build anyway, for the rerank) is "fold_videos_s_per_video". Scores agree (max |diff| reported)."""
+    import numpy as np
+    import torch
+
+    from indexer import psi_consts
+    from indexer.served_biases import fold_pair_scorer, psi_pair_scorer
+
+    d, f = model.cfg.embed_dim, model.cfg.max_frames
+    g = torch.Generator().manual_seed(seed)
+    frames = (torch.randn(n_feat, f, d, generator=g) / d**0.5 * 8).half().numpy()
+    masks = np.ones((n_feat, f), dtype=bool)
+    masks[: n_feat // 4, f // 2 :] = False  # a quarter of the videos padded
+    frames[~masks] = 0
+    vbar = (frames.astype(np.float32) * masks[..., None]).sum(1) / masks.sum(1, keepdims=True)
+    norms = np.linalg.norm(vbar, axis=1).astype(np.float32)
+    units = (vbar / norms[:, None]).astype(np.float32)
+    queries = torch.randn(n_queries, d, generator=g).numpy()
+    per_q = 256
+    rng = np.random.default_rng(seed)
+    qi = np.repeat(np.arange(n_queries), per_q)[:n_pairs]
+    rows = rng.integers(0, n_feat, qi.size)
+    t0 = time.perf_counter()
+    consts = np.empty((n_feat, psi_consts.packed_width(f)), np.float32)
+    psi_consts.compute_rows(psi_consts.fold_of(model), frames, masks, units, norms, consts, np.arange(n_feat), device="cpu")
+    fold_s = (time.perf_counter() - t0) / n_feat
+    out: dict[str, Any] = {"d": d, "f": f, "fold_videos_s_per_video": fold_s}
+    scores = {}
+    for name, scorer, n in (
+        ("fold_stored", fold_pair_scorer(model, queries, frames, masks, units, norms, consts=consts), qi.size),
+        ("fold_per_chunk", fold_pair_scorer(model, queries, frames, masks, units, norms), min(qi.size, 16384)),
+        ("fused", psi_pair_scorer(model, queries, frames, masks, units, norms), min(qi.size, 8192)),
+    ):
+        t0 = time.perf_counter()
+        scores[name] = scorer(qi[:n], rows[:n]).numpy()
+        dt = time.perf_counter() - t0
+        out[name] = {"pairs": n, "seconds": dt, "pairs_per_s": n / dt}
+    m = min(len(v) for v in scores.values())
+    out["max_abs_diff_vs_fused"] = {k: float(np.abs(v[:m] - scores["fused"][:m]).max()) for k, v in scores.items()}
+    return out
 
 
 def _extrapolate(measured: list[dict[str, Any]], key: str, n: int) -> float:
@@ -257,9 +302,9 @@ def _cost_report(name: str, meta: dict[str, Any], started: float, source: str | 
         + f"Queue Q = {Q:,} queries, K = {K} stage-1 candidates per queue query, d = {d}, f = {f} frames "
         f"(the checkpoint `{meta['checkpoint']}`'s psi), gamma = {meta['gamma']}, n_iters = {N_ITERS}; random unit "
         "vectors, CPU, other jobs sharing the 2 cores (compare within this table only).\n\n"
-        f"psi throughput (the search's fused pair scorer, {meta['n_pairs']:,} random pairs): "
-        f"{1 / psi_s_per_pair:,.0f} pairs/s, so the exact psi on every queue query's candidates "
-        f"(Q x K = {Q * K:,} pairs, independent of N) costs {psi_cands:,.0f} s.\n\n"
+        + _throughput_md(meta, Q * K)
+        + f"The table below uses the build's scorer at ViT-B/32 size: {1 / psi_s_per_pair:,.0f} pairs/s, so the exact "
+        f"psi on every queue query's candidates (Q x K = {Q * K:,} pairs, independent of N) costs {psi_cands:,.0f} s.\n\n"
         + table(["videos N", "", "NCL(dual): Sinkhorn on cosines (s)", "NCL(served) dense: Q x N psi pairs only (s)",
                  "NCL(served) sparse, dual fill: exact stage 1 + Q·K psi + Sinkhorn (s)",
                  "NCL(served) sparse, no fill: exact stage 1 + Q·K psi + Sinkhorn (s)"], rows_md)
@@ -268,12 +313,33 @@ def _cost_report(name: str, meta: dict[str, Any], started: float, source: str | 
           "dense form is only for galleries that fit. Sparse: the stage-1 candidates of the queue queries are "
           "found here by an exact chunked matmul top-K (an ANN search of the index would be cheaper at 1M); the "
           "Q·K part (scattering the exact entries, the psi) does not grow with N, the cosine passes of the dual "
-          "fill and the stage-1 search do. psi scales with d^2 per pair: at d = 512 (ViT-B/32) expect ~16x the "
-          "psi seconds above on the same CPU. The measured rows and the per-pair psi rate come from the run; the "
+          "fill and the stage-1 search do. The measured rows and the per-pair psi rate come from the run; the "
           "100k and 1M rows are extrapolations, labelled.\n"
     )
     (RESULTS / "ncl_served").mkdir(parents=True, exist_ok=True)
     write_results(f"ncl_served/{name}", "NCL biases of the served score: cost", body, meta, started)
+
+
+def _throughput_md(meta: dict[str, Any], qk: int) -> str:
+    tp = meta.get("throughput")
+    if not tp:  # a re-render of measurements from before the fold scorers
+        return (f"psi throughput (the search's fused pair scorer, {meta['n_pairs']:,} random pairs): "
+                f"{1 / meta['psi_seconds_per_pair']:,.0f} pairs/s.\n\n")
+    names = {"fold_stored": "fold, stored constants (build/add/remove/biases)",
+             "fold_per_chunk": "fold, videos folded per chunk (before this change)",
+             "fused": "fused psi (the search's previous default)"}
+    rows = []
+    for size, r in tp.items():
+        for k, lab in names.items():
+            rows.append([f"{size} (d = {r['d']}, f = {r['f']})", lab, r[k]["pairs"], r[k]["pairs_per_s"],
+                         qk / r[k]["pairs_per_s"], r["max_abs_diff_vs_fused"][k]])
+    return ("psi on the queue pairs: the pair scorers of `indexer.served_biases` on the same random pairs, in queue "
+            "order (each query's 256 candidates together), one process, side by side. `vit-b-32` is a ViT-B/32-size "
+            "psi with random weights (speed only). The stored constants cost "
+            + ", ".join(f"{r['fold_videos_s_per_video'] * 1e3:.2f} ms per video ({s})" for s, r in tp.items())
+            + " once, at index time (the rerank needs them anyway).\n\n"
+            + table(["psi", "scorer", "pairs timed", "pairs/s", f"s for Q x K = {qk:,}", "max |s - s_fused|"], rows)
+            + "\n")
 
 
 def cost_render(args: argparse.Namespace) -> None:

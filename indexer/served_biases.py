@@ -72,7 +72,7 @@ def psi_pair_scorer(model: Any, queries: np.ndarray, frames: Any, masks: Any, un
 
 
 def fold_pair_scorer(model: Any, queries: np.ndarray, frames: Any, masks: Any, units: Any, norms: Any,
-                     *, consts: Any = None, chunk: int = 4096):
+                     *, consts: Any = None, chunk: int = 1024):
     """The same pair scorer as :func:`psi_pair_scorer`, through the exact fold of psi (training.psi_fold):
     the queue is folded once and a pair costs a few dot products instead of psi's d x d products (issue 12).
 
@@ -80,7 +80,9 @@ def fold_pair_scorer(model: Any, queries: np.ndarray, frames: Any, masks: Any, u
     caller has checked are valid for ``model.psi`` (``indexer.psi_consts.fold_status``): each chunk's rows
     are then read. Without them each chunk's distinct rows are folded here (three d x d products per frame,
     with the served v̄ = norm * unit), again in every chunk that meets them: Q x K pairs over a large gallery
-    fold each video many times, so the build passes the constants it has just computed."""
+    fold each video many times, so the build passes the constants it has just computed. Pairs come in chunks
+    of ``chunk``; in queue order (~4 queries of 256 candidates per chunk) each chunk is one product of its
+    queries' vectors with its videos' frames."""
     import dataclasses
 
     import torch
@@ -101,7 +103,7 @@ def fold_pair_scorer(model: Any, queries: np.ndarray, frames: Any, masks: Any, u
         out = torch.empty(rows.shape[0], dtype=torch.float32)
         with torch.inference_mode():
             for s in range(0, rows.shape[0], chunk):
-                r, q = rows[s:s + chunk], torch.from_numpy(qi[s:s + chunk]).to(dev)
+                r, qc = rows[s:s + chunk], qi[s:s + chunk]
                 uniq, inv = np.unique(r, return_inverse=True)
                 vb = np.asarray(units[uniq], dtype=np.float32) * np.asarray(norms[uniq], dtype=np.float32)[:, None]
                 if consts is not None:  # stored frames (float16) and constants: nothing folded per chunk
@@ -112,8 +114,24 @@ def fold_pair_scorer(model: Any, queries: np.ndarray, frames: Any, masks: Any, u
                     fr = torch.from_numpy(np.asarray(frames[uniq], dtype=np.float32)).to(dev)
                     mk = torch.from_numpy(np.asarray(masks[uniq]).astype(bool)).to(dev)
                     v = pf.fold_videos(fr, mk, fw, vbar=torch.from_numpy(vb).to(dev), reference_padding=ref_pad)
-                qs = dataclasses.replace(q_all, u=q_all.u[q], sc=q_all.sc[q])
-                out[s:s + r.shape[0]] = pf._diag(qs, v.select(torch.from_numpy(inv).to(dev))).float().cpu()
+                uq, qinv = np.unique(qc, return_inverse=True)
+                if qc.size >= 8 * uq.size:
+                    # queue order (each query's candidates together, as score_candidates passes them): every
+                    # query of the chunk against the chunk's videos in one product (pf.pair_scores), then each
+                    # pair's entry; cheaper than gathering the frames pair by pair
+                    counts = np.bincount(qinv)
+                    pos = np.empty_like(qinv)
+                    pos[np.argsort(qinv, kind="stable")] = np.arange(qinv.size) - np.repeat(np.cumsum(counts) - counts, counts)
+                    idx = np.zeros((uq.size, int(counts.max())), dtype=np.int64)
+                    idx[qinv, pos] = inv
+                    uq_t = torch.from_numpy(uq).to(dev)
+                    qs = dataclasses.replace(q_all, u=q_all.u[uq_t], sc=q_all.sc[uq_t])
+                    sc = pf.pair_scores(qs, v, torch.from_numpy(idx).to(dev))  # (queries, most candidates)
+                    out[s:s + r.shape[0]] = sc[torch.from_numpy(qinv).to(dev), torch.from_numpy(pos).to(dev)].float().cpu()
+                else:  # scattered pairs: one (query, video) at a time
+                    q = torch.from_numpy(qc).to(dev)
+                    qs = dataclasses.replace(q_all, u=q_all.u[q], sc=q_all.sc[q])
+                    out[s:s + r.shape[0]] = pf._diag(qs, v.select(torch.from_numpy(inv).to(dev))).float().cpu()
         return out
 
     return score

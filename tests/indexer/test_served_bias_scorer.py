@@ -58,6 +58,11 @@ def test_fold_pair_scorer_reads_stored_constants(tiny_model):
     folded = fold_pair_scorer(tiny_model, q, frames, masks, units, norms, chunk=5)(qi, rows)
     stored = fold_pair_scorer(tiny_model, q, frames, masks, units, norms, consts=out, chunk=5)(qi, rows)
     torch.testing.assert_close(stored, folded, atol=1e-5, rtol=0)
+    # one chunk holding whole queries (queue order): the grouped product path, in either order of the pairs
+    grouped = fold_pair_scorer(tiny_model, q, frames, masks, units, norms, consts=out, chunk=1024)
+    torch.testing.assert_close(grouped(qi, rows), folded, atol=1e-5, rtol=0)
+    perm = np.random.default_rng(0).permutation(qi.size)
+    torch.testing.assert_close(grouped(qi[perm], rows[perm]), folded[perm], atol=1e-5, rtol=0)
     try:
         fold_pair_scorer(tiny_model, q, frames, masks, units, norms, consts=out[:, :-1])
         raise AssertionError("a wrong-width constants array was accepted")
