@@ -169,10 +169,17 @@ def main() -> None:
                  "tunes for recall@k of the k nearest under a memory budget, not for recall@K of the top-10 under a "
                  "one-thread p50 budget. indexer.tune measures the issue's own criterion directly.")
 
+    real_rows = args.real_index is not None or args.real is not None
+
     def report(final: bool) -> None:
         body = (
-            f"Commit `{commit}`. CLIP-like data from `bench/clip_like.py` (seed {args.seed}, d = {args.dim}); "
-            f"{args.queries} sample queries given to the tuner, {args.queries} other queries evaluated. "
+            f"Commit `{commit}`. "
+            + (f"CLIP-like data from `bench/clip_like.py` (seed {args.seed}, d = {args.dim}); {args.queries} sample "
+               f"queries given to the tuner, {args.queries} other queries evaluated. " if args.sizes else
+               "No CLIP-like sizes in this run (`--sizes` empty). ")
+            + ("Real rows: half of the real queries (shuffled, seeded) are the tuner's sample, the other half "
+               "is evaluated; the data column says where they come from (notes). " if real_rows else "")
+            + f"*recall@256*: share of each evaluation query's exact top-10 inside the ANN top-256 (K = the service's "
             f"*recall@256*: share of each evaluation query's exact top-10 inside the ANN top-256 (K = the service's "
             f"default candidates); *recall@10*: inside the ANN top-10; *p50/p95*: one query per call, ONE thread, "
             f"K = 256, over {args.latency_queries} queries; *build*: training + adding every index the tuner "
