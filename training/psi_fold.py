@@ -513,7 +513,10 @@ def _frame_dots(frames: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     rows = min(n, _CHUNK_VIDEOS) * f
     buf = getattr(_BUF, "t", None)
     if buf is None or buf.numel() < rows * d:
-        buf = _BUF.t = torch.empty(rows * d, dtype=torch.float32)
+        # a normal tensor even when the first call runs under inference_mode: an inference tensor could not
+        # be written in place by a later call outside it
+        with torch.inference_mode(False):
+            buf = _BUF.t = torch.empty(rows * d, dtype=torch.float32)
     parts = []
     for r0 in range(0, n * f, rows):
         r1 = min(n * f, r0 + rows)

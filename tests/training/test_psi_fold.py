@@ -297,3 +297,28 @@ def test_chunked_upcast_and_in_order_candidates(dtype):
     full = pf.pair_scores(q1, vv)
     torch.testing.assert_close(pf.pair_scores(q1, vv, in_order), full, atol=TOL, rtol=0)
     torch.testing.assert_close(pf.pair_scores(q1, vv, shuffled[:1]), full.gather(1, shuffled[:1]), atol=TOL, rtol=0)
+
+
+def test_upcast_buffer_works_inside_and_outside_inference_mode():
+    """The per-thread upcast buffer is first made under inference_mode (the service), then used outside it
+    (training-side callers): both calls give the same dots, in a fresh thread so the buffer is new."""
+    import threading
+
+    frames, u = torch.randn(3, 4, 8).half(), torch.randn(2, 8)
+    ref = u @ frames.float().reshape(-1, 8).t()
+    out, errors = [], []
+
+    def run():
+        try:
+            with torch.inference_mode():
+                out.append(pf._frame_dots(frames, u).clone())
+            out.append(pf._frame_dots(frames, u))
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    th = threading.Thread(target=run)
+    th.start()
+    th.join()
+    assert not errors, errors
+    for o in out:
+        torch.testing.assert_close(o, ref, atol=1e-5, rtol=0)
