@@ -192,7 +192,7 @@ def test_segments(tmp_path, ckpt):
     md = v.metadata(v.ids)
     assert [(r["start"], r["end"]) for r in md] == [(0.0, 4.0), (3.0, 7.0), (6.0, 10.0), (9.0, 12.0)]
     assert all(r["path"] == str(lib / "long.mp4") and r["duration"] == 12.0 for r in md)
-    assert v.manifest["segment"] == {"seconds": 4.0, "overlap": 1.0}
+    assert v.manifest.segment.to_dict() == {"seconds": 4.0, "overlap": 1.0}
     assert all(u == 4 for u in v.masks.sum(1)) or all(u >= 3 for u in v.masks.sum(1))
     assert len({tuple(np.round(u, 4)) for u in np.asarray(v.units)}) == 4  # windows differ
     # the window's features are those of load_frames(start, end)
