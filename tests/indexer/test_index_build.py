@@ -265,7 +265,7 @@ def test_concurrent_runs_are_refused(tmp_path, ckpt, corpus):
     assert not (out / "CURRENT").exists()
 
 
-def test_bias_score_dual_and_sparse_served(tmp_path, ckpt, corpus):  # noqa: F811
+def test_bias_score_dual_and_sparse_served(tmp_path, ckpt, corpus):
     """--bias-score dual keeps the dual-tower biases (and add carries the choice); --bias-k below the gallery
     size gives the sparse served form: psi on each queue query's top K, the cosine elsewhere."""
     vids = copy_videos(corpus, tmp_path / "lib", [f"video{i}.mp4" for i in range(5)])

@@ -37,7 +37,7 @@ def world(robust_env, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("props")
     idx, lib = private_index(robust_env, tmp)
     model, _ = load_model(robust_env["checkpoint"], "cpu")
-    return {"index": idx, "lib": lib, "model": model, "examples": []}
+    return {"index": idx, "lib": lib, "model": model, "videos": robust_env["videos"], "examples": []}
 
 
 def snapshot(model, idx) -> dict:
@@ -76,11 +76,11 @@ def assert_same(a: dict, b: dict) -> None:
             assert x == y or tied, (key, j, ids, ids2)
 
 
-def _add_then_remove(robust_env, world, names: list[str], by: str) -> dict:
+def _add_then_remove(world, names: list[str], by: str) -> dict:
     idx, lib, model = world["index"], world["lib"], world["model"]
     before = snapshot(model, idx)
     for n in names:
-        shutil.copy2(robust_env["videos"] / n, lib / n)
+        shutil.copy2(world["videos"] / n, lib / n)
     rc, out, err = index_cli("add", "--videos", str(lib), "--out", str(idx), "--workers", "0", "--no-progress")
     assert rc == 0, (out, err)
     added = snapshot(model, idx)
@@ -103,7 +103,7 @@ def _add_then_remove(robust_env, world, names: list[str], by: str) -> dict:
     return row
 
 
-def _run(robust_env, world, n_examples: int, name: str, derandomize: bool) -> None:
+def _run(world, n_examples: int, name: str, derandomize: bool) -> None:
     sw = Stopwatch()
 
     @settings(max_examples=n_examples, deadline=None, derandomize=derandomize, database=None,
@@ -111,7 +111,7 @@ def _run(robust_env, world, n_examples: int, name: str, derandomize: bool) -> No
     @given(names=st.lists(st.sampled_from(POOL), min_size=1, max_size=3, unique=True),
            by=st.sampled_from(["path", "id"]))
     def prop(names, by):
-        _add_then_remove(robust_env, world, names, by)
+        _add_then_remove(world, names, by)
 
     world["examples"].clear()
     with recording(name, queries=len(QUERIES), modes=["two-stage", "ann-only"], rows=world["examples"]) as fig:
@@ -119,10 +119,10 @@ def _run(robust_env, world, n_examples: int, name: str, derandomize: bool) -> No
         fig["seconds"] = sw.s
 
 
-def test_add_then_remove_restores_search_results(robust_env, world):
-    _run(robust_env, world, 4, "add_remove_fast", derandomize=True)
+def test_add_then_remove_restores_search_results(world):
+    _run(world, 4, "add_remove_fast", derandomize=True)
 
 
 @pytest.mark.slow
-def test_add_then_remove_restores_search_results_many(robust_env, world):
-    _run(robust_env, world, 20, "add_remove_full", derandomize=False)
+def test_add_then_remove_restores_search_results_many(world):
+    _run(world, 20, "add_remove_full", derandomize=False)
