@@ -51,6 +51,7 @@ from .store import (
     WORK_DIR,
     ExistingFile,
     IndexFormatError,
+    IndexManifest,
     IndexVersion,
     index_lock,
     open_index,
@@ -140,7 +141,7 @@ def _build_locked(checkpoint: Any, videos: Any, root: Path, opts: BuildOptions, 
 
 # ------------------------------------------------------------------------------------------ remove / biases
 def _prev_files(prev: IndexVersion, names: Sequence[str]) -> dict[str, ExistingFile]:
-    files = prev.manifest["files"]
+    files = prev.manifest.files
     return {n: ExistingFile(prev.path / f"{n}.npy", files[f"{n}.npy"]["sha256"]) for n in names if f"{n}.npy" in files}
 
 
@@ -182,7 +183,7 @@ def remove(out: str | os.PathLike, items: Sequence[str], *, checkpoint: str | os
             psi_consts.carry(arrays, prev, np.array([e.src[1] for e in entries], dtype=np.int64))
             arrays["biases"], binfo = _biases_for(prev, arrays, checkpoint, n_iters, report=report,
                                                   carry_traffic=True)
-            requested = prev.manifest.get("index_type_requested", "auto")
+            requested = prev.manifest.index_type_requested or "auto"
             ann, ainfo = _make_ann(arrays.get("ann_units", arrays["units"]), arrays["ids"], BuildOptions(), prev,
                                    requested, incremental=True,
                                    drop_ids=np.array(sorted(doomed), np.int64), new_rows=np.zeros(0, np.int64))
@@ -192,7 +193,7 @@ def remove(out: str | os.PathLike, items: Sequence[str], *, checkpoint: str | os
             shutil.rmtree(staging, ignore_errors=True)
         report.version, report.n_videos, report.removed, report.biases = name, len(entries), len(doomed), binfo
         report.index_type = ann.params.index_type
-        report.invgc, report.ncl_stage1 = prev.manifest.get("invgc"), bool(prev.manifest.get("ncl_stage1"))
+        report.invgc, report.ncl_stage1 = prev.manifest.invgc, bool(prev.manifest.ncl_stage1)
     return report
 
 
@@ -200,11 +201,12 @@ def _no_kv(frames16: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     raise RuntimeError("K/V are copied from the previous version; nothing should be recomputed")
 
 
-def _carry_manifest(m: dict[str, Any]) -> dict[str, Any]:
-    """Manifest fields a derived version keeps (checkpoint binding, sampling, ANN choice, ...)."""
+def _carry_manifest(m: IndexManifest) -> dict[str, Any]:
+    """Manifest fields a derived version keeps (checkpoint binding, sampling, ANN choice, ...), as JSON."""
     keys = ("checkpoint", "precision", "sampling", "segment", "index_type_requested", "ann_params", "ann_trained_n",
             "next_id", "biases", "invgc", "ncl_stage1", "psi_fold", "stage1")
-    return {k: m[k] for k in keys if k in m}
+    d = m.to_dict()
+    return {k: d[k] for k in keys if k in d}
 
 
 def recompute_biases(out: str | os.PathLike, *, checkpoint: str | os.PathLike | None = None, keep: int = 3,
@@ -229,13 +231,13 @@ def recompute_biases(out: str | os.PathLike, *, checkpoint: str | os.PathLike | 
         arrays: dict[str, Any] = _prev_files(prev, ["ids", "norms", "units", "frames", "masks", "keys", "values",
                                                     "ann_units", "psi_consts"])
         arrays["biases"] = b
-        files = prev.manifest["files"]
+        files = prev.manifest.files
         extra = _carry_manifest(prev.manifest) | {"biases": binfo, "builder": {"command": "biases"}}
         name = write_version(
-            root, arrays, ExistingFile(prev.path / "meta.sqlite", files["meta.sqlite"]["sha256"]), extra,
-            ann=ExistingFile(prev.path / "ann.faiss", files["ann.faiss"]["sha256"]), keep=keep,
+            root, arrays, ExistingFile(prev.path / "meta.sqlite", files["meta.sqlite"].sha256), extra,
+            ann=ExistingFile(prev.path / "ann.faiss", files["ann.faiss"].sha256), keep=keep,
         )
         report.version, report.n_videos, report.biases = name, prev.n, binfo
-        report.index_type = prev.manifest.get("index_type")
-        report.invgc, report.ncl_stage1 = prev.manifest.get("invgc"), bool(prev.manifest.get("ncl_stage1"))
+        report.index_type = prev.manifest.index_type
+        report.invgc, report.ncl_stage1 = prev.manifest.invgc, bool(prev.manifest.ncl_stage1)
     return report

@@ -378,7 +378,7 @@ def run_compare(opts: CompareOptions) -> dict[str, Any]:
         lat_s = round(time.time() - t0, 1)
 
         qn = None if queue is None else queue
-        ncl = {"bias_source": (v0.manifest.get("biases") or {}).get("source"), "gamma": gamma,
+        ncl = {"bias_source": v0.manifest.biases.get("source"), "gamma": gamma,
                "queue": 0 if qn is None else int(qn.shape[0]),
                "norm_err_test_before": normalization_error(units, np.asarray(v0.units), gamma),
                "norm_err_test_after": normalization_error(units, np.asarray(v0.units), gamma, b_all)}
@@ -387,7 +387,7 @@ def run_compare(opts: CompareOptions) -> dict[str, Any]:
             ncl["norm_err_queue_after"] = normalization_error(qn, np.asarray(v0.units), gamma, b_all)
         if "bank" in versions:
             vb = versions["bank"]
-            ncl["bank"] = {"biases": vb.manifest.get("biases"),
+            ncl["bank"] = {"biases": vb.manifest.biases,
                            "norm_err_test_after": normalization_error(units, np.asarray(v0.units), gamma,
                                                                       np.asarray(vb.biases, np.float32))}
         result: dict[str, Any] = {
@@ -395,9 +395,9 @@ def run_compare(opts: CompareOptions) -> dict[str, Any]:
             "options": {k: v for k, v in asdict(opts).items() if k != "combos"},
             "data": desc, "n_queries": len(texts), "n_gallery": n, "candidates": K, "coverage_ks": ks,
             "k_ge_gallery": K >= n, "rows": rows, "ncl": ncl,
-            "invgc": versions["invgc"].manifest.get("invgc") if "invgc" in versions else None,
-            "ncl_stage1": v0.manifest.get("ncl_stage1"),
-            "index_type": v0.manifest.get("index_type"),
+            "invgc": versions["invgc"].manifest.invgc if "invgc" in versions else None,
+            "ncl_stage1": v0.manifest.ncl_stage1,
+            "index_type": v0.manifest.index_type,
             "timings_s": {"build": build_s, "exhaustive_psi": psi_s, "latency": lat_s,
                           "total": round(time.time() - t_start, 1)},
             "notes": notes,

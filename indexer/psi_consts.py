@@ -153,23 +153,23 @@ def attach(arrays: dict[str, Any], model: Any, prev: Any = None, *, checkpoint_s
 
 def carry(arrays: dict[str, Any], prev: Any, src_rows: np.ndarray) -> dict[str, Any] | None:
     """Rows `src_rows` of prev's constants for a derived version (remove); its manifest entry or None."""
-    if prev.psi_consts is None or not prev.manifest.get(MANIFEST_KEY):
+    if prev.psi_consts is None or not prev.manifest.psi_fold:
         return None
     src = np.asarray(src_rows, dtype=np.int64)
     arrays[PSI_CONSTS_ARRAY] = np.asarray(prev.psi_consts[src], dtype=np.float32).reshape(src.size, -1)
-    return dict(prev.manifest[MANIFEST_KEY])
+    return dict(prev.manifest.psi_fold)
 
 
 # ------------------------------------------------------------------------------------------ serving
 def fold_status(version: Any, fold: PsiFold) -> str | None:
     """None when `version` stores constants valid for these psi weights, else why not (one line)."""
-    info = version.manifest.get(MANIFEST_KEY)
+    info = version.manifest.psi_fold
     if version.psi_consts is None or not info:
         return f"index version {version.name} has no psi constants (written before they existed); run `gare-index upgrade --out {version.root}`"
     if info.get("fingerprint") != fold.fingerprint:
         return (f"index version {version.name} holds psi constants of other psi weights ({str(info.get('fingerprint'))[:12]}, "
                 f"served psi {fold.fingerprint[:12]}): stale; run `gare-index upgrade --out {version.root}`")
-    ck = (version.manifest.get("checkpoint") or {}).get("sha256")
+    ck = version.manifest.checkpoint_sha256
     if info.get("checkpoint_sha256") not in (None, ck):
         return f"index version {version.name}: psi constants were folded for checkpoint {info.get('checkpoint_sha256')}, the index is bound to {ck}"
     if version.psi_consts.shape[1] != packed_width(version.max_frames):
@@ -202,7 +202,7 @@ def block(version: Any, s0: int, s1: int, fold: PsiFold, device: Any, *, stored:
 def problems(version: Any, *, sample: int = 64, seed: int = 0, model: Any = None) -> list[str]:
     """Checks of the stored constants: manifest entry, shape, finite values, and (given the model, or the
     index's checkpoint when it is readable) a recomputation of `sample` random rows (atol 1e-4)."""
-    info = version.manifest.get(MANIFEST_KEY)
+    info = version.manifest.psi_fold
     has = version.psi_consts is not None
     if not has and not info:
         log.warning("index version %s has no psi constants: the search uses the fused psi path; "
@@ -215,7 +215,7 @@ def problems(version: Any, *, sample: int = 64, seed: int = 0, model: Any = None
     if version.psi_consts.shape != (version.n, w) or int(info.get("floats_per_video", -1)) != w:
         out.append(f"{PSI_CONSTS_ARRAY}.npy: shape {version.psi_consts.shape}, manifest {info.get('floats_per_video')}, expected ({version.n}, {w})")
         return out
-    ck = (version.manifest.get("checkpoint") or {}).get("sha256")
+    ck = version.manifest.checkpoint_sha256
     if info.get("checkpoint_sha256") not in (None, ck):
         out.append(f"{PSI_CONSTS_ARRAY}.npy: folded for checkpoint {info.get('checkpoint_sha256')}, index bound to {ck}")
     f = version.max_frames
@@ -226,7 +226,7 @@ def problems(version: Any, *, sample: int = 64, seed: int = 0, model: Any = None
             out.append(f"{PSI_CONSTS_ARRAY}.npy: non-finite values (rows {s0}..)")
             break
     if model is None:
-        path = (version.manifest.get("checkpoint") or {}).get("path")
+        path = (version.manifest.checkpoint.path if version.manifest.checkpoint else None)
         if not path or not Path(path).is_file():
             log.warning("verify: checkpoint %s not readable; psi constants not recomputed", path)
             return out

@@ -44,7 +44,7 @@ def retune(out: str | os.PathLike, *, options: Stage1Options | None = None, chec
             prev = open_index(root, use_gpu=False)
             report.previous_version = prev.name
             m = prev.manifest
-            ck = Path(checkpoint or (m.get("checkpoint") or {}).get("path") or "")
+            ck = Path(checkpoint or (m.checkpoint.path if m.checkpoint else None) or "")
             if not ck.is_file():
                 raise ValueError(f"checkpoint {ck} not found; give --checkpoint (the one the index was built with)")
             sha = file_sha256(ck)
@@ -53,7 +53,7 @@ def retune(out: str | os.PathLike, *, options: Stage1Options | None = None, chec
             model, ckpt = load_model(ck, "cpu")
             _, queue = checkpoint_gamma_and_queue(ckpt, raw=True)  # raw rows: psi needs |t|
             caps = encode_captions(model, list(captions)) if captions else None
-            requested = index_type or m.get("index_type_requested", "auto")
+            requested = index_type or m.index_type_requested or "auto"
             units = prev.stage1_units
             ann, entry = tune_version_ann(
                 units, np.asarray(prev.ids), frames=prev.frames, masks=prev.masks, biases=prev.biases, model=model,
@@ -62,21 +62,21 @@ def retune(out: str | os.PathLike, *, options: Stage1Options | None = None, chec
             )
             arrays = _prev_files(prev, ["ids", "norms", "units", "frames", "masks", "biases", "keys", "values",
                                         "ann_units"])
-            files = m["files"]
+            files = m.files
             same = ann.cpu_index is prev.ann.cpu_index
             extra = _carry_manifest(m) | {
                 "ann_params": ann.params.to_dict(), STAGE1_KEY: entry, "builder": {"command": "tune"},
-                "ann_trained_n": m.get("ann_trained_n") if same else prev.n,
+                "ann_trained_n": m.ann_trained_n if same else prev.n,
             }
-            if requested != m.get("index_type_requested"):
+            if requested != m.index_type_requested:
                 extra["index_type_requested"] = requested
-            ncl = m.get("ncl_stage1")
+            ncl = m.ncl_stage1
             if ncl:  # rebuilt by write_version over [stage-1 ; b / c] with the new main parameters
                 extra["ncl_stage1"] = {k: v for k, v in ncl.items() if k in ("c",)}
-            name = write_version(root, arrays, ExistingFile(prev.path / "meta.sqlite", files["meta.sqlite"]["sha256"]),
+            name = write_version(root, arrays, ExistingFile(prev.path / "meta.sqlite", files["meta.sqlite"].sha256),
                                  extra, ann=ann, keep=keep)
             report.version, report.n_videos, report.stage1 = name, prev.n, entry
             report.index_type = ann.params.index_type
-            report.biases = m.get("biases") or {}
+            report.biases = m.biases or {}
             prev.close()
     return report

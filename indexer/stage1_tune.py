@@ -24,11 +24,14 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .ann import AnnIndex, AnnParams
+
+if TYPE_CHECKING:
+    from .store import IndexManifest
 from .tune import (
     RecallTargetError,
     Scorer,
@@ -230,9 +233,9 @@ def tune_version_ann(
     return tuned, entry
 
 
-def index_default_candidates(manifest: Mapping[str, Any] | None) -> int | None:
+def index_default_candidates(manifest: IndexManifest | Mapping[str, Any] | None) -> int | None:
     """The K an index chose for itself (manifest["stage1"]["default_candidates"]), or None."""
-    st = (manifest or {}).get(STAGE1_KEY) or {}
+    st = (manifest.stage1 if hasattr(manifest, "stage1") else (manifest or {}).get(STAGE1_KEY)) or {}
     k = st.get("default_candidates")
     return int(k) if isinstance(k, int) and k > 0 else None
 

@@ -20,6 +20,7 @@ from .build import BUILD_LOCK, RunReport, _carry_manifest, _prev_files, _reporte
 from .store import (
     ANN_NCL_FILE,
     WORK_DIR,
+    CheckpointRef,
     ExistingFile,
     IndexMismatchError,
     index_lock,
@@ -40,13 +41,13 @@ def upgrade(out: str | os.PathLike, *, checkpoint: str | os.PathLike | None = No
         with index_lock(root, BUILD_LOCK, blocking=False):
             prev = open_index(root, use_gpu=False)
             report.previous_version = prev.name
-            ck = prev.manifest.get("checkpoint") or {}
-            path = Path(checkpoint or ck.get("path") or "")
+            ck = prev.manifest.checkpoint or CheckpointRef()
+            path = Path(checkpoint or ck.path or "")
             if not path.is_file():
                 raise ValueError(f"checkpoint {path} not found; pass --checkpoint (the one the index was built with)")
             sha = file_sha256(path)
-            if sha != ck.get("sha256"):
-                raise IndexMismatchError(f"{path} has sha256 {sha}; index {prev.name} was built with {ck.get('sha256')}")
+            if sha != ck.sha256:
+                raise IndexMismatchError(f"{path} has sha256 {sha}; index {prev.name} was built with {ck.sha256}")
             dev = psi_consts._default_device(device)
             model, _ = load_model(path, dev)
             why = psi_consts.fold_status(prev, psi_consts.fold_of(model))
@@ -60,17 +61,17 @@ def upgrade(out: str | os.PathLike, *, checkpoint: str | os.PathLike | None = No
                 staging = root / WORK_DIR / f".staging-upgrade-{os.getpid()}"
                 try:
                     entry = psi_consts.attach(arrays, model, None, checkpoint_sha=sha, staging=staging, device=dev)
-                    files = prev.manifest["files"]
+                    files = prev.manifest.files
                     extra = _carry_manifest(prev.manifest) | {"psi_fold": entry, "builder": {"command": "upgrade"}}
-                    ann_ncl = (ExistingFile(prev.path / ANN_NCL_FILE, files[ANN_NCL_FILE]["sha256"])
+                    ann_ncl = (ExistingFile(prev.path / ANN_NCL_FILE, files[ANN_NCL_FILE].sha256)
                                if ANN_NCL_FILE in files else None)
                     name = write_version(
-                        root, arrays, ExistingFile(prev.path / "meta.sqlite", files["meta.sqlite"]["sha256"]), extra,
-                        ann=ExistingFile(prev.path / "ann.faiss", files["ann.faiss"]["sha256"]), keep=keep, ann_ncl=ann_ncl,
+                        root, arrays, ExistingFile(prev.path / "meta.sqlite", files["meta.sqlite"].sha256), extra,
+                        ann=ExistingFile(prev.path / "ann.faiss", files["ann.faiss"].sha256), keep=keep, ann_ncl=ann_ncl,
                     )
                 finally:
                     shutil.rmtree(staging, ignore_errors=True)
                 report.version, report.n_videos = name, prev.n
-            report.index_type = prev.manifest.get("index_type")
+            report.index_type = prev.manifest.index_type
             prev.close()
     return report

@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         finally:
             state.close()
-        print(f"ok: index {settings.index} ({manifest.get('n')} entries), checkpoint {path} sha256 {sha}")
+        print(f"ok: index {settings.index} ({manifest.n} entries), checkpoint {path} sha256 {sha}")
         return 0
 
     import uvicorn

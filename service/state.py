@@ -30,7 +30,9 @@ from indexer import search as S
 from indexer.store import (
     MANIFEST_FILE,
     VERSIONS_DIR,
+    CheckpointRef,
     IndexFormatError,
+    IndexManifest,
     IndexMismatchError,
     current_version_name,
     open_index,
@@ -66,7 +68,7 @@ def checkpoint_sha256(path: Path) -> str:
     return _SHA_CACHE[key]
 
 
-def resolve_checkpoint(settings: Settings) -> tuple[Path, str, dict[str, Any]]:
+def resolve_checkpoint(settings: Settings) -> tuple[Path, str, IndexManifest]:
     """(checkpoint path, its sha256, the current version's manifest); StartupError with a clear message."""
     if settings.index is None:
         raise StartupError("no index given: pass --index INDEX or set GARE_INDEX")
@@ -78,12 +80,12 @@ def resolve_checkpoint(settings: Settings) -> tuple[Path, str, dict[str, Any]]:
         manifest = read_manifest(root / VERSIONS_DIR / name)
     except IndexFormatError as e:
         raise StartupError(f"cannot read the index: {e}") from None
-    ck = manifest.get("checkpoint") or {}
-    want_sha = ck.get("sha256")
+    ck = manifest.checkpoint or CheckpointRef()
+    want_sha = ck.sha256
     if settings.checkpoint is not None:
         path = Path(settings.checkpoint)
-    elif ck.get("path"):
-        path = Path(ck["path"])
+    elif ck.path:
+        path = Path(ck.path)
         if not path.is_absolute():
             path = root / path
     else:
@@ -99,7 +101,7 @@ def resolve_checkpoint(settings: Settings) -> tuple[Path, str, dict[str, Any]]:
     elif sha != want_sha:
         raise StartupError(
             f"checkpoint {path} has sha256 {sha}, but index {root} ({name}) was built with sha256 {want_sha}"
-            f"{' (' + str(ck.get('path')) + ')' if ck.get('path') else ''}: refusing to serve scores from another model; "
+            f"{' (' + str(ck.path) + ')' if ck.path else ''}: refusing to serve scores from another model; "
             "pass the checkpoint the index was built with, or rebuild the index (gare-index build)"
         )
     return path, sha, manifest
@@ -297,7 +299,7 @@ class ServiceState:
             self.query_bank = QueryBank(s.query_bank_size, model.cfg.embed_dim, s.query_bank_path, s.query_bank_flush_every)
         log.info(
             "serving index %s version %s (%d entries, %s) with %s on %s (%s, text encoder %s, query cache %s)",
-            s.index, version.name, version.n, version.manifest.get("index_type"), path.name, self.device, self.precision,
+            s.index, version.name, version.n, version.manifest.index_type, path.name, self.device, self.precision,
             self.text_encoder, "on" if self.query_cache is not None and self.query_cache.enabled else "off",
         )
         self.publish_worker()
@@ -364,7 +366,7 @@ class ServiceState:
 
     def _publish(self, version: Any) -> None:
         self.metrics.set_index(
-            version.name, str(version.manifest.get("index_type")), (self.checkpoint_sha or "")[:12], version.n
+            version.name, str(version.manifest.index_type), (self.checkpoint_sha or "")[:12], version.n
         )
 
     def close(self) -> None:
@@ -498,12 +500,8 @@ class ServiceState:
             return None
         p = Path(path)
         roots = []
-        if self.settings.library_root is not None:
+        if self.settings.library_root is not None:  # the manifest records no library root (docs/index-format.md)
             roots.append(Path(self.settings.library_root))
-        for key in ("library_root", "videos_root", "source_root"):
-            v = version.manifest.get(key)
-            if isinstance(v, str) and v:
-                roots.append(Path(v))
         for r in roots:
             try:
                 rel = p.resolve().relative_to(r.resolve())

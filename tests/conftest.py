@@ -62,3 +62,25 @@ def corpus(tmp_path_factory):
     from tests.indexer.support import make_corpus
 
     return make_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="session")
+def service_env(tmp_path_factory):
+    """The service tests' corpus (16 captioned mp4 files), checkpoint, index and 1-s segment index
+    (tests.service.support.make_service_env); shared by tests/service and tests/indexer, read-only."""
+    from tests.service.support import make_service_env
+
+    return make_service_env(tmp_path_factory.mktemp("service"))
+
+
+@pytest.fixture(scope="session")
+def model_and_index(service_env):
+    """(model, the opened service index, service_env): the service test index read offline (the reference the
+    service and the search functions are compared with); read-only, shared by tests/indexer and tests/service."""
+    from indexer.store import open_index
+    from training.checkpoint import load_model
+
+    model, _ = load_model(service_env["checkpoint"], "cpu")
+    version = open_index(service_env["index"])
+    yield model, version, service_env
+    version.close()

@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import numpy as np
 
 from training.checkpoint import file_sha256
 
-from ..store import ExistingFile, IndexMismatchError, IndexVersion
+from ..store import CheckpointRef, ExistingFile, IndexManifest, IndexMismatchError, IndexVersion
 from .options import RunReport
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ def compute_biases(units: np.ndarray, gamma: float, queue: np.ndarray | None, n_
     return b.numpy().astype(np.float32), {**info, "score": "dual"}
 
 
-def bias_score_of(manifest: dict[str, Any]) -> str:
+def bias_score_of(manifest: IndexManifest | Mapping[str, Any]) -> str:
     """The score an index's biases were fitted to (indexes from before issue 17: the dual-tower cosine)."""
     return str((manifest.get("biases") or {}).get("score") or "dual")
 
@@ -143,31 +144,32 @@ def _biases_for(prev: IndexVersion, arrays: dict[str, Any], checkpoint: str | os
     score = score or bias_score_of(prev.manifest)
     if score not in ("served", "dual"):
         raise ValueError(f"--bias-score must be served or dual, got {score!r}")
-    k = k or int((((prev.manifest.get("biases") or {}).get("served")) or {}).get("k") or 256)
+    pb = prev.manifest.biases  # the previous version's record (an open JSON object)
+    k = k or int((pb.get("served") or {}).get("k") or 256)
 
-    ck = prev.manifest.get("checkpoint") or {}
-    iters = n_iters or int((prev.manifest.get("biases") or {}).get("n_iters") or 4)
-    path = Path(checkpoint).expanduser().absolute() if checkpoint else Path(ck.get("path", ""))
+    ck = prev.manifest.checkpoint or CheckpointRef()
+    iters = n_iters or int(pb.get("n_iters") or 4)
+    path = Path(checkpoint).expanduser().absolute() if checkpoint else Path(ck.path or "")
     if traffic is not None:  # validate the bank before anything else: a bad file changes nothing
         from ..postprocess import load_query_bank
 
         load_query_bank(traffic, prev.dim)
     if not path.is_file():
-        if (prev.manifest.get("biases") or {}).get("source") == "none" and not checkpoint and traffic is None:
-            info = dict(prev.manifest.get("biases") or {}, n_iters=iters)
+        if pb.get("source") == "none" and not checkpoint and traffic is None:
+            info = dict(pb, n_iters=iters)
             return np.zeros(units.shape[0], np.float32), info
         raise ValueError(f"cannot recompute the NCL biases: checkpoint {path} not found; pass --checkpoint")
     sha = file_sha256(path)
-    if ck.get("sha256") and sha != ck["sha256"]:
+    if ck.sha256 and sha != ck.sha256:
         raise IndexMismatchError(
-            f"index {prev.root} was built with checkpoint sha256 {ck['sha256']} ({ck.get('path')}); {path} has sha256 {sha}"
+            f"index {prev.root} was built with checkpoint sha256 {ck.sha256} ({ck.path}); {path} has sha256 {sha}"
         )
     gamma, queue = checkpoint_gamma_and_queue(read_checkpoint(path), raw=True)
     tinfo = None
     if traffic is not None:
         queue, tinfo = _mixed_queue(queue, traffic, traffic_weight, prev.dim)
-    elif carry_traffic and (prev.manifest.get("biases") or {}).get("traffic") and report is not None:
-        queue, tinfo = _carried_traffic(queue, prev.manifest["biases"], prev.dim, report)
+    elif carry_traffic and pb.get("traffic") and report is not None:
+        queue, tinfo = _carried_traffic(queue, pb, prev.dim, report)
     served = None
     if score == "served" and queue is not None and len(units):
         import torch

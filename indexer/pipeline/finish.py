@@ -56,17 +56,17 @@ def _make_ann(units: np.ndarray, ids: np.ndarray, opts: BuildOptions, prev: Inde
     n = units.shape[0]
     t = _choose_type(requested, n)
     knobs = any(getattr(opts, k) is not None for k in ("nlist", "hnsw_m", "ef_construction", "pq_m"))
-    if prev is not None and incremental and not opts.rebuild_ann and not knobs and prev.manifest.get("index_type") == t:
-        trained = int(prev.manifest.get("ann_trained_n") or prev.n)
+    if prev is not None and incremental and not opts.rebuild_ann and not knobs and prev.manifest.index_type == t:
+        trained = int(prev.manifest.ann_trained_n or prev.n)
         if t not in ("ivf", "ivfpq") or n <= 2 * max(trained, 1):
-            params = _ann_params(t, opts, prev.manifest.get("ann_params"))
+            params = _ann_params(t, opts, prev.manifest.ann_params)
             ann = AnnIndex(prev.ann.cpu_index, params)
             if drop_ids.size:
                 ann.remove_ids(drop_ids)
             if new_rows.size:
                 ann.add(units[new_rows], ids[new_rows])
             return ann, {"ann_params": params.to_dict(), "ann_trained_n": trained}
-    params = _ann_params(t, opts, prev.manifest.get("ann_params") if prev is not None else None)
+    params = _ann_params(t, opts, prev.manifest.ann_params if prev is not None else None)
     t0 = time.time()
     ann = AnnIndex(build_index(units, ids, params, use_gpu=False), params)
     log.info("built a %s index over %d vectors in %.1fs", t, n, time.time() - t0)

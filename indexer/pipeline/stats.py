@@ -8,7 +8,6 @@ from typing import Any
 
 import numpy as np
 
-from ..stage1_tune import STAGE1_KEY
 from ..store import MANIFEST_FILE, VERSIONS_DIR, WORK_DIR, open_index
 
 
@@ -22,7 +21,7 @@ def stats(out: str | os.PathLike) -> dict[str, Any]:
     root = Path(out).expanduser().absolute()
     with open_index(root, use_gpu=False) as v:
         m = v.manifest
-        files = {k: int(x["bytes"]) for k, x in m["files"].items()}
+        files = {k: x.bytes for k, x in m.files.items()}
         total = sum(files.values())
         meta = v.all_metadata()
         n = v.n
@@ -30,7 +29,7 @@ def stats(out: str | os.PathLike) -> dict[str, Any]:
             "index": str(root),
             "version": v.name,
             "versions": list_versions(root),
-            "created": m.get("created"),
+            "created": m.created,
             "n": n,
             "distinct_files": len({r["path"] for r in meta}),
             "segments": sum(1 for r in meta if r["start"] is not None or r["end"] is not None),
@@ -39,21 +38,21 @@ def stats(out: str | os.PathLike) -> dict[str, Any]:
             "dim": v.dim,
             "max_frames": v.max_frames,
             "mean_frames_used": round(float(np.asarray(v.masks).sum(axis=1).mean()), 3) if n else 0.0,
-            "index_type": m.get("index_type"),
-            "index_type_requested": m.get("index_type_requested"),
-            "ann_params": m.get("ann_params"),
-            "kv": bool(m.get("kv")),
+            "index_type": m.index_type,
+            "index_type_requested": m.index_type_requested,
+            "ann_params": m.ann_params,
+            "kv": m.kv,
             # padded rows: features kept, v̄ over all rows, psi attends to them (checkpoints imported from the authors)
             "reference_padding": v.reference_padding,
-            "precision": m.get("precision"),
-            "checkpoint": m.get("checkpoint", {}).get("path"),
-            "checkpoint_sha256": m.get("checkpoint", {}).get("sha256"),
-            "biases": m.get("biases"),
-            "invgc": None if not m.get("invgc") else {k: v for k, v in m["invgc"].items() if k != "selection"}
-            | {"selection": {k: v for k, v in (m["invgc"].get("selection") or {}).items() if k != "tried"}},
-            "ncl_stage1": m.get("ncl_stage1"),
-            "stage1": None if not m.get(STAGE1_KEY) else {k: v for k, v in m[STAGE1_KEY].items() if k != "trials"},
-            "default_candidates": (m.get(STAGE1_KEY) or {}).get("default_candidates"),
+            "precision": m.precision,
+            "checkpoint": None if m.checkpoint is None else m.checkpoint.path,
+            "checkpoint_sha256": m.checkpoint_sha256,
+            "biases": m.biases,
+            "invgc": None if not m.invgc else {k: v for k, v in m.invgc.items() if k != "selection"}
+            | {"selection": {k: v for k, v in (m.invgc.get("selection") or {}).items() if k != "tried"}},
+            "ncl_stage1": m.ncl_stage1,
+            "stage1": None if not m.stage1 else {k: v for k, v in m.stage1.items() if k != "trials"},
+            "default_candidates": (m.stage1 or {}).get("default_candidates"),
             "bytes": files,
             "bytes_total": total,
             "bytes_per_video": round(total / n, 1) if n else None,

@@ -29,8 +29,8 @@ its final name and then switches ``CURRENT`` (temp file + ``os.replace``), so a 
 version or the new one, and a writer killed at any moment leaves the previous version intact.
 :func:`gc` removes old versions (never the current one).
 
-Modules: :mod:`.format` (names, constants, errors, lock, file helpers), :mod:`.reader`, :mod:`.writer`,
-:mod:`.verify`. Import from ``indexer.store``; the submodules are an implementation detail.
+Modules: :mod:`.format` (names, constants, errors, lock, file helpers), :mod:`.manifest` (manifest.json as
+the typed :class:`IndexManifest`, checked at read and at write), :mod:`.reader`, :mod:`.writer`, :mod:`.verify`. Import from ``indexer.store``; the submodules are an implementation detail.
 """
 
 from .format import (
@@ -54,6 +54,14 @@ from .format import (
     index_lock,
     test_pause,
     version_name,
+)
+from .manifest import (
+    CheckpointRef,
+    FileEntry,
+    IndexManifest,
+    Sampling,
+    Segment,
+    parse_manifest,
 )
 from .reader import (
     IndexVersion,
@@ -98,6 +106,12 @@ __all__ = [  # every name importable from indexer.store
     "current_version_name",
     "list_versions",
     "read_manifest",
+    "IndexManifest",
+    "CheckpointRef",
+    "FileEntry",
+    "Sampling",
+    "Segment",
+    "parse_manifest",
     "IndexVersion",
     "open_version",
     "open_index",

@@ -40,6 +40,7 @@ from .format import (
     _version_number,
     expected_shape,
 )
+from .manifest import FileEntry, IndexManifest, parse_manifest
 
 log = logging.getLogger("indexer.store")
 
@@ -66,38 +67,42 @@ def list_versions(root: str | os.PathLike) -> list[str]:
     return sorted(names, key=lambda n: _version_number(n) or 0)
 
 
-def read_manifest(path: Path) -> dict[str, Any]:
+def read_manifest(path: Path) -> IndexManifest:
+    """The manifest of the version directory `path`, validated (IndexFormatError naming the file and every bad field)."""
     mpath = Path(path) / MANIFEST_FILE
     try:
-        manifest = json.loads(mpath.read_text(encoding="utf-8"))
+        raw = json.loads(mpath.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise IndexFormatError(f"{mpath}: missing") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise IndexFormatError(f"{mpath}: not valid JSON ({e})") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise IndexFormatError(f"{mpath}: format is {manifest.get('format') if isinstance(manifest, dict) else None!r}, expected {FORMAT!r}")
-    fv = manifest.get("format_version")
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        raise IndexFormatError(f"{mpath}: format is {raw.get('format') if isinstance(raw, dict) else None!r}, expected {FORMAT!r}")
+    fv = raw.get("format_version")
     if fv != FORMAT_VERSION:
         raise IndexFormatError(
             f"{mpath}: index format version {fv!r} is not supported by this reader (it reads version {FORMAT_VERSION}); "
             "rebuild the index with this gare-index"
         )
-    return manifest
+    try:
+        return parse_manifest(raw)
+    except ValueError as e:
+        raise IndexFormatError(f"{mpath}: {e}") from None
 
 
-def _check_checkpoint(manifest: dict[str, Any], where: str, expect_sha: str | None) -> None:
+def _check_checkpoint(manifest: IndexManifest, where: str, expect_sha: str | None) -> None:
     if expect_sha is None:
         return
-    ck = manifest.get("checkpoint") or {}
-    have = ck.get("sha256")
+    ck = manifest.checkpoint
+    have = None if ck is None else ck.sha256
     if have != expect_sha:
         raise IndexMismatchError(
-            f"index {where} was built with checkpoint sha256 {have} ({ck.get('path')}), but the checkpoint in use has "
+            f"index {where} was built with checkpoint sha256 {have} ({None if ck is None else ck.path}), but the checkpoint in use has "
             f"sha256 {expect_sha}; rebuild the index with this checkpoint (gare-index build) or use the checkpoint it was built with"
         )
 
 
-def _hash_problems(path: Path, files: Mapping[str, Mapping[str, Any]], *, rehash: bool) -> list[str]:
+def _hash_problems(path: Path, files: Mapping[str, FileEntry], *, rehash: bool) -> list[str]:
     problems = []
     for fname, info in sorted(files.items()):
         p = path / fname
@@ -105,10 +110,10 @@ def _hash_problems(path: Path, files: Mapping[str, Mapping[str, Any]], *, rehash
             problems.append(f"{p}: missing")
             continue
         size = p.stat().st_size
-        if size != info.get("bytes"):
-            problems.append(f"{p}: {size} bytes, manifest says {info.get('bytes')}")
+        if size != info.bytes:
+            problems.append(f"{p}: {size} bytes, manifest says {info.bytes}")
             continue
-        if rehash and file_sha256(p) != info.get("sha256"):
+        if rehash and file_sha256(p) != info.sha256:
             problems.append(f"{p}: sha256 does not match the manifest (file corrupted or modified)")
     return problems
 
@@ -130,7 +135,7 @@ class IndexVersion:
     root: Path
     name: str
     path: Path
-    manifest: dict
+    manifest: IndexManifest
     ids: np.ndarray
     norms: np.ndarray
     units: np.ndarray
@@ -152,9 +157,9 @@ class IndexVersion:
 
     def __post_init__(self) -> None:
         if self.dim < 0:
-            self.dim = int(self.units.shape[1]) if self.units.ndim == 2 else int(self.manifest.get("dim", 0))
+            self.dim = int(self.units.shape[1]) if self.units.ndim == 2 else self.manifest.dim
         if self.max_frames < 0:
-            self.max_frames = int(self.frames.shape[1]) if self.frames.ndim == 3 else int(self.manifest.get("max_frames", 0))
+            self.max_frames = int(self.frames.shape[1]) if self.frames.ndim == 3 else self.manifest.max_frames
         ids = np.asarray(self.ids, dtype=np.int64)
         order = np.argsort(ids, kind="stable")
         self._sorted_ids, self._sorted_rows = ids[order], order.astype(np.int64)
@@ -172,7 +177,7 @@ class IndexVersion:
 
     @property
     def checkpoint_sha256(self) -> str | None:
-        return (self.manifest.get("checkpoint") or {}).get("sha256")
+        return self.manifest.checkpoint_sha256
 
     @property
     def reference_padding(self) -> bool:
@@ -180,7 +185,7 @@ class IndexVersion:
 
         True (imported from the authors' code): ``frames.npy`` keeps the padded rows' features, v̄ is the mean
         over all ``max_frames`` rows and psi attends over all rows; the pooling still uses ``masks``."""
-        cfg = (self.manifest.get("checkpoint") or {}).get("model_config") or {}
+        cfg = (None if self.manifest.checkpoint is None else self.manifest.checkpoint.model_cfg) or {}
         return bool(cfg.get("reference_padding", False))
 
     def rows(self, ids: np.ndarray, *, missing: str = "raise") -> np.ndarray:
@@ -208,7 +213,7 @@ class IndexVersion:
     @property
     def ncl_c(self) -> float:
         """The fold constant c of ann_ncl.faiss ([v̂ ; b / c] . [t̂ ; c] = cos + b)."""
-        return float((self.manifest.get("ncl_stage1") or {}).get("c", 1.0))
+        return float((self.manifest.ncl_stage1 or {}).get("c", 1.0))
 
     @property
     def has_ncl_stage1(self) -> bool:
@@ -333,14 +338,14 @@ def open_version(
         raise IndexFormatError(f"{path}: version directory missing")
     manifest = read_manifest(path)
     _check_checkpoint(manifest, f"{root} ({name})", expect_checkpoint_sha)
-    files = manifest.get("files")
-    if not isinstance(files, dict) or not files:
+    files = manifest.files
+    if not files:
         raise IndexFormatError(f"{path / MANIFEST_FILE}: no 'files' table")
     problems = _hash_problems(path, files, rehash=verify)
     if problems:
         raise IndexFormatError("; ".join(problems))
 
-    n, d, f = int(manifest["n"]), int(manifest["dim"]), int(manifest["max_frames"])
+    n, d, f = manifest.n, manifest.dim, manifest.max_frames
     arrays: dict[str, np.ndarray] = {}
     for aname, (dtype, _ndim) in {**ARRAY_SPECS, **OPTIONAL_ARRAYS}.items():
         if aname in OPTIONAL_ARRAYS and f"{aname}.npy" not in files:
@@ -352,7 +357,7 @@ def open_version(
                 f"{path / (aname + '.npy')}: {arr.dtype} {arr.shape}, manifest implies {dtype} {expect}"
             )
         arrays[aname] = arr
-    params = AnnParams.from_dict(manifest.get("ann_params") or {"index_type": manifest.get("index_type", "flat")})
+    params = AnnParams.from_dict(manifest.ann_params or {"index_type": manifest.index_type})
     stage1 = arrays.get("ann_units", arrays["units"])  # ivfpq re-scores with the vectors the ANN was built on
     try:
         ann = AnnIndex.load(path / ANN_FILE, params, stage1, use_gpu, vector_ids=arrays["ids"], mmap=mmap_ann)
@@ -362,7 +367,7 @@ def open_version(
         raise IndexFormatError(f"{path / ANN_FILE}: holds {ann.ntotal} vectors of d={ann.d}, manifest says n={n}, d={d}")
     ann_ncl = None
     if ANN_NCL_FILE in files:
-        ncl = manifest.get("ncl_stage1") or {}
+        ncl = manifest.ncl_stage1 or {}
         nparams = AnnParams.from_dict(ncl.get("ann_params") or {"index_type": "flat"})
         try:
             ann_ncl = AnnIndex.load(path / ANN_NCL_FILE, nparams, FoldedRows(stage1, arrays["biases"], float(ncl.get("c", 1.0))),
@@ -382,7 +387,7 @@ def open_version(
     # Sizes alone do not prove the metadata is a database, and SQLite is read lazily (per search): check it
     # now, so that a damaged meta.sqlite fails this open (and a reload) instead of every later request.
     problems = check_meta_db(path / META_FILE, n=n, columns=META_COLUMNS, ids=arrays["ids"],
-                             sha256=(files.get(META_FILE) or {}).get("sha256"))
+                             sha256=files[META_FILE].sha256 if META_FILE in files else None)
     if problems:
         version.close()
         raise IndexFormatError("; ".join(problems))

@@ -154,8 +154,8 @@ def verify_index(
                 break
         if not np.all(np.isfinite(np.asarray(v.biases))):
             problems.append("biases.npy: non-finite biases")
-        if meta and int(v.manifest.get("n", -1)) != len(meta):
-            problems.append(f"manifest.json: n={v.manifest.get('n')} but meta.sqlite has {len(meta)} rows")
+        if meta and v.manifest.n != len(meta):
+            problems.append(f"manifest.json: n={v.manifest.n} but meta.sqlite has {len(meta)} rows")
         if meta:
             fu = {int(m["id"]): m.get("frames_used") for m in meta}
             rows = v.rows(ids)

@@ -45,6 +45,7 @@ from .format import (
     test_pause,
     version_name,
 )
+from .manifest import IndexManifest, parse_manifest
 from .reader import current_version_name, list_versions
 
 log = logging.getLogger("indexer.store")
@@ -254,7 +255,12 @@ def write_version(
         if len(rows) != n or (n and not np.array_equal(np.sort(np.array([int(r["id"]) for r in rows], dtype=np.int64)), np.sort(ids))):
             raise ValueError(f"write_version: {len(rows)} metadata rows do not match the {n} ids")
 
-    extra = dict(manifest_extra)
+    # manifest fields given as models (read from a previous version) are written as the JSON they were read from
+    extra = {k: v.to_dict() if hasattr(v, "to_dict") and hasattr(v, "model_fields_set") else v
+             for k, v in manifest_extra.items()}
+    unknown = sorted(k for k in extra if IndexManifest._attr(k) is None)
+    if unknown:  # before anything is written (the manifest is validated again, whole, before it is written)
+        raise ValueError(f"write_version: unknown manifest fields {unknown} (not part of format_version {FORMAT_VERSION})")
     ann_params_d = extra.pop("ann_params", None)
     index_type = extra.pop("index_type", None)
     ncl_req = extra.pop("ncl_stage1", None)
@@ -320,7 +326,12 @@ def write_version(
             manifest.update(extra)
             manifest["ncl_stage1"] = ncl_info
             manifest["files"] = files
-            atomic_write_text(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1, sort_keys=True, default=str))
+            # through JSON first: what the writer has always written (numpy scalars as strings, tuples as lists)
+            try:
+                typed = parse_manifest(json.loads(json.dumps(manifest, default=str)))
+            except ValueError as e:
+                raise ValueError(f"write_version: the manifest is not valid: {e}") from None
+            atomic_write_text(tmp / MANIFEST_FILE, typed.to_json())
             _fsync_dir(tmp)
             test_pause("write")
             os.rename(tmp, vdir / name)

@@ -3,7 +3,7 @@
 from fastapi import APIRouter, Depends
 
 from indexer.served_biases import describe as describe_biases
-from indexer.stage1_tune import STAGE1_KEY, index_default_candidates
+from indexer.stage1_tune import index_default_candidates
 
 from ..schemas import INDEX_ERRORS, ErrorResponse, IndexInfo, ReloadResponse
 from ..security import StateDep, require_admin, require_search
@@ -17,19 +17,18 @@ router = APIRouter()
 async def index_info(state: StateDep) -> IndexInfo:
     with state.use_version() as v:
         m = v.manifest
-        ck = m.get("checkpoint") or {}
         return IndexInfo(
-            version=v.name, n=v.n, dim=v.dim, max_frames=v.max_frames, index_type=m.get("index_type"),
-            created=m.get("created"),
+            version=v.name, n=v.n, dim=v.dim, max_frames=v.max_frames, index_type=m.index_type,
+            created=m.created,
             checkpoint={
                 "name": state.checkpoint_path.name if state.checkpoint_path else None,
-                "sha256": state.checkpoint_sha, "model_config": ck.get("model_config"),
+                "sha256": state.checkpoint_sha, "model_config": None if m.checkpoint is None else m.checkpoint.model_cfg,
             },
-            biases=m.get("biases"), biases_description=describe_biases(m.get("biases")),
+            biases=m.biases, biases_description=describe_biases(m.biases),
             device=str(state.device), precision=state.precision,
             rerank_impl=state.settings.rerank_impl,
             default_candidates=index_default_candidates(m) or state.settings.default_candidates,
-            stage1=None if not m.get(STAGE1_KEY) else {k: x for k, x in m[STAGE1_KEY].items() if k != "trials"},
+            stage1=None if not m.stage1 else {k: x for k, x in m.stage1.items() if k != "trials"},
         )
 
 

@@ -1,13 +1,11 @@
-"""Shared fixtures for tests/test_postprocess_*.py (holds no tests): a tiny checkpoint with both NCL queues
+"""Shared helpers for tests/indexer/test_postprocess_*.py (holds no tests): a tiny checkpoint with both NCL queues
 (text and video, what InvGC uses as Q̂ and Ĝ), a captioned synthetic corpus of real mp4 files, and a plain
-index with the folded NCL stage 1, each built once per process."""
+index with the folded NCL stage 1 (:func:`make_postprocess_env`, built once per test run by the session fixture
+``postprocess_env`` in tests/indexer/conftest.py)."""
 
 from __future__ import annotations
 
-import atexit
 import shutil
-import tempfile
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +14,6 @@ import torch
 
 from tests.psi_weights import randomize_psi
 
-_LOCK = threading.Lock()
-_SHARED: dict[str, Any] = {}
 D = 64  # gare-test-tiny's embedding size
 
 
@@ -37,23 +33,18 @@ def make_checkpoint_with_queues(path: Path, *, seed: int = 0, video_queue: bool 
     return path
 
 
-def shared() -> dict[str, Any]:
-    """{root, checkpoint, corpus (synth folder with captions), videos, index (plain + --ncl-stage1)}."""
-    with _LOCK:
-        if not _SHARED:
-            from indexer.build import BuildOptions, build
-            from training.synth import SynthConfig, generate_corpus
+def make_postprocess_env(root: Path) -> dict[str, Any]:
+    """{root, checkpoint, corpus (synth folder with captions), videos, index (plain + --ncl-stage1)} under `root`;
+    read-only for tests (copy what you change)."""
+    from indexer.build import BuildOptions, build
+    from training.synth import SynthConfig, generate_corpus
 
-            root = Path(tempfile.mkdtemp(prefix="gare-postprocess-tests-"))
-            atexit.register(shutil.rmtree, root, True)
-            ckpt = make_checkpoint_with_queues(root / "tiny.safetensors")
-            info = generate_corpus(root / "corpus", SynthConfig(n_videos=14, seed=0, width=32, height=32, duration=2.0,
-                                                                fps=8.0, captions_per_video=2), progress=False)
-            index = root / "index"
-            build(str(ckpt), info["videos_dir"], str(index), BuildOptions(workers=0, progress=False, ncl_stage1=True))
-            _SHARED.update(root=root, checkpoint=ckpt, corpus=Path(info["out_dir"]), videos=Path(info["videos_dir"]),
-                           index=index)
-        return dict(_SHARED)
+    ckpt = make_checkpoint_with_queues(root / "tiny.safetensors")
+    info = generate_corpus(root / "corpus", SynthConfig(n_videos=14, seed=0, width=32, height=32, duration=2.0,
+                                                        fps=8.0, captions_per_video=2), progress=False)
+    index = root / "index"
+    build(str(ckpt), info["videos_dir"], str(index), BuildOptions(workers=0, progress=False, ncl_stage1=True))
+    return dict(root=root, checkpoint=ckpt, corpus=Path(info["out_dir"]), videos=Path(info["videos_dir"]), index=index)
 
 
 def copy_index(src: Path, dst: Path) -> Path:

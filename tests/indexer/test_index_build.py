@@ -192,7 +192,7 @@ def test_segments(tmp_path, ckpt):
     md = v.metadata(v.ids)
     assert [(r["start"], r["end"]) for r in md] == [(0.0, 4.0), (3.0, 7.0), (6.0, 10.0), (9.0, 12.0)]
     assert all(r["path"] == str(lib / "long.mp4") and r["duration"] == 12.0 for r in md)
-    assert v.manifest["segment"] == {"seconds": 4.0, "overlap": 1.0}
+    assert v.manifest.segment.to_dict() == {"seconds": 4.0, "overlap": 1.0}
     assert all(u == 4 for u in v.masks.sum(1)) or all(u >= 3 for u in v.masks.sum(1))
     assert len({tuple(np.round(u, 4)) for u in np.asarray(v.units)}) == 4  # windows differ
     # the window's features are those of load_frames(start, end)
@@ -265,7 +265,7 @@ def test_concurrent_runs_are_refused(tmp_path, ckpt, corpus):
     assert not (out / "CURRENT").exists()
 
 
-def test_bias_score_dual_and_sparse_served(tmp_path, ckpt, corpus):  # noqa: F811
+def test_bias_score_dual_and_sparse_served(tmp_path, ckpt, corpus):
     """--bias-score dual keeps the dual-tower biases (and add carries the choice); --bias-k below the gallery
     size gives the sparse served form: psi on each queue query's top K, the cosine elsewhere."""
     vids = copy_videos(corpus, tmp_path / "lib", [f"video{i}.mp4" for i in range(5)])

@@ -10,12 +10,12 @@ import pytest
 
 from indexer.cli import main
 from indexer.compare import BANK_COMBOS, COMBOS, Combo, final_ranks, two_stage
-from tests.indexer.postprocess_support import D, shared, unit
+from tests.indexer.postprocess_support import D, unit
 
 
 @pytest.fixture(scope="module")
-def compared(tmp_path_factory):
-    sh = shared()
+def compared(postprocess_env, tmp_path_factory):
+    sh = postprocess_env
     out = tmp_path_factory.mktemp("compare")
     np.save(out / "bank.npy", unit(np.random.default_rng(0).standard_normal((40, D))))
     rc = main(["compare", "--checkpoint", str(sh["checkpoint"]), "--synth", str(sh["corpus"]), "--gallery", "all",
@@ -63,7 +63,7 @@ def test_compare_writes_every_row(compared):
     assert v.manifest["invgc"]["r_g"] == r["invgc"]["r_g"] and v.ann_ncl is not None
 
 
-def test_two_stage_is_service_search(compared):
+def test_two_stage_is_service_search(postprocess_env, compared):
     from indexer import search as S
     from training.checkpoint import load_model
 
@@ -71,7 +71,7 @@ def test_two_stage_is_service_search(compared):
     from indexer.store import open_index
 
     v = open_index(out / "index")
-    sh = shared()
+    sh = postprocess_env
     model, _ = load_model(sh["checkpoint"])
     texts = ["a red circle moves left", "two blue squares appear", "a green triangle"]
     t = S.encode_queries(model, texts)

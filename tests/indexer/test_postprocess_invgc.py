@@ -13,7 +13,7 @@ import torch
 from indexer.cli import main
 from indexer.postprocess import invgc_apply, invgc_means
 from indexer.store import list_versions, open_index, verify_index, write_version
-from tests.indexer.postprocess_support import D, copy_index, make_checkpoint_with_queues, queues, shared, unit
+from tests.indexer.postprocess_support import D, copy_index, make_checkpoint_with_queues, queues, unit
 from training.invgc import invgc
 
 
@@ -36,8 +36,8 @@ def _manifest(index) -> dict:
     return open_index(index).manifest
 
 
-def test_build_add_remove_with_invgc(tmp_path):
-    sh = shared()
+def test_build_add_remove_with_invgc(postprocess_env, tmp_path):
+    sh = postprocess_env
     vids = sorted(sh["videos"].glob("*.mp4"))
     first = tmp_path / "first.csv"
     first.write_text("video\n" + "".join(f"{p}\n" for p in vids[:9]))
@@ -117,8 +117,8 @@ def test_build_add_remove_with_invgc(tmp_path):
     np.testing.assert_array_equal(v3.biases, p3.biases)  # the biases use the plain vectors
 
 
-def test_selection_on_validation_is_recorded_and_add_keeps_the_setting(tmp_path):
-    sh = shared()
+def test_selection_on_validation_is_recorded_and_add_keeps_the_setting(postprocess_env, tmp_path):
+    sh = postprocess_env
     out = copy_index(sh["index"], tmp_path / "INDEX")
     rc = main(["build", "--checkpoint", str(sh["checkpoint"]), "--videos", str(sh["videos"]), "--out", str(out),
                "--workers", "0", "--no-progress", "--invgc", "--invgc-val", str(sh["corpus"]), "--invgc-grid", "0,0.1,0.5"])
@@ -142,8 +142,8 @@ def test_selection_on_validation_is_recorded_and_add_keeps_the_setting(tmp_path)
     assert len(list_versions(out)) == n_versions
 
 
-def test_invgc_needs_the_video_queue_and_validation_data(tmp_path, capsys):
-    sh = shared()
+def test_invgc_needs_the_video_queue_and_validation_data(postprocess_env, tmp_path, capsys):
+    sh = postprocess_env
     ck = make_checkpoint_with_queues(tmp_path / "noq.safetensors", video_queue=False)
     rc = main(["build", "--checkpoint", str(ck), "--videos", str(sh["videos"]), "--out", str(tmp_path / "I1"),
                "--workers", "0", "--no-progress", "--invgc", "--invgc-r-g", "0.1", "--invgc-r-q", "0.1"])

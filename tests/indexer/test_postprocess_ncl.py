@@ -11,7 +11,7 @@ import pytest
 from indexer.cli import main
 from indexer.ncl_ann import build_ncl_ann, exact_ncl_topk
 from indexer.store import open_index, verify_index, write_version
-from tests.indexer.postprocess_support import D, copy_index, shared, unit
+from tests.indexer.postprocess_support import D, copy_index, unit
 
 
 def _arrays(n: int, seed: int, bias_scale: float = 0.05):
@@ -82,8 +82,8 @@ def test_verify_catches_a_folded_index_with_stale_biases(tmp_path):
     assert any("stale biases" in p for p in verify_index(tmp_path))
 
 
-def test_folded_index_follows_add_remove_and_biases(tmp_path):
-    sh = shared()
+def test_folded_index_follows_add_remove_and_biases(postprocess_env, tmp_path):
+    sh = postprocess_env
     out = tmp_path / "INDEX"
     vids = sorted(sh["videos"].glob("*.mp4"))
     first = tmp_path / "first.csv"
@@ -121,12 +121,12 @@ def test_folded_index_follows_add_remove_and_biases(tmp_path):
     assert open_index(out).name == v4.name
 
 
-def test_shared_index_two_stage_with_folded_candidates(tmp_path):
+def test_shared_index_two_stage_with_folded_candidates(postprocess_env, tmp_path):
     """The folded candidates go through indexer.search's psi stage and rank like the plain ones."""
     from indexer import search as S
     from training.checkpoint import load_model
 
-    sh = shared()
+    sh = postprocess_env
     v = open_index(copy_index(sh["index"], tmp_path / "I"))
     model, _ = load_model(sh["checkpoint"])
     t = S.encode_queries(model, ["a red circle moves left", "two blue squares"])
@@ -142,7 +142,7 @@ def test_shared_index_two_stage_with_folded_candidates(tmp_path):
             assert got[int(vid)] == pytest.approx(float(psi[i][j] + v.biases[v.rows([vid])[0]]), abs=1e-6)
 
 
-def test_service_ncl_stage1_flag(tmp_path):
+def test_service_ncl_stage1_flag(service_env, tmp_path):
     """The API's ncl_stage1 equals the offline folded search, and a plain index refuses it with 409."""
     from fastapi.testclient import TestClient
 
@@ -150,10 +150,10 @@ def test_service_ncl_stage1_flag(tmp_path):
     from indexer.cli import main as index_main
     from indexer.store import open_index
     from service.app import create_app
-    from tests.service.support import settings, shared
+    from tests.service.support import settings
     from training.checkpoint import load_model
 
-    sh = shared()
+    sh = service_env
     with TestClient(create_app(settings(sh["index"]))) as c:
         r = c.post("/v1/search", json={"query": "a red circle", "k": 3, "ncl_stage1": True})
         assert r.status_code == 409 and "ncl-stage1" in r.json()["detail"]

@@ -12,7 +12,7 @@ import torch
 from indexer.cli import main
 from indexer.postprocess import mix_queues
 from indexer.store import current_version_name, list_versions, open_index, verify_index
-from tests.indexer.postprocess_support import D, copy_index, shared, unit
+from tests.indexer.postprocess_support import D, copy_index, unit
 from training.checkpoint import load_model, read_checkpoint
 from training.sinkhorn import sinkhorn_biases_naive
 
@@ -47,8 +47,8 @@ def test_mix_queues_fraction_and_determinism():
         mix_queues(train, bank, 1.5)
 
 
-def test_biases_from_traffic_end_to_end(tmp_path, capsys):
-    sh = shared()
+def test_biases_from_traffic_end_to_end(postprocess_env, tmp_path, capsys):
+    sh = postprocess_env
     out = copy_index(sh["index"], tmp_path / "INDEX")
     bank = _bank(tmp_path / "bank.npy")
     before = open_index(out)
@@ -138,8 +138,8 @@ EXPECT = {"pickle": "not a plain numeric", "float64": "dtype float64, expected f
           "text": "not a plain numeric", "npz": "not an .npz", "missing": "no such file"}
 
 
-def test_bad_banks_fail_cleanly_and_change_nothing(tmp_path, capsys):
-    sh = shared()
+def test_bad_banks_fail_cleanly_and_change_nothing(postprocess_env, tmp_path, capsys):
+    sh = postprocess_env
     out = copy_index(sh["index"], tmp_path / "INDEX")
     name, versions = current_version_name(out), list_versions(out)
     for kind, path in _bad_files(tmp_path).items():

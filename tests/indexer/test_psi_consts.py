@@ -7,31 +7,18 @@ import json
 import logging
 
 import numpy as np
-import pytest
 import torch
 
 from indexer import psi_consts
 from indexer import search as S
-from tests.service.support import build_index, copy_index, shared
+from tests.service.support import build_index, copy_index
 from training.psi_fold import packed_width
 
 
-@pytest.fixture(scope="module")
-def env():
-    from indexer.store import open_index
-    from training.checkpoint import load_model
-
-    sh = shared()
-    model, _ = load_model(sh["checkpoint"], "cpu")
-    version = open_index(sh["index"])
-    yield model, version, sh
-    version.close()
-
-
-def test_built_index_stores_valid_constants(env):
+def test_built_index_stores_valid_constants(model_and_index):
     from indexer.store import verify_index
 
-    model, version, sh = env
+    model, version, sh = model_and_index
     info = version.manifest["psi_fold"]
     w = packed_width(version.max_frames)
     assert version.psi_consts.shape == (version.n, w) and version.psi_consts.dtype == np.float32
@@ -42,10 +29,10 @@ def test_built_index_stores_valid_constants(env):
     assert verify_index(sh["index"], psi_sample=version.n) == []
 
 
-def test_every_impl_equal_on_all_candidates(env):
+def test_every_impl_equal_on_all_candidates(model_and_index):
     """psi scores of every gallery entry for 4 queries: fold == fused == model within 1e-5; a batch shares the
     constants (ragged K per query)."""
-    model, version, sh = env
+    model, version, sh = model_and_index
     t = S.encode_queries(model, sh["captions"][:4])
     ids = np.asarray(version.ids)
     cands = [ids, ids[::-1][:7], ids[3:9], ids[:1]]
@@ -73,11 +60,11 @@ def _strip_constants(index, tmp_path):
     return root
 
 
-def test_old_index_falls_back_with_a_log_line_then_upgrade(env, tmp_path, caplog):
+def test_old_index_falls_back_with_a_log_line_then_upgrade(model_and_index, tmp_path, caplog):
     from indexer.cli import main
     from indexer.store import open_index, verify_index
 
-    model, version, sh = env
+    model, version, sh = model_and_index
     root = _strip_constants(sh["index"], tmp_path)
     text = sh["captions"][3]
     with open_index(root) as old:
@@ -102,10 +89,10 @@ def test_old_index_falls_back_with_a_log_line_then_upgrade(env, tmp_path, caplog
         assert again.name == new.name
 
 
-def test_stale_or_corrupt_constants_are_refused_and_reported(env, tmp_path):
+def test_stale_or_corrupt_constants_are_refused_and_reported(model_and_index, tmp_path):
     from indexer.store import open_index, verify_index
 
-    model, version, sh = env
+    model, version, sh = model_and_index
     root = copy_index(sh["index"], tmp_path / "stale")
     with open_index(root) as v:
         path = v.path
@@ -126,13 +113,13 @@ def test_stale_or_corrupt_constants_are_refused_and_reported(env, tmp_path):
     assert any("rows [3]" in p and "recomputation" in p for p in probs), probs
 
 
-def test_add_and_remove_keep_constants_aligned(env, tmp_path):
+def test_add_and_remove_keep_constants_aligned(model_and_index, tmp_path):
     import shutil
 
     from indexer.build import BuildOptions, build, remove
     from indexer.store import open_index, verify_index
 
-    model, version, sh = env
+    model, version, sh = model_and_index
     vids = sorted(sh["videos"].glob("*.mp4"))
     lib = tmp_path / "lib"
     lib.mkdir()
@@ -155,9 +142,9 @@ def test_add_and_remove_keep_constants_aligned(env, tmp_path):
     assert verify_index(root, psi_sample=len(vids)) == []
 
 
-def test_compute_rows_uses_the_served_vbar(env):
+def test_compute_rows_uses_the_served_vbar(model_and_index):
     """The constants are folded with v̄ = norm * unit (SPEC §4), not the mean of the float16 frames."""
-    model, version, sh = env
+    model, version, sh = model_and_index
     fold = psi_consts.fold_of(model)
     out = np.empty_like(np.asarray(version.psi_consts))
     psi_consts.compute_rows(fold, version.frames, version.masks, version.units, version.norms, out, device="cpu")

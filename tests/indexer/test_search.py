@@ -8,19 +8,7 @@ import torch
 
 from indexer import search as S
 from tests.psi_weights import randomize_psi
-from tests.service.support import build_index, shared
-
-
-@pytest.fixture(scope="module")
-def env():
-    from indexer.store import open_index
-    from training.checkpoint import load_model
-
-    sh = shared()
-    model, _ = load_model(sh["checkpoint"], "cpu")
-    version = open_index(sh["index"])
-    yield model, version, sh
-    version.close()
+from tests.service.support import build_index
 
 
 def _psi_model_score(model, version, text):
@@ -58,8 +46,8 @@ def test_fused_equals_model_score(tiny_cfg, heads):
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_two_stage_with_full_shortlist_equals_exhaustive(env):
-    model, version, sh = env
+def test_two_stage_with_full_shortlist_equals_exhaustive(model_and_index):
+    model, version, sh = model_and_index
     for text in sh["captions"][:4]:
         s, ids = _psi_model_score(model, version, text)
         final = s + np.asarray(version.biases)
@@ -74,8 +62,8 @@ def test_two_stage_with_full_shortlist_equals_exhaustive(env):
         assert set(res.timings) >= {"encode", "ann", "rerank", "total"}
 
 
-def test_modes(env):
-    model, version, sh = env
+def test_modes(model_and_index):
+    model, version, sh = model_and_index
     text = sh["captions"][0]
     t = S.encode_queries(model, [text])
     unit = S.unit_rows(t)[0]
@@ -102,8 +90,8 @@ def test_modes(env):
     assert [h.id for h in psi_only.hits] != [h.id for h in ann_only.hits]
 
 
-def test_shortlist_limits_the_candidates(env):
-    model, version, sh = env
+def test_shortlist_limits_the_candidates(model_and_index):
+    model, version, sh = model_and_index
     text = sh["captions"][1]
     res = S.search(model, version, text, S.SearchOptions(k=3, candidates=4))
     ann = S.search(model, version, text, S.SearchOptions(k=4, candidates=4, rerank=False, ncl=False))
@@ -112,8 +100,8 @@ def test_shortlist_limits_the_candidates(env):
     assert len(big.hits) == version.n and len({h.id for h in big.hits}) == version.n
 
 
-def test_model_impl_equals_fused_and_batch_equals_single(env):
-    model, version, sh = env
+def test_model_impl_equals_fused_and_batch_equals_single(model_and_index):
+    model, version, sh = model_and_index
     texts = sh["captions"][:5]
     opts = [S.SearchOptions(k=4, candidates=8), S.SearchOptions(k=3, candidates=16, ncl=False),
             S.SearchOptions(k=5, candidates=8, rerank=False), S.SearchOptions(k=2, candidates=2),
@@ -129,11 +117,11 @@ def test_model_impl_equals_fused_and_batch_equals_single(env):
             np.testing.assert_allclose([h.score for h in a.hits], [h.score for h in other.hits], atol=1e-5)
 
 
-def test_stored_kv_index(env, tmp_path):
+def test_stored_kv_index(model_and_index, tmp_path):
     """An index built with --store-kv: the model path uses the stored K/V and still agrees."""
     from indexer.store import open_index
 
-    model, version, sh = env
+    model, version, sh = model_and_index
     idx = build_index(sh["checkpoint"], sh["videos"], tmp_path / "kv", store_kv=True)
     with open_index(idx) as v2:
         assert v2.kv is not None
@@ -144,8 +132,8 @@ def test_stored_kv_index(env, tmp_path):
             np.testing.assert_allclose([h.score for h in a.hits], [h.score for h in b.hits], atol=1e-3)  # K/V kept in fp16
 
 
-def test_exhaustive_psi_matches_model(env):
-    model, version, sh = env
+def test_exhaustive_psi_matches_model(model_and_index):
+    model, version, sh = model_and_index
     text = sh["captions"][2]
     s, _ = _psi_model_score(model, version, text)
     ex = S.exhaustive_psi(model, version, S.encode_queries(model, [text]), block=5)
@@ -165,13 +153,13 @@ def test_options_validation_and_precision():
         S.psi_scores(None, None, torch.zeros(1, 4), [np.zeros(1, np.int64)], impl="nope")
 
 
-def test_empty_batch(env):
-    model, version, _ = env
+def test_empty_batch(model_and_index):
+    model, version, _ = model_and_index
     assert S.search_batch(model, version, []) == []
 
 
-def test_trimmed_tokens_give_the_same_embedding(env):
-    model, _, sh = env
+def test_trimmed_tokens_give_the_same_embedding(model_and_index):
+    model, _, sh = model_and_index
     texts = [sh["captions"][0], "a dog", "x"]
     tokens = model.tokenize(texts)
     short = S.trim_tokens(model.tokenize(["a dog", "x"]))

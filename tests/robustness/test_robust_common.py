@@ -1,7 +1,9 @@
 """Shared helpers for the robustness tests (tests/robustness/test_robust_*.py); holds no tests itself.
 
 The fixtures are made the real way (a tiny GARE checkpoint saved with ``save_checkpoint``, real H.264 mp4
-files from ``training.synth``, indexes written by ``indexer.build``) once per test process. Tests that
+files from ``training.synth``, indexes written by ``indexer.build``) once per test run, by the session fixtures
+``robust_env`` (:func:`make_robust_env`) and ``live_env`` (:func:`start_live_server`) of
+tests/robustness/conftest.py; the helpers below take that ``env`` dict. Tests that
 produce a figure for docs/robustness.md call :func:`record`; ``bench/robustness.py`` sets
 ``GARE_ROBUST_RESULTS`` to a folder and collects the files written there (without it, nothing is written).
 """
@@ -15,8 +17,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -26,9 +26,6 @@ RESULTS_ENV = "GARE_ROBUST_RESULTS"
 N_CORPUS = 48  # videos generated once; tests take libraries from them
 N_BASE = 12  # videos in the shared base index
 LIVE_KEY = "robust-live-admin-key"  # GARE_API_KEYS of the shared live server
-_LOCK = threading.RLock()
-_SHARED: dict[str, Any] = {}
-_LIVE: dict[str, Any] = {}
 
 
 def record(name: str, data: dict[str, Any]) -> None:
@@ -66,52 +63,33 @@ def load_bench_module(name: str):
     return mod
 
 
-def shared() -> dict[str, Any]:
-    """{root, checkpoint, videos (N_CORPUS mp4 files), base_lib (N_BASE of them), base_index}; built once per
-    process, read-only for tests (copy what you change)."""
-    with _LOCK:
-        if not _SHARED:
-            from indexer.build import BuildOptions, build
-            from tests.indexer.support import make_checkpoint, make_corpus
+def make_robust_env(root: Path, checkpoint: Path) -> dict[str, Any]:
+    """{root, checkpoint, videos (N_CORPUS mp4 files), base_lib (N_BASE of them), base_index} under `root`;
+    read-only for tests (copy what you change). The session fixture ``robust_env`` builds it once."""
+    from indexer.build import BuildOptions, build
+    from tests.indexer.support import make_corpus
 
-            root = Path(tempfile.mkdtemp(prefix="gare-robust-"))
-            import atexit
-
-            atexit.register(shutil.rmtree, root, True)
-            ckpt = make_checkpoint(root / "tiny.safetensors")
-            videos = make_corpus(root / "corpus", n=N_CORPUS)
-            base_lib = root / "base_lib"
-            base_lib.mkdir()
-            for i in range(N_BASE):
-                shutil.copy2(videos / f"video{i}.mp4", base_lib / f"video{i}.mp4")
-            base_index = root / "base_index"
-            build(str(ckpt), str(base_lib), str(base_index), BuildOptions(workers=0, progress=False))
-            _SHARED.update(root=root, checkpoint=ckpt, videos=videos, base_lib=base_lib, base_index=base_index)
-        return dict(_SHARED)
+    videos = make_corpus(root / "corpus", n=N_CORPUS)
+    base_lib = root / "base_lib"
+    base_lib.mkdir()
+    for i in range(N_BASE):
+        shutil.copy2(videos / f"video{i}.mp4", base_lib / f"video{i}.mp4")
+    base_index = root / "base_index"
+    build(str(checkpoint), str(base_lib), str(base_index), BuildOptions(workers=0, progress=False))
+    return dict(root=root, checkpoint=checkpoint, videos=videos, base_lib=base_lib, base_index=base_index)
 
 
-def live_server() -> dict[str, Any]:
-    """{srv, index, lib, key}: one `gare-serve` process on 127.0.0.1 for this test process (started on first
-    use, stopped at exit) over a private copy of the base index. Tests may change the index and the library
-    (adding versions, reloading) but leave CURRENT a good version holding the library."""
-    with _LOCK:
-        if _LIVE and _LIVE["srv"].proc.poll() is None:
-            return dict(_LIVE)
-    sh = shared()
-    with _LOCK:
-        if not (_LIVE and _LIVE["srv"].proc.poll() is None):
-            import atexit
+def start_live_server(env: dict[str, Any], root: Path) -> dict[str, Any]:
+    """{srv, index, lib, key}: a `gare-serve` process on 127.0.0.1 over a private copy of the base index, under
+    `root` (the session fixture ``live_env`` starts one per test run and stops it at the end). Tests may change
+    the index and the library (adding versions, reloading) but leave CURRENT a good version holding the library."""
+    from tests.service.support import UvicornProcess
 
-            from tests.service.support import UvicornProcess
-
-            root = Path(tempfile.mkdtemp(prefix="gare-robust-live-", dir=sh["root"]))
-            idx, lib = private_index(root)
-            srv = UvicornProcess(["--index", str(idx), "--log-level", "warning", "--batch-max-wait-ms", "2"],
-                                 env={"GARE_API_KEYS": LIVE_KEY})
-            srv.__enter__()
-            atexit.register(srv.__exit__, None, None, None)
-            _LIVE.update(srv=srv, index=idx, lib=lib, key=LIVE_KEY)
-        return dict(_LIVE)
+    idx, lib = private_index(env, root)
+    srv = UvicornProcess(["--index", str(idx), "--log-level", "warning", "--batch-max-wait-ms", "2"],
+                         env={"GARE_API_KEYS": LIVE_KEY})
+    srv.__enter__()
+    return dict(srv=srv, index=idx, lib=lib, key=LIVE_KEY)
 
 
 def copy_tree(src: Path, dst: Path) -> Path:
@@ -119,25 +97,25 @@ def copy_tree(src: Path, dst: Path) -> Path:
     return dst
 
 
-def copy_index(dst: Path) -> Path:
+def copy_index(env: dict[str, Any], dst: Path) -> Path:
     """A private copy of the shared base index (its work/ cache and locks included)."""
-    return copy_tree(shared()["base_index"], dst)
+    return copy_tree(env["base_index"], dst)
 
 
-def private_index(dst: Path) -> tuple[Path, Path]:
+def private_index(env: dict[str, Any], dst: Path) -> tuple[Path, Path]:
     """(index, library) under `dst`: a copy of the base library and an index of exactly it (the base index
     copied, then `gare-index build` over the copy: every feature is reused, nothing is encoded)."""
-    lib = copy_lib(dst / "lib")
-    idx = copy_index(dst / "index")
-    rc, out, err = index_cli("build", "--checkpoint", str(shared()["checkpoint"]), "--videos", str(lib), "--out",
+    lib = copy_lib(env, dst / "lib")
+    idx = copy_index(env, dst / "index")
+    rc, out, err = index_cli("build", "--checkpoint", str(env["checkpoint"]), "--videos", str(lib), "--out",
                              str(idx), "--workers", "0", "--no-progress")
     assert rc == 0, (out, err)
     return idx, lib
 
 
-def copy_lib(dst: Path, names: list[str] | None = None) -> Path:
+def copy_lib(env: dict[str, Any], dst: Path, names: list[str] | None = None) -> Path:
     """A private copy of the base library (or of the named corpus videos)."""
-    sh = shared()
+    sh = env
     dst.mkdir(parents=True, exist_ok=True)
     if names is None:
         for p in sorted(sh["base_lib"].glob("*.mp4")):
@@ -146,6 +124,13 @@ def copy_lib(dst: Path, names: list[str] | None = None) -> Path:
         for n in names:
             shutil.copy2(sh["videos"] / n, dst / n)
     return dst
+
+
+def running_app(app):
+    """The app's lifespan + an in-process client that sees a 500 as a 500 (not as the app's exception)."""
+    from tests.service.support import running_app as in_process
+
+    return in_process(app, raise_app_exceptions=False)
 
 
 def index_cli(*args: str) -> tuple[int, str, str]:

@@ -49,11 +49,9 @@ from tests.robustness.test_robust_common import (
     index_cli,
     index_contents,
     lib_files,
-    live_server,
     private_index,
     record,
     recording,
-    shared,
 )
 from tests.service.support import running_app
 from tests.service.support import settings as svc_settings
@@ -102,9 +100,9 @@ class Prober:
 
 
 @pytest.fixture(scope="module")
-def live():
-    live = live_server()  # gare-serve on 127.0.0.1, shared with the other robustness tests of this process
-    yield live["srv"], live["index"], live["lib"]
+def live(live_env):
+    # gare-serve on 127.0.0.1, shared with the other robustness tests of this run
+    yield live_env["srv"], live_env["index"], live_env["lib"]
 
 
 def _reload(srv) -> httpx.Response:
@@ -120,9 +118,9 @@ def _work_shards(idx: Path) -> int:
     return len(list((idx / "work").glob("*/shard-*.npz")))
 
 
-def _mutate_library(rng: random.Random, lib: Path, pool: list[str]) -> list[str]:
+def _mutate_library(robust_env, rng: random.Random, lib: Path, pool: list[str]) -> list[str]:
     """Add 1-3 corpus videos, maybe delete one, maybe rewrite one with other content; returns what was done."""
-    videos = shared()["videos"]
+    videos = robust_env["videos"]
     done = []
     present = sorted(p.name for p in lib.glob("*.mp4"))
     for name in rng.sample(pool, min(len(pool), rng.choice((1, 2, 3)))):
@@ -204,20 +202,20 @@ def _landing(before: dict, idx: Path, run: dict) -> str:
 WINDOWS = ("inside the version write", "after the rename, before the switch")
 
 
-def run_kill_seeds(live, tmp_path: Path, seeds: list[int], name: str, anchors: tuple[str, ...] | None = None) -> dict:
+def run_kill_seeds(robust_env, live, tmp_path: Path, seeds: list[int], name: str, anchors: tuple[str, ...] | None = None) -> dict:
     """One kill per seed (see the module docstring). `anchors`: cycle through these instead of ANCHORS, with
     the kill inside the PAUSE_S hold (so "write" lands inside the version write, "switch" between rename and
     switch). What is observed is recorded before it is asserted: data lost is measured by comparing the
     index contents after the kill and after the resume with what was submitted (the library)."""
     srv, idx, lib = live
-    ckpt = str(shared()["checkpoint"])
-    all_videos = sorted(p.name for p in shared()["videos"].glob("*.mp4"))
+    ckpt = str(robust_env["checkpoint"])
+    all_videos = sorted(p.name for p in robust_env["videos"].glob("*.mp4"))
     pool = [n for n in all_videos if not (lib / n).exists()]
     sw = Stopwatch()
     with recording(name, seeds=len(seeds), rounds=[]) as fig, Prober(srv.base_url) as prober:
         for seed in seeds:
             rng = random.Random(seed)
-            changes = _mutate_library(rng, lib, pool)
+            changes = _mutate_library(robust_env, rng, lib, pool)
             cmd = rng.choices(("build", "add", "remove"), weights=(5, 3, 2))[0]
             anchor = anchors[seed % len(anchors)] if anchors else ANCHORS[seed % len(ANCHORS)]
             victim = None
@@ -297,24 +295,24 @@ def run_kill_seeds(live, tmp_path: Path, seeds: list[int], name: str, anchors: t
     return fig
 
 
-def test_sigkill_at_random_points(live, tmp_path):
-    fig = run_kill_seeds(live, tmp_path, [0, 1, 2], "kill_fast")
+def test_sigkill_at_random_points(robust_env, live, tmp_path):
+    fig = run_kill_seeds(robust_env, live, tmp_path, [0, 1, 2], "kill_fast")
     assert sum(r["killed"] for r in fig["rounds"]) >= 1  # the checks hold wherever the kill lands
 
 
-def test_sigkill_inside_the_version_write_and_before_the_switch(live, tmp_path):
+def test_sigkill_inside_the_version_write_and_before_the_switch(robust_env, live, tmp_path):
     """Six kills held (GARE_INDEX_TEST_PAUSE) inside the version write or between rename and switch, over
     build / add / remove: the two windows where a half-written version exists on disk."""
-    fig = run_kill_seeds(live, tmp_path, list(range(10, 16)), "kill_windows_fast", anchors=("write", "switch"))
+    fig = run_kill_seeds(robust_env, live, tmp_path, list(range(10, 16)), "kill_windows_fast", anchors=("write", "switch"))
     landed = [r["landing"] for r in fig["rounds"]]
     assert sum(x in WINDOWS for x in landed) >= 6, landed
     assert {x for x in landed if x in WINDOWS} == set(WINDOWS), landed
 
 
 @pytest.mark.slow
-def test_sigkill_at_random_points_many_seeds(live, tmp_path):
+def test_sigkill_at_random_points_many_seeds(robust_env, live, tmp_path):
     seeds = list(range(100, 100 + int(os.environ.get("GARE_ROBUST_KILL_SEEDS", "24"))))
-    fig = run_kill_seeds(live, tmp_path, seeds, "kill_full")
+    fig = run_kill_seeds(robust_env, live, tmp_path, seeds, "kill_full")
     assert sum(r["killed"] for r in fig["rounds"]) >= len(seeds) // 2
 
 
@@ -369,8 +367,8 @@ def _assert_intact(out: Path, name: str, n: int) -> None:
     v.close()
 
 
-def test_kill_while_encoding_resumes_from_the_work_cache(tmp_path):
-    ck, corpus = shared()["checkpoint"], shared()["videos"]
+def test_kill_while_encoding_resumes_from_the_work_cache(robust_env, tmp_path):
+    ck, corpus = robust_env["checkpoint"], robust_env["videos"]
     lib = copy_videos(corpus, tmp_path / "lib", [f"video{i}.mp4" for i in range(4)])
     out = tmp_path / "INDEX"
     marker = tmp_path / "paused"
@@ -416,8 +414,8 @@ def test_kill_while_encoding_resumes_from_the_work_cache(tmp_path):
 
 
 @pytest.mark.slow
-def test_kill_before_the_first_version_and_before_the_switch(tmp_path):
-    ck, corpus = shared()["checkpoint"], shared()["videos"]
+def test_kill_before_the_first_version_and_before_the_switch(robust_env, tmp_path):
+    ck, corpus = robust_env["checkpoint"], robust_env["videos"]
     lib = copy_videos(corpus, tmp_path / "lib", [f"video{i}.mp4" for i in range(8)])
     out = tmp_path / "INDEX"
     marker = tmp_path / "paused"
@@ -475,14 +473,14 @@ def _new_version(idx: Path) -> str:
     return recompute_biases(str(idx)).version
 
 
-def test_tampered_files_are_detected_and_refused(tmp_path):
+def test_tampered_files_are_detected_and_refused(robust_env, tmp_path):
     """Every file x {truncated, altered}: verify fails naming it; reload refuses it (truncated: always;
     altered: with verify_index) and the service keeps answering from the version it had."""
     import asyncio
 
     from service.app import create_app
 
-    idx = copy_index(tmp_path / "index")
+    idx = copy_index(robust_env, tmp_path / "index")
     rows = []
 
     async def go(rehash: bool, how: str) -> None:
@@ -572,14 +570,14 @@ def _fill(path: Path, leave_kib: int) -> Path:
     return filler
 
 
-def run_disk_full(tmp_path: Path, levels: list[int], name: str, commands=("build",)) -> dict:
+def run_disk_full(robust_env, tmp_path: Path, levels: list[int], name: str, commands=("build",)) -> dict:
     """For each command and level: a fresh copy of the base index on the tmpfs, the disk filled to leave
     `level` KiB, the command run in a separate process (a crash by signal must not take the tests down: it
     is recorded and fails the test), then the checks, then the same command again with the space freed.
     Each row is recorded before it is asserted; `lost` compares the index contents with what was submitted."""
-    sh = shared()
+    sh = robust_env
     ckpt = str(sh["checkpoint"])
-    base, lib = private_index(tmp_path)  # an index of the base library, which then gets 4 more videos
+    base, lib = private_index(robust_env, tmp_path)  # an index of the base library, which then gets 4 more videos
     for i in range(12, 16):
         shutil.copy2(sh["videos"] / f"video{i}.mp4", lib / f"video{i}.mp4")
     submitted = {p: file_sha256(p) for p in lib_files(lib)}
@@ -634,9 +632,9 @@ def run_disk_full(tmp_path: Path, levels: list[int], name: str, commands=("build
     return fig
 
 
-def test_disk_full_fails_cleanly(tmp_path):
+def test_disk_full_fails_cleanly(robust_env, tmp_path):
     """build, add and remove on a nearly full disk: each fails cleanly or fits, and nothing is lost."""
-    fig = run_disk_full(tmp_path, [0, 24, 2048], "disk_full_fast", commands=("build", "add", "remove"))
+    fig = run_disk_full(robust_env, tmp_path, [0, 24, 2048], "disk_full_fast", commands=("build", "add", "remove"))
     by_cmd = {c: [r["outcome"] for r in fig["rows"] if r["command"] == c] for c in ("build", "add", "remove")}
     for c, outcomes in by_cmd.items():
         assert "failed cleanly" in outcomes, (c, outcomes)  # the disk really was full for every command
@@ -644,26 +642,26 @@ def test_disk_full_fails_cleanly(tmp_path):
 
 
 @pytest.mark.slow
-def test_disk_full_sweep(tmp_path):
+def test_disk_full_sweep(robust_env, tmp_path):
     levels = list(range(0, 160, 4)) + [2048]
-    fig = run_disk_full(tmp_path, levels, "disk_full_full", commands=("build", "add", "remove"))
+    fig = run_disk_full(robust_env, tmp_path, levels, "disk_full_full", commands=("build", "add", "remove"))
     assert sum(r["outcome"] == "failed cleanly" for r in fig["rows"]) >= 10
 
 
 # Regression: report.json is written after CURRENT is switched; a failed write there (disk full right after
 # the switch, a 4 KiB window the tmpfs sweep rarely hits) must not turn the run into "exit 1, nothing changed".
-def test_failed_report_write_after_switch_does_not_claim_failure(tmp_path, monkeypatch):
+def test_failed_report_write_after_switch_does_not_claim_failure(robust_env, tmp_path, monkeypatch):
     import indexer.build as B
 
-    idx, lib = private_index(tmp_path)
-    shutil.copy2(shared()["videos"] / "video20.mp4", lib / "video20.mp4")
+    idx, lib = private_index(robust_env, tmp_path)
+    shutil.copy2(robust_env["videos"] / "video20.mp4", lib / "video20.mp4")
     before = current_version_name(idx)
 
     def no_space(root, report):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(Path(root) / "report.json"))
 
     monkeypatch.setattr(B, "write_report", no_space)
-    rc, out, err = index_cli("build", "--checkpoint", str(shared()["checkpoint"]), "--videos", str(lib),
+    rc, out, err = index_cli("build", "--checkpoint", str(robust_env["checkpoint"]), "--videos", str(lib),
                              "--out", str(idx), "--workers", "0", "--no-progress")
     after = current_version_name(idx)
     # the contract (gare-index --help): exit 1 = failed, nothing was changed

@@ -10,7 +10,6 @@ Fast (CI): a bounded, derandomised fuzz run (30 examples per operation and mode)
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import os
@@ -35,22 +34,12 @@ from tests.robustness.test_robust_common import (
     copy_index,
     copy_lib,
     index_cli,
-    live_server,
     record,
-    shared,
+    running_app,
 )
 from tests.service.support import settings as svc_settings
 
 KEY = "robust-hostile-admin-key"
-
-
-@contextlib.asynccontextmanager
-async def running_app(app):
-    """The app's lifespan + an in-process client that sees a 500 as a 500 (not as the app's exception)."""
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=60) as client:
-            yield client
 
 
 # ============================================================================================ fuzzing
@@ -106,8 +95,8 @@ def run_fuzz(app, *, max_examples: int, derandomize: bool, headers: dict | None 
 
 
 @pytest.fixture(scope="module")
-def fuzz_index(tmp_path_factory):
-    return copy_index(tmp_path_factory.mktemp("fuzz") / "index")
+def fuzz_index(robust_env, tmp_path_factory):
+    return copy_index(robust_env, tmp_path_factory.mktemp("fuzz") / "index")
 
 
 def _fuzz_all(fuzz_index, max_examples: int, derandomize: bool) -> dict:
@@ -231,13 +220,13 @@ def _status_recipes(vid: int, too_big: int) -> list[tuple[str, int, str, str, st
     return out
 
 
-def test_every_documented_status_is_produced_on_its_route(tmp_path, figure):
+def test_every_documented_status_is_produced_on_its_route(robust_env, tmp_path, figure):
     """The OpenAPI document is a claim: each status code it lists for a route is produced on that route by
     a request that should produce it (and nothing else is listed), each error answers with a JSON detail."""
     from indexer.build import recompute_biases
     from service.app import create_app
 
-    idx = copy_index(tmp_path / "index")
+    idx = copy_index(robust_env, tmp_path / "index")
     v = open_index(idx, use_gpu=False)
     vid, too_big = int(v.ids[0]), svc_settings(idx).max_body_bytes
     v.close()
@@ -385,9 +374,8 @@ def _search_post(port: int, path: str, body: bytes) -> tuple[int, bytes]:
     return _post_raw(port, path, body)
 
 
-def test_hostile_requests_to_the_live_server(figure):
-    live = live_server()
-    srv, idx = live["srv"], live["index"]
+def test_hostile_requests_to_the_live_server(live_env, figure):
+    srv, idx = live_env["srv"], live_env["index"]
     port = srv.port
     rows = figure("hostile_requests", rows=[])["rows"]
 
@@ -424,7 +412,7 @@ def test_hostile_requests_to_the_live_server(figure):
 
     # path traversal and odd ids on the video routes: never a file outside the index, never a 5xx
     secret = Path("/etc/passwd").read_bytes()[:20] if Path("/etc/passwd").exists() else b"root:"
-    indexed = {p.read_bytes() for p in live["lib"].glob("*.mp4")}
+    indexed = {p.read_bytes() for p in live_env["lib"].glob("*.mp4")}
     for route in ("", "/file", "/thumbnail"):
         for vid in ("..%2F..%2Fetc%2Fpasswd", "..%2f..%2f..%2f..%2fetc%2fpasswd", "%2e%2e%2f%2e%2e%2fetc%2fpasswd",
                     "..", "...", "-1", "1e9", "0x10", "1.0", "%EF%BC%91", "1%00", "9223372036854775808",
@@ -530,7 +518,7 @@ def _rehash_manifest(vdir: Path, fname: str) -> None:
     (vdir / "manifest.json").write_text(json.dumps(m, indent=1, sort_keys=True))
 
 
-def test_pickle_payloads_in_index_files_never_run(tmp_path, figure):
+def test_pickle_payloads_in_index_files_never_run(robust_env, tmp_path, figure):
     from service.app import create_app
 
     marker = tmp_path / "PWNED"
@@ -546,7 +534,7 @@ def test_pickle_payloads_in_index_files_never_run(tmp_path, figure):
              ("biases.npy", "pickle", False), ("ann.faiss", "junk", True), ("ann.faiss", "pickle", True),
              ("meta.sqlite", "pickle", True)]
     for fname, kind, rehash in cases:
-        idx = copy_index(tmp_path / f"idx-{fname}-{kind}-{rehash}")
+        idx = copy_index(robust_env, tmp_path / f"idx-{fname}-{kind}-{rehash}")
         vdir = idx / "versions" / (idx / "CURRENT").read_text().strip()
         target = vdir / fname
         if kind == "pickle" and fname.endswith(".npy"):
@@ -570,7 +558,7 @@ def test_pickle_payloads_in_index_files_never_run(tmp_path, figure):
         rc, out, err = index_cli("verify", "--out", str(idx))
         assert rc == 1, (fname, out, err)
         outcome["verify_rc"] = rc
-        rc, out, err = index_cli("add", "--videos", str(shared()["base_lib"]), "--out", str(idx), "--workers", "0",
+        rc, out, err = index_cli("add", "--videos", str(robust_env["base_lib"]), "--out", str(idx), "--workers", "0",
                                  "--no-progress")
         outcome["add_rc"] = rc
         assert rc == 1 and "Traceback" not in err, (fname, rc, err)  # refused with a message
@@ -601,11 +589,11 @@ def test_pickle_payloads_in_index_files_never_run(tmp_path, figure):
 # open_index never opens SQLite, so the reload answers 200 and then every search returns 500 ("internal
 # server error") until an operator notices. Fix: open the DB and run a cheap query (e.g. `SELECT count(*)
 # FROM videos` == n, or `PRAGMA quick_check`) in open_version, raising IndexFormatError.
-def test_reload_refuses_a_junk_sqlite_of_the_right_size(tmp_path):
+def test_reload_refuses_a_junk_sqlite_of_the_right_size(robust_env, tmp_path):
     from indexer.build import recompute_biases
     from service.app import create_app
 
-    idx = copy_index(tmp_path / "index")
+    idx = copy_index(robust_env, tmp_path / "index")
     app = create_app(svc_settings(idx, api_keys=KEY))
 
     async def go():
@@ -624,7 +612,7 @@ def test_reload_refuses_a_junk_sqlite_of_the_right_size(tmp_path):
     assert search_status == 200 and reload_status != 200, (reload_status, search_status)
 
 
-def test_pickle_checkpoints_never_run(tmp_path, figure):
+def test_pickle_checkpoints_never_run(robust_env, tmp_path, figure):
     import torch
 
     from service.app import StartupError, create_app, resolve_checkpoint
@@ -647,11 +635,11 @@ def test_pickle_checkpoints_never_run(tmp_path, figure):
             load_model(ck, "cpu")
         with pytest.raises((CheckpointError, OSError, ValueError)):
             read_checkpoint(ck)
-        rc, out, err = index_cli("build", "--checkpoint", str(ck), "--videos", str(shared()["base_lib"]),
+        rc, out, err = index_cli("build", "--checkpoint", str(ck), "--videos", str(robust_env["base_lib"]),
                                  "--out", str(tmp_path / f"idx-{ck.stem}"), "--workers", "0", "--no-progress")
         assert rc == 1 and "Traceback" not in err, (rc, err)
         # a service pointed at it (the index manifest names it, sha256 included) refuses to start
-        idx = copy_index(tmp_path / f"served-{ck.stem}")
+        idx = copy_index(robust_env, tmp_path / f"served-{ck.stem}")
         vdir = idx / "versions" / (idx / "CURRENT").read_text().strip()
         m = json.loads((vdir / "manifest.json").read_text())
         m["checkpoint"]["path"] = str(ck)
@@ -711,12 +699,12 @@ def _tiny_rawvideo_avi(path: Path) -> Path:
     return path
 
 
-def test_hostile_video_files_are_reported_and_skipped(tmp_path, monkeypatch, figure):
+def test_hostile_video_files_are_reported_and_skipped(robust_env, tmp_path, monkeypatch, figure):
     import training.video as V
     from tests.badfiles import write_bad_videos
     from training.synth import write_video
 
-    lib = copy_lib(tmp_path / "lib", ["video0.mp4", "video1.mp4", "video2.mp4"])
+    lib = copy_lib(robust_env, tmp_path / "lib", ["video0.mp4", "video1.mp4", "video2.mp4"])
     bad = write_bad_videos(lib / "bad")  # empty, truncated, random, no_moov, wrong_container (PNG), text
     hostile = {f"bad/{k}.mp4" for k in bad}
     raw = _tiny_rawvideo_avi(tmp_path / "raw.avi")
@@ -743,7 +731,7 @@ def test_hostile_video_files_are_reported_and_skipped(tmp_path, monkeypatch, fig
     idx = tmp_path / "index"
     sw = Stopwatch()
     fig = figure("hostile_videos", files=sorted(hostile))
-    rc, out, err = index_cli("build", "--checkpoint", str(shared()["checkpoint"]), "--videos", str(lib),
+    rc, out, err = index_cli("build", "--checkpoint", str(robust_env["checkpoint"]), "--videos", str(lib),
                              "--out", str(idx), "--workers", "0", "--no-progress", "--decode-timeout", "60")
     fig["exit_code"] = rc
     report = json.loads((idx / "report.json").read_text())
@@ -777,9 +765,9 @@ def test_hostile_video_files_are_reported_and_skipped(tmp_path, monkeypatch, fig
 
 # Manifests (JSONL / CSV) with bad rows, a library with nothing indexable, bad arguments: skipped with a reason or
 # refused naming the bad value; the exit codes are documented in --help.
-def test_bad_manifest_rows(tmp_path):
-    ckpt = shared()["checkpoint"]
-    lib = copy_lib(tmp_path / "lib", ["video0.mp4", "video1.mp4", "video2.mp4"])
+def test_bad_manifest_rows(robust_env, tmp_path):
+    ckpt = robust_env["checkpoint"]
+    lib = copy_lib(robust_env, tmp_path / "lib", ["video0.mp4", "video1.mp4", "video2.mp4"])
     (lib / "clip.txt").write_text("x")
     rows = [
         {"video": "lib/video0.mp4", "id": 100},
@@ -822,8 +810,8 @@ def test_bad_manifest_rows(tmp_path):
     assert set(md2) == {5, 6} and (md2[6]["start"], md2[6]["end"]) == (0.5, 1.5)
 
 
-def test_nothing_indexable_fails_without_a_version(tmp_path, capsys):
-    ckpt = shared()["checkpoint"]
+def test_nothing_indexable_fails_without_a_version(robust_env, tmp_path, capsys):
+    ckpt = robust_env["checkpoint"]
     write_bad_videos(tmp_path / "bad")
     out = tmp_path / "INDEX"
     rc = index_main(["build", "--checkpoint", str(ckpt), "--videos", str(tmp_path / "bad"), "--out", str(out),
@@ -838,8 +826,8 @@ def test_nothing_indexable_fails_without_a_version(tmp_path, capsys):
     (["build", "--checkpoint", "/nope.safetensors", "--videos", ".", "--out", "X"], "/nope.safetensors"),
     (["build", "--checkpoint", "CK", "--videos", "/no/such/dir", "--out", "X"], "/no/such/dir"),
 ])
-def test_errors_name_the_bad_value(tmp_path, argv, message, capsys):
-    ckpt = shared()["checkpoint"]
+def test_errors_name_the_bad_value(robust_env, tmp_path, argv, message, capsys):
+    ckpt = robust_env["checkpoint"]
     argv = [str(ckpt) if a == "CK" else str(tmp_path / "X") if a == "X" else a for a in argv]
     assert index_main(argv + ["--no-progress"]) == 1
     assert message in capsys.readouterr().err
@@ -938,10 +926,10 @@ def test_index_route_documents_its_auth_errors(fuzz_index):
 # frames.npy is truncated and for a checkpoint that is not loadable (a pickle renamed .safetensors), both of
 # which make the real start fail. Reproduce: truncate INDEX/versions/v000001/frames.npy, then
 # `gare-serve --index INDEX --check; echo $?` -> "ok: ..." 0. Fix: open_index(...) and load_model(...) in --check.
-def test_serve_check_opens_the_index(tmp_path):
+def test_serve_check_opens_the_index(robust_env, tmp_path):
     from service.cli import main as serve_main
 
-    idx = copy_index(tmp_path / "index")
+    idx = copy_index(robust_env, tmp_path / "index")
     vdir = idx / "versions" / (idx / "CURRENT").read_text().strip()
     data = (vdir / "frames.npy").read_bytes()
     (vdir / "frames.npy").write_bytes(data[: len(data) // 2])

@@ -18,7 +18,6 @@ import pytest
 from tests.robustness.test_robust_common import (
     LIVE_KEY,
     index_contents,
-    live_server,
     load_bench_module,
     record,
 )
@@ -29,9 +28,9 @@ LT = load_bench_module("load_test")
 
 
 @pytest.fixture(scope="module")
-def server():
-    live = live_server()  # gare-serve on 127.0.0.1, shared with the other robustness tests of this process
-    yield live["srv"], live["index"], live["lib"]
+def server(live_env):
+    # gare-serve on 127.0.0.1, shared with the other robustness tests of this run
+    yield live_env["srv"], live_env["index"], live_env["lib"]
 
 
 def _load_figures(res, mode: str) -> dict:

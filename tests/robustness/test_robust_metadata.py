@@ -10,7 +10,6 @@ checks stand in the way). A meta.sqlite damaged in place after the version was o
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import os
@@ -18,24 +17,14 @@ import shutil
 import sqlite3
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 
 from indexer.store import META_FILE, IndexFormatError, open_index, verify_index
-from tests.robustness.test_robust_common import copy_index, index_cli, recording
+from tests.robustness.test_robust_common import copy_index, index_cli, recording, running_app
 from tests.service.support import settings as svc_settings
 
 KEY = "robust-metadata-admin-key"
-
-
-@contextlib.asynccontextmanager
-async def running_app(app):
-    """The app's lifespan + an in-process client that sees a 500 as a 500 (not as the app's exception)."""
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=60) as client:
-            yield client
 
 
 def _replace(path: Path, data: bytes) -> None:
@@ -103,7 +92,7 @@ def _new_version(idx: Path) -> str:
     return recompute_biases(str(idx)).version
 
 
-def test_damaged_metadata_is_refused_everywhere(tmp_path):
+def test_damaged_metadata_is_refused_everywhere(robust_env, tmp_path):
     """Every kind of damage: open/verify/--check refuse the version naming meta.sqlite, the service does not
     start on it, a running service refuses to reload it (503, still serving the previous version) and
     keeps answering 200; the repaired version is then taken."""
@@ -112,7 +101,7 @@ def test_damaged_metadata_is_refused_everywhere(tmp_path):
 
     with recording("metadata_damage", kinds=list(KINDS), rows=[]) as fig:
         for kind in KINDS:
-            idx = copy_index(tmp_path / kind)
+            idx = copy_index(robust_env, tmp_path / kind)
             row: dict = {"kind": kind}
             fig["rows"].append(row)
             app = create_app(svc_settings(idx, api_keys=KEY))
@@ -162,12 +151,12 @@ def test_damaged_metadata_is_refused_everywhere(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["junk", "truncated_in_place"])
-def test_metadata_damaged_after_open_answers_503_not_500(tmp_path, kind):
+def test_metadata_damaged_after_open_answers_503_not_500(robust_env, tmp_path, kind):
     """The check runs when a version is opened; a file damaged in place afterwards (same inode) reaches the
     request path: every route that reads it answers 503 with a message, never 500."""
     from service.app import create_app
 
-    idx = copy_index(tmp_path / "index")
+    idx = copy_index(robust_env, tmp_path / "index")
     vdir = idx / "versions" / (idx / "CURRENT").read_text().strip()
     app = create_app(svc_settings(idx))
 

@@ -23,7 +23,6 @@ from tests.robustness.test_robust_common import (
     index_cli,
     private_index,
     recording,
-    shared,
 )
 
 QUERIES = ["a red circle rises", "two blue squares slide to the left", "a green cross on a white background",
@@ -32,13 +31,13 @@ POOL = [f"video{i}.mp4" for i in range(N_BASE, N_CORPUS)]
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def world(robust_env, tmp_path_factory):
     from training.checkpoint import load_model
 
     tmp = tmp_path_factory.mktemp("props")
-    idx, lib = private_index(tmp)
-    model, _ = load_model(shared()["checkpoint"], "cpu")
-    return {"index": idx, "lib": lib, "model": model, "examples": []}
+    idx, lib = private_index(robust_env, tmp)
+    model, _ = load_model(robust_env["checkpoint"], "cpu")
+    return {"index": idx, "lib": lib, "model": model, "videos": robust_env["videos"], "examples": []}
 
 
 def snapshot(model, idx) -> dict:
@@ -81,7 +80,7 @@ def _add_then_remove(world, names: list[str], by: str) -> dict:
     idx, lib, model = world["index"], world["lib"], world["model"]
     before = snapshot(model, idx)
     for n in names:
-        shutil.copy2(shared()["videos"] / n, lib / n)
+        shutil.copy2(world["videos"] / n, lib / n)
     rc, out, err = index_cli("add", "--videos", str(lib), "--out", str(idx), "--workers", "0", "--no-progress")
     assert rc == 0, (out, err)
     added = snapshot(model, idx)

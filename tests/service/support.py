@@ -1,13 +1,13 @@
-"""Shared fixtures for the service tests (no tests here).
+"""Shared helpers for the service tests (no tests here).
 
 Test indexes are made the real way: ``training.synth.generate_corpus`` writes H.264 mp4 files, a tiny
 GARE checkpoint (psi with non-trivial weights and an NCL text queue) is saved with ``save_checkpoint``,
-and ``indexer.build.build`` (what ``gare-index build`` runs) indexes them. Built once per test process.
+and ``indexer.build.build`` (what ``gare-index build`` runs) indexes them: :func:`make_service_env`, built
+once per test run by the session fixture ``service_env`` (tests/conftest.py).
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import shutil
@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -26,8 +25,6 @@ import httpx
 from tests.psi_weights import randomize_psi
 
 REPO = Path(__file__).resolve().parents[2]
-_LOCK = threading.Lock()
-_SHARED: dict[str, Any] = {}
 
 
 def make_checkpoint(path: Path, seed: int = 0) -> Path:
@@ -52,24 +49,21 @@ def build_index(checkpoint: Path, videos: Path | str, out: Path, **opts: Any) ->
     return out
 
 
-def shared() -> dict[str, Any]:
-    """{corpus, videos, checkpoint, index, seg_index, captions}: built once per process, read-only for tests."""
-    with _LOCK:
-        if not _SHARED:
-            from training.synth import SynthConfig, generate_corpus
+def make_service_env(root: Path) -> dict[str, Any]:
+    """{root, corpus, videos, checkpoint, index, seg_index (1-s segments), captions} under `root`; read-only for
+    tests (copy what you change). The session fixture ``service_env`` builds it once."""
+    import json
 
-            root = Path(tempfile.mkdtemp(prefix="gare-service-tests-"))
-            atexit.register(shutil.rmtree, root, True)
-            info = generate_corpus(root / "corpus", SynthConfig(n_videos=16, seed=0, duration=2.0, captions_per_video=2), progress=False)
-            ckpt = make_checkpoint(root / "tiny.safetensors")
-            idx = build_index(ckpt, info["videos_dir"], root / "index")
-            seg = build_index(ckpt, info["videos_dir"], root / "seg_index", segment=1.0)
-            import json
+    from training.synth import SynthConfig, generate_corpus
 
-            captions = [json.loads(line)["captions"][0] for line in open(info["manifest"], encoding="utf-8")]
-            _SHARED.update(root=root, corpus=Path(info["out_dir"]), videos=Path(info["videos_dir"]), checkpoint=ckpt,
-                           index=idx, seg_index=seg, captions=captions)
-        return dict(_SHARED)
+    info = generate_corpus(root / "corpus", SynthConfig(n_videos=16, seed=0, duration=2.0, captions_per_video=2), progress=False)
+    ckpt = make_checkpoint(root / "tiny.safetensors")
+    idx = build_index(ckpt, info["videos_dir"], root / "index")
+    seg = build_index(ckpt, info["videos_dir"], root / "seg_index", segment=1.0)
+    with open(info["manifest"], encoding="utf-8") as fh:
+        captions = [json.loads(line)["captions"][0] for line in fh]
+    return dict(root=root, corpus=Path(info["out_dir"]), videos=Path(info["videos_dir"]), checkpoint=ckpt,
+                index=idx, seg_index=seg, captions=captions)
 
 
 def copy_index(src: Path, dst: Path) -> Path:
@@ -85,10 +79,11 @@ def settings(index: Path, **kw: Any):
 
 
 @contextlib.asynccontextmanager
-async def running_app(app):
-    """Run the app's lifespan and yield an httpx client talking to it in process."""
+async def running_app(app, *, raise_app_exceptions: bool = True):
+    """Run the app's lifespan and yield an httpx client talking to it in process. `raise_app_exceptions=False`:
+    the client sees a 500 as a 500 (what a real client gets), not as the app's exception."""
     async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=raise_app_exceptions)
         async with httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=60) as client:
             yield client
 

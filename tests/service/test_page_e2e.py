@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 from tests.conftest import require
-from tests.service.support import REPO, UvicornProcess, shared
+from tests.service.support import REPO, UvicornProcess
 
 CHROMIUM = os.environ.get("GARE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -28,10 +28,10 @@ except ImportError:  # pragma: no cover - depends on the environment
     sync_playwright = None
 
 
-def test_search_page_end_to_end(tmp_path):
+def test_search_page_end_to_end(service_env, tmp_path):
     require(sync_playwright is not None, "Playwright for Python is not installed (pip install playwright)")
     require(Path(CHROMIUM).is_file(), f"Chromium not found at {CHROMIUM} (apt-get install -y chromium, or GARE_CHROMIUM)")
-    sh = shared()
+    sh = service_env
     with UvicornProcess(["--index", str(sh["seg_index"])]) as srv, sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         try:

@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from service.app import create_app
 from service.querybank import QueryBank
-from tests.service.support import settings, shared
+from tests.service.support import settings
 
 
 def test_bank_is_a_bounded_fifo_and_round_trips(tmp_path):
@@ -44,8 +44,8 @@ def test_a_pickle_or_wrong_shape_bank_file_is_not_loaded(tmp_path):
     assert len(QueryBank(4, 3, tmp_path / "b2.npy")) == 0
 
 
-def test_service_banks_served_query_embeddings_only(tmp_path):
-    sh = shared()
+def test_service_banks_served_query_embeddings_only(service_env, tmp_path):
+    sh = service_env
     path = tmp_path / "bank.npy"
     app = create_app(settings(sh["index"], query_bank_size=3, query_bank_path=path, query_bank_flush_every=2))
     queries = ["a red circle moves left", "two blue squares", "a green triangle", "a yellow star spins"]
@@ -65,7 +65,7 @@ def test_service_banks_served_query_embeddings_only(tmp_path):
     assert b"squares" not in path.read_bytes()
 
 
-def test_bank_without_a_path_refuses_to_start(tmp_path):
-    app = create_app(settings(shared()["index"], query_bank_size=10))
+def test_bank_without_a_path_refuses_to_start(service_env, tmp_path):
+    app = create_app(settings(service_env["index"], query_bank_size=10))
     with pytest.raises(Exception, match="query_bank_path"), TestClient(app):
         pass

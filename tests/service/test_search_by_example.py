@@ -14,30 +14,14 @@ from fastapi.testclient import TestClient
 
 from indexer import by_example as E
 from service.app import create_app
-from tests.service.support import settings, shared
+from tests.service.support import settings
 
 
 @pytest.fixture(scope="module")
-def sh():
-    return shared()
-
-
-@pytest.fixture(scope="module")
-def client(sh):
-    app = create_app(settings(sh["index"], max_image_bytes=64 * 1024, max_image_pixels=512 * 512))
+def client(service_env):
+    app = create_app(settings(service_env["index"], max_image_bytes=64 * 1024, max_image_pixels=512 * 512))
     with TestClient(app) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def offline(sh):
-    from indexer.store import open_index
-    from training.checkpoint import load_model
-
-    model, _ = load_model(sh["checkpoint"], "cpu")
-    v = open_index(sh["index"])
-    yield model, v
-    v.close()
 
 
 def naive_svv(qf, qm, cf, cm):
@@ -51,8 +35,8 @@ def naive_svv(qf, qm, cf, cm):
     return 0.5 * (qc + cq)
 
 
-def test_frame_match_equals_naive(offline):
-    _, v = offline
+def test_frame_match_equals_naive(model_and_index):
+    _, v, _ = model_and_index
     rows = np.arange(min(v.n, 6))
     frames, masks = np.asarray(v.frames[rows], np.float32), np.asarray(v.masks[rows], bool)
     got = E.frame_match_scores(frames[0], masks[0], frames, masks)
@@ -61,8 +45,8 @@ def test_frame_match_equals_naive(offline):
     assert got[0] == pytest.approx(1.0, abs=1e-5)  # a video matches itself perfectly
 
 
-def test_more_like_this_api(client, offline):
-    _, v = offline
+def test_more_like_this_api(client, model_and_index):
+    _, v, _ = model_and_index
     qid = int(v.ids[0])
     r = client.post("/v1/search", json={"video_id": qid, "k": 5, "candidates": 8})
     assert r.status_code == 200, r.text
@@ -85,8 +69,8 @@ def test_more_like_this_api(client, offline):
         assert h["psi_score"] is None
 
 
-def test_more_like_several_videos(client, offline):
-    _, v = offline
+def test_more_like_several_videos(client, model_and_index):
+    _, v, _ = model_and_index
     rows = np.arange(3)
     ids = [int(x) for x in v.ids[rows]]
     r = client.post("/v1/search", json={"video_ids": ids, "k": 4, "rerank": False})
@@ -123,12 +107,12 @@ def _png(size=(40, 30), color=(200, 30, 30)) -> bytes:
     return buf.getvalue()
 
 
-def test_image_search_equals_exact_stage1(client, offline):
+def test_image_search_equals_exact_stage1(client, model_and_index):
     import torch
 
     from training.video import clip_transform
 
-    model, v = offline
+    model, v, _ = model_and_index
     data = _png()
     r = client.post("/v1/search/image", files={"image": ("red.png", data, "image/png")}, data={"k": "5"})
     assert r.status_code == 200, r.text

@@ -10,7 +10,7 @@ from indexer import search as S
 from service.app import StartupError, create_app
 from service.metrics import Metrics
 from service.state import Job, ServiceState
-from tests.service.support import make_checkpoint, settings, shared
+from tests.service.support import make_checkpoint, settings
 from training.checkpoint import load_model
 
 
@@ -36,8 +36,8 @@ def _ids_scores(body):
     return [(h["id"], h["score"]) for h in body["results"]]
 
 
-def test_repeated_query_does_not_run_the_encoder():
-    sh = shared()
+def test_repeated_query_does_not_run_the_encoder(service_env):
+    sh = service_env
     app = create_app(settings(sh["index"]))
     q, q2 = sh["captions"][0], sh["captions"][1]
     with TestClient(app) as c, CountingEncoder(app.state.gare.model) as enc:
@@ -67,8 +67,8 @@ def test_repeated_query_does_not_run_the_encoder():
         assert 'gare_query_cache_lookups_total{result="miss"} 2.0' in text
 
 
-def test_cache_off_runs_the_encoder_every_time():
-    sh = shared()
+def test_cache_off_runs_the_encoder_every_time(service_env):
+    sh = service_env
     app = create_app(settings(sh["index"], query_cache_entries=0))
     with TestClient(app) as c, CountingEncoder(app.state.gare.model) as enc:
         for _ in range(3):
@@ -77,9 +77,9 @@ def test_cache_off_runs_the_encoder_every_time():
         assert enc.rows == [1, 1, 1]
 
 
-def test_another_checkpoint_never_gets_old_embeddings(tmp_path):
+def test_another_checkpoint_never_gets_old_embeddings(service_env, tmp_path):
     """The key holds the checkpoint sha256: after a model swap the same text is encoded by the new model."""
-    sh = shared()
+    sh = service_env
     st = ServiceState(settings(sh["index"]), Metrics())
     st.load()
     try:
@@ -102,12 +102,12 @@ def test_another_checkpoint_never_gets_old_embeddings(tmp_path):
         st.close()
 
 
-def test_reload_keeps_results_and_cache_is_keyed_by_checkpoint(tmp_path):
+def test_reload_keeps_results_and_cache_is_keyed_by_checkpoint(service_env, tmp_path):
     """A reload to a version of the same checkpoint keeps serving cached embeddings correctly."""
     from indexer.build import remove
     from tests.service.support import copy_index
 
-    sh = shared()
+    sh = service_env
     idx = copy_index(sh["index"], tmp_path / "index")
     app = create_app(settings(idx, api_keys="k"))
     q = sh["captions"][4]
@@ -123,8 +123,8 @@ def test_reload_keeps_results_and_cache_is_keyed_by_checkpoint(tmp_path):
         assert [h["id"] for h in r["results"]] == [h.id for h in off.hits]
 
 
-def test_int8_text_encoder_option():
-    sh = shared()
+def test_int8_text_encoder_option(service_env):
+    sh = service_env
     st = ServiceState(settings(sh["index"], text_encoder="int8"), Metrics())
     st.load()
     try:
@@ -139,8 +139,8 @@ def test_int8_text_encoder_option():
         st.close()
 
 
-def test_text_encoder_needs_fp32_precision():
-    sh = shared()
+def test_text_encoder_needs_fp32_precision(service_env):
+    sh = service_env
     with pytest.raises(StartupError, match="int8"):
         ServiceState(settings(sh["index"], text_encoder="int8", precision="bf16"), Metrics()).load()
 

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from service.workers import WorkerBoard
-from tests.service.support import UvicornProcess, copy_index, shared
+from tests.service.support import UvicornProcess, copy_index
 
 KEY = "workers-test-key"
 
@@ -25,8 +25,8 @@ def _search_total(text: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    sh = shared()
+def server(service_env, tmp_path_factory):
+    sh = service_env
     root = tmp_path_factory.mktemp("workers")
     idx = copy_index(sh["index"], root / "index")
     prom = root / "prom"

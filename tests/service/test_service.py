@@ -19,32 +19,16 @@ from fastapi.testclient import TestClient
 from indexer import search as S
 from service.app import StartupError, create_app, resolve_checkpoint
 from service.settings import Settings, SettingsError, load_api_key_hashes, load_settings
-from tests.service.support import copy_index, running_app, settings, shared
+from tests.service.support import copy_index, running_app, settings
 
 KEY = "test-admin-key-123"
 
 
 @pytest.fixture(scope="module")
-def sh():
-    return shared()
-
-
-@pytest.fixture(scope="module")
-def client(sh):
-    app = create_app(settings(sh["index"], api_keys=KEY))
+def client(service_env):
+    app = create_app(settings(service_env["index"], api_keys=KEY))
     with TestClient(app) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def offline(sh):
-    from indexer.store import open_index
-    from training.checkpoint import load_model
-
-    model, _ = load_model(sh["checkpoint"], "cpu")
-    v = open_index(sh["index"])
-    yield model, v
-    v.close()
 
 
 def _ids_scores(hits):
@@ -56,9 +40,9 @@ def _ids_scores(hits):
     {"k": 5}, {"k": 4, "candidates": 8}, {"k": 6, "rerank": False}, {"k": 6, "ncl": False},
     {"k": 3, "candidates": 3, "rerank": False, "ncl": False},
 ])
-def test_api_equals_offline_search(client, offline, sh, opts):
-    model, version = offline
-    for text in sh["captions"][:3]:
+def test_api_equals_offline_search(client, model_and_index, service_env, opts):
+    model, version, _ = model_and_index
+    for text in service_env["captions"][:3]:
         r = client.post("/v1/search", json={"query": text, **opts})
         assert r.status_code == 200, r.text
         body = r.json()
@@ -80,10 +64,10 @@ def test_api_equals_offline_search(client, offline, sh, opts):
         assert body["index_version"] == version.name and body["candidates"] >= body["k"]
 
 
-def test_segments_have_start_end(sh):
-    app = create_app(settings(sh["seg_index"]))
+def test_segments_have_start_end(service_env):
+    app = create_app(settings(service_env["seg_index"]))
     with TestClient(app) as c:
-        body = c.post("/v1/search", json={"query": sh["captions"][0], "k": 32}).json()
+        body = c.post("/v1/search", json={"query": service_env["captions"][0], "k": 32}).json()
         starts = {h["start"] for h in body["results"]}
         assert starts == {0.0, 1.0}
         for h in body["results"]:
@@ -91,10 +75,10 @@ def test_segments_have_start_end(sh):
             assert h["metadata"]["start"] == h["start"]
 
 
-def test_concurrent_requests_are_batched_and_equal_offline(sh, offline):
-    model, version = offline
-    texts = sh["captions"][:12]
-    app = create_app(settings(sh["index"], batch_max_wait_ms=50, batch_max_size=8))
+def test_concurrent_requests_are_batched_and_equal_offline(service_env, model_and_index):
+    model, version, _ = model_and_index
+    texts = service_env["captions"][:12]
+    app = create_app(settings(service_env["index"], batch_max_wait_ms=50, batch_max_size=8))
 
     async def go():
         async with running_app(app) as c:
@@ -182,11 +166,11 @@ def test_unknown_routes_and_methods(client):
     assert r.status_code == 405 and r.json() == {"detail": "method not allowed"}
 
 
-def test_internal_errors_are_generic(sh, monkeypatch):
+def test_internal_errors_are_generic(service_env, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("failure in /very/secret/internal/path.py line 3")
 
-    app = create_app(settings(sh["index"]))
+    app = create_app(settings(service_env["index"]))
     with TestClient(app, raise_server_exceptions=False) as c:
         monkeypatch.setattr(S, "search_batch", boom)
         r = c.post("/v1/search", json={"query": "dog"})
@@ -199,12 +183,12 @@ def test_internal_errors_are_generic(sh, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------ videos
-def test_video_metadata_and_errors(client, sh):
+def test_video_metadata_and_errors(client, service_env):
     r = client.get("/v1/videos/3")
     assert r.status_code == 200
     body = r.json()
     assert body["id"] == 3 and body["metadata"]["path"] == body["metadata"]["name"]
-    assert "/" not in body["metadata"]["path"] and str(sh["root"]) not in r.text  # no internal paths
+    assert "/" not in body["metadata"]["path"] and str(service_env["root"]) not in r.text  # no internal paths
     assert body["video_url"] == "/v1/videos/3/file" and body["thumbnail_url"] == "/v1/videos/3/thumbnail"
     r = client.get("/v1/videos/99999")
     assert r.status_code == 404 and "no video with id 99999" in r.json()["detail"]
@@ -228,8 +212,8 @@ def test_thumbnail_and_cache(client):
     assert 'gare_thumbnail_cache_total{result="hit"}' in m
 
 
-def test_file_ranges(client, sh, offline):
-    _, version = offline
+def test_file_ranges(client, service_env, model_and_index):
+    _, version, _ = model_and_index
     path = version.path_of(5)
     data = path.read_bytes()
     r = client.get("/v1/videos/5/file")
@@ -244,12 +228,12 @@ def test_file_ranges(client, sh, offline):
     assert r.status_code == 416 and r.headers["content-range"] == f"bytes */{len(data)}"
 
 
-def test_files_gone_or_outside_library_root(sh, tmp_path):
+def test_files_gone_or_outside_library_root(service_env, tmp_path):
     from tests.service.support import build_index
 
     vids = tmp_path / "lib" / "clips"
-    shutil.copytree(sh["videos"], vids)
-    idx = build_index(sh["checkpoint"], vids, tmp_path / "index")
+    shutil.copytree(service_env["videos"], vids)
+    idx = build_index(service_env["checkpoint"], vids, tmp_path / "index")
     with TestClient(create_app(settings(idx, library_root=tmp_path / "lib"))) as c:
         meta = c.get("/v1/videos/1").json()["metadata"]
         assert meta["path"] == f"clips/{meta['name']}"  # shown relative to the library root
@@ -268,7 +252,7 @@ def test_files_gone_or_outside_library_root(sh, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ auth, CORS
-def test_admin_needs_a_key(client, sh):
+def test_admin_needs_a_key(client, service_env):
     r = client.post("/v1/admin/reload")
     assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
     assert client.post("/v1/admin/reload", headers={"Authorization": "Bearer wrong"}).status_code == 403
@@ -277,15 +261,15 @@ def test_admin_needs_a_key(client, sh):
     assert r.status_code == 200 and r.json()["reloaded"] is False
     assert client.post("/v1/admin/reload", headers={"X-API-Key": KEY}).status_code == 200
     assert client.post("/v1/search", json={"query": "dog"}).status_code == 200  # search is open by default
-    with TestClient(create_app(settings(sh["index"]))) as c:  # no keys configured: admin is disabled
+    with TestClient(create_app(settings(service_env["index"]))) as c:  # no keys configured: admin is disabled
         r = c.post("/v1/admin/reload", headers={"X-API-Key": "anything"})
         assert r.status_code == 403 and "no API keys configured" in r.json()["detail"]
 
 
-def test_keys_file_and_search_key(sh, tmp_path):
+def test_keys_file_and_search_key(service_env, tmp_path):
     kf = tmp_path / "keys.txt"
     kf.write_text(f"# comment\nplain-key-1\n\nsha256:{hashlib.sha256(b'hashed-key-2').hexdigest()}\n")
-    s = settings(sh["index"], api_keys_file=kf, require_key_for_search=True)
+    s = settings(service_env["index"], api_keys_file=kf, require_key_for_search=True)
     assert len(load_api_key_hashes(s)) == 2
     assert "plain-key-1" not in repr(s.model_dump())  # nothing in clear beyond the file itself
     with TestClient(create_app(s)) as c:
@@ -305,15 +289,15 @@ def test_keys_file_and_search_key(sh, tmp_path):
         r = c.post("/v1/admin/reload", headers={"Authorization": "Bearer hashed-key-2"})
         assert r.status_code == 200
     with pytest.raises(StartupError, match="cannot read the API keys file"):
-        create_app(settings(sh["index"], api_keys_file=tmp_path / "missing.txt"))
+        create_app(settings(service_env["index"], api_keys_file=tmp_path / "missing.txt"))
 
 
-def test_cors(client, sh):
+def test_cors(client, service_env):
     r = client.get("/healthz", headers={"Origin": "https://evil.example"})
     assert "access-control-allow-origin" not in r.headers
     r = client.options("/v1/search", headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
     assert "access-control-allow-origin" not in r.headers
-    with TestClient(create_app(settings(sh["index"], cors_origins="https://app.example"))) as c:
+    with TestClient(create_app(settings(service_env["index"], cors_origins="https://app.example"))) as c:
         r = c.get("/healthz", headers={"Origin": "https://app.example"})
         assert r.headers["access-control-allow-origin"] == "https://app.example"
         r = c.options("/v1/search", headers={"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
@@ -324,7 +308,7 @@ def test_cors(client, sh):
 
 
 # ------------------------------------------------------------------------------------------ ops, docs, page
-def test_index_health_metrics(client, sh):
+def test_index_health_metrics(client, service_env):
     info = client.get("/v1/index").json()
     assert info["n"] == 16 and info["index_type"] == "flat" and info["dim"] == 64 and info["max_frames"] == 6
     assert info["checkpoint"]["name"] == "tiny.safetensors" and len(info["checkpoint"]["sha256"]) == 64
@@ -332,7 +316,7 @@ def test_index_health_metrics(client, sh):
     # how the biases were computed (issue 17): fitted to the served psi score; and what ncl defaults to, and why
     assert info["biases"]["score"] == "served" and "psi score the search ranks by" in info["biases_description"]
     assert info["ncl_default"] is S.SearchOptions().ncl and "bench/results/ncl_served" in info["ncl_default_reason"]
-    assert str(sh["root"]) not in json.dumps(info)
+    assert str(service_env["root"]) not in json.dumps(info)
     assert client.get("/healthz").json() == {"status": "ok"}
     assert client.get("/readyz").json()["status"] == "ready"
     client.post("/v1/search", json={"query": "a red square"})
@@ -349,8 +333,8 @@ def test_index_health_metrics(client, sh):
     assert 'route="/v1/videos/{video_id}"' in text or "/v1/videos/{video_id}" not in text  # templates, not raw ids
 
 
-def test_readyz_before_startup(sh):
-    with TestClient(create_app(settings(sh["index"]))) as c:
+def test_readyz_before_startup(service_env):
+    with TestClient(create_app(settings(service_env["index"]))) as c:
         pass
     r = c.get("/readyz")  # lifespan finished: not ready any more
     assert r.status_code == 503
@@ -385,14 +369,14 @@ def test_page_is_served(client):
 
 
 # ------------------------------------------------------------------------------------------ reload
-def test_reload_while_requests_are_in_flight(sh, tmp_path, monkeypatch):
+def test_reload_while_requests_are_in_flight(service_env, tmp_path, monkeypatch):
     import threading
 
     from indexer.build import remove
 
-    idx = copy_index(sh["index"], tmp_path / "index")
+    idx = copy_index(service_env["index"], tmp_path / "index")
     app = create_app(settings(idx, api_keys=KEY, batch_max_wait_ms=5, batch_max_size=4))
-    texts = sh["captions"]
+    texts = service_env["captions"]
     entered, gate = threading.Event(), threading.Event()
     real = S.search_batch
 
@@ -440,10 +424,10 @@ def test_reload_while_requests_are_in_flight(sh, tmp_path, monkeypatch):
     assert old_handle.closed and old_handle.refs == 0  # closed after its last request
 
 
-def test_reload_refuses_an_index_of_another_checkpoint(sh, tmp_path):
+def test_reload_refuses_an_index_of_another_checkpoint(service_env, tmp_path):
     from indexer.store import open_index, write_version
 
-    idx = copy_index(sh["index"], tmp_path / "index")
+    idx = copy_index(service_env["index"], tmp_path / "index")
     with TestClient(create_app(settings(idx, api_keys=KEY))) as c:
         with open_index(idx) as v:
             arrays = {k: np.array(getattr(v, k)) for k in ("ids", "norms", "units", "frames", "masks", "biases")}
@@ -459,29 +443,29 @@ def test_reload_refuses_an_index_of_another_checkpoint(sh, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ startup
-def test_startup_checks(sh, tmp_path):
+def test_startup_checks(service_env, tmp_path):
     from tests.service.support import make_checkpoint
 
     other = make_checkpoint(tmp_path / "other.safetensors", seed=5)
     with pytest.raises(StartupError) as e:
-        resolve_checkpoint(settings(sh["index"], checkpoint=other))
+        resolve_checkpoint(settings(service_env["index"], checkpoint=other))
     msg = str(e.value)
     assert "sha256" in msg and "refusing" in msg and "gare-index build" in msg
     moved = tmp_path / "moved.safetensors"
-    shutil.copy(sh["checkpoint"], moved)
-    path, sha, manifest = resolve_checkpoint(settings(sh["index"], checkpoint=moved))
+    shutil.copy(service_env["checkpoint"], moved)
+    path, sha, manifest = resolve_checkpoint(settings(service_env["index"], checkpoint=moved))
     assert path == moved and sha == manifest["checkpoint"]["sha256"]
     with pytest.raises(StartupError, match="does not exist"):
         resolve_checkpoint(settings(tmp_path / "nope"))
     with pytest.raises(StartupError, match="no index given"):
         resolve_checkpoint(Settings(index=None))
     with pytest.raises(StartupError, match="not found"):
-        resolve_checkpoint(settings(sh["index"], checkpoint=tmp_path / "gone.safetensors"))
+        resolve_checkpoint(settings(service_env["index"], checkpoint=tmp_path / "gone.safetensors"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(StartupError, match="cannot read the index"):
         resolve_checkpoint(settings(tmp_path / "empty"))
     # the lifespan refuses too (nothing is served with the wrong model)
-    app = create_app(settings(sh["index"], checkpoint=other))
+    app = create_app(settings(service_env["index"], checkpoint=other))
 
     async def go():
         async with running_app(app):
@@ -525,14 +509,14 @@ def test_settings_sources(tmp_path, monkeypatch):
         load_settings(default_candidates=100, max_candidates=50)
 
 
-def test_cli(sh, tmp_path, capsys, monkeypatch):
+def test_cli(service_env, tmp_path, capsys, monkeypatch):
     from service.cli import main
     from tests.service.support import make_checkpoint
 
-    assert main(["--index", str(sh["index"]), "--check"]) == 0
+    assert main(["--index", str(service_env["index"]), "--check"]) == 0
     assert "ok: index" in capsys.readouterr().out
     other = make_checkpoint(tmp_path / "other.safetensors", seed=7)
-    assert main(["--index", str(sh["index"]), "--checkpoint", str(other), "--check"]) == 2
+    assert main(["--index", str(service_env["index"]), "--checkpoint", str(other), "--check"]) == 2
     err = capsys.readouterr().err
     assert "refusing" in err and "Traceback" not in err
     assert main(["--index", str(tmp_path / "missing"), "--check"]) == 2
@@ -543,13 +527,13 @@ def test_cli(sh, tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().out.strip() == "sha256:" + hashlib.sha256(b"my-key").hexdigest()
 
 
-def test_httpx_asgi_transport_smoke(sh):
+def test_httpx_asgi_transport_smoke(service_env):
     """The plain httpx.ASGITransport route (no TestClient) works with the lifespan helper."""
-    app = create_app(settings(sh["index"]))
+    app = create_app(settings(service_env["index"]))
 
     async def go():
         async with running_app(app) as c:
-            return await c.post("/v1/search", json={"query": sh["captions"][0], "k": 3})
+            return await c.post("/v1/search", json={"query": service_env["captions"][0], "k": 3})
 
     r = asyncio.run(go())
     assert r.status_code == 200 and len(r.json()["results"]) == 3

@@ -9,14 +9,14 @@ import sys
 import httpx
 import pytest
 
-from tests.service.support import REPO, UvicornProcess, copy_index, free_port, make_checkpoint, shared
+from tests.service.support import REPO, UvicornProcess, copy_index, free_port, make_checkpoint
 
 KEY = "uvicorn-test-key"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    sh = shared()
+def server(service_env, tmp_path_factory):
+    sh = service_env
     idx = copy_index(sh["index"], tmp_path_factory.mktemp("uv") / "index")
     with UvicornProcess(["--index", str(idx), "--batch-max-wait-ms", "5"], env={"GARE_API_KEYS": KEY}) as srv:
         yield srv, idx, sh
@@ -67,8 +67,8 @@ def test_concurrent_clients_and_reload(server):
     assert max(x.json()["batch_size"] for x in rs) > 1  # concurrent clients shared micro-batches
 
 
-def test_refuses_to_start_with_another_checkpoint(tmp_path):
-    sh = shared()
+def test_refuses_to_start_with_another_checkpoint(service_env, tmp_path):
+    sh = service_env
     other = make_checkpoint(tmp_path / "other.safetensors", seed=3)
     proc = subprocess.run(
         [sys.executable, "-m", "service.cli", "--index", str(sh["index"]), "--checkpoint", str(other),

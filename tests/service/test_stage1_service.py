@@ -10,22 +10,17 @@ from fastapi.testclient import TestClient
 
 from indexer.store import open_index
 from service.app import create_app
-from tests.service.support import copy_index, settings, shared
+from tests.service.support import copy_index, settings
 
 
 @pytest.fixture(scope="module")
-def sh():
-    return shared()
-
-
-@pytest.fixture(scope="module")
-def client(sh):
-    with TestClient(create_app(settings(sh["index"]))) as c:
+def client(service_env):
+    with TestClient(create_app(settings(service_env["index"]))) as c:
         yield c
 
 
-def test_index_info_shows_stage1(client, sh):
-    m = open_index(sh["index"]).manifest
+def test_index_info_shows_stage1(client, service_env):
+    m = open_index(service_env["index"]).manifest
     st = m["stage1"]
     info = client.get("/v1/index").json()
     assert info["default_candidates"] == st["default_candidates"] == 16  # 16 videos: K=16 holds every psi top-10
@@ -50,8 +45,8 @@ def test_search_defaults_to_the_index_K(client):
     assert [x["candidates"] for x in r["results"]] == [16, 16]
 
 
-def test_index_without_stage1_uses_the_setting(sh, tmp_path):
-    idx = copy_index(sh["index"], tmp_path / "idx")
+def test_index_without_stage1_uses_the_setting(service_env, tmp_path):
+    idx = copy_index(service_env["index"], tmp_path / "idx")
     v = open_index(idx)
     mpath = v.path / "manifest.json"
     v.close()
