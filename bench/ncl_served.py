@@ -179,6 +179,7 @@ def cost(args: argparse.Namespace) -> None:
     from training.sinkhorn import sinkhorn_biases, sinkhorn_biases_sparse, stage1_candidates
 
     started = time.time()
+    torch.set_num_threads(args.threads)
     model, _ = load_model(args.checkpoint)
     d, f = model.cfg.embed_dim, model.cfg.max_frames
     g = torch.Generator().manual_seed(0)
@@ -221,7 +222,7 @@ def cost(args: argparse.Namespace) -> None:
 
     meta = {"queries": Q, "k": K, "d": d, "frames": f, "psi_seconds_per_pair": psi_s_per_pair, "n_pairs": args.pairs,
             "checkpoint": args.checkpoint, "gamma": gamma, "measured": measured, "commit": _commit(),
-            "throughput": throughput}
+            "throughput": throughput, "threads": args.threads}
     _cost_report(args.name, meta, started)
 
 
@@ -301,7 +302,8 @@ def _cost_report(name: str, meta: dict[str, Any], started: float, source: str | 
          f"{meta.get('commit')}).\n\n" if source else "")
         + f"Queue Q = {Q:,} queries, K = {K} stage-1 candidates per queue query, d = {d}, f = {f} frames "
         f"(the checkpoint `{meta['checkpoint']}`'s psi), gamma = {meta['gamma']}, n_iters = {N_ITERS}; random unit "
-        "vectors, CPU, other jobs sharing the 2 cores (compare within this table only).\n\n"
+        f"vectors, CPU, {meta.get('threads', 'default')} torch thread(s), other jobs may share the cores (compare "
+        "within this table only).\n\n"
         + _throughput_md(meta, Q * K)
         + f"The table below uses the build's scorer at ViT-B/32 size: {1 / psi_s_per_pair:,.0f} pairs/s, so the exact "
         f"psi on every queue query's candidates (Q x K = {Q * K:,} pairs, independent of N) costs {psi_cands:,.0f} s.\n\n"
@@ -381,6 +383,7 @@ def main() -> None:
     c.add_argument("--queries", type=int, default=16384)
     c.add_argument("--k", type=int, default=256)
     c.add_argument("--pairs", type=int, default=65536)
+    c.add_argument("--threads", type=int, default=1, help="torch threads (1: per-pair rates that other jobs distort least)")
     c.add_argument("--sizes", type=int, nargs="+", default=[500, 1000])
     c.set_defaults(fn=cost)
     r = sub.add_parser("cost-render", help="re-render a cost report from its saved measurements (.json)")
