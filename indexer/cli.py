@@ -528,6 +528,10 @@ def _cmd_stats(args: argparse.Namespace) -> int:
               "psi coverage " + ", ".join(f"K={k}: {v}" for k, v in sorted((s1.get("coverage") or {}).items(),
                                                                             key=lambda kv: int(kv[0])))
               + f", queries: {s1.get('query_source')}")
+        dv = s1.get("deviation")
+        if dv:  # SPEC §4, the rebuttal's figure (issue 15)
+            print(f"{'deviation':<{width}}  |cos(t+Δ, v̄) - cos(t, v̄)| mean {dv['delta_mean_abs']:.4f}, 95th percentile "
+                  f"{dv['delta_p95_abs']:.4f} over {dv['pairs']} sampled pairs (authors: {dv['authors']})")
     print("(--json prints everything)")
     return 0
 

@@ -196,6 +196,7 @@ def tune_version_ann(
     cov = coverage_at_k(tuned, unit_q, scorer, ids, ks, top=10, block=4096, query_batch=max(1, unit_q.shape[0]),
                         query_source=source, target=opt.coverage_target)
     t2 = time.perf_counter()
+    deviation = build_deviation(model, raw, frames, masks, seed=opt.seed)
     chosen = cov.chosen_K
     if chosen is None:
         log.warning("no measured K (up to %d) holds %.1f%% of the exhaustive psi top-10: the service keeps its own "
@@ -222,6 +223,7 @@ def tune_version_ann(
         "coverage_target": opt.coverage_target,
         "coverage_scorer": "exhaustive psi (training.psi_fold over the stored frames) + the index's NCL biases",
         "default_candidates": chosen,
+        "deviation": deviation,
         "tuning_s": round(t1 - t0, 3),
         "coverage_s": round(t2 - t1, 3),
         "build_s": round(res.build_s, 3),
@@ -231,6 +233,30 @@ def tune_version_ann(
     log.info("stage 1: %s; psi coverage %s -> default candidates %s", res.message,
              {k: round(v, 4) for k, v in cov.coverage.items()}, chosen)
     return tuned, entry
+
+
+def build_deviation(model: Any, raw_queries: np.ndarray, frames: Any, masks: Any, *, seed: int = 0,
+                    n_queries: int = 64, n_videos: int = 256) -> dict[str, Any]:
+    """SPEC §4's deviation figure (training.deviation, the rebuttal's definition) on a sample: up to
+    ``n_queries`` of the stage-1 sample queries (un-normalised) x up to ``n_videos`` indexed videos (seeded),
+    v̄ as the model defines it (masked mean; all rows for reference_padding checkpoints)."""
+    import torch
+
+    from training.deviation import delta_deviation, deviation_summary
+    from training.psi import masked_mean
+
+    n = int(np.asarray(masks).shape[0])
+    rng = np.random.default_rng(seed)
+    rows = np.sort(rng.choice(n, size=min(n, n_videos), replace=False))
+    q = np.asarray(raw_queries, dtype=np.float32)
+    q = q[np.sort(rng.choice(q.shape[0], size=min(q.shape[0], n_queries), replace=False))]
+    dev = model.device
+    fr = torch.from_numpy(np.asarray(frames[rows], dtype=np.float32)).to(dev)
+    mk = torch.from_numpy(np.asarray(masks[rows]).astype(bool)).to(dev)
+    vb = fr.mean(dim=1) if getattr(model.cfg, "reference_padding", False) else masked_mean(fr, mk)
+    out = deviation_summary(delta_deviation(model, torch.from_numpy(q).to(dev), fr, mk, vb))
+    out["note"] = "|cos(t+Δ, v̄) - cos(t, v̄)| (the rebuttal's figure) on the stage-1 sample queries x sampled videos"
+    return out
 
 
 def index_default_candidates(manifest: IndexManifest | Mapping[str, Any] | None) -> int | None:
@@ -248,6 +274,9 @@ def describe_stage1(st: Mapping[str, Any] | None) -> str:
     cov = (st.get("coverage") or {}).get(str(K)) if K else None
     tail = (f"psi top-{st.get('coverage_top')} coverage {cov:.4f} at the default K={K}" if K else
             f"no measured K reached psi coverage {st.get('coverage_target')}")
+    dv = st.get("deviation")
+    dev = (f"; Δ deviation mean {dv['delta_mean_abs']:.4f}, 95th percentile {dv['delta_p95_abs']:.4f} "
+           f"(authors: {dv['authors']})" if dv else "")
     return (f"stage 1: recall@{st.get('recall_at')} of the exact top-{st.get('recall_k')} {st.get('recall'):.4f} "
             f"(target {st.get('recall_target')}) with {st.get('index_type')} {st.get('setting')}, p50 "
-            f"{st.get('p50_ms'):.3f} ms; {tail}; queries: {st.get('query_source')}")
+            f"{st.get('p50_ms'):.3f} ms; {tail}{dev}; queries: {st.get('query_source')}")

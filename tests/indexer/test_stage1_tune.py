@@ -63,6 +63,20 @@ def test_build_coverage_equals_gare_train_eval(gallery, capsys):
     assert st["met"] and st["recall"] >= 0.995 and st["recall_target"] == 0.995 and st["latency_budget_ms"] == 5.0
     assert st["index_type"] == "flat" and st["p50_ms"] > 0 and st["params"]["index_type"] == "flat"
     assert f"default K={want_K}" in printed and "manifest-captions" in printed
+    # SPEC §4's deviation figure (the rebuttal's definition) in the stage-1 entry: 64 sampled queries x 40 videos;
+    # over every pair it equals eval's figure (eval's frames are float32, the index stores float16)
+    from indexer.stage1_tune import build_deviation, encode_captions
+
+    dv = st["deviation"]
+    assert dv["pairs"] == 64 * 40 and 0 < dv["delta_mean_abs"] <= dv["delta_p95_abs"] and "0.084" in dv["authors"]
+    assert "Δ deviation mean" in printed
+    v = open_index(out)
+    model, _ = load_model(gallery["ckpt_noq"])
+    texts = [c for line in open(gallery["manifest"]) for c in json.loads(line)["captions"]]
+    full = build_deviation(model, encode_captions(model, texts), v.frames, v.masks, n_queries=10**6, n_videos=10**6)
+    assert full["pairs"] == 80 * 40
+    for key in ("delta_mean_abs", "delta_p95_abs"):
+        assert full[key] == pytest.approx(res["deviation"][key], rel=0.02), (key, full[key], res["deviation"][key])
 
 
 def test_queue_queries_and_biases_match_a_naive_reference(gallery):

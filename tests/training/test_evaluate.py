@@ -6,7 +6,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from training.evaluate import EncodedSet, delta_deviation, evaluate_encoded, write_report
+from training.deviation import delta_deviation
+from training.evaluate import EncodedSet, evaluate_encoded, write_report
 from training.metrics import retrieval_metrics
 from training.sinkhorn import sinkhorn_biases_naive
 
