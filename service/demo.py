@@ -72,11 +72,21 @@ def prepare(root: Path, *, n_videos: int, epochs: int, run: _Run | None = None) 
     if not ckpt.exists():
         print(f"training {DEMO_MODEL} from scratch (up to {epochs} epochs, stops when validation stops improving)",
               flush=True)
+        import torch
+
         from training.fit import TrainConfig, Trainer
 
         cfg = TrainConfig(model=DEMO_MODEL, data={"kind": "synth", "root": str(corpus)}, out_dir=str(model_dir),
                           epochs=epochs, **DEMO_TRAIN)
-        summary = Trainer(cfg).fit()
+        # One intra-op thread: this model's tensors are tiny (32 clips x 4 frames x 17 tokens x width 64), and
+        # on a shared 2-core machine two OpenMP threads mostly wait for each other (measured with other jobs
+        # running: 26 epochs in 96 s with one thread; ~34 s per epoch with two).
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            summary = Trainer(cfg).fit()
+        finally:
+            torch.set_num_threads(threads)
         run.stage("training", time.perf_counter() - t0, False, model=DEMO_MODEL, epochs_run=summary["epochs_run"],
                   max_epochs=epochs, best_val_r1=summary["best_val_r1"])
     else:
