@@ -50,8 +50,22 @@ class _Run:
 
 
 def prepare(root: Path, *, n_videos: int, epochs: int, run: _Run | None = None) -> tuple[Path, Path, list[str]]:
-    """Corpus -> model -> index -> held-out check; returns (index dir, corpus dir, example queries)."""
-    run = run or _Run(root)
+    """Corpus -> model -> index -> held-out check; returns (index dir, corpus dir, example queries).
+
+    With one intra-op thread: this model's tensors are tiny (32 clips x 4 frames x 17 tokens x width 64), and on
+    a 2-core machine shared with other work two OpenMP threads mostly wait for each other (measured there: 26
+    training epochs in 71-96 s with one thread, ~34 s per epoch with two; indexing 7-21 s vs 98 s)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _prepare(root, n_videos=n_videos, epochs=epochs, run=run or _Run(root))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _prepare(root: Path, *, n_videos: int, epochs: int, run: _Run) -> tuple[Path, Path, list[str]]:
     corpus, model_dir, index = root / "corpus", root / "model", root / "index"
     t0 = time.perf_counter()
     if not (corpus / "corpus.json").exists():
@@ -72,21 +86,11 @@ def prepare(root: Path, *, n_videos: int, epochs: int, run: _Run | None = None) 
     if not ckpt.exists():
         print(f"training {DEMO_MODEL} from scratch (up to {epochs} epochs, stops when validation stops improving)",
               flush=True)
-        import torch
-
         from training.fit import TrainConfig, Trainer
 
         cfg = TrainConfig(model=DEMO_MODEL, data={"kind": "synth", "root": str(corpus)}, out_dir=str(model_dir),
                           epochs=epochs, **DEMO_TRAIN)
-        # One intra-op thread: this model's tensors are tiny (32 clips x 4 frames x 17 tokens x width 64), and
-        # on a shared 2-core machine two OpenMP threads mostly wait for each other (measured with other jobs
-        # running: 26 epochs in 96 s with one thread; ~34 s per epoch with two).
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            summary = Trainer(cfg).fit()
-        finally:
-            torch.set_num_threads(threads)
+        summary = Trainer(cfg).fit()
         run.stage("training", time.perf_counter() - t0, False, model=DEMO_MODEL, epochs_run=summary["epochs_run"],
                   max_epochs=epochs, best_val_r1=summary["best_val_r1"])
     else:
@@ -98,7 +102,7 @@ def prepare(root: Path, *, n_videos: int, epochs: int, run: _Run | None = None) 
         print(f"indexing {corpus / 'videos'}", flush=True)
         from indexer.cli import main as index_main
 
-        rc = index_main(["build", "--checkpoint", str(ckpt), "--videos", str(corpus / "videos"), "--out", str(index)])
+        rc = index_main(["-q", "build", "--checkpoint", str(ckpt), "--videos", str(corpus / "videos"), "--out", str(index)])
         if rc not in (0, 3):
             raise SystemExit(f"indexing failed (exit {rc})")
         run.stage("index", time.perf_counter() - t0, False)
@@ -175,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     print("   Ctrl-C stops the server.\n", flush=True)
     from service.cli import main as serve_main
 
-    return serve_main(["--index", str(index), "--host", "127.0.0.1", "--port", str(args.port),
+    # one worker, in this process (the model is loaded already once torch is imported): the page is up in seconds
+    return serve_main(["--index", str(index), "--host", "127.0.0.1", "--port", str(args.port), "--workers", "1",
                        "--library-root", str(corpus)])
 
 
