@@ -162,8 +162,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "load_start": loadavg(), "status": "failed", "error": None,
     }
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
-                           text=True, check=True).stdout.strip()
+    # changes to anything but this script's own outputs (which a previous run rewrote) are not in the clone
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", f":!{args.out_md}",
+                            f":!{args.out_json}", *([f":!{args.screenshot}"] if args.screenshot else [])],
+                           cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
     res["commit"] = commit[:12]
     res["uncommitted_changes_not_measured"] = bool(dirty)
     work = Path(tempfile.mkdtemp(prefix="gare-quickstart-", dir=args.workdir))
