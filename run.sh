@@ -14,9 +14,11 @@ install() {
     "$PY" -m venv "$VENV"
   fi
   # torch 2.14.1 + torchvision 0.29.1 is the pair whose wheels match here (open_clip needs torchvision).
+  # One resolve for everything; --no-compile: pip would byte-compile all ~9,000 installed .py files (torch,
+  # triton, ...) up front, while Python compiles the few it imports on first use (issue 16: time to first search).
   # (this machine's pip configuration warns about every missing local index folder; hide those lines only)
-  "$VENV/bin/pip" install -q --disable-pip-version-check "torch==2.14.1" "torchvision==0.29.1" 2> >(grep -v '^WARNING: Location' >&2)
-  "$VENV/bin/pip" install -q --disable-pip-version-check -e ".[$1]" 2> >(grep -v '^WARNING: Location' >&2)
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-compile "torch==2.14.1" "torchvision==0.29.1" \
+    -e ".[$1]" 2> >(grep -v '^WARNING: Location' >&2)
 }
 
 case "${1:-}" in

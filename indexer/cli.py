@@ -231,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging, third-party libraries' lines included")
+    p.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only (progress bars and results stay)")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     for name, helptext in (("build", "index a video library (the new version holds exactly these videos)"),
@@ -562,7 +563,8 @@ COMMANDS = {"build": _cmd_build, "add": _cmd_build, "remove": _cmd_remove, "bias
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    setup_cli_logging(args.verbose)  # third-party libraries stay at WARNING unless -v
+    # third-party libraries stay at WARNING unless -v
+    setup_cli_logging(args.verbose, level=logging.WARNING if args.quiet else logging.INFO)
     from .store import IndexFormatError
 
     try:

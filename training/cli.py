@@ -133,7 +133,8 @@ def _cmd_fit(args: argparse.Namespace) -> int:
             "batch_size": args.batch_size, "lr": args.lr, "precision": args.precision, "device": args.device,
             "num_workers": args.num_workers, "seed": args.seed, "save_every": args.save_every,
             "ncl_train": True if args.ncl_train else None, "queue_size": args.queue_size,
-            "init_checkpoint": args.init_checkpoint, "preset": args.preset}
+            "init_checkpoint": args.init_checkpoint, "preset": args.preset,
+            "early_stop_patience": args.early_stop_patience, "cache_frames": True if args.cache_frames else None}
     data = data_spec(args)
     if data:
         over["data"] = data
@@ -188,7 +189,7 @@ def _register_train_commands(sub) -> None:
     fit.add_argument("--config", help="YAML with TrainConfig fields; flags override it")
     fit.add_argument("--preset", choices=["reference", "scratch"],
                      help="reference (default: the authors' recipe, needs CLIP weights) | scratch (random init)")
-    fit.add_argument("--model", help="registered model config (gare-vit-b-32, gare-cpu-small, gare-test-tiny)")
+    fit.add_argument("--model", help="registered model config (gare-vit-b-32, gare-cpu-small, gare-cpu-demo, gare-test-tiny)")
     fit.add_argument("--pretrained", help="openai | a local CLIP weights file | none")
     fit.add_argument("--init-checkpoint", help="start from a GARE checkpoint's weights")
     fit.add_argument("--out", help="output folder (checkpoints, config.yaml, history)")
@@ -204,6 +205,10 @@ def _register_train_commands(sub) -> None:
     fit.add_argument("--save-every", type=int)
     fit.add_argument("--queue-size", type=int)
     fit.add_argument("--ncl-train", action="store_true", help="train with Sinkhorn-adjusted logits")
+    fit.add_argument("--early-stop-patience", type=int, metavar="N",
+                     help="stop when the validation R@1 has not improved for N epochs (default 0: never)")
+    fit.add_argument("--cache-frames", action="store_true",
+                     help="decode every clip once and keep the frames in memory (small corpora; no augmentation)")
     fit.add_argument("--resume", help="a last.safetensors / best.safetensors of the same configuration")
     fit.add_argument("--no-progress", action="store_true")
     fit.set_defaults(fn=_cmd_fit)

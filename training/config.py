@@ -130,3 +130,20 @@ register_model(
         video_framerate=2.0,  # the synthetic clips are a few seconds long
     ),
 )
+# The README demo's model (issue 16): trained from scratch in a minute or two on 2 CPU cores. Smaller than
+# gare-cpu-small where the synthetic clips allow it (32 px frames, 4 per clip, width 64, two blocks per
+# tower, one temporal block), but with room for the whole caption (32 tokens: a third of the synthetic
+# captions are longer than 20). Measured choice: docs/quickstart-times.md.
+register_model(
+    "gare-cpu-demo",
+    ModelConfig(
+        backbone="gare-cpu-demo",
+        pretrained="none",
+        embed_dim=64,
+        max_words=32,
+        max_frames=4,
+        image_size=32,
+        temporal_layers=1,
+        video_framerate=2.0,
+    ),
+)

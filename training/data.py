@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .video import ClipDataset, DecodedClip
+from .video import ClipDataset, DecodedClip, iter_decoded
 
 log = logging.getLogger(__name__)
 
@@ -271,6 +271,18 @@ class PairDataset(torch.utils.data.Dataset):
         self.augment = ClipRandAugment(augment_spec, image_size) if augment == "randaugment" else None
         self.seed = seed
         self.epoch = 0
+        self.cache: dict[int, DecodedClip] | None = None  # clip index -> decoded frames (cache_frames)
+
+    def fill_cache(self, *, num_workers: int, progress: bool = False) -> list[tuple[int, str]]:
+        """Decode every clip once; from now on examples take their frames from memory. Returns the clips that
+        failed to decode (they stay failures, as they would be every epoch). No augmentation only."""
+        if self.augment is not None:
+            raise ValueError("cannot cache frames with augmentation: augmented frames differ every epoch")
+        ds = self.clips
+        self.cache = decode_to_memory(ds.items, max_frames=ds.max_frames, framerate=ds.framerate,
+                                      image_size=ds.image_size, num_workers=num_workers,
+                                      desc="decode training clips" if progress else None)
+        return [(k, c.error or "") for k, c in self.cache.items() if c.error is not None]
 
     def __len__(self) -> int:
         return len(self.rs.captions) if self.unit == "captions" else len(self.rs.clips)
@@ -287,6 +299,8 @@ class PairDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> tuple[DecodedClip, str]:
         clip, caption = self.example(index, self.epoch)
+        if self.cache is not None:
+            return self.cache[clip], caption
         aug = None
         if self.augment is not None:
             seed = int(np.random.default_rng([self.seed, self.epoch, index, 7]).integers(2**31))
@@ -296,6 +310,36 @@ class PairDataset(torch.utils.data.Dataset):
                 return augment(frames, seed)
 
         return self.clips.decode(clip, augment=aug), caption
+
+
+def decode_to_memory(
+    items: list[tuple[Any, Any, float | None, float | None]],
+    *,
+    max_frames: int,
+    framerate: float,
+    image_size: int,
+    num_workers: int,
+    desc: str | None = None,
+) -> dict[Any, DecodedClip]:
+    """Decode `(key, path, start, end)` items once (the crash-safe worker pool of `iter_decoded`): key ->
+    DecodedClip, failures included with their reason. `desc` shows a progress bar with that label."""
+    out: dict[Any, DecodedClip] = {}
+    bar = None
+    if desc:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(items), desc=desc, unit="clip", dynamic_ncols=True)
+    for b in iter_decoded(items, max_frames=max_frames, framerate=framerate, image_size=image_size,
+                          batch_size=8, num_workers=num_workers):
+        for n, k in enumerate(b["keys"]):
+            out[k] = DecodedClip(k, b["frames"][n].clone(), b["mask"][n].clone(), None)
+        for k, reason in b["failed"]:
+            out[k] = DecodedClip(k, None, None, reason)
+        if bar is not None:
+            bar.update(len(b["keys"]) + len(b["failed"]))
+    if bar is not None:
+        bar.close()
+    return out
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:

@@ -62,15 +62,19 @@ class EncodedSet:
 @torch.no_grad()
 def encode_set(
     model: GARE, rs: RetrievalSet, *, batch_size: int = 32, num_workers: int = 2, precision: str = "fp32",
-    progress: bool = False,
+    progress: bool = False, decoded: list[dict[str, Any]] | None = None,
 ) -> EncodedSet:
-    """Encode every caption and clip. Undecodable clips are dropped with their captions and reported."""
+    """Encode every caption and clip. Undecodable clips are dropped with their captions and reported.
+
+    `decoded`: the clips already decoded, as `iter_decoded` batches keyed by clip index (the trainer's
+    frame cache); otherwise they are decoded here."""
     cfg, dev = model.cfg, model.device
     items = [(i, c.path, c.start, c.end) for i, c in enumerate(rs.clips)]
     feats: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
     failed: list[tuple[str, str]] = []
-    it = iter_decoded(items, max_frames=cfg.max_frames, framerate=cfg.video_framerate, image_size=cfg.image_size,
-                      batch_size=batch_size, num_workers=num_workers)
+    it = iter(decoded) if decoded is not None else iter_decoded(
+        items, max_frames=cfg.max_frames, framerate=cfg.video_framerate, image_size=cfg.image_size,
+        batch_size=batch_size, num_workers=num_workers)
     if progress:
         from tqdm import tqdm
 

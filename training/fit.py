@@ -38,6 +38,7 @@ from .data import (
     PairDataset,
     carve_validation,
     collate_pairs,
+    decode_to_memory,
     epoch_order,
     load_dataset,
 )
@@ -45,6 +46,7 @@ from .loss import gare_loss
 from .model import GARE, autocast, resolve_device
 from .sinkhorn import sinkhorn_biases
 from .strict import strict_from_dict
+from .video import collate_clips
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +85,24 @@ class TrainConfig:
     augment_spec: str = REFERENCE_RANDAUGMENT
     # The authors keep CLIP's patch-embedding conv frozen while fine-tuning.
     freeze_patch_embed: bool = True
+    # Decode every training and validation clip once and keep its frames in memory (float32,
+    # clips x max_frames x 3 x image_size^2; 160 clips of 4 x 32^2 frames: 8 MB) instead of decoding each clip
+    # again every epoch. Only without augmentation (augmented frames differ every epoch). Small corpora only.
+    cache_frames: bool = False
+    # Stop when the validation t2v R@1 (the value that picks best.safetensors) has not improved for this
+    # many epochs in a row; 0: never stop early. The cosine schedule still spans `epochs`.
+    early_stop_patience: int = 0
     preset: str | None = None  # a PRESETS name whose values sit under the YAML and the flags
 
     # Fields that may change on resume without changing the run.
-    RESUMABLE_CHANGES = ("out_dir", "num_workers", "device", "save_every", "log_every", "max_steps", "epochs")
+    RESUMABLE_CHANGES = ("out_dir", "num_workers", "device", "save_every", "log_every", "max_steps", "epochs",
+                         "cache_frames", "early_stop_patience")
+
+    def __post_init__(self) -> None:
+        if self.cache_frames and self.augment != "none":
+            raise ValueError(f"cache_frames needs augment 'none' (augmented frames differ every epoch), got augment {self.augment!r}")
+        if self.early_stop_patience < 0:
+            raise ValueError(f"early_stop_patience must be >= 0 (0: off), got {self.early_stop_patience}")
 
     def fingerprint(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -305,6 +321,9 @@ class Trainer:
         d = model_cfg.embed_dim
         self.text_queue, self.video_queue = FeatureQueue(cfg.queue_size, d), FeatureQueue(cfg.queue_size, d)
         self.step, self.best_val, self.skipped = 0, -1.0, []
+        self.bad_epochs = 0  # epochs in a row without a better validation R@1 (early_stop_patience)
+        self.stopped_early: int | None = None  # the epoch after which early stopping ended the run
+        self.val_decoded: list[dict[str, Any]] | None = None  # validation clips decoded once (cache_frames)
         self.history: list[dict[str, Any]] = []
         if resume:
             self._resume(resume)
@@ -322,7 +341,7 @@ class Trainer:
         save_checkpoint(model_path, self.model, queues=queues, train_args=self.cfg.fingerprint(), info=info)
         save_tree(state_path, {
             "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-            "rng": _rng_state(), "step": self.step, "best_val": self.best_val,
+            "rng": _rng_state(), "step": self.step, "best_val": self.best_val, "bad_epochs": self.bad_epochs,
             "text_queue": self.text_queue.state(), "video_queue": self.video_queue.state(),
             "config": json.dumps(self.cfg.fingerprint(), sort_keys=True), "history": json.dumps(self.history),
         })
@@ -346,6 +365,7 @@ class Trainer:
         self.text_queue.load(state["text_queue"])
         self.video_queue.load(state["video_queue"])
         self.step, self.best_val = int(state["step"]), float(state["best_val"])
+        self.bad_epochs = int(state.get("bad_epochs", 0))  # absent in states written before early stopping
         self.history = json.loads(state["history"])
         _set_rng_state(state["rng"])
         log.info("resumed from %s at step %d", model_path, self.step)
@@ -362,8 +382,9 @@ class Trainer:
             mine.extend(order[base:base + local])
         return torch.utils.data.DataLoader(
             torch.utils.data.Subset(self.pairs, mine), batch_size=local, shuffle=False,
-            num_workers=self.cfg.num_workers, collate_fn=collate_pairs,
-            persistent_workers=False, timeout=600 if self.cfg.num_workers else 0,
+            # cached frames are already in this process: worker processes would only copy them through pipes
+            num_workers=0 if self.pairs.cache is not None else self.cfg.num_workers, collate_fn=collate_pairs,
+            persistent_workers=False, timeout=600 if self.cfg.num_workers and self.pairs.cache is None else 0,
             # its own generator: worker seeding must not consume the global RNG that dropout uses,
             # or a resumed run would draw different dropout masks than an uninterrupted one
             generator=torch.Generator().manual_seed(self.cfg.seed * 100_003 + epoch),
@@ -405,8 +426,22 @@ class Trainer:
     def validate(self) -> dict[str, Any]:
         from .evaluate import encode_set, evaluate_encoded
 
-        enc = encode_set(self.model.eval(), self.val_set, batch_size=32, num_workers=self.cfg.num_workers)
+        enc = encode_set(self.model.eval(), self.val_set, batch_size=32, num_workers=self.cfg.num_workers,
+                         decoded=self.val_decoded)
         return evaluate_encoded(self.model, enc, self.text_queue.tensor(), video_queue=self.video_queue.tensor())
+
+    def _fill_frame_cache(self) -> None:
+        """cache_frames: decode the training and validation clips once, before the first step."""
+        show = self.progress and self.rank == 0
+        self.pairs.fill_cache(num_workers=self.cfg.num_workers, progress=show)
+        if len(self.val_set.clips):
+            m = self.model.cfg
+            items = [(i, c.path, c.start, c.end) for i, c in enumerate(self.val_set.clips)]
+            cache = decode_to_memory(items, max_frames=m.max_frames, framerate=m.video_framerate,
+                                     image_size=m.image_size, num_workers=self.cfg.num_workers,
+                                     desc="decode validation clips" if show else None)
+            keys = sorted(cache)
+            self.val_decoded = [collate_clips([cache[k] for k in keys[i:i + 32]]) for i in range(0, len(keys), 32)]
 
     def fit(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -416,12 +451,17 @@ class Trainer:
                 yaml.safe_dump(dataclasses.asdict(cfg), fh, sort_keys=True)
         bar = None
         stop_at = min(self.total_steps, cfg.max_steps) if cfg.max_steps else self.total_steps
+        if cfg.cache_frames and self.step < stop_at:
+            # decoding must not move the RNG that training draws dropout masks from (a DataLoader draws its
+            # base seed from it), or caching would change the run
+            with torch.random.fork_rng(devices=[]):
+                self._fill_frame_cache()
         if self.progress and self.rank == 0:
             from tqdm import tqdm
 
             bar = tqdm(total=stop_at, initial=self.step, desc="fit", unit="step", dynamic_ncols=True)
         t_last, n_last = time.perf_counter(), 0
-        while self.step < stop_at:
+        while self.step < stop_at and not self._patience_spent():
             epoch, in_epoch = divmod(self.step, self.steps_per_epoch)
             for batch in self._loader(epoch, in_epoch):
                 self.skipped += batch["failed"]
@@ -446,6 +486,7 @@ class Trainer:
                         loss=f"{terms['total']:.3f}", info=f"{terms['info']:.3f}", ib=f"{terms['ib']:.1f}",
                         dir=f"{terms['dir']:.3f}", eps=f"{terms['eps']:.3f}",
                         lr=f"{max(self.scheduler.get_last_lr()):.2e}", clips_s=f"{n_last / max(now - t_last, 1e-9):.1f}",
+                        **({"best_val_R1": f"{self.best_val:.1f}"} if self.best_val >= 0 else {}),
                     )
                     t_last, n_last = now, 0
                 self.history.append({"step": self.step, **terms})
@@ -455,11 +496,16 @@ class Trainer:
                     break
             if self.step % self.steps_per_epoch == 0:
                 self._end_of_epoch()
+                if self._patience_spent():
+                    self.stopped_early = self.step // self.steps_per_epoch
+                    log.info("early stop after epoch %d: validation R@1 has not improved for %d epochs (best %.2f)",
+                             self.stopped_early, self.bad_epochs, self.best_val)
             elif self.step >= stop_at:
                 self.save("last")  # stopped mid-epoch (max_steps): a resumable checkpoint, no validation
         if bar is not None:
             bar.close()
         summary = {"steps": self.step, "best_val_r1": self.best_val, "skipped": self.skipped,
+                   "epochs_run": self.step / self.steps_per_epoch, "stopped_early_after_epoch": self.stopped_early,
                    "first_loss": self.history[0]["total"] if self.history else None,
                    "last_loss": self.history[-1]["total"] if self.history else None}
         if self.rank == 0:
@@ -470,6 +516,10 @@ class Trainer:
         if self.distributed:
             dist.barrier()
         return summary
+
+    def _patience_spent(self) -> bool:
+        p = self.cfg.early_stop_patience
+        return bool(p) and self.bad_epochs >= p
 
     def _end_of_epoch(self) -> None:
         r1 = -1.0
@@ -486,6 +536,7 @@ class Trainer:
         improved = r1 > self.best_val
         if improved:
             self.best_val = r1
+        self.bad_epochs = 0 if improved else self.bad_epochs + 1
         self.save("last")
         if improved:
             self.save("best")

@@ -187,3 +187,56 @@ def test_ncl_adjusted_training_logits(corpus, tmp_path):
     assert hp[0]["info"] == pytest.approx(hn[0]["info"], abs=1e-6)  # empty queue at step 1: no adjustment
     assert abs(hp[2]["info"] - hn[2]["info"]) > 1e-5  # then the Sinkhorn biases change the logits
     assert read_checkpoint(ncl / "last.safetensors").queues["text"].shape[0] == 12
+
+
+# ---------------------------------------------------------------- frame cache and early stopping (issue 16)
+def test_cached_frames_train_exactly_like_decoding_every_epoch(corpus, tmp_path):
+    """cache_frames only changes where the frames come from: same batches, same losses, same weights."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert _fit(a, corpus, "--max-steps", "6", "--preset", "scratch", "--batch-size", "4") == 0
+    assert _fit(b, corpus, "--max-steps", "6", "--preset", "scratch", "--batch-size", "4", "--cache-frames") == 0
+    ha, hb = json.loads((a / "history.json").read_text()), json.loads((b / "history.json").read_text())
+    assert len(ha) == len(hb) == 6
+    np.testing.assert_allclose([h["total"] for h in hb], [h["total"] for h in ha], atol=1e-5)
+    wa, wb = read_checkpoint(a / "last.safetensors"), read_checkpoint(b / "last.safetensors")
+    for k, v in wa.state_dict.items():
+        torch.testing.assert_close(wb.state_dict[k], v, atol=1e-5, rtol=0, msg=k)
+
+
+def test_cache_frames_refuses_augmentation(corpus, tmp_path):
+    from training.fit import TrainConfig
+
+    with pytest.raises(ValueError, match="cache_frames needs augment 'none'.*randaugment"):
+        TrainConfig(model="gare-test-tiny", data={"kind": "synth", "root": str(corpus)}, cache_frames=True)
+    with pytest.raises(ValueError, match="early_stop_patience must be >= 0"):
+        TrainConfig(early_stop_patience=-1)
+
+
+def test_early_stopping_stops_after_patience_epochs_without_improvement(corpus, tmp_path, monkeypatch):
+    """Validation R@1 scripted as 10, 30, 20, 30, 5, ...: best at epoch 2, no improvement in epochs 3-4 (30 is not
+    better than 30), so patience 2 stops after epoch 4; best.safetensors is epoch 2's, last is epoch 4's."""
+    from training.fit import TrainConfig, Trainer
+
+    scripted = iter([10.0, 30.0, 20.0, 30.0, 5.0, 99.0, 99.0, 99.0])
+
+    def fake_validate(self):
+        r1 = next(scripted)
+        return {"rows": {"+ psi": {"t2v": {"R1": r1}}, "dual-tower": {"t2v": {"R1": r1}}}}
+
+    monkeypatch.setattr(Trainer, "validate", fake_validate)
+    out = tmp_path / "es"
+    cfg = TrainConfig(model="gare-test-tiny", data={"kind": "synth", "root": str(corpus)}, out_dir=str(out), epochs=8,
+                      batch_size=8, num_workers=0, lr=1e-3, early_stop_patience=2, preset="scratch")
+    cfg = TrainConfig.from_sources(None, {k: v for k, v in cfg.__dict__.items()})
+    tr = Trainer(cfg, progress=False)
+    summary = tr.fit()
+    spe = tr.steps_per_epoch
+    assert summary["stopped_early_after_epoch"] == 4 and summary["steps"] == 4 * spe and summary["epochs_run"] == 4
+    assert summary["best_val_r1"] == 30.0
+    assert read_checkpoint(out / "best.safetensors").info["step"] == 2 * spe
+    assert read_checkpoint(out / "last.safetensors").info["step"] == 4 * spe
+    # without patience the same script runs every epoch
+    scripted = iter([10.0, 30.0, 20.0, 30.0, 5.0, 99.0, 99.0, 99.0])
+    cfg0 = TrainConfig.from_sources(None, {**cfg.__dict__, "early_stop_patience": 0, "epochs": 5, "out_dir": str(tmp_path / "no")})
+    s0 = Trainer(cfg0, progress=False).fit()
+    assert s0["stopped_early_after_epoch"] is None and s0["epochs_run"] == 5
