@@ -65,10 +65,11 @@ class Settings(BaseSettings):
         "with its key/value projections folded onto the query side; model: model.score() as is (uses the "
         "index's stored K/V when present). Same scores within 1e-5",
     )
-    text_encoder: Literal["fp32", "int8", "onnx", "onnx-int8"] = Field(
-        DEFAULT_CPU_TEXT_ENCODER,  # type: ignore[arg-type]
+    text_encoder: Literal["auto", "fp32", "int8", "onnx", "onnx-int8"] = Field(
+        "auto",
         description="query text tower: fp32 = the model's own (at `precision`; fp16/bf16 on CUDA); int8 (torch "
-        "dynamic quantisation), onnx, onnx-int8 (ONNX Runtime) are CPU options, fidelity in bench/results/text_encoder*",
+        "dynamic quantisation), onnx, onnx-int8 (ONNX Runtime) are CPU options, fidelity in bench/results/text_encoder*; "
+        f"auto = {DEFAULT_CPU_TEXT_ENCODER} (the measured CPU default) on the CPU at fp32 precision, else fp32",
     )
     torch_threads: int | None = Field(
         None, ge=1, description="torch (and FAISS) intra-op threads; gare-serve sets usable cores // workers"

@@ -308,6 +308,10 @@ class ServiceState:
         """The text tower (settings.text_encoder) and the query-embedding cache in front of it."""
         s = self.settings
         kind = s.text_encoder
+        if kind == "auto":  # the measured CPU default (training.text_quant), the model's own tower elsewhere
+            from training.text_quant import DEFAULT_CPU_TEXT_ENCODER
+
+            kind = DEFAULT_CPU_TEXT_ENCODER if self.device.type == "cpu" and self.precision == "fp32" else "fp32"
         if kind != "fp32":
             if self.device.type != "cpu":
                 raise StartupError(

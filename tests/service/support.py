@@ -75,6 +75,9 @@ def settings(index: Path, **kw: Any):
     from service.settings import Settings
 
     kw.setdefault("batch_max_wait_ms", 1.0)
+    # the model's own text tower, so that in-process results compare exactly with the offline search; the
+    # `auto` default (int8 on the CPU) has its own tests in test_serve_scale.py
+    kw.setdefault("text_encoder", "fp32")
     return Settings(index=index, **kw)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -135,6 +137,33 @@ def test_int8_text_encoder_option(service_env):
         cos = torch.nn.functional.cosine_similarity(t8, t32, dim=-1)
         assert t8.shape == t32.shape and bool((cos > 0.98).all()), cos
         assert not torch.equal(t8, t32)  # really the quantised tower
+    finally:
+        st.close()
+
+
+def test_auto_text_encoder_is_the_measured_cpu_default(service_env):
+    """`text_encoder` defaults to auto: the committed benchmark's choice (bench/results/text_encoder.json, the
+    rule in its report) on the CPU at fp32, the model's own tower at another precision (no startup error)."""
+    import json
+
+    from service.settings import Settings
+    from training.text_quant import DEFAULT_CPU_TEXT_ENCODER
+
+    report = json.loads((Path(__file__).resolve().parents[2] / "bench/results/text_encoder.json").read_text())
+    assert DEFAULT_CPU_TEXT_ENCODER == report["choice"]["default"]
+    assert Settings.model_fields["text_encoder"].default == "auto"
+    sh = service_env
+    st = ServiceState(settings(sh["index"], text_encoder="auto"), Metrics())
+    st.load()
+    try:
+        assert st.text_encoder == DEFAULT_CPU_TEXT_ENCODER and st.cache_variant == DEFAULT_CPU_TEXT_ENCODER
+        assert (st._tower is not None) == (DEFAULT_CPU_TEXT_ENCODER != "fp32")
+    finally:
+        st.close()
+    st = ServiceState(settings(sh["index"], text_encoder="auto", precision="bf16"), Metrics())
+    st.load()
+    try:
+        assert st.text_encoder == "fp32" and st.cache_variant == "bf16"
     finally:
         st.close()
 
