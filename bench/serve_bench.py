@@ -95,11 +95,12 @@ class _HashedNpy:
         return self.h.hexdigest()
 
 
-def write_gallery(root: Path, n: int, ckpt: dict[str, Any], fold: Any = None, *, seed: int = 0, chunk: int = 32768) -> dict[str, Any]:
+def write_gallery(root: Path, n: int, ckpt: dict[str, Any], fold: Any = None, *, seed: int = 0, chunk: int = 32768,
+                  device: Any = "cpu") -> dict[str, Any]:
     """Synthetic clustered gallery of n entries written as a real index version; returns timings.
 
     `fold` (the checkpoint's PsiFold): also fold psi's per-video constants (psi_consts.npy, what `gare-index build`
-    writes), so the service reranks with the fold; ~19 MFLOP per video (minutes at 1M on one core)."""
+    writes), so the service reranks with the fold; ~19 MFLOP per video (minutes at 1M on one core), on `device`."""
     from indexer.ann import AnnParams, choose_index_type
     from indexer.psi_consts import manifest_entry
     from indexer.store import ExistingFile, write_version
@@ -138,7 +139,9 @@ def write_gallery(root: Path, n: int, ckpt: dict[str, Any], fold: Any = None, *,
         if consts_w is not None:
             tf = time.perf_counter()
             with torch.no_grad():
-                consts_w.rows(fold_videos(torch.from_numpy(fr16), torch.from_numpy(m), fold, vbar=torch.from_numpy(vbar)).packed.numpy())
+                dev = torch.device(device)
+                consts_w.rows(fold_videos(torch.from_numpy(fr16).to(dev), torch.from_numpy(m).to(dev), fold.to(dev),
+                                          vbar=torch.from_numpy(vbar).to(dev)).packed.cpu().numpy())
             t_fold += time.perf_counter() - tf
         del fr, fr16
     frames_sha, units_sha = frames_w.close(), units_w.close()

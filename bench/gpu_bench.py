@@ -1,0 +1,576 @@
+"""GPU figures: the text tower in fp32/fp16/bf16 with batching, the psi rerank and exhaustive psi (fold, fused,
+model), psi constants at build time, NCL Sinkhorn and served-score biases, and the two-stage search end to end.
+
+    bash bench/gpu_check.sh                 # on a lent GPU (the device tool): CUDA tests, then this script
+    python bench/gpu_bench.py --quick       # smoke run; on a machine without CUDA it runs on the CPU and says so
+    python bench/gpu_bench.py --prepare .gpuassets --checkpoint BEST --corpus CORPUS   # fidelity inputs (CPU)
+    python bench/gpu_bench.py --render bench/results/gpu_bench.json                   # rewrite the .md
+
+Every section runs in one process on one device; a section that fails is recorded as failed (with its error)
+and the others still run. Timings are medians of repeated calls after warm-up, synchronised with the GPU
+(torch.cuda.synchronize) and wall-clock. ViT-B/32 sizes (d = 512, f = 12) with random weights unless a
+section says otherwise: timing does not depend on the values. The fidelity section uses the trained benchmark
+model (gare-cpu-small, its test split) prepared on the CPU with ``--prepare``: the CPU fp32 embeddings and
+metrics in it are the reference the GPU precisions are compared with.
+Results: bench/results/gpu_bench.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+REPO = Path(__file__).resolve().parents[1]
+for p in (str(REPO), str(REPO / "bench")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+D, FR, K = 512, 12, 256
+
+
+# ------------------------------------------------------------------------------------------ timing
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def timed_ms(fn: Callable[[], Any], dev: torch.device, *, iters: int, reps: int = 3, warm: int = 2) -> dict[str, float]:
+    """Median over `reps` of the mean wall-clock ms per call over `iters` calls (synchronised)."""
+    for _ in range(warm):
+        fn()
+    sync(dev)
+    per = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync(dev)
+        per.append((time.perf_counter() - t0) / iters * 1e3)
+    return {"ms": statistics.median(per), "reps_ms": per}
+
+
+def vit_b32(dev: torch.device):
+    from training.config import get_model_config
+    from training.model import GARE
+
+    torch.manual_seed(0)
+    model = GARE.build(get_model_config("gare-vit-b-32", pretrained="none")).eval()
+    with torch.no_grad():  # non-trivial psi (its N(0, 0.02) init makes Δ ~ 0): timing does not care, accuracy does
+        for name, p in model.psi.named_parameters():
+            if name.startswith("ln"):
+                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.05)
+    return model.to(dev)
+
+
+def make_gallery(n: int, seed: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """frames (n, f, d) fp16 = a video direction + per-frame noise, ~1 in 4 padded; mask (n, f) bool."""
+    g = torch.Generator().manual_seed(seed)
+    base = F.normalize(torch.randn(n, 1, D, generator=g), dim=-1) * 8.0
+    frames = base + 2.0 * torch.randn(n, FR, D, generator=g) / D**0.5 * 8.0
+    n_real = torch.where(torch.rand(n, generator=g) < 0.25, torch.randint(1, FR, (n,), generator=g), FR)
+    mask = torch.arange(FR)[None] < n_real[:, None]
+    return (frames * mask[..., None]).half().to(dev), mask.to(dev)
+
+
+# ------------------------------------------------------------------------------------------ sections
+def section_env(ctx: dict[str, Any]) -> dict[str, Any]:
+    import ctypes
+
+    from index_common import cpu_name
+
+    dev = ctx["dev"]
+    out: dict[str, Any] = {"device": str(dev), "torch": torch.__version__, "cuda": torch.version.cuda,
+                           "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
+                           "cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version()}
+    try:
+        import faiss
+
+        out["faiss"] = faiss.__version__
+        out["faiss_gpus"] = int(faiss.get_num_gpus()) if hasattr(faiss, "get_num_gpus") else 0
+        out["faiss_cagra"] = hasattr(faiss, "GpuIndexCagra")
+    except ImportError as e:
+        out["faiss"] = f"not importable: {e}"
+    libs = {}
+    for lib in ("libcublas.so.12", "libcudart.so.12", "libcublas.so.13", "libcuvs.so"):
+        try:
+            ctypes.CDLL(lib)
+            libs[lib] = True
+        except OSError:
+            libs[lib] = False
+    out["shared_libraries"] = libs
+    return out
+
+
+def section_text_encoder(ctx: dict[str, Any]) -> dict[str, Any]:
+    from serve_bench import make_queries
+
+    from indexer.search import encode_queries
+
+    dev, model, args = ctx["dev"], ctx["model"], ctx["args"]
+    precs = ["fp32", "fp16", "bf16"] if dev.type == "cuda" else ["fp32", "bf16"]
+    rows = []
+    with torch.inference_mode():
+        for prec in precs:
+            for b in args.batches:
+                texts = make_queries(b, seed=b)
+                r = timed_ms(lambda texts=texts, prec=prec: encode_queries(model, texts, prec), dev,
+                             iters=max(2, 64 // b), reps=args.reps)
+                rows.append({"precision": prec, "batch": b, "ms_per_call": r["ms"], "queries_per_s": b / r["ms"] * 1e3,
+                             "reps_ms": r["reps_ms"]})
+                print(f"text encoder {prec} batch {b}: {r['ms']:.2f} ms/call, {b / r['ms'] * 1e3:.0f} q/s", flush=True)
+    out: dict[str, Any] = {"model": "ViT-B/32 text tower (open_clip ViT-B-32, random weights)", "rows": rows}
+    if dev.type == "cuda":  # the same tower on this machine's CPU, one thread, one query (fp32): the ratio's base
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            cpu_model = vit_b32(torch.device("cpu"))
+            with torch.inference_mode():
+                r = timed_ms(lambda: encode_queries(cpu_model, make_queries(1, seed=1), "fp32"), torch.device("cpu"),
+                             iters=5, reps=args.reps)
+            out["cpu_fp32_1q_1thread_ms"] = r["ms"]
+            del cpu_model
+        finally:
+            torch.set_num_threads(threads)
+    return out
+
+
+def section_fidelity(ctx: dict[str, Any]) -> dict[str, Any]:
+    """The trained benchmark model on its test split: each precision on this device against CPU fp32."""
+    from safetensors.torch import load_file
+
+    from indexer.search import encode_queries
+    from training.checkpoint import load_model
+    from training.metrics import retrieval_metrics
+
+    dev, assets = ctx["dev"], ctx["args"].assets
+    if assets is None or not (assets / "fidelity.json").exists():
+        raise FileNotFoundError(f"no fidelity assets under {assets} (make them with --prepare on the CPU)")
+    meta = json.loads((assets / "fidelity.json").read_text())
+    gal = load_file(str(assets / "gallery.safetensors"))
+    model, _ = load_model(assets / "model.safetensors", dev)
+    texts, cc = meta["captions"], np.asarray(meta["caption_clip"])
+    frames, mask, vbar = gal["frames"].to(dev), gal["mask"].bool().to(dev), gal["vbar"].to(dev)
+    ref = gal["t_cpu_fp32"]
+    out: dict[str, Any] = {"checkpoint_sha256": meta["checkpoint_sha256"], "n_captions": len(texts),
+                           "n_videos": int(frames.shape[0]), "cpu_reference": meta["cpu_reference"], "precisions": {}}
+    precs = ["fp32", "fp16", "bf16"] if dev.type == "cuda" else ["fp32", "bf16"]
+    with torch.inference_mode():
+        for prec in precs:
+            t = torch.cat([encode_queries(model, texts[s:s + 128], prec) for s in range(0, len(texts), 128)]).float()
+            cos = F.cosine_similarity(t.cpu(), ref)
+            dual = F.normalize(t, dim=-1) @ F.normalize(vbar, dim=-1).T
+            psi = model.score(t, frames, mask, vbar=vbar)
+            res: dict[str, Any] = {"cos_vs_cpu_fp32_min": float(cos.min()), "cos_vs_cpu_fp32_mean": float(cos.mean())}
+            for name, s in (("dual", dual), ("psi", psi)):
+                m = retrieval_metrics(s.float().cpu(), cc)["t2v"]
+                res[name] = {k: float(m[k]) for k in ("R1", "R5", "R10")}
+            out["precisions"][prec] = res
+            print(f"fidelity {prec}: " + json.dumps(res), flush=True)
+    return out
+
+
+def section_psi(ctx: dict[str, Any]) -> dict[str, Any]:
+    from indexer.search import fused_pair_scores
+    from training import psi_fold as pf
+    from training.psi import masked_mean
+
+    dev, model, args = ctx["dev"], ctx["model"], ctx["args"]
+    temp = model.cfg.temp
+    out: dict[str, Any] = {"d": D, "f": FR, "K": K}
+    with torch.inference_mode():
+        fw = pf.fold_weights(model.psi).to(dev)
+        frames, mask = make_gallery(args.distinct, 1, dev)
+        vbar = masked_mean(frames.float(), mask)
+        # build time: fold the distinct videos on this device, and a slice of them on the CPU (one thread)
+        r = timed_ms(lambda: pf.fold_videos(frames, mask, fw, chunk=4096), dev, iters=1, reps=args.reps, warm=1)
+        out["fold_videos_per_s"] = args.distinct / r["ms"] * 1e3
+        consts = pf.fold_videos(frames, mask, fw, chunk=4096)
+        if dev.type == "cuda":
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                n_cpu = 256
+                fw_cpu = fw.to("cpu")
+                fr_c, mk_c = frames[:n_cpu].cpu(), mask[:n_cpu].cpu()
+                rc = timed_ms(lambda: pf.fold_videos(fr_c, mk_c, fw_cpu), torch.device("cpu"), iters=1, reps=args.reps, warm=1)
+                out["fold_videos_per_s_cpu_1thread"] = n_cpu / rc["ms"] * 1e3
+                c_cpu = pf.fold_videos(fr_c, mk_c, fw_cpu)
+            finally:
+                torch.set_num_threads(threads)
+            tq = torch.randn(4, D, generator=torch.Generator().manual_seed(9)) * 3.0
+            s_gpu = pf.pair_scores(pf.fold_queries(tq.to(dev), fw, temp), consts.slice(0, n_cpu)).cpu()
+            s_cpu = pf.pair_scores(pf.fold_queries(tq, fw_cpu, temp), c_cpu)
+            out["max_abs_diff_gpu_vs_cpu_constants_scores"] = float((s_gpu - s_cpu).abs().max())
+        # rerank of K candidates for Q queries (each its own candidates), every implementation on this device
+        g = torch.Generator().manual_seed(2)
+        t_all = torch.randn(max(args.rerank_queries), D, generator=g).to(dev) * 3.0
+        rr = []
+        for nq in args.rerank_queries:
+            idx = torch.stack([torch.randperm(args.distinct, generator=g)[:K] for _ in range(nq)]).to(dev)  # (Q, K)
+            t = t_all[:nq]
+            flat = idx.reshape(-1)
+
+            def fold(t=t, idx=idx):
+                q = pf.fold_queries(t, fw, temp)
+                return pf.pair_scores(q, consts, idx)
+
+            def fused(t=t, flat=flat, nq=nq):
+                return fused_pair_scores(model, t.repeat_interleave(K, 0), frames[flat].float(), mask[flat], vbar[flat]).view(nq, K)
+
+            def model_score(t=t, idx=idx, nq=nq):
+                return torch.stack([model.score(t[i:i + 1], frames[idx[i]], mask[idx[i]], vbar=vbar[idx[i]])[0] for i in range(nq)])
+
+            row: dict[str, Any] = {"queries": nq}
+            outs = {}
+            for name, fn in (("fold", fold), ("fused", fused), ("model", model_score)):
+                r = timed_ms(fn, dev, iters=10 if name != "model" else 3, reps=args.reps)
+                row[f"{name}_ms"] = r["ms"]
+                row[f"{name}_ms_per_query"] = r["ms"] / nq
+                outs[name] = fn()
+            row["max_abs_diff_fold_vs_model"] = float((outs["fold"] - outs["model"]).abs().max())
+            row["max_abs_diff_fused_vs_model"] = float((outs["fused"] - outs["model"]).abs().max())
+            rr.append(row)
+            print(f"rerank Q={nq}: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items() if k.endswith("_ms")), flush=True)
+        out["rerank"] = rr
+        # exhaustive psi (fold) over a large gallery: the distinct videos tiled (real copies on the device)
+        n_big = args.exhaustive_entries
+        reps_tile = -(-n_big // args.distinct)
+        try:
+            big = pf.VideoConstants.cat([consts] * reps_tile).slice(0, n_big)
+            ex = []
+            for nq in args.exhaustive_queries:
+                q = pf.fold_queries(t_all[:nq], fw, temp)
+                r = timed_ms(lambda q=q, big=big, nq=nq: pf.exhaustive(q, big, chunk=args.exhaustive_chunk, query_chunk=nq), dev, iters=1,
+                             reps=args.reps, warm=1)
+                ex.append({"queries": nq, "entries": n_big, "ms": r["ms"], "ms_per_query": r["ms"] / nq,
+                           "chunk": args.exhaustive_chunk})
+                print(f"exhaustive fold {n_big} entries, Q={nq}: {r['ms']:.1f} ms", flush=True)
+            out["exhaustive"] = ex
+            del big
+        except torch.cuda.OutOfMemoryError as e:  # say so; the other figures stand
+            out["exhaustive"] = {"error": f"out of memory at {n_big} entries: {e}"}
+    return out
+
+
+def section_sinkhorn(ctx: dict[str, Any]) -> dict[str, Any]:
+    """NCL Sinkhorn biases (dual-tower cosines) for a queue of Q queries over N gallery entries."""
+    from training.sinkhorn import sinkhorn_biases
+
+    dev, args = ctx["dev"], ctx["args"]
+    g = torch.Generator().manual_seed(3)
+    q = F.normalize(torch.randn(args.queue, D, generator=g), dim=-1).to(dev)
+    rows = []
+    for n in args.sinkhorn_entries:
+        gal = F.normalize(torch.randn(n, D, generator=g), dim=-1).to(dev)
+        r = timed_ms(lambda gal=gal: sinkhorn_biases(q, gal, 0.01, device=dev), dev, iters=1, reps=max(1, args.reps - 1), warm=1)
+        rows.append({"queue": args.queue, "entries": n, "seconds": r["ms"] / 1e3})
+        print(f"sinkhorn Q={args.queue} N={n}: {r['ms'] / 1e3:.2f} s", flush=True)
+        del gal
+    return {"rows": rows, "n_iters": 4, "gamma": 0.01}
+
+
+def section_served_biases(ctx: dict[str, Any]) -> dict[str, Any]:
+    """The served-score pair scorer (psi over the queue's stage-1 candidates, through stored constants)."""
+    from indexer.served_biases import fold_pair_scorer
+    from training import psi_fold as pf
+    from training.psi import masked_mean
+
+    dev, model, args = ctx["dev"], ctx["model"], ctx["args"]
+    n = args.distinct
+    frames, mask = make_gallery(n, 4, torch.device("cpu"))
+    vbar = masked_mean(frames.float(), mask)
+    norms = vbar.norm(dim=-1)
+    units = (vbar / norms[:, None]).numpy()
+    consts = pf.fold_videos(frames.to(dev), mask.to(dev), pf.fold_weights(model.psi).to(dev)).packed.cpu().numpy()
+    n_q = args.served_queries
+    queue = np.random.default_rng(0).standard_normal((n_q, D)).astype(np.float32) * 3.0
+    qi = np.repeat(np.arange(n_q), K)  # queue order, as score_candidates passes the pairs
+    rows = np.random.default_rng(1).integers(0, n, qi.size)
+    score = fold_pair_scorer(model, queue, frames.numpy(), mask.numpy().astype(np.uint8), units, norms.numpy(),
+                             consts=consts, chunk=args.served_chunk)
+    score(qi[: 4 * K], rows[: 4 * K])
+    sync(dev)
+    t0 = time.perf_counter()
+    score(qi, rows)
+    sync(dev)
+    sec = time.perf_counter() - t0
+    pairs_per_s = qi.size / sec
+    q_full, k_full = 16384, 256
+    return {"pairs": int(qi.size), "seconds": sec, "pairs_per_s": pairs_per_s, "chunk": args.served_chunk,
+            "queue_pairs_16384x256_s_extrapolated": q_full * k_full / pairs_per_s}
+
+
+def section_search(ctx: dict[str, Any]) -> dict[str, Any]:
+    """Two-stage search end to end (indexer.search.search_batch) on a gallery written in the real index format."""
+    import tempfile
+
+    from serve_bench import make_queries, write_gallery
+
+    from indexer.search import SearchOptions, encode_queries, search_batch
+    from indexer.store import open_index
+    from training.checkpoint import file_sha256, save_checkpoint
+    from training.psi_fold import fold_weights
+
+    dev, model, args = ctx["dev"], ctx["model"], ctx["args"]
+    work = Path(tempfile.mkdtemp(prefix="gare-gpu-bench-"))
+    cpu_model = model.to("cpu")
+    path = work / "vit-b-32.safetensors"
+    save_checkpoint(path, cpu_model)
+    ckpt = {"path": str(path), "sha256": file_sha256(path), "model_config": cpu_model.cfg.to_dict()}
+    t0 = time.perf_counter()
+    gal = write_gallery(work, args.search_entries, ckpt, fold=fold_weights(cpu_model.psi), device=dev)
+    model.to(dev)
+    out: dict[str, Any] = {"entries": args.search_entries, "gallery": gal, "write_s": time.perf_counter() - t0, "rows": []}
+    prec = "fp16" if dev.type == "cuda" else "fp32"
+    version = open_index(work / "index", use_gpu=False)
+    try:
+        opts = SearchOptions()
+        out["candidates"] = opts.candidates
+        out["precision"] = prec
+        for nq in args.search_batches:
+            texts = make_queries(nq, seed=100 + nq)
+            stages: list[dict[str, float]] = []
+
+            def run(texts=texts, stages=stages):
+                res = search_batch(model, version, texts, opts, precision=prec)
+                stages.append(res[0].timings)
+
+            enc = timed_ms(lambda texts=texts: encode_queries(model, texts, prec), dev, iters=5, reps=args.reps)
+            tot = timed_ms(run, dev, iters=5, reps=args.reps)
+            st = {k: 1e3 * statistics.median(s[k] for s in stages[2:]) for k in ("encode", "ann", "rerank", "rank", "total")}
+            out["rows"].append({"queries": nq, "encoder_alone_ms": enc["ms"], "search_ms": tot["ms"],
+                                "search_over_encoder": tot["ms"] / enc["ms"], "stage_ms": st})
+            print(f"search Q={nq}: {tot['ms']:.2f} ms (encoder alone {enc['ms']:.2f} ms), stages {st}", flush=True)
+    finally:
+        version.close()
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+SECTIONS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "env": section_env, "text_encoder": section_text_encoder, "fidelity": section_fidelity, "psi": section_psi,
+    "sinkhorn": section_sinkhorn, "served_biases": section_served_biases, "search": section_search,
+}
+
+
+# ------------------------------------------------------------------------------------------ fidelity inputs
+def prepare(assets: Path, checkpoint: Path, corpus: Path, split: str) -> None:
+    """On the CPU: a queue-free copy of the checkpoint, the split's encoded gallery and the CPU fp32 reference."""
+    from safetensors.torch import save_file
+
+    from indexer.search import encode_queries
+    from training.checkpoint import file_sha256, load_model, save_checkpoint
+    from training.data import load_dataset
+    from training.evaluate import encode_set
+    from training.metrics import retrieval_metrics
+
+    assets.mkdir(parents=True, exist_ok=True)
+    model, _ = load_model(checkpoint, "cpu")
+    save_checkpoint(assets / "model.safetensors", model)  # the same weights, without the NCL queues (smaller)
+    rs = load_dataset({"kind": "synth", "root": str(corpus)}, split)
+    enc = encode_set(model, rs, batch_size=16, num_workers=1, progress=True)
+    if enc.failed:
+        raise RuntimeError(f"{len(enc.failed)} videos failed to decode: {enc.failed[:3]}")
+    texts = list(rs.captions)
+    with torch.inference_mode():
+        t = torch.cat([encode_queries(model, texts[s:s + 128], "fp32") for s in range(0, len(texts), 128)]).float()
+        psi = model.score(t, enc.frames, enc.mask, vbar=enc.vbar)
+    dual = F.normalize(t, dim=-1) @ F.normalize(enc.vbar, dim=-1).T
+    ref = {}
+    for name, s in (("dual", dual), ("psi", psi)):
+        m = retrieval_metrics(s, enc.caption_clip)["t2v"]
+        ref[name] = {k: float(m[k]) for k in ("R1", "R5", "R10")}
+    from index_common import cpu_name
+
+    save_file({"frames": enc.frames.contiguous(), "mask": enc.mask.to(torch.uint8).contiguous(), "vbar": enc.vbar.contiguous(),
+               "t_cpu_fp32": t.contiguous()}, str(assets / "gallery.safetensors"))
+    meta = {"checkpoint": str(checkpoint), "checkpoint_sha256": file_sha256(checkpoint), "corpus": str(corpus), "split": split,
+            "captions": texts, "caption_clip": enc.caption_clip.tolist(),
+            "cpu_reference": {"cpu": cpu_name(), "precision": "fp32", **ref}}
+    (assets / "fidelity.json").write_text(json.dumps(meta))
+    print(f"prepared {assets}: {len(texts)} captions, {enc.vbar.shape[0]} videos; CPU fp32 {ref}", flush=True)
+
+
+# ------------------------------------------------------------------------------------------ report
+def _f(x: Any, nd: int = 2) -> str:
+    return "-" if x is None else (f"{x:,.{nd}f}" if isinstance(x, float) else str(x))
+
+
+def markdown(res: dict[str, Any]) -> str:
+    env = res["sections"].get("env", {}).get("result", {})
+    L = ["# GPU figures", "", "<!-- generated by bench/gpu_bench.py; do not edit by hand -->", "",
+         f"Command: `{res['command']}` at commit `{res['commit']}`, {res['date']}.",
+         f"Device: {env.get('gpu') or env.get('device')}; CPU {env.get('cpu')} ({env.get('cores')} cores); "
+         f"torch {env.get('torch')} (CUDA {env.get('cuda')}), faiss {env.get('faiss')} (GPUs seen by faiss: {env.get('faiss_gpus')}, "
+         f"CAGRA: {env.get('faiss_cagra')}); shared libraries found: "
+         + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in env.get("shared_libraries", {}).items()) + ".", ""]
+    L.append("| section | status | seconds |")
+    L.append("|---|---|---|")
+    for name, s in res["sections"].items():
+        L.append(f"| {name} | {'ok' if s['ok'] else 'FAILED: ' + s['error'].splitlines()[-1][:160]} | {s['seconds']:.1f} |")
+    L.append("")
+    sec = {k: v["result"] for k, v in res["sections"].items() if v["ok"]}
+    if "text_encoder" in sec:
+        te = sec["text_encoder"]
+        L += ["## Text encoder", "", f"{te['model']}, `indexer.search.encode_queries` (autocast, trimmed tokens); "
+              "median wall-clock per call." + (f" The same tower on this machine's CPU, fp32, one thread, one query: "
+              f"{te['cpu_fp32_1q_1thread_ms']:.2f} ms." if "cpu_fp32_1q_1thread_ms" in te else ""), "",
+              "| precision | batch | ms per call | queries/s |", "|---|---|---|---|"]
+        for r in te["rows"]:
+            L.append(f"| {r['precision']} | {r['batch']} | {r['ms_per_call']:.2f} | {r['queries_per_s']:,.0f} |")
+        L.append("")
+    if "fidelity" in sec:
+        fi = sec["fidelity"]
+        ref = fi["cpu_reference"]
+        L += ["## Fidelity of the GPU precisions (trained benchmark model, test split)", "",
+              f"{fi['n_captions']} captions, {fi['n_videos']} videos; checkpoint sha256 `{fi['checkpoint_sha256'][:12]}`. "
+              f"Reference: CPU fp32 on {ref['cpu']}.", "",
+              "| precision | cos vs CPU fp32 (min / mean) | dual R@1 / R@5 / R@10 | + psi R@1 / R@5 / R@10 |", "|---|---|---|---|",
+              f"| CPU fp32 (reference) | 1 / 1 | {ref['dual']['R1']:.1f} / {ref['dual']['R5']:.1f} / {ref['dual']['R10']:.1f} | "
+              f"{ref['psi']['R1']:.1f} / {ref['psi']['R5']:.1f} / {ref['psi']['R10']:.1f} |"]
+        for p, r in fi["precisions"].items():
+            L.append(f"| {env.get('device')} {p} | {r['cos_vs_cpu_fp32_min']:.6f} / {r['cos_vs_cpu_fp32_mean']:.6f} | "
+                     f"{r['dual']['R1']:.1f} / {r['dual']['R5']:.1f} / {r['dual']['R10']:.1f} | "
+                     f"{r['psi']['R1']:.1f} / {r['psi']['R5']:.1f} / {r['psi']['R10']:.1f} |")
+        L.append("")
+    if "psi" in sec:
+        ps = sec["psi"]
+        L += ["## psi: rerank, exhaustive, constants", "",
+              f"d = {ps['d']}, f = {ps['f']}, K = {ps['K']}. Folding the per-video constants (index time): "
+              f"{ps['fold_videos_per_s']:,.0f} videos/s on the device"
+              + (f", {ps['fold_videos_per_s_cpu_1thread']:,.0f} videos/s on one CPU thread; scores from GPU- and CPU-folded "
+                 f"constants differ by at most {ps['max_abs_diff_gpu_vs_cpu_constants_scores']:.2e}" if "fold_videos_per_s_cpu_1thread" in ps else "")
+              + ".", "",
+              "| queries | fold ms | fused ms | model.score ms | fold ms/query | fused / fold | max abs diff fold vs model |",
+              "|---|---|---|---|---|---|---|"]
+        for r in ps["rerank"]:
+            L.append(f"| {r['queries']} | {r['fold_ms']:.3f} | {r['fused_ms']:.3f} | {r['model_ms']:.3f} | {r['fold_ms_per_query']:.4f} | "
+                     f"{r['fused_ms'] / r['fold_ms']:.1f}x | {r['max_abs_diff_fold_vs_model']:.1e} |")
+        L.append("")
+        ex = ps.get("exhaustive")
+        if isinstance(ex, list):
+            L += ["| exhaustive psi (fold) | entries | ms | ms per query |", "|---|---|---|---|"]
+            for r in ex:
+                L.append(f"| {r['queries']} queries | {r['entries']:,} | {r['ms']:.1f} | {r['ms_per_query']:.2f} |")
+            L.append("")
+        elif ex:
+            L += [f"Exhaustive psi: {ex['error']}", ""]
+    if "sinkhorn" in sec:
+        L += ["## NCL Sinkhorn biases (dual-tower cosines, 4 iterations)", "", "| queue | entries | seconds |", "|---|---|---|"]
+        for r in sec["sinkhorn"]["rows"]:
+            L.append(f"| {r['queue']:,} | {r['entries']:,} | {r['seconds']:.2f} |")
+        L.append("")
+    if "served_biases" in sec:
+        sb = sec["served_biases"]
+        L += ["## Served-score bias pairs (`indexer.served_biases.fold_pair_scorer`, stored constants)", "",
+              f"{sb['pairs']:,} queue pairs in {sb['seconds']:.2f} s: {sb['pairs_per_s']:,.0f} pairs/s; a 16,384-query queue x "
+              f"K = 256 (4.2M pairs, whatever the gallery size) would take {sb['queue_pairs_16384x256_s_extrapolated']:.1f} s "
+              "(extrapolated from this rate).", ""]
+    if "search" in sec:
+        se = sec["search"]
+        L += [f"## Two-stage search end to end ({se['entries']:,} entries, {se['gallery']['index_type']}, K = {se['candidates']}, "
+              f"text encoder {se['precision']})", "",
+              "`indexer.search.search_batch` over a gallery written in the real index format (serve_bench.write_gallery); the "
+              "ANN runs in faiss on the CPU (no faiss-gpu here: see the environment line).", "",
+              "| queries per call | encoder alone ms | search ms | search / encoder | encode | ann | rerank | rank |",
+              "|---|---|---|---|---|---|---|---|"]
+        for r in se["rows"]:
+            s = r["stage_ms"]
+            L.append(f"| {r['queries']} | {r['encoder_alone_ms']:.2f} | {r['search_ms']:.2f} | {r['search_over_encoder']:.2f}x | "
+                     f"{s['encode']:.2f} | {s['ann']:.2f} | {s['rerank']:.2f} | {s['rank']:.2f} |")
+        L.append("")
+    return "\n".join(L) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "gpu_bench")
+    ap.add_argument("--assets", type=Path, default=REPO / ".gpuassets", help="fidelity inputs made by --prepare")
+    ap.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=list(SECTIONS))
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128, 512])
+    ap.add_argument("--distinct", type=int, default=16384, help="distinct videos folded (psi and served-bias sections)")
+    ap.add_argument("--rerank-queries", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--exhaustive-entries", type=int, default=1_000_000)
+    ap.add_argument("--exhaustive-queries", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--exhaustive-chunk", type=int, default=16384)
+    ap.add_argument("--queue", type=int, default=16384, help="NCL queue length for the Sinkhorn section")
+    ap.add_argument("--sinkhorn-entries", type=int, nargs="+", default=[100_000, 1_000_000])
+    ap.add_argument("--served-queries", type=int, default=2048)
+    ap.add_argument("--served-chunk", type=int, default=65536)
+    ap.add_argument("--search-entries", type=int, default=100_000)
+    ap.add_argument("--search-batches", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--commit", default=os.environ.get("GARE_COMMIT", "unknown"), help="the commit the tree is at")
+    ap.add_argument("--quick", action="store_true", help="small sizes (smoke run)")
+    ap.add_argument("--prepare", type=Path, metavar="ASSETS", help="write the fidelity inputs and exit (CPU)")
+    ap.add_argument("--checkpoint", type=Path)
+    ap.add_argument("--corpus", type=Path)
+    ap.add_argument("--split", default="test")
+    ap.add_argument("--render", type=Path, metavar="JSON", help="rewrite the markdown from a saved JSON and exit")
+    args = ap.parse_args(argv)
+    if args.render:
+        res = json.loads(args.render.read_text())
+        args.render.with_suffix(".md").write_text(markdown(res))
+        return 0
+    if args.prepare:
+        if not (args.checkpoint and args.corpus):
+            ap.error("--prepare needs --checkpoint and --corpus")
+        prepare(args.prepare, args.checkpoint, args.corpus, args.split)
+        return 0
+    if args.quick:
+        args.batches, args.distinct, args.exhaustive_entries, args.exhaustive_queries = [1, 8], 512, 4096, [1, 4]
+        args.rerank_queries, args.queue, args.sinkhorn_entries, args.served_queries = [1, 4], 512, [4096], 16
+        args.search_entries, args.search_batches, args.reps = 2000, [1, 4], 1
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cpu":
+        torch.set_num_threads(1)
+        print("no CUDA here: every section runs on the CPU (one thread); the report says so", flush=True)
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = False  # exact fp32 (fp16/bf16 are measured as such)
+    res: dict[str, Any] = {"command": "python bench/gpu_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                           "commit": args.commit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                           "quick": args.quick, "sections": {}}
+    ctx: dict[str, Any] = {"dev": dev, "args": args}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for name in args.sections:
+        if name != "env" and "model" not in ctx:
+            ctx["model"] = vit_b32(dev)
+        t0 = time.perf_counter()
+        print(f"== {name}", flush=True)
+        try:
+            r = SECTIONS[name](ctx)
+            res["sections"][name] = {"ok": True, "seconds": time.perf_counter() - t0, "result": r}
+        except Exception:  # recorded as a failure in the report; the other sections still run
+            err = traceback.format_exc()
+            print(err, flush=True)
+            res["sections"][name] = {"ok": False, "seconds": time.perf_counter() - t0, "error": err}
+        finally:
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        args.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    args.out.with_suffix(".md").write_text(markdown(res))
+    failed = [k for k, v in res["sections"].items() if not v["ok"]]
+    print(f"wrote {args.out.with_suffix('.md')}; failed sections: {failed or 'none'}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""The CUDA paths against their CPU references.
+
+CI has no GPU, so every test here is skipped there ("needs CUDA"); they run on a lent GPU through
+`bash bench/gpu_check.sh` (which also runs bench/gpu_bench.py) and fail there if a CUDA path drifts from
+the CPU one: the folded psi, the build-time psi constants, the served-score pair scorer, the text encoder
+under fp16/bf16 autocast, a training step (losses and gradients) and the Sinkhorn biases.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.psi_weights import randomize_psi
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+CUDA = torch.device("cuda")
+
+
+def _tiny_model(seed: int = 0):
+    from training.config import get_model_config
+    from training.model import GARE
+
+    torch.manual_seed(seed)
+    model = GARE.build(get_model_config("gare-test-tiny")).eval()
+    randomize_psi(model.psi)
+    return model
+
+
+def _gallery(n: int, f: int, d: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """frames (n, f, d) float16 with ~1 in 3 videos padded (rows zeroed), mask (n, f) bool."""
+    g = torch.Generator().manual_seed(seed)
+    frames = torch.randn(n, f, d, generator=g) * 2.0
+    n_real = torch.where(torch.rand(n, generator=g) < 0.33, torch.randint(1, f, (n,), generator=g), f)
+    mask = torch.arange(f)[None] < n_real[:, None]
+    return (frames * mask[..., None]).half(), mask
+
+
+def test_psi_fold_on_cuda_equals_cpu_and_the_model():
+    from training import psi_fold as pf
+    from training.psi import pair_scores
+
+    model = _tiny_model()
+    d, f = int(model.psi.dim), 12
+    frames, mask = _gallery(300, f, d)
+    t = torch.randn(5, d, generator=torch.Generator().manual_seed(3)) * 3.0
+    temp = model.cfg.temp
+    fw = pf.fold_weights(model.psi)
+    cpu = pf.pair_scores(pf.fold_queries(t, fw, temp), pf.fold_videos(frames, mask, fw))
+    fwc = fw.to(CUDA)
+    vc = pf.fold_videos(frames.to(CUDA), mask.to(CUDA), fwc)
+    gpu = pf.pair_scores(pf.fold_queries(t.to(CUDA), fwc, temp), vc)
+    assert gpu.device.type == "cuda"
+    torch.testing.assert_close(gpu.cpu(), cpu, atol=2e-5, rtol=0)
+    # and the training definition, on the GPU (TF32 off: the reference must be fp32 exact)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    psi = model.psi.to(CUDA)
+    with torch.no_grad():
+        ref, _ = pair_scores(psi, t.to(CUDA), frames.float().to(CUDA), mask.to(CUDA), temp)
+    torch.testing.assert_close(gpu, ref, atol=2e-5, rtol=0)
+    # candidates (rerank) and exhaustive (chunked, constants on the CPU moved chunk by chunk)
+    idx = torch.randint(0, 300, (5, 17), generator=torch.Generator().manual_seed(4)).to(CUDA)
+    torch.testing.assert_close(pf.pair_scores(pf.fold_queries(t.to(CUDA), fwc, temp), vc, idx),
+                               gpu.gather(1, idx), atol=1e-6, rtol=0)
+    ex = pf.exhaustive(pf.fold_queries(t.to(CUDA), fwc, temp), vc.to("cpu"), chunk=64, device=CUDA)
+    torch.testing.assert_close(ex, cpu, atol=2e-5, rtol=0)
+
+
+def test_build_time_psi_constants_on_cuda_equal_cpu():
+    from indexer.psi_consts import compute_rows
+    from training import psi_fold as pf
+
+    model = _tiny_model(1)
+    d, f, n = int(model.psi.dim), 12, 700
+    frames, mask = _gallery(n, f, d, seed=5)
+    vbar = (frames.float() * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+    norms = vbar.norm(dim=-1)
+    units = vbar / norms[:, None]
+    fw = pf.fold_weights(model.psi)
+    w = pf.packed_width(f)
+    out_cpu, out_gpu = np.zeros((n, w), np.float32), np.zeros((n, w), np.float32)
+    args = (frames.numpy(), mask.numpy().astype(np.uint8), units.numpy(), norms.numpy())
+    compute_rows(fw, *args, out_cpu, device="cpu")
+    compute_rows(fw, *args, out_gpu, device="cuda")
+    pad = np.isinf(out_cpu)  # padded frames carry -inf attention offsets
+    assert pad.any() and np.array_equal(np.isinf(out_gpu), pad) and np.array_equal(out_gpu[pad], out_cpu[pad])
+    fin = np.where(pad, 0.0, out_cpu)
+    scale = np.abs(fin).max(axis=0, keepdims=True) + 1.0  # per field: the packed fields differ in size
+    np.testing.assert_allclose(np.where(pad, 0.0, out_gpu) / scale, fin / scale, atol=2e-5, rtol=0)
+    rows = np.array([5, 99, 640], dtype=np.int64)  # a scattered subset (add/remove recompute rows)
+    part = np.zeros((n, w), np.float32)
+    compute_rows(fw, *args, part, rows, device="cuda")
+    np.testing.assert_allclose(np.where(pad[rows], 0.0, part[rows]) / scale, fin[rows] / scale, atol=2e-5, rtol=0)
+    assert not part[np.setdiff1d(np.arange(n), rows)].any()
+
+
+def test_served_pair_scorer_on_cuda_equals_cpu():
+    from indexer.served_biases import fold_pair_scorer
+
+    model = _tiny_model(2)
+    d, f, n = int(model.psi.dim), 12, 200
+    frames, mask = _gallery(n, f, d, seed=6)
+    vbar = (frames.float() * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+    norms = vbar.norm(dim=-1).numpy()
+    units = (vbar / vbar.norm(dim=-1, keepdim=True)).numpy()
+    queue = np.random.default_rng(0).standard_normal((9, d)).astype(np.float32)
+    qi = np.repeat(np.arange(9), 20)  # queue order: each query's candidates together
+    rows = np.random.default_rng(1).integers(0, n, qi.size)
+    args = (queue, frames.numpy(), mask.numpy().astype(np.uint8), units, norms)
+    cpu = fold_pair_scorer(model, *args)(qi, rows)
+    gpu = fold_pair_scorer(model.to(CUDA), *args)(qi, rows)
+    torch.testing.assert_close(gpu, cpu, atol=2e-5, rtol=0)
+    scattered = np.random.default_rng(2).permutation(qi.size)  # one (query, video) at a time
+    torch.testing.assert_close(fold_pair_scorer(model, *args)(qi[scattered], rows[scattered]), cpu[scattered], atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_text_encoder_under_autocast_on_cuda_stays_close_to_fp32(precision):
+    from indexer.search import encode_queries, resolve_precision
+
+    model = _tiny_model(3)
+    texts = ["a dog runs across a field", "a red car drives through a city at night", "someone is cooking"]
+    ref = encode_queries(model, texts, "fp32")
+    model = model.to(CUDA)
+    assert resolve_precision("auto", CUDA) == "fp16"
+    got = encode_queries(model, texts, precision)
+    assert got.device.type == "cuda" and got.dtype == torch.float32
+    cos = F.cosine_similarity(got.cpu(), ref)
+    assert cos.min() > (0.999 if precision == "fp16" else 0.99), cos
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_training_step_on_cuda_matches_cpu(precision):
+    """Forward (text, video, psi), the four losses and the gradients: CUDA against CPU fp32."""
+    from training.loss import LossConfig, gare_loss
+    from training.model import autocast
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    cfg = LossConfig()
+    g = torch.Generator().manual_seed(7)
+    texts = ["a man sings", "a cat jumps", "cars race on a track", "a woman cooks pasta"]
+    model = _tiny_model(4)
+    frames = torch.randn(4, 3, 3, model.cfg.image_size, model.cfg.image_size, generator=g)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.bool)
+
+    def step(m, dev, prec):
+        m.zero_grad(set_to_none=True)
+        with autocast(dev, prec):
+            t = m.encode_text(m.tokenize(texts))
+            Fv, vbar = m.encode_video(frames.to(dev), mask.to(dev))
+        s, delta = m.pair_logits(t.float(), Fv.float(), mask.to(dev), vbar.float())
+        terms = gare_loss(s, delta, m.clip.logit_scale, cfg)
+        terms["total"].backward()
+        grads = {k: p.grad.detach().float().cpu() for k, p in m.named_parameters() if p.grad is not None}
+        return {k: float(v.detach()) for k, v in terms.items()}, grads
+
+    model.eval()  # dropout off: the CPU and CUDA generators would draw different masks; gradients still flow
+    ref_terms, ref_grads = step(model, torch.device("cpu"), "fp32")
+    got_terms, got_grads = step(model.to(CUDA), CUDA, precision)
+    assert got_grads.keys() == ref_grads.keys() and ref_grads
+    tol = 1e-4 if precision == "fp32" else 5e-2
+    for k, v in ref_terms.items():
+        assert abs(got_terms[k] - v) <= tol * max(1.0, abs(v)), (k, got_terms[k], v)
+    for k, gref in ref_grads.items():
+        gg = got_grads[k]
+        assert torch.isfinite(gg).all(), k
+        if precision == "fp32":
+            torch.testing.assert_close(gg, gref, atol=1e-4 * (gref.abs().max().item() + 1e-3), rtol=1e-3)
+    flat_ref = torch.cat([v.flatten() for v in ref_grads.values()])
+    flat = torch.cat([got_grads[k].flatten() for k in ref_grads])
+    assert F.cosine_similarity(flat, flat_ref, dim=0) > (0.9999 if precision == "fp32" else 0.98)
+
+
+def test_sinkhorn_biases_on_cuda_equal_cpu_at_scale():
+    from training.sinkhorn import normalization_error, sinkhorn_biases
+
+    g = torch.Generator().manual_seed(8)
+    q = F.normalize(torch.randn(2048, 64, generator=g), dim=-1)
+    gal = F.normalize(torch.randn(50_000, 64, generator=g), dim=-1)
+    a, b = sinkhorn_biases(q, gal, 0.02, chunk=8192)
+    a2, b2 = sinkhorn_biases(q.to(CUDA), gal.to(CUDA), 0.02, chunk=8192)
+    torch.testing.assert_close(b2, b, atol=2e-4, rtol=0)  # both returned on the CPU
+    e_cpu = normalization_error(q, gal, 0.02, b)
+    e_gpu = normalization_error(q.to(CUDA), gal.to(CUDA), 0.02, b2.to(CUDA))
+    assert abs(float(e_cpu) - float(e_gpu)) < 1e-3
