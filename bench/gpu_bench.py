@@ -322,7 +322,13 @@ def section_search(ctx: dict[str, Any]) -> dict[str, Any]:
 
     from serve_bench import make_queries, write_gallery
 
-    from indexer.search import SearchOptions, encode_queries, search_batch
+    from indexer.search import (
+        SearchOptions,
+        encode_queries,
+        resolve_precision,
+        resolve_rerank_impl,
+        search_batch,
+    )
     from indexer.store import open_index
     from training.checkpoint import file_sha256, save_checkpoint
     from training.psi_fold import fold_weights
@@ -337,26 +343,28 @@ def section_search(ctx: dict[str, Any]) -> dict[str, Any]:
     gal = write_gallery(work, args.search_entries, ckpt, fold=fold_weights(cpu_model.psi), device=dev)
     model.to(dev)
     out: dict[str, Any] = {"entries": args.search_entries, "gallery": gal, "write_s": time.perf_counter() - t0, "rows": []}
-    prec = "fp16" if dev.type == "cuda" else "fp32"
+    prec = resolve_precision("auto", dev)  # what the service runs by default on this device
     version = open_index(work / "index", use_gpu=False)
     try:
         opts = SearchOptions()
         out["candidates"] = opts.candidates
         out["precision"] = prec
-        for nq in args.search_batches:
-            texts = make_queries(nq, seed=100 + nq)
-            stages: list[dict[str, float]] = []
+        for impl in args.search_impls:
+            for nq in args.search_batches:
+                texts = make_queries(nq, seed=100 + nq)
+                stages: list[dict[str, float]] = []
 
-            def run(texts=texts, stages=stages):
-                res = search_batch(model, version, texts, opts, precision=prec)
-                stages.append(res[0].timings)
+                def run(texts=texts, stages=stages, impl=impl):
+                    res = search_batch(model, version, texts, opts, precision=prec, rerank_impl=impl)
+                    stages.append(res[0].timings)
 
-            enc = timed_ms(lambda texts=texts: encode_queries(model, texts, prec), dev, iters=5, reps=args.reps)
-            tot = timed_ms(run, dev, iters=5, reps=args.reps)
-            st = {k: 1e3 * statistics.median(s[k] for s in stages[2:]) for k in ("encode", "ann", "rerank", "rank", "total")}
-            out["rows"].append({"queries": nq, "encoder_alone_ms": enc["ms"], "search_ms": tot["ms"],
-                                "search_over_encoder": tot["ms"] / enc["ms"], "stage_ms": st})
-            print(f"search Q={nq}: {tot['ms']:.2f} ms (encoder alone {enc['ms']:.2f} ms), stages {st}", flush=True)
+                enc = timed_ms(lambda texts=texts: encode_queries(model, texts, prec), dev, iters=5, reps=args.reps)
+                tot = timed_ms(run, dev, iters=5, reps=args.reps)
+                st = {k: 1e3 * statistics.median(s[k] for s in stages[2:]) for k in ("encode", "ann", "rerank", "rank", "total")}
+                out["rows"].append({"rerank_impl": impl, "resolved": resolve_rerank_impl(impl, dev), "queries": nq,
+                                    "encoder_alone_ms": enc["ms"], "search_ms": tot["ms"],
+                                    "search_over_encoder": tot["ms"] / enc["ms"], "stage_ms": st})
+                print(f"search {impl} Q={nq}: {tot['ms']:.2f} ms (encoder alone {enc['ms']:.2f} ms), stages {st}", flush=True)
     finally:
         version.close()
         import shutil
@@ -490,11 +498,13 @@ def markdown(res: dict[str, Any]) -> str:
               f"text encoder {se['precision']})", "",
               "`indexer.search.search_batch` over a gallery written in the real index format (serve_bench.write_gallery); the "
               "ANN runs in faiss on the CPU (no faiss-gpu here: see the environment line).", "",
-              "| queries per call | encoder alone ms | search ms | search / encoder | encode | ann | rerank | rank |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| rerank impl | queries per call | encoder alone ms | search ms | search / encoder | encode | ann | rerank | rank |",
+              "|---|---|---|---|---|---|---|---|---|"]
         for r in se["rows"]:
             s = r["stage_ms"]
-            L.append(f"| {r['queries']} | {r['encoder_alone_ms']:.2f} | {r['search_ms']:.2f} | {r['search_over_encoder']:.2f}x | "
+            impl = r.get("rerank_impl", "fold")
+            impl = f"{impl} (= {r['resolved']})" if impl == "auto" else impl
+            L.append(f"| {impl} | {r['queries']} | {r['encoder_alone_ms']:.2f} | {r['search_ms']:.2f} | {r['search_over_encoder']:.2f}x | "
                      f"{s['encode']:.2f} | {s['ann']:.2f} | {s['rerank']:.2f} | {s['rank']:.2f} |")
         L.append("")
     return "\n".join(L) + "\n"
@@ -517,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--served-chunk", type=int, default=65536)
     ap.add_argument("--search-entries", type=int, default=100_000)
     ap.add_argument("--search-batches", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--search-impls", nargs="+", default=["auto", "fold", "fused"])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--commit", default=os.environ.get("GARE_COMMIT", "unknown"), help="the commit the tree is at")
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke run)")

@@ -346,7 +346,7 @@ async def size_bench(app, queries: list[str], args, n_exhaustive: int, cold: boo
                 if prec == "fp32":
                     modes.append(("two_stage_fused", {"k": 10, "candidates": 256}))
                 for mode, body in modes:
-                    state.settings.rerank_impl = "fused" if mode == "two_stage_fused" else "fold"
+                    state.rerank_impl = "fused" if mode == "two_stage_fused" else "fold"
                     single = await drive(c, queries, body, 1, args.single_requests)
                     conc = await drive(c, queries, body, args.clients, args.concurrent_per_client)
                     svc[f"{prec}/{mode}"] = {
@@ -357,7 +357,7 @@ async def size_bench(app, queries: list[str], args, n_exhaustive: int, cold: boo
                           f"{args.clients} clients p50 {conc['p50']:7.1f} ms {conc['throughput_qps']:6.1f} q/s "
                           f"(x{svc[f'{prec}/{mode}']['throughput_gain']}, mean batch {conc['mean_batch']})", flush=True)
             state.precision = "fp32"
-            state.settings.rerank_impl = "fold"
+            state.rerank_impl = "fold"
             out["page_cache"]["frames_resident_after_service"] = resident_fraction(frames_path)
             if n_exhaustive:
                 comp.update(await asyncio.to_thread(exhaustive, state.model, version, t, cands, n_exhaustive))

@@ -51,8 +51,16 @@ from training.model import autocast
 from . import psi_consts
 from .ncl_ann import Stage1Unavailable
 
-RERANK_IMPLS = ("fold", "fused", "model")
-DEFAULT_RERANK_IMPL = "fold"
+RERANK_IMPLS = ("auto", "fold", "fused", "model")
+DEFAULT_RERANK_IMPL = "auto"
+# What "auto" means, from the committed measurements (tests/indexer/test_device_defaults.py ties these to them):
+# on the CPU the fold is several times faster than fused at K = 256 (bench/results/psi_fold.md); on CUDA the
+# fold's many small kernels cost more than fused's few larger ones (bench/results/gpu_bench.md), so fused.
+AUTO_RERANK_IMPL = {"cpu": "fold", "cuda": "fused"}
+# The text encoder's "auto" precision: fp32 on the CPU (fp16 is CUDA-only; bf16 is slow on AVX2), and fp32 on
+# CUDA too: in bench/results/gpu_bench.md fp16/bf16 autocast was slower than fp32 for the service's batch sizes
+# (its casts add kernels to a launch-bound tower) and no more accurate.
+AUTO_PRECISION = {"cpu": "fp32", "cuda": "fp32"}
 DEFAULT_CANDIDATES = 256  # K, the stage-1 shortlist, when nobody says (service, compare, SearchOptions)
 # The default for `ncl` follows the evidence (issue 17): on only if + psi + NCL(served) >= + psi in t2v R@1 and
 # R@5 on both benchmark corpora (bench/results/ncl_served/); tests/test_ncl_default.py checks this constant
@@ -97,13 +105,22 @@ class QueryResult:
 
 # ------------------------------------------------------------------------------------------ helpers
 def resolve_precision(precision: str, device: torch.device | str) -> str:
-    """'auto' -> fp16 on CUDA, fp32 elsewhere (bf16 must be asked for)."""
+    """'auto' -> AUTO_PRECISION for the device type (fp32 on CPU and CUDA, as measured); fp16 only on CUDA."""
     dev = torch.device(device)
     if precision == "auto":
-        return "fp16" if dev.type == "cuda" else "fp32"
+        return AUTO_PRECISION.get(dev.type, "fp32")
     if precision == "fp16" and dev.type != "cuda":
         raise ValueError("fp16 is only supported on CUDA; use bf16 or fp32 on CPU")
     return precision
+
+
+def resolve_rerank_impl(impl: str, device: torch.device | str) -> str:
+    """'auto' -> AUTO_RERANK_IMPL for the device type (fold on CPU, fused on CUDA); other names as given."""
+    if impl not in RERANK_IMPLS:
+        raise ValueError(f"rerank impl must be one of {RERANK_IMPLS}, got {impl!r}")
+    if impl == "auto":
+        return AUTO_RERANK_IMPL.get(torch.device(device).type, "fold")
+    return impl
 
 
 def _sync(device: torch.device) -> None:
@@ -248,8 +265,7 @@ def psi_scores(
     impl: str = DEFAULT_RERANK_IMPL,
 ) -> list[np.ndarray]:
     """psi scores s_tj for each query's candidates: t (a, d); cand_ids[i] (K_i,) valid ids -> list of (K_i,)."""
-    if impl not in RERANK_IMPLS:
-        raise ValueError(f"rerank impl must be one of {RERANK_IMPLS}, got {impl!r}")
+    impl = resolve_rerank_impl(impl, t.device)
     lists = [np.asarray(c, dtype=np.int64).reshape(-1) for c in cand_ids]
     sizes = [c.size for c in lists]
     offs = np.cumsum([0] + sizes)
@@ -306,6 +322,7 @@ def _psi_scores_fold(model: Any, version: Any, t: torch.Tensor, rows: np.ndarray
 def rerank_scores(impl: str, model: Any, t: torch.Tensor, frames: torch.Tensor, mask: torch.Tensor | None, **kw: Any) -> torch.Tensor:
     """training.psi_fold.rerank_scores ("fold", "model") plus this module's "fused" path, for P pairs (v̄ = the
     masked mean of `frames` on every path)."""
+    impl = resolve_rerank_impl(impl, t.device)
     if impl != "fused":
         return pf.rerank_scores(impl, model, t, frames, mask, **kw)
     from training.psi import masked_mean
@@ -364,12 +381,15 @@ def _psi_scores_fused(model: Any, version: Any, t: torch.Tensor, rows: np.ndarra
     return out
 
 
-def exhaustive_psi(model: Any, version: Any, t: torch.Tensor, *, block: int = 8192, impl: str = DEFAULT_RERANK_IMPL,
+def exhaustive_psi(model: Any, version: Any, t: torch.Tensor, *, block: int = 8192, impl: str = "fold",
                    progress: bool = False) -> np.ndarray:
     """psi scores of every gallery entry for each query (a, n), block by block (coverage, benchmarks, compare).
 
-    impl "fold" (default): the index's stored constants when valid, else the fold computed block by block
-    (one log line); "fused": the fused pair path, query by query (the old reference)."""
+    impl "fold" (default, and what "auto" means here on every device: a whole gallery is one large product per
+    block): the index's stored constants when valid, else the fold computed block by block (one log line);
+    "fused": the fused pair path, query by query (the old reference)."""
+    if impl == "auto":
+        impl = "fold"
     n = version.n
     a = t.shape[0]
     out = np.empty((a, n), dtype=np.float32)
@@ -513,7 +533,7 @@ def search(
 
 
 __all__ = [
-    "RERANK_IMPLS", "DEFAULT_RERANK_IMPL", "DEFAULT_CANDIDATES", "fold_usable", "rerank_scores", "Stage1Unavailable", "SearchOptions", "Hit", "QueryResult", "resolve_precision", "trim_tokens",
+    "RERANK_IMPLS", "DEFAULT_RERANK_IMPL", "AUTO_RERANK_IMPL", "AUTO_PRECISION", "resolve_rerank_impl", "DEFAULT_CANDIDATES", "fold_usable", "rerank_scores", "Stage1Unavailable", "SearchOptions", "Hit", "QueryResult", "resolve_precision", "trim_tokens",
     "encode_queries", "unit_rows", "ann_stage", "folded_psi", "fused_pair_scores", "psi_scores", "exhaustive_psi",
     "rank", "search_batch", "search",
 ]

@@ -56,11 +56,13 @@ class Settings(BaseSettings):
     )
     device: str = Field("auto", description="torch device: auto (cuda when present), cpu, cuda, cuda:1, ...")
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
-        "auto", description="text encoder precision; auto = fp16 on CUDA, fp32 on CPU. The rerank always runs in fp32"
+        "auto", description="text encoder precision; auto = fp32 on CPU and on CUDA (measured fastest at the service's "
+        "batch sizes: bench/results/gpu_bench.md); fp16 is CUDA-only. The rerank always runs in fp32"
     )
-    rerank_impl: Literal["fold", "fused", "model"] = Field(
-        "fold",
-        description="fold: psi folded into the index's per-video constants (~3f+1 dots per candidate; an index "
+    rerank_impl: Literal["auto", "fold", "fused", "model"] = Field(
+        "auto",
+        description="auto: fold on CPU, fused on CUDA (the faster there: bench/results/psi_fold.md, gpu_bench.md); "
+        "fold: psi folded into the index's per-video constants (~3f+1 dots per candidate; an index "
         "without valid constants is served by fused, with one WARNING naming `gare-index upgrade`); fused: psi "
         "with its key/value projections folded onto the query side; model: model.score() as is (uses the "
         "index's stored K/V when present). Same scores within 1e-5",

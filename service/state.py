@@ -211,6 +211,7 @@ class ServiceState:
         self.model: Any = None
         self.device: Any = None
         self.precision = "fp32"
+        self.rerank_impl = "fold"  # resolved from settings.rerank_impl in load()
         self.checkpoint_path: Path | None = None
         self.checkpoint_sha: str | None = None
         self.handle: VersionHandle | None = None
@@ -278,6 +279,7 @@ class ServiceState:
             self.precision = S.resolve_precision(s.precision, self.device)
         except ValueError as e:
             raise StartupError(str(e)) from None
+        self.rerank_impl = S.resolve_rerank_impl(s.rerank_impl, self.device)  # "auto" -> fold (CPU) / fused (CUDA)
         try:
             model, _ = load_model(path, self.device)
         except (CheckpointError, OSError) as e:
@@ -365,7 +367,7 @@ class ServiceState:
                 f"index version {version.name} has dim={version.dim}, max_frames={version.max_frames}; "
                 f"the model has embed_dim={cfg.embed_dim}, max_frames={cfg.max_frames}"
             )
-        if self.settings.rerank_impl == "fold":
+        if self.rerank_impl == "fold":
             S.fold_usable(self.model, version)  # logs now (not at the first search) when the index needs an upgrade
 
     def _publish(self, version: Any) -> None:
@@ -486,7 +488,7 @@ class ServiceState:
                 [jobs[i].query for i in members],
                 [jobs[i].options for i in members],
                 precision=self.precision,
-                rerank_impl=self.settings.rerank_impl,
+                rerank_impl=self.rerank_impl,
                 on_units=self.query_bank.push if self.query_bank is not None else None,
                 encoder=encode,
             )

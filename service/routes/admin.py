@@ -26,7 +26,7 @@ async def index_info(state: StateDep) -> IndexInfo:
             },
             biases=m.biases, biases_description=describe_biases(m.biases),
             device=str(state.device), precision=state.precision,
-            rerank_impl=state.settings.rerank_impl,
+            rerank_impl=state.rerank_impl,
             default_candidates=index_default_candidates(m) or state.settings.default_candidates,
             stage1=None if not m.stage1 else {k: x for k, x in m.stage1.items() if k != "trials"},
         )

@@ -1,0 +1,57 @@
+"""The "auto" defaults of the search follow the committed measurements, per device type.
+
+- rerank on the CPU: the fold (bench/results/psi_fold.json: faster than fused at K = 256, one thread);
+- rerank and text-encoder precision on CUDA: whatever was faster on the lent GPU (bench/results/gpu_bench.json)
+  at one query and at 32 (the service's micro-batches stay at or below that).
+A rerun that changes the winner fails here until the constant in indexer/search.py follows it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from indexer import search as S
+
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+
+
+def _gpu_sections() -> dict:
+    res = json.loads((RESULTS / "gpu_bench.json").read_text())
+    assert not res["quick"], "the committed GPU figures must come from a full run"
+    return res["sections"]
+
+
+def test_cpu_rerank_default_is_the_faster_path_measured():
+    rr = json.loads((RESULTS / "psi_fold.json").read_text())["rerank"]
+    faster = min(("fold", "fused", "model"), key=lambda k: rr[k]["median_s"])
+    assert S.AUTO_RERANK_IMPL["cpu"] == faster
+    assert S.resolve_rerank_impl("auto", "cpu") == faster
+
+
+def test_cuda_rerank_default_is_the_faster_path_measured():
+    psi = _gpu_sections()["psi"]
+    assert psi["ok"], psi.get("error")
+    for row in psi["result"]["rerank"]:
+        faster = min(("fold", "fused", "model"), key=lambda k: row[f"{k}_ms"])
+        assert S.AUTO_RERANK_IMPL["cuda"] == faster, row
+    assert S.resolve_rerank_impl("auto", "cuda") == S.AUTO_RERANK_IMPL["cuda"]
+
+
+@pytest.mark.parametrize("batch", [1, 32])
+def test_cuda_text_precision_default_is_the_faster_one_measured(batch):
+    te = _gpu_sections()["text_encoder"]
+    assert te["ok"], te.get("error")
+    ms = {r["precision"]: r["ms_per_call"] for r in te["result"]["rows"] if r["batch"] == batch}
+    assert set(ms) == {"fp32", "fp16", "bf16"}
+    assert S.resolve_precision("auto", "cuda") == min(ms, key=ms.get)
+
+
+def test_cuda_fidelity_of_the_chosen_precision_was_measured():
+    """The chosen CUDA precision kept R@1 (+psi) within 0.5 point of CPU fp32 on the trained benchmark model."""
+    fi = _gpu_sections()["fidelity"]
+    assert fi["ok"], fi.get("error")
+    got = fi["result"]["precisions"][S.resolve_precision("auto", "cuda")]["psi"]["R1"]
+    assert abs(got - fi["result"]["cpu_reference"]["psi"]["R1"]) <= 0.5
