@@ -54,9 +54,11 @@ from .ncl_ann import Stage1Unavailable
 RERANK_IMPLS = ("auto", "fold", "fused", "model")
 DEFAULT_RERANK_IMPL = "auto"
 # What "auto" means, from the committed measurements (tests/indexer/test_device_defaults.py ties these to them):
-# on the CPU the fold is several times faster than fused at K = 256 (bench/results/psi_fold.md); on CUDA the
-# fold's many small kernels cost more than fused's few larger ones (bench/results/gpu_bench.md), so fused.
-AUTO_RERANK_IMPL = {"cpu": "fold", "cuda": "fused"}
+# on the CPU the fold is several times faster than fused at K = 256 (bench/results/psi_fold.md). On CUDA, with
+# the candidates already on the GPU, fused's few kernels beat the fold's many small ones, but a search gathers
+# the candidates from the memory-mapped index, and there the fold (one read per distinct video, no per-pair
+# frame copies) is as fast for one query and ~2x faster for 32 (bench/results/gpu_bench.md, search section).
+AUTO_RERANK_IMPL = {"cpu": "fold", "cuda": "fold"}
 # The text encoder's "auto" precision: fp32 on the CPU (fp16 is CUDA-only; bf16 is slow on AVX2), and fp32 on
 # CUDA too: in bench/results/gpu_bench.md fp16/bf16 autocast was slower than fp32 for the service's batch sizes
 # (its casts add kernels to a launch-bound tower) and no more accurate.

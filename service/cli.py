@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], help="text encoder precision")
     p.add_argument("--rerank-impl", choices=["auto", "fold", "fused", "model"],
-                   help="psi rerank implementation (same scores; default auto = fold on CPU, fused on CUDA; GARE_RERANK_IMPL)")
+                   help="psi rerank implementation (same scores; default auto = the fastest measured for the device, fold today; GARE_RERANK_IMPL)")
     p.add_argument("--torch-threads", type=int, help="torch/FAISS threads per worker (default: usable cores // workers)")
     p.add_argument("--workers", type=int, help="worker processes (default: the usable cores; 1 = serve in this process)")
     p.add_argument("--text-encoder", choices=["auto", "fp32", "int8", "onnx", "onnx-int8"],

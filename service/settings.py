@@ -61,7 +61,8 @@ class Settings(BaseSettings):
     )
     rerank_impl: Literal["auto", "fold", "fused", "model"] = Field(
         "auto",
-        description="auto: fold on CPU, fused on CUDA (the faster there: bench/results/psi_fold.md, gpu_bench.md); "
+        description="auto: the path measured fastest for the device (today fold on CPU and CUDA: bench/results/psi_fold.md, "
+        "gpu_bench.md); "
         "fold: psi folded into the index's per-video constants (~3f+1 dots per candidate; an index "
         "without valid constants is served by fused, with one WARNING naming `gare-index upgrade`); fused: psi "
         "with its key/value projections folded onto the query side; model: model.score() as is (uses the "

@@ -279,7 +279,7 @@ class ServiceState:
             self.precision = S.resolve_precision(s.precision, self.device)
         except ValueError as e:
             raise StartupError(str(e)) from None
-        self.rerank_impl = S.resolve_rerank_impl(s.rerank_impl, self.device)  # "auto" -> fold (CPU) / fused (CUDA)
+        self.rerank_impl = S.resolve_rerank_impl(s.rerank_impl, self.device)  # "auto" -> the measured fastest path (fold today)
         try:
             model, _ = load_model(path, self.device)
         except (CheckpointError, OSError) as e:

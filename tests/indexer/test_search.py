@@ -147,7 +147,7 @@ def test_options_validation_and_precision():
         S.SearchOptions(k=10, candidates=5)
     assert S.resolve_precision("auto", "cpu") == "fp32"
     assert S.resolve_precision("auto", "cuda") == S.AUTO_PRECISION["cuda"]
-    assert S.resolve_rerank_impl("auto", "cpu") == "fold" and S.resolve_rerank_impl("auto", "cuda") == "fused"
+    assert S.resolve_rerank_impl("auto", "cpu") == "fold" and S.resolve_rerank_impl("auto", "cuda") == S.AUTO_RERANK_IMPL["cuda"]
     assert S.resolve_rerank_impl("model", "cuda") == "model"
     with pytest.raises(ValueError, match="fp16"):
         S.resolve_precision("fp16", "cpu")
