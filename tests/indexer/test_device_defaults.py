@@ -61,3 +61,21 @@ def test_cuda_fidelity_of_the_chosen_precision_was_measured():
     assert fi["ok"], fi.get("error")
     got = fi["result"]["precisions"][S.resolve_precision("auto", "cuda")]["psi"]["R1"]
     assert abs(got - fi["result"]["cpu_reference"]["psi"]["R1"]) <= 0.5
+
+
+def test_gpu_report_is_generated_from_its_json():
+    """bench/results/gpu_bench.md is what bench/gpu_bench.py renders from the committed JSON (no hand edits),
+    and the run it records passed every section on a GPU."""
+    import sys
+
+    sys.path.insert(0, str(RESULTS.parent))
+    try:
+        import gpu_bench
+    finally:
+        sys.path.remove(str(RESULTS.parent))
+    res = json.loads((RESULTS / "gpu_bench.json").read_text())
+    assert (RESULTS / "gpu_bench.md").read_text() == gpu_bench.markdown(res)
+    assert all(s["ok"] for s in res["sections"].values())
+    assert res["sections"]["env"]["result"]["device"] == "cuda" and res["commit"] != "unknown"
+    last = (RESULTS / "gpu_cuda_tests.log").read_text().strip().splitlines()[-1]  # the CUDA tests of that run
+    assert " passed in " in last and "failed" not in last and "error" not in last, last
