@@ -16,6 +16,10 @@ Two parts, each writing bench/results/ncl_served/<name>.{md,json}:
 
   python bench/ncl_served.py accuracy --checkpoint CKPT --synth CORPUS --name NAME [--ks 16 64]
   python bench/ncl_served.py cost --checkpoint CKPT --name cost [--sizes 2000 8000]
+  python bench/ncl_served.py explain --checkpoint CKPT --synth CORPUS --name NAME [--gammas 0.01]
+
+* ``explain`` (one corpus): why the served-score biases help or hurt: the same dense biases fitted to other
+  banks (the training queue, the other half of the test captions, the test captions themselves) and gammas.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from index_common import RESULTS, table, write_results
 
 N_ITERS = 4
@@ -169,6 +174,119 @@ def accuracy(args: argparse.Namespace) -> None:
                    "n_test_captions": int(t.shape[0]), "n_videos": n, "rows": data_rows, "timing_s": timing,
                    "dual_tower_t2v": dual_row, "served_dense_ge_psi": verdict, "commit": _commit()},
                   started)
+
+
+def explain(args: argparse.Namespace) -> None:
+    """Why served-score biases help or hurt on one corpus: the bank the biases are fitted to, and gamma.
+
+    NCL normalises the gallery against a bank of queries standing in for the queries to come. The service's
+    bank is the checkpoint's queue of *training* captions. This part fits the dense served-score biases
+    (Sinkhorn on the psi score, as ``accuracy``) to other banks and gammas and ranks the same test captions:
+    - the training-caption queue (what the service uses), at the checkpoint's gamma and at NCL's CLIP value;
+    - the other half of the test captions (2-fold: each half is ranked with biases fitted to the other half):
+      disjoint captions drawn like the queries, the realistic best case for a bank (a served-query bank);
+    - the test captions themselves (an oracle: NCL's premise exactly met; not a deployable setting).
+    It also measures how alike the banks' view of the gallery is: the Pearson correlation between the videos'
+    soft popularity sum_i softmax_j(S_ij / gamma) under the bank and under the test captions (NCL moves a
+    video's bias against its popularity in the bank, which helps the test queries only if they agree).
+    psi scores come from the exact fold (training.psi_fold), equal to model.score within 1e-5."""
+    import torch
+
+    from training import psi_fold as pf
+    from training.checkpoint import load_model
+    from training.data import load_dataset
+    from training.evaluate import encode_set
+    from training.metrics import retrieval_metrics
+    from training.sinkhorn import normalization_error_scores, sinkhorn_biases_dense
+
+    started = time.time()
+    model, ckpt = load_model(args.checkpoint)
+    rs = load_dataset({"kind": "synth", "root": args.synth}, "test")
+    enc = encode_set(model, rs, batch_size=16, num_workers=1, progress=True)
+    queue = ckpt.queues.get("text")
+    if queue is None or not len(queue):
+        raise SystemExit(f"{args.checkpoint}: no text query queue; NCL needs one")
+    queue = queue.float()
+    gamma_model = float(1.0 / model.clip.logit_scale.detach().exp())
+    t, cc = enc.t.float(), np.asarray(enc.caption_clip)
+    fw = pf.fold_weights(model.psi)
+    v = pf.fold_videos(enc.frames, enc.mask, fw, vbar=enc.vbar.float())
+
+    def psi(x: torch.Tensor) -> torch.Tensor:  # (a, n) served scores of queries x against the test gallery
+        return pf.exhaustive(pf.fold_queries(x, fw, model.cfg.temp), v)
+
+    with torch.inference_mode():
+        S_test, S_queue = psi(t), psi(queue)
+        ref = model.score(t, enc.frames, enc.mask, vbar=enc.vbar.float(), block_texts=256, block_videos=256)
+    fold_err = float((S_test - ref).abs().max())
+    n_t = t.shape[0]
+    half = np.random.default_rng(0).permutation(n_t) < n_t // 2  # a seeded split of the test captions
+
+    def popularity(S: torch.Tensor, gamma: float) -> torch.Tensor:
+        return torch.softmax(S.double() / gamma, dim=1).sum(0)
+
+    def fit(S_bank: torch.Tensor, gamma: float) -> torch.Tensor:
+        return sinkhorn_biases_dense(S_bank, gamma, N_ITERS)[1].double()
+
+    def pearson(a: torch.Tensor, b: torch.Tensor) -> float:
+        a, b = a - a.mean(), b - b.mean()
+        return float((a * b).sum() / (a.norm() * b.norm()))
+
+    rows_md, data = [], {}
+    base = retrieval_metrics(S_test, cc)["t2v"]
+    rows_md.append(["+ psi (no biases)", "", "", base["R1"], base["R5"], base["R10"],
+                    normalization_error_scores(S_test, gamma_model), ""])
+    data["+ psi"] = {"t2v": base}
+    gammas = sorted({round(gamma_model, 5), *args.gammas}, reverse=True)
+    for bank in ("training queue", "other half of the test captions", "the test captions (oracle)"):
+        for gamma in gammas:
+            S = S_test.double().clone()
+            if bank == "training queue":
+                b = fit(S_queue, gamma)
+                S += b[None, :]
+                corr = pearson(popularity(S_queue, gamma), popularity(S_test, gamma))
+            elif bank.startswith("other half"):
+                hm = torch.from_numpy(half)
+                b_a, b_b = fit(S_test[hm], gamma), fit(S_test[~hm], gamma)
+                S[~hm] += b_a[None, :]  # half B ranked with biases fitted to half A, and the reverse
+                S[hm] += b_b[None, :]
+                b = None
+                corr = pearson(popularity(S_test[hm], gamma), popularity(S_test[~hm], gamma))
+            else:
+                b = fit(S_test, gamma)
+                S += b[None, :]
+                corr = 1.0
+            m = retrieval_metrics(S, cc)["t2v"]
+            ne = normalization_error_scores(S, gamma_model)
+            label = f"+ psi + NCL(served dense), bank = {bank}, gamma = {gamma:.4g}"
+            rows_md.append([label, bank, f"{gamma:.4g}", m["R1"], m["R5"], m["R10"], ne, round(corr, 3)])
+            data[label] = {"t2v": m, "bank": bank, "gamma": gamma, "norm_err_test": ne, "popularity_corr": corr,
+                           "ge_psi": bool(m["R1"] >= base["R1"] and m["R5"] >= base["R5"])}
+            print(label, m["R1"], m["R5"], round(corr, 3), flush=True)
+    queue_rows = [k for k, r in data.items() if r.get("bank") == "training queue"]
+    half_rows = [k for k, r in data.items() if r.get("bank", "").startswith("other half")]
+    body = (
+        f"Corpus `{args.synth}` (test split: {n_t} captions, {enc.vbar.shape[0]} videos); checkpoint "
+        f"`{args.checkpoint}`; training queue: {queue.shape[0]} caption embeddings; the checkpoint's gamma = "
+        f"1 / exp(logit_scale) = {gamma_model:.4g}; n_iters = {N_ITERS}; folded psi vs model.score: max |diff| "
+        f"{fold_err:.1e}. Halves: a seeded split of the test captions ({int(half.sum())} / {int((~half).sum())}).\n\n"
+        + table(["scores ranked", "bank", "gamma", "t2v R@1", "R@5", "R@10", "norm err (test captions, model gamma)",
+                 "popularity corr (bank vs test)"], rows_md)
+        + "\npopularity corr: Pearson correlation over the videos of sum_i softmax_j(S_ij / gamma) under the bank and "
+          "under the test captions (for the halves: half A vs half B).\n\n"
+        + "Reading: with the training queue at any gamma here, + psi + NCL >= + psi in R@1 and R@5: "
+        + ("yes" if any(data[k]["ge_psi"] for k in queue_rows) else "NO")
+        + "; with a bank drawn like the queries (the other half of the test captions): "
+        + ("yes" if any(data[k]["ge_psi"] for k in half_rows) else "NO")
+        + ". Best popularity correlation of the training queue: "
+        + f"{max(data[k]['popularity_corr'] for k in queue_rows):.3f}; of the halves: "
+        + f"{max(data[k]['popularity_corr'] for k in half_rows):.3f}.\n"
+    )
+    (RESULTS / "ncl_served").mkdir(parents=True, exist_ok=True)
+    write_results(f"ncl_served/explain_{args.name}", f"Why NCL(served) helps or hurts: {args.name}", body,
+                  {"corpus": args.synth, "checkpoint": args.checkpoint, "gamma_model": gamma_model,
+                   "n_queue": int(queue.shape[0]), "n_test_captions": n_t, "rows": data, "fold_vs_model_max_abs": fold_err,
+                   "commit": _commit()}, started)
 
 
 def cost(args: argparse.Namespace) -> None:
@@ -377,6 +495,12 @@ def main() -> None:
     a.add_argument("--ks", type=int, nargs="+", default=[16, 64])
     a.add_argument("--queue-limit", type=int, default=0, help="use only the newest N queue entries (0: all)")
     a.set_defaults(fn=accuracy)
+    e = sub.add_parser("explain", help="bank and gamma: why the served-score biases help or hurt on one corpus")
+    e.add_argument("--checkpoint", required=True)
+    e.add_argument("--synth", required=True)
+    e.add_argument("--name", required=True)
+    e.add_argument("--gammas", type=float, nargs="+", default=[0.01])
+    e.set_defaults(fn=explain)
     c = sub.add_parser("cost")
     c.add_argument("--checkpoint", required=True)
     c.add_argument("--name", default="cost")
