@@ -69,7 +69,11 @@ DEFAULT_CANDIDATES = 256  # K, the stage-1 shortlist, when nobody says (service,
 # against the committed results.
 NCL_DEFAULT = False
 NCL_DEFAULT_REASON = ("NCL biases are off by default: on the two benchmark corpora (bench/results/ncl_served) "
-                      "adding them to the psi score did not keep t2v R@1 and R@5 at least as high as psi alone")
+                      "adding them to the psi score did not keep t2v R@1 and R@5 at least as high as psi alone. "
+                      "Why: the biases are fitted to the checkpoint's queue of training captions, whose view of which "
+                      "videos are popular agrees less with the test queries' than two halves of the test captions "
+                      "agree with each other (bench/results/ncl_served/explain_*.md); a bank of served queries "
+                      "(GARE_QUERY_BANK_SIZE) is drawn like the queries")
 log = logging.getLogger(__name__)
 _PAIR_CHUNK = 512  # pairs per fused chunk: ~12 MB of float32 frames stays in cache (bigger chunks are slower)
 
