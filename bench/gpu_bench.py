@@ -117,23 +117,38 @@ def section_env(ctx: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _text_encoders(model, dev: torch.device) -> list[tuple[str, str, Callable[[list[str]], torch.Tensor]]]:
+    """(impl, precision, texts -> t) for every text encoder this device offers: the model's own tower through
+    indexer.search.encode_queries (autocast for fp16/bf16), and on CUDA the half-precision towers of
+    training.text_quant (what `text_encoder` fp16/bf16 serves); both tokenise and trim as the service does."""
+    from indexer.search import encode_queries, trim_tokens
+    from training.text_quant import build_text_encoder
+
+    out: list[tuple[str, str, Callable[[list[str]], torch.Tensor]]] = []
+    for prec in (["fp32", "fp16", "bf16"] if dev.type == "cuda" else ["fp32", "bf16"]):
+        out.append(("model", prec, lambda texts, prec=prec: encode_queries(model, texts, prec)))
+    if dev.type == "cuda":
+        for kind in ("fp16", "bf16"):
+            enc = build_text_encoder(model, kind)
+            out.append(("tower", kind, lambda texts, enc=enc: enc(trim_tokens(model.tokenize(texts)))))
+    return out
+
+
 def section_text_encoder(ctx: dict[str, Any]) -> dict[str, Any]:
     from serve_bench import make_queries
 
     from indexer.search import encode_queries
 
     dev, model, args = ctx["dev"], ctx["model"], ctx["args"]
-    precs = ["fp32", "fp16", "bf16"] if dev.type == "cuda" else ["fp32", "bf16"]
     rows = []
     with torch.inference_mode():
-        for prec in precs:
+        for impl, prec, fn in _text_encoders(model, dev):
             for b in args.batches:
                 texts = make_queries(b, seed=b)
-                r = timed_ms(lambda texts=texts, prec=prec: encode_queries(model, texts, prec), dev,
-                             iters=max(2, 64 // b), reps=args.reps)
-                rows.append({"precision": prec, "batch": b, "ms_per_call": r["ms"], "queries_per_s": b / r["ms"] * 1e3,
-                             "reps_ms": r["reps_ms"]})
-                print(f"text encoder {prec} batch {b}: {r['ms']:.2f} ms/call, {b / r['ms'] * 1e3:.0f} q/s", flush=True)
+                r = timed_ms(lambda texts=texts, fn=fn: fn(texts), dev, iters=max(2, 64 // b), reps=args.reps)
+                rows.append({"impl": impl, "precision": prec, "batch": b, "ms_per_call": r["ms"],
+                             "queries_per_s": b / r["ms"] * 1e3, "reps_ms": r["reps_ms"]})
+                print(f"text encoder {impl} {prec} batch {b}: {r['ms']:.2f} ms/call, {b / r['ms'] * 1e3:.0f} q/s", flush=True)
     out: dict[str, Any] = {"model": "ViT-B/32 text tower (open_clip ViT-B-32, random weights)", "rows": rows}
     if dev.type == "cuda":  # the same tower on this machine's CPU, one thread, one query (fp32): the ratio's base
         threads = torch.get_num_threads()
@@ -154,7 +169,6 @@ def section_fidelity(ctx: dict[str, Any]) -> dict[str, Any]:
     """The trained benchmark model on its test split: each precision on this device against CPU fp32."""
     from safetensors.torch import load_file
 
-    from indexer.search import encode_queries
     from training.checkpoint import load_model
     from training.metrics import retrieval_metrics
 
@@ -169,10 +183,10 @@ def section_fidelity(ctx: dict[str, Any]) -> dict[str, Any]:
     ref = gal["t_cpu_fp32"]
     out: dict[str, Any] = {"checkpoint_sha256": meta["checkpoint_sha256"], "n_captions": len(texts),
                            "n_videos": int(frames.shape[0]), "cpu_reference": meta["cpu_reference"], "precisions": {}}
-    precs = ["fp32", "fp16", "bf16"] if dev.type == "cuda" else ["fp32", "bf16"]
     with torch.inference_mode():
-        for prec in precs:
-            t = torch.cat([encode_queries(model, texts[s:s + 128], prec) for s in range(0, len(texts), 128)]).float()
+        for impl, p, fn in _text_encoders(model, dev):
+            prec = p if impl == "model" else f"{p} tower"
+            t = torch.cat([fn(texts[s:s + 128]) for s in range(0, len(texts), 128)]).float()
             cos = F.cosine_similarity(t.cpu(), ref)
             dual = F.normalize(t, dim=-1) @ F.normalize(vbar, dim=-1).T
             psi = model.score(t, frames, mask, vbar=vbar)
@@ -441,9 +455,11 @@ def markdown(res: dict[str, Any]) -> str:
         L += ["## Text encoder", "", f"{te['model']}, `indexer.search.encode_queries` (autocast, trimmed tokens); "
               "median wall-clock per call." + (f" The same tower on this machine's CPU, fp32, one thread, one query: "
               f"{te['cpu_fp32_1q_1thread_ms']:.2f} ms." if "cpu_fp32_1q_1thread_ms" in te else ""), "",
-              "| precision | batch | ms per call | queries/s |", "|---|---|---|---|"]
+              "`model` = the model's own tower (fp16/bf16 under autocast); `tower` = training.text_quant's tower with "
+              "half-precision weights (`text_encoder` fp16/bf16).", "",
+              "| encoder | precision | batch | ms per call | queries/s |", "|---|---|---|---|---|"]
         for r in te["rows"]:
-            L.append(f"| {r['precision']} | {r['batch']} | {r['ms_per_call']:.2f} | {r['queries_per_s']:,.0f} |")
+            L.append(f"| {r.get('impl', 'model')} | {r['precision']} | {r['batch']} | {r['ms_per_call']:.2f} | {r['queries_per_s']:,.0f} |")
         L.append("")
     if "fidelity" in sec:
         fi = sec["fidelity"]

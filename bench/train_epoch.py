@@ -9,12 +9,14 @@ lr 5e-4, coef_lr 1.0, batch 64, no augmentation) and differ only in `epoch`. Eac
 the best validation R@1 and is scored on the 200-video test split. Writes
 bench/results/train_synth/epoch_compare.{md,json}.
 
-Budgets: `--epochs N` gives both runs N epochs; `--unit-epochs captions=7,clips=20` gives each its own, e.g.
-the same number of optimizer steps (the same training compute: both use the same batch) for a
-same-wall-clock comparison. `--reuse clips=DIR` scores a finished run of this same configuration instead of
-training it again (the benchmark model of bench/train_synth.yaml is the `clips` run at 20 epochs); its
-config.yaml must equal the one this script would train (out_dir aside), or the script refuses it. Its
-training time is read from the run's own files (config.yaml written at the start, summary.json at the end).
+Budgets: `--epochs N` gives both runs N epochs; `--runs captions:7,clips:7,clips:20` lists the runs (unit and
+epochs; a unit may appear more than once), e.g. the same number of epochs (captions:7 vs clips:7) and about
+the same number of optimizer steps (captions:7 vs clips:20: the same training compute, both use the same
+batch). The report names each pair of runs that share a budget. `--reuse clips:20=DIR` scores a finished run of
+this same configuration instead of training it again (the benchmark model of bench/train_synth.yaml is the
+`clips` run at 20 epochs); its config.yaml must equal the one this script would train (out_dir aside), or the
+script refuses it. Its training time is read from the run's own files (config.yaml written at the start,
+summary.json at the end).
 """
 
 from __future__ import annotations
@@ -74,9 +76,9 @@ def main() -> None:
     ap.add_argument("--corpus", default="runs/bench-corpus")
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--out", default="runs/epoch-compare")
-    ap.add_argument("--units", default="captions,clips", help="which epochs to run, in this order")
-    ap.add_argument("--unit-epochs", default="", help="per-unit epochs, e.g. captions=7,clips=20 (overrides --epochs)")
-    ap.add_argument("--reuse", default="", help="UNIT=DIR: score that finished run instead of training it")
+    ap.add_argument("--runs", default="", help="UNIT:EPOCHS list, e.g. captions:7,clips:7,clips:20 (default: "
+                    "captions and clips at --epochs)")
+    ap.add_argument("--reuse", default="", help="UNIT:EPOCHS=DIR,...: score that finished run instead of training it")
     ap.add_argument("--train-clips", type=int, default=0, help="use only the first N training clips (0: all)")
     ap.add_argument("--test-videos", type=int, default=0, help="score only the first M test videos (0: all)")
     ap.add_argument("--batch-size", type=int, default=0, help="override the YAML's batch size (0: keep)")
@@ -91,30 +93,33 @@ def main() -> None:
     started = time.time()
     commit = _commit()
     test = load_dataset({"kind": "synth", "root": str(corpus)}, "test")
-    unit_epochs = {u: args.epochs for u in args.units.split(",")}
-    unit_epochs.update({k: int(v) for k, v in (kv.split("=") for kv in args.unit_epochs.split(",") if kv)})
+    specs = [(u, int(e)) for u, e in (kv.split(":") for kv in args.runs.split(",") if kv)] or \
+        [("captions", args.epochs), ("clips", args.epochs)]
+    if len(set(specs)) != len(specs) or any(u not in ("captions", "clips") for u, _ in specs):
+        raise SystemExit(f"--runs: each run is captions:N or clips:N, once: {args.runs!r}")
     reuse = dict(kv.split("=", 1) for kv in args.reuse.split(",") if kv)
-    runs = {}
-    for unit in args.units.split(","):
+    runs: dict[str, dict[str, Any]] = {}
+    for unit, epochs in specs:
+        key = f"{unit}:{epochs}"
         cfg = TrainConfig.from_sources(str(REPO / "bench" / "train_synth.yaml"), {
-            "epoch": unit, "epochs": unit_epochs[unit], "out_dir": reuse.get(unit, f"{args.out}/{unit}"),
+            "epoch": unit, "epochs": epochs, "out_dir": reuse.get(key, f"{args.out}/{unit}-{epochs}"),
             "data": {"kind": "synth", "root": str(corpus)}, "batch_size": args.batch_size or None})
         trainer = Trainer(cfg, progress=True)
-        if unit in reuse:
-            summary, history, wall = reused_run(Path(reuse[unit]), cfg)
+        if key in reuse:
+            summary, history, wall = reused_run(Path(reuse[key]), cfg)
         else:
             t0 = time.time()
             summary = trainer.fit()
             wall = time.time() - t0
             history = trainer.history
         if summary["steps"] != trainer.total_steps:
-            raise SystemExit(f"{unit}: the run stopped at step {summary['steps']} of {trainer.total_steps}")
+            raise SystemExit(f"{key}: the run stopped at step {summary['steps']} of {trainer.total_steps}")
         model, ckpt = load_model(Path(cfg.out_dir) / "best.safetensors", "cpu")
         res = evaluate_encoded(model, encode_set(model, test, batch_size=32, num_workers=cfg.num_workers),
                                ckpt.queues.get("text"), video_queue=ckpt.queues.get("video"))
         info = [h["info"] for h in history]
-        runs[unit] = {
-            "epochs": unit_epochs[unit], "reused_run": reuse.get(unit),
+        runs[key] = {
+            "unit": unit, "epochs": epochs, "reused_run": reuse.get(key),
             "examples_per_epoch": len(trainer.pairs), "train_clips": len(trainer.train_set.clips),
             "steps_per_epoch": trainer.steps_per_epoch, "steps": summary["steps"],
             "warmup_steps": max(1, int(trainer.total_steps * cfg.warmup_proportion)),
@@ -123,8 +128,8 @@ def main() -> None:
             "test": {k: v["t2v"] for k, v in res["rows"].items()},
         }
     rows = []
-    for unit, r in runs.items():
-        name = "corrected: every caption" if unit == "captions" else "current: one caption per clip"
+    for r in runs.values():
+        name = "corrected: every caption" if r["unit"] == "captions" else "current: one caption per clip"
         rows.append([name, r["epochs"], r["examples_per_epoch"], r["steps"], r["warmup_steps"], r["train_wall_s"],
                      f"{r['first_info']:.2f} -> {r['last_info']:.2f}", round(r["best_val_r1"], 1),
                      round(r["test"]["dual-tower"]["R1"], 1), round(r["test"]["+ psi"]["R1"], 1),
@@ -132,17 +137,21 @@ def main() -> None:
     size = (f"A subset of the benchmark corpus: the first {args.train_clips or 'all'} training clips (10% carved "
             f"for validation) and the first {args.test_videos or 'all'} test videos; batch "
             f"{args.batch_size or 'as the YAML'}. ")
-    steps = {r["steps"] for r in runs.values()}
-    epochs = {r["epochs"] for r in runs.values()}
-    if len(epochs) == 1:
-        budget = (f"Same number of epochs ({epochs.pop()}) for both runs, not the same wall-clock: the corrected epoch "
-                  "has one example per caption, so it takes more steps and time. ")
-    elif len(steps) == 1:
-        budget = (f"Same training budget: {steps.pop()} optimizer steps for both runs (the same batch, so the same "
-                  "compute per step: the same wall-clock up to machine load), hence a different number of epochs. ")
-    else:
-        budget = "Different budgets per run (see the steps and train s columns). "
-    reused = [f"{u} = finished run {r['reused_run']}" for u, r in runs.items() if r["reused_run"]]
+    # which pairs of (corrected, current) runs share a budget: the same epochs, or optimizer steps within 10%
+    pairs = []
+    for a, ra in runs.items():
+        for b, rb in runs.items():
+            if ra["unit"] != "captions" or rb["unit"] != "clips":
+                continue
+            if ra["epochs"] == rb["epochs"]:
+                pairs.append(f"{a} vs {b}: the same number of epochs ({ra['epochs']}), not the same compute (the "
+                             f"corrected epoch has one example per caption: {ra['steps']} vs {rb['steps']} steps)")
+            elif abs(ra["steps"] - rb["steps"]) <= 0.1 * max(ra["steps"], rb["steps"]):
+                pairs.append(f"{a} vs {b}: about the same training budget ({ra['steps']} vs {rb['steps']} optimizer "
+                             f"steps of the same batch, {100 * abs(ra['steps'] - rb['steps']) / rb['steps']:.0f}% apart), "
+                             "hence a different number of epochs")
+    budget = ("Budgets compared: " + "; ".join(pairs) + ". ") if pairs else "Different budgets per run (see the steps column). "
+    reused = [f"{k} = finished run {r['reused_run']}" for k, r in runs.items() if r["reused_run"]]
     body = (
         size + f"Commit {commit}. " + budget + (f"Reused: {'; '.join(reused)}. " if reused else "") +
         "gare-cpu-small from random init with bench/train_synth.yaml (scratch-preset values, no augmentation); "

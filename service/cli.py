@@ -62,9 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="psi rerank implementation (same scores; default auto = the fastest measured for the device, fold today; GARE_RERANK_IMPL)")
     p.add_argument("--torch-threads", type=int, help="torch/FAISS threads per worker (default: usable cores // workers)")
     p.add_argument("--workers", type=int, help="worker processes (default: the usable cores; 1 = serve in this process)")
-    p.add_argument("--text-encoder", choices=["auto", "fp32", "int8", "onnx", "onnx-int8"],
-                   help="query text tower (int8/onnx are CPU options; fp32 = the model's own at --precision; "
-                        "default auto: the measured CPU default on the CPU at fp32, else fp32)")
+    p.add_argument("--text-encoder", choices=["auto", "fp32", "int8", "onnx", "onnx-int8", "fp16", "bf16"],
+                   help="query text tower (int8/onnx are CPU options, fp16/bf16 half-precision towers CUDA options; "
+                        "fp32 = the model's own at --precision; default auto: the measured default of the device at fp32)")
     p.add_argument("--query-cache-entries", type=int, help="query embedding cache size (0 = off)")
     p.add_argument("--library-root", help="show video paths relative to this folder; files outside it are not served")
     p.add_argument("--cors-origins", help="comma-separated allowed origins (default: none, CORS closed)")

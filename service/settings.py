@@ -24,7 +24,7 @@ from pydantic_settings import (
 )
 
 from indexer.search import DEFAULT_CANDIDATES
-from training.text_quant import DEFAULT_CPU_TEXT_ENCODER
+from training.text_quant import DEFAULT_CPU_TEXT_ENCODER, DEFAULT_CUDA_TEXT_ENCODER
 
 ENV_PREFIX = "GARE_"
 # The config file of the load_settings call in progress (read by Settings.settings_customise_sources).
@@ -68,11 +68,13 @@ class Settings(BaseSettings):
         "with its key/value projections folded onto the query side; model: model.score() as is (uses the "
         "index's stored K/V when present). Same scores within 1e-5",
     )
-    text_encoder: Literal["auto", "fp32", "int8", "onnx", "onnx-int8"] = Field(
+    text_encoder: Literal["auto", "fp32", "int8", "onnx", "onnx-int8", "fp16", "bf16"] = Field(
         "auto",
-        description="query text tower: fp32 = the model's own (at `precision`; fp16/bf16 on CUDA); int8 (torch "
-        "dynamic quantisation), onnx, onnx-int8 (ONNX Runtime) are CPU options, fidelity in bench/results/text_encoder*; "
-        f"auto = {DEFAULT_CPU_TEXT_ENCODER} (the measured CPU default) on the CPU at fp32 precision, else fp32",
+        description="query text tower: fp32 = the model's own (at `precision`); int8 (torch dynamic quantisation), "
+        "onnx, onnx-int8 (ONNX Runtime) are CPU options, fidelity in bench/results/text_encoder*; fp16, bf16 (the "
+        "tower with half-precision weights) are CUDA options, measured in bench/results/gpu_bench.md; "
+        f"auto = {DEFAULT_CPU_TEXT_ENCODER} on the CPU and {DEFAULT_CUDA_TEXT_ENCODER} on CUDA (the measured defaults) at "
+        "fp32 precision, else fp32",
     )
     torch_threads: int | None = Field(
         None, ge=1, description="torch (and FAISS) intra-op threads; gare-serve sets usable cores // workers"

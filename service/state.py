@@ -310,20 +310,22 @@ class ServiceState:
         """The text tower (settings.text_encoder) and the query-embedding cache in front of it."""
         s = self.settings
         kind = s.text_encoder
-        if kind == "auto":  # the measured CPU default (training.text_quant), the model's own tower elsewhere
-            from training.text_quant import DEFAULT_CPU_TEXT_ENCODER
+        if kind == "auto":  # the measured defaults (training.text_quant) at fp32; the model's own tower otherwise
+            from training.text_quant import DEFAULT_CPU_TEXT_ENCODER, DEFAULT_CUDA_TEXT_ENCODER
 
-            kind = DEFAULT_CPU_TEXT_ENCODER if self.device.type == "cpu" and self.precision == "fp32" else "fp32"
+            by_device = {"cpu": DEFAULT_CPU_TEXT_ENCODER, "cuda": DEFAULT_CUDA_TEXT_ENCODER}
+            kind = by_device.get(self.device.type, "fp32") if self.precision == "fp32" else "fp32"
         if kind != "fp32":
-            if self.device.type != "cpu":
+            from training.text_quant import CUDA_TEXT_ENCODERS, build_text_encoder
+
+            needs = "cuda" if kind in CUDA_TEXT_ENCODERS else "cpu"
+            if self.device.type != needs:
                 raise StartupError(
-                    f"text_encoder={kind!r} is a CPU option; on {self.device} the encoder runs in "
-                    f"{self.precision} (set GARE_PRECISION / --precision) with text_encoder=fp32"
+                    f"text_encoder={kind!r} is a {needs.upper()} option; the service runs on {self.device} "
+                    + ("(use fp16/bf16 or fp32 there)" if self.device.type == "cuda" else "(use int8, onnx, onnx-int8 or fp32 there)")
                 )
             if self.precision != "fp32":
                 raise StartupError(f"text_encoder={kind!r} runs its own arithmetic; use it with precision fp32/auto, not {self.precision}")
-            from training.text_quant import build_text_encoder
-
             try:
                 self._tower = build_text_encoder(model, kind, threads=torch.get_num_threads())
             except (ImportError, ValueError, RuntimeError) as e:

@@ -203,3 +203,19 @@ def test_sinkhorn_biases_on_cuda_equal_cpu_at_scale():
     e_cpu = normalization_error(q, gal, 0.02, b)
     e_gpu = normalization_error(q.to(CUDA), gal.to(CUDA), 0.02, b2.to(CUDA))
     assert abs(float(e_cpu) - float(e_gpu)) < 1e-3
+
+
+@pytest.mark.parametrize("kind", ["fp16", "bf16"])
+def test_half_precision_text_tower_on_cuda_stays_close_to_fp32(kind):
+    """training.text_quant's CUDA towers (half-precision weights, fp32 projection) against the CPU fp32 encoder."""
+    from indexer.search import encode_queries, trim_tokens
+    from training.text_quant import build_text_encoder
+
+    model = _tiny_model(5)
+    texts = ["a dog runs across a field", "a red car drives through a city at night", "someone is cooking"]
+    ref = encode_queries(model, texts, "fp32")
+    enc = build_text_encoder(model.to(CUDA), kind)
+    got = enc(trim_tokens(model.tokenize(texts)))
+    assert got.device.type == "cuda" and got.dtype == torch.float32
+    cos = F.cosine_similarity(got.cpu(), ref)
+    assert cos.min() > (0.999 if kind == "fp16" else 0.99), cos

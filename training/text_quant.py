@@ -17,11 +17,13 @@ Encoders (:func:`build_text_encoder`, ``kind``):
 - ``"onnx"`` / ``"onnx-int8"``: the fp32 tower exported with ``torch.onnx.export`` and run by ONNX Runtime
   (optionally with ORT's own dynamic int8 quantisation of the MatMuls). Needs the ``onnx`` extra.
 
-All of them are CPU-only: on CUDA the encoder runs in fp16/bf16 under autocast instead
-(``training.model.autocast``), so asking for int8/onnx on a CUDA model raises :class:`ValueError`.
+Those four are CPU-only: asking for int8/onnx on a CUDA model raises :class:`ValueError`. For CUDA:
+- ``"fp16"`` / ``"bf16"``: :class:`TextTower` with its weights stored in half precision on the model's GPU
+  (no autocast casts per layer: at the service's batch sizes the tower is launch-bound, and autocast's casts
+  made fp16 slower than fp32 there; bench/results/gpu_bench.md measures both); the projection to t stays fp32.
 
-Every encoder is a callable ``tokens (a, L) int64 -> t (a, d) float32`` on the CPU, L <= context length;
-the embedding is un-normalised like ``GARE.encode_text`` (psi needs |t|).
+Every encoder is a callable ``tokens (a, L) int64 -> t (a, d) float32`` on the model's device (the CPU for
+the CPU kinds), L <= context length; the embedding is un-normalised like ``GARE.encode_text`` (psi needs |t|).
 
 Fidelity and speed: ``bench/text_encoder.py`` -> ``bench/results/text_encoder.md``; the CPU default below
 is chosen from those numbers.
@@ -44,13 +46,17 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-TEXT_ENCODERS = ("fp32", "int8", "onnx", "onnx-int8")
+TEXT_ENCODERS = ("fp32", "int8", "onnx", "onnx-int8", "fp16", "bf16")
+CUDA_TEXT_ENCODERS = ("fp16", "bf16")  # half-precision weights on the GPU; the others run on the CPU
 # Chosen from bench/results/text_encoder.md (see the "Choice" section there; tests/service/test_serve_scale.py
 # checks that this constant is the committed report's choice). The service's `text_encoder: auto` uses it on
 # the CPU at fp32 precision and the model's own tower (fp32/fp16/bf16) everywhere else.
 DEFAULT_CPU_TEXT_ENCODER = "int8"
+# The same on CUDA, from bench/results/gpu_bench.md (tests/indexer/test_device_defaults.py checks it): the
+# fastest of the model's own tower at fp32 and the half-precision towers at one query and at 32.
+DEFAULT_CUDA_TEXT_ENCODER = "fp32"
 
-__all__ = ["TEXT_ENCODERS", "DEFAULT_CPU_TEXT_ENCODER", "TextTower", "build_text_encoder", "quantize_int8", "OnnxTextEncoder"]
+__all__ = ["TEXT_ENCODERS", "CUDA_TEXT_ENCODERS", "DEFAULT_CPU_TEXT_ENCODER", "DEFAULT_CUDA_TEXT_ENCODER", "half_tower", "TextTower", "build_text_encoder", "quantize_int8", "OnnxTextEncoder"]
 
 
 class _Attention(nn.Module):
@@ -125,8 +131,8 @@ class TextTower(nn.Module):
         x = self.ln_final(x)
         # EOT has the largest token id; gather its feature (a, w)
         eot = tokens.argmax(dim=-1)
-        x = x[torch.arange(x.shape[0]), eot]
-        return x @ self.text_projection  # (a, d)
+        x = x[torch.arange(x.shape[0], device=x.device), eot]
+        return x.to(self.text_projection.dtype) @ self.text_projection  # (a, d), fp32 even for a half tower
 
 
 def _check_cpu(model: nn.Module, kind: str) -> None:
@@ -156,13 +162,29 @@ def quantize_int8(tower: TextTower) -> TextTower:
 
 
 class _TorchEncoder:
-    def __init__(self, tower: nn.Module, kind: str) -> None:
+    def __init__(self, tower: nn.Module, kind: str, device: torch.device | str = "cpu") -> None:
         self.tower = tower
         self.kind = kind
+        self.device = torch.device(device)
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
-            return self.tower(tokens.cpu()).float()
+            return self.tower(tokens.to(self.device)).float()
+
+
+def half_tower(model: nn.Module, kind: str) -> TextTower:
+    """A :class:`TextTower` on the model's GPU with every weight but the final projection in fp16 or bf16."""
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[kind]
+    dev = torch.device(getattr(model, "device", None) or next(model.parameters()).device)
+    if dev.type != "cuda":
+        raise ValueError(f"text encoder {kind!r} (half-precision weights) is a CUDA option; the "
+                         f"model is on {dev}. On the CPU use fp32, int8 or onnx")
+    tower = TextTower.from_model(model).to(dev)
+    for m in (tower.token_embedding, tower.blocks, tower.ln_final):
+        m.to(dtype)
+    tower.positional_embedding = tower.positional_embedding.to(dtype)
+    tower.attn_mask = tower.attn_mask.to(dtype)
+    return tower.eval()
 
 
 class OnnxTextEncoder:
@@ -228,6 +250,9 @@ def build_text_encoder(model: nn.Module, kind: str = DEFAULT_CPU_TEXT_ENCODER, *
     """
     if kind not in TEXT_ENCODERS:
         raise ValueError(f"unknown text encoder {kind!r}; choose one of {', '.join(TEXT_ENCODERS)}")
+    if kind in CUDA_TEXT_ENCODERS:
+        tower = half_tower(model, kind)
+        return _TorchEncoder(tower, kind, tower.text_projection.device)
     _check_cpu(model, kind)
     tower = TextTower.from_model(model)
     if kind == "fp32":
