@@ -54,7 +54,7 @@ CUDA_TEXT_ENCODERS = ("fp16", "bf16")  # half-precision weights on the GPU; the 
 DEFAULT_CPU_TEXT_ENCODER = "int8"
 # The same on CUDA, from bench/results/gpu_bench.md (tests/indexer/test_device_defaults.py checks it): the
 # fastest of the model's own tower at fp32 and the half-precision towers at one query and at 32.
-DEFAULT_CUDA_TEXT_ENCODER = "fp32"
+DEFAULT_CUDA_TEXT_ENCODER = "fp16"
 
 __all__ = ["TEXT_ENCODERS", "CUDA_TEXT_ENCODERS", "DEFAULT_CPU_TEXT_ENCODER", "DEFAULT_CUDA_TEXT_ENCODER", "half_tower", "TextTower", "build_text_encoder", "quantize_int8", "OnnxTextEncoder"]
 
