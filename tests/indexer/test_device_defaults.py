@@ -97,6 +97,11 @@ def test_gpu_report_is_generated_from_its_json():
     res = json.loads((RESULTS / "gpu_bench.json").read_text())
     assert (RESULTS / "gpu_bench.md").read_text() == gpu_bench.markdown(res)
     assert all(s["ok"] for s in res["sections"].values())
-    assert res["sections"]["env"]["result"]["device"] == "cuda" and res["commit"] != "unknown"
+    env = res["sections"]["env"]["result"]
+    assert env["device"] == "cuda" and res["commit"] != "unknown"
+    # docs/index-format.md says faiss-gpu was not run on that machine: its environment line must show why
+    doc = " ".join((RESULTS.parents[1] / "docs" / "index-format.md").read_text().split())
+    assert "not yet run on a GPU" in doc and "CAGRA is not implemented" in doc
+    assert env["faiss_gpus"] == 0 and not env["faiss_cagra"] and not env["shared_libraries"]["libcublas.so.12"]
     last = (RESULTS / "gpu_cuda_tests.log").read_text().strip().splitlines()[-1]  # the CUDA tests of that run
     assert " passed in " in last and "failed" not in last and "error" not in last, last
