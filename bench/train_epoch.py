@@ -134,9 +134,9 @@ def main() -> None:
                      f"{r['first_info']:.2f} -> {r['last_info']:.2f}", round(r["best_val_r1"], 1),
                      round(r["test"]["dual-tower"]["R1"], 1), round(r["test"]["+ psi"]["R1"], 1),
                      round(r["test"]["+ psi"]["R5"], 1), round(r["test"]["+ psi"]["R10"], 1)])
-    size = (f"A subset of the benchmark corpus: the first {args.train_clips or 'all'} training clips (10% carved "
-            f"for validation) and the first {args.test_videos or 'all'} test videos; batch "
-            f"{args.batch_size or 'as the YAML'}. ")
+    size = ("The benchmark corpus: " + (f"the first {args.train_clips} training clips" if args.train_clips else "all training clips")
+            + " (10% carved for validation) and " + (f"the first {args.test_videos} test videos" if args.test_videos else
+                                                     "all test videos") + f"; batch {args.batch_size or 'as the YAML'}. ")
     # which pairs of (corrected, current) runs share a budget: the same epochs, or optimizer steps within 10%
     pairs = []
     for a, ra in runs.items():
