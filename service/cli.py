@@ -66,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="query text tower (int8/onnx are CPU options, fp16/bf16 half-precision towers CUDA options; "
                         "fp32 = the model's own at --precision; default auto: the measured default of the device at fp32)")
     p.add_argument("--query-cache-entries", type=int, help="query embedding cache size (0 = off)")
+    p.add_argument("--result-cache-entries", type=int, help="search result cache size (0 = off)")
     p.add_argument("--library-root", help="show video paths relative to this folder; files outside it are not served")
     p.add_argument("--cors-origins", help="comma-separated allowed origins (default: none, CORS closed)")
     p.add_argument("--require-key-for-search", type=_bool, nargs="?", const=True, help="search routes need an API key too")
@@ -83,7 +84,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     names = [
         "index", "checkpoint", "host", "port", "device", "precision", "rerank_impl", "torch_threads", "library_root",
         "cors_origins", "require_key_for_search", "api_keys_file", "verify_index", "batch_max_size",
-        "batch_max_wait_ms", "log_level", "workers", "text_encoder", "query_cache_entries",
+        "batch_max_wait_ms", "log_level", "workers", "text_encoder", "query_cache_entries", "result_cache_entries",
     ]
     overrides: dict[str, Any] = {n: getattr(args, n) for n in names}
     return load_settings(args.config, **overrides)

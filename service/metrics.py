@@ -7,6 +7,7 @@
 - ``gare_index_entries`` and ``gare_index_info{version,index_type,checkpoint}``; ``gare_reloads_total{result}``.
 
 - ``gare_query_cache_*``: the query embedding cache (service/query_cache.py).
+- ``gare_result_cache_*``: the search result cache (service/result_cache.py).
 
 Several workers (``gare-serve --workers N``): when ``PROMETHEUS_MULTIPROC_DIR`` is set (the CLI sets and
 empties it) every worker writes its series to that directory and ``/metrics`` (on any worker) renders all
@@ -29,6 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from .query_cache import QueryCacheMetrics
+from .result_cache import ResultCacheMetrics
 
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "CONNECT"})
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -75,6 +77,7 @@ class Metrics:
         self.reloads = Counter("gare_reloads", "index reloads by result", ["result"], registry=r)
         self.thumb_cache = Counter("gare_thumbnail_cache", "thumbnail cache lookups", ["result"], registry=r)
         self.query_cache = QueryCacheMetrics(r)
+        self.result_cache = ResultCacheMetrics(r)
         # per worker process (a gauge, so multiprocess mode keeps the pid label instead of summing):
         # shows how the kernel spreads connections over the workers
         self.worker_requests = Gauge(

@@ -39,7 +39,8 @@ class Timings(BaseModel):
     rerank: float = Field(description="ms in the psi rerank (whole micro-batch; 0 when rerank is off)")
     rank: float = Field(0.0, description="ms adding biases and sorting")
     total: float = Field(description="ms from request arrival to response (server side)")
-    cache: str = Field("miss", description="query embedding cache: hit (encode skipped, 0 ms) or miss")
+    cache: str = Field("miss", description="result: the whole result came from the result cache (no stage ran); hit: "
+                       "the query embedding came from the embedding cache (encode skipped); miss: neither")
 
 
 class Hit(BaseModel):
@@ -71,7 +72,7 @@ class SearchResponse(BaseModel):
     ncl: bool
     results: list[Hit]
     timings_ms: Timings
-    batch_size: int = Field(description="queries that shared this micro-batch")
+    batch_size: int = Field(description="queries that shared this micro-batch (0: answered from the result cache)")
 
 
 class BatchSearchResponse(BaseModel):

@@ -134,6 +134,11 @@ class Settings(BaseSettings):
         64 * 1024 * 1024, ge=0, description="most bytes the query embedding cache holds (vectors + keys); 0 = cache off"
     )
 
+    # whole search results (service/result_cache.py): a repeat on the same version skips the queue and every stage
+    result_cache_entries: int = Field(
+        10_000, ge=0, le=10_000_000, description="most search results kept (LRU); 0 = off (always off while the query bank is on)"
+    )
+
     # thumbnails
     thumbnail_width: int = Field(320, ge=16, le=1920)
     thumbnail_cache_size: int = Field(1024, ge=0)

@@ -45,6 +45,7 @@ from .batcher import MicroBatcher
 from .metrics import Metrics
 from .query_cache import QueryCache, make_normalizer
 from .querybank import QueryBank
+from .result_cache import ResultCache
 from .settings import Settings, hash_key, load_api_key_hashes
 from .workers import WorkerBoard
 
@@ -219,6 +220,7 @@ class ServiceState:
         self.thumbs = ThumbnailCache(settings.thumbnail_cache_size)
         self.query_bank: Any = None  # service.querybank.QueryBank when GARE_QUERY_BANK_SIZE > 0
         self.query_cache: QueryCache | None = None  # built in load() (needs the tokenizer's normaliser)
+        self.result_cache = ResultCache(0)  # built in load(); off until then
         self.text_encoder = "fp32"  # the text tower that runs (settings.text_encoder; fp32 = the model's own)
         self._tower: Any = None  # training.text_quant encoder for int8 / onnx / onnx-int8, else None
         self.cache_variant = "fp32"  # cache key part: the tower and precision that made an embedding
@@ -299,10 +301,17 @@ class ServiceState:
             if s.query_bank_path is None:
                 raise StartupError("query_bank_size is set but query_bank_path is not (GARE_QUERY_BANK_PATH)")
             self.query_bank = QueryBank(s.query_bank_size, model.cfg.embed_dim, s.query_bank_path, s.query_bank_flush_every)
+        # whole results: off while the query bank records traffic (a cached answer would not reach the bank)
+        self.result_cache = ResultCache(
+            0 if self.query_bank is not None else s.result_cache_entries,
+            normalize=self.query_cache.normalize if self.query_cache is not None else str,
+            metrics=self.metrics.result_cache,
+        )
         log.info(
-            "serving index %s version %s (%d entries, %s) with %s on %s (%s, text encoder %s, query cache %s)",
+            "serving index %s version %s (%d entries, %s) with %s on %s (%s, text encoder %s, query cache %s, result cache %s)",
             s.index, version.name, version.n, version.manifest.index_type, path.name, self.device, self.precision,
             self.text_encoder, "on" if self.query_cache is not None and self.query_cache.enabled else "off",
+            "on" if self.result_cache.enabled else "off",
         )
         self.publish_worker()
 
@@ -458,6 +467,7 @@ class ServiceState:
                 raise HTTPException(409, f"{e}; still serving {old.version.name}") from None
             advise_random_access(version)
             self.handle = VersionHandle(version)  # atomic swap: new requests see the new version
+            self.result_cache.clear()  # keyed by version name anyway: the old entries could only take room
             old.retire()  # closed when its last in-flight request finishes
             self._publish(version)
             self.metrics.reloads.labels("ok").inc()

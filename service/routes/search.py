@@ -14,6 +14,7 @@ from indexer import by_example as E
 from indexer import search as S
 from indexer.stage1_tune import index_default_candidates
 
+from ..batcher import BatchInfo
 from ..schemas import (
     IMAGE_ERRORS,
     SEARCH_ERRORS,
@@ -27,6 +28,8 @@ from ..schemas import (
 from ..security import StateDep, require_search
 from ..settings import Settings
 from ..state import API_VERSION, Job, ServiceState
+
+_NO_BATCH = BatchInfo(size=0, queue_s=0.0, run_s=0.0)  # a result-cache answer: it never entered the micro-batch queue
 
 
 def _hit_models(state: ServiceState, version: Any, res: S.QueryResult) -> list[Hit]:
@@ -50,8 +53,18 @@ async def run_queries(state: ServiceState, version: Any, queries: list[str], opt
         version.check_stage1(ncl_stage1=opts.ncl_stage1)
     except S.Stage1Unavailable as e:
         raise HTTPException(409, str(e)) from None
-    jobs = [Job(version, q, opts) for q in queries]
-    results = await state.batcher.submit_many(jobs)
+    rc = state.result_cache
+    keys = [rc.key(version.name, state.checkpoint_sha or "", state.cache_variant, state.rerank_impl, q, opts)
+            for q in queries] if rc.enabled else [None] * len(queries)
+    got: list[Any] = [rc.get(k) if k is not None else None for k in keys]  # whole results: no queue, no stage
+    todo = [i for i, r in enumerate(got) if r is None]
+    if todo:
+        done = await state.batcher.submit_many([Job(version, queries[i], opts) for i in todo])
+        for i, (res, info) in zip(todo, done, strict=True):
+            got[i] = (res, info)
+            if keys[i] is not None:
+                rc.put(keys[i], res)
+    results = [r if isinstance(r, tuple) else (r, _NO_BATCH) for r in got]
     payload = []
     for q, (res, info) in zip(queries, results, strict=True):
         hits = await run_in_threadpool(_hit_models, state, version, res)
@@ -62,7 +75,7 @@ async def run_queries(state: ServiceState, version: Any, queries: list[str], opt
             query=q, index_version=version.name, k=opts.k, candidates=opts.candidates, rerank=opts.rerank,
             ncl=opts.ncl, results=hits, batch_size=info.size,
             timings_ms=Timings(**{k: round(v * 1000, 3) for k, v in stage_s.items()}, total=round(total * 1000, 3),
-                               cache="hit" if res.cached else "miss"),
+                               cache="result" if info is _NO_BATCH else "hit" if res.cached else "miss"),
         ))
     return payload
 

@@ -78,6 +78,9 @@ def settings(index: Path, **kw: Any):
     # the model's own text tower, so that in-process results compare exactly with the offline search; the
     # `auto` default (int8 on the CPU) has its own tests in test_serve_scale.py
     kw.setdefault("text_encoder", "fp32")
+    # whole-result caching off: these tests watch the stages run (the embedding cache, the batcher, the rerank);
+    # the result cache has its own tests (test_result_cache.py)
+    kw.setdefault("result_cache_entries", 0)
     return Settings(index=index, **kw)
 
 
