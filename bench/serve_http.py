@@ -225,7 +225,7 @@ def markdown(d: dict[str, Any]) -> str:
 NOTES = (
     "Notes: the clients (Python threads) share the machine's cores with the workers, and other jobs may run at "
     "the same time (load averages above); numbers are comparable only within this run. `CPU/s per worker` is "
-    "CPU seconds each worker process used per second of the run (1.0 = one core busy). `zipf` = cache on, a "
+    "CPU seconds each worker process used per second of the run (1.0 = one core busy). `zipf` = a "
     "Zipf(1.0) stream over 2,000 distinct queries with both caches on (a repeat is answered from the result "
     "cache; the embedding cache serves a text seen with other options); `distinct` = both caches off, every "
     "request runs every stage."
