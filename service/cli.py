@@ -8,8 +8,10 @@ Settings come from (lowest to highest priority) defaults, the ``--config`` file 
 environment variables and the options below. Exit status 2 means bad settings (message on stderr).
 
 Workers. ``--workers N`` (default: the usable cores, ``os.sched_getaffinity``) runs N processes behind the
-port with uvicorn's own process manager (``uvicorn.run(..., factory=True, workers=N)``): one listening
-socket opened here and inherited, a supervisor that restarts a worker that dies, no extra dependency.
+port with uvicorn's own process manager (what ``uvicorn.run(..., factory=True, workers=N)`` runs): one
+listening socket opened here and inherited (through ``service.nodelay.NodelayConfig``, so that connections
+keep TCP_NODELAY: uvicorn's own socket costs every keep-alive request ~40 ms), a supervisor that restarts a
+worker that dies, no extra dependency.
 (gunicorn + uvicorn workers would give the same model, but one more package and config surface, and
 uvicorn's supervisor already restarts workers.) Each worker builds the app with ``service.app.create_app``
 from the resolved settings, exported here as ``GARE_*`` variables, and bounds its torch and FAISS threads
@@ -180,7 +182,9 @@ def _empty_dir(d: Path) -> None:
 
 def serve_workers(settings: Settings, workers: int) -> int:
     """Run ``workers`` uvicorn worker processes over one socket (see the module docstring)."""
-    import uvicorn
+    from uvicorn.supervisors import Multiprocess
+
+    from .nodelay import NodelayConfig
 
     run_dir = Path(tempfile.mkdtemp(prefix="gare-serve-"))
     given = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
@@ -192,13 +196,15 @@ def serve_workers(settings: Settings, workers: int) -> int:
         "starting %d workers, %d torch threads each (run dir %s)", workers, settings.torch_threads, run_dir
     )
     try:
-        uvicorn.run(
+        # what uvicorn.run(..., workers=N) does, with a listening socket that keeps TCP_NODELAY (service.nodelay)
+        config = NodelayConfig(
             "service.app:create_app", factory=True, workers=workers, host=settings.host, port=settings.port,
             log_level=settings.log_level, proxy_headers=False, server_header=False, timeout_graceful_shutdown=10,
             # uvicorn pings each worker and kills one that does not answer in time (default 5 s): importing
             # torch and loading a model on a busy machine holds the GIL longer than that
             timeout_worker_healthcheck=settings.worker_healthcheck_s,
         )
+        Multiprocess(config, sockets=[config.bind_socket()]).run()
     except KeyboardInterrupt:  # pragma: no cover
         pass
     finally:
