@@ -62,13 +62,25 @@ def _centred(b):
     return b.double() - b.double().mean()
 
 
+def _load(args: argparse.Namespace):
+    """(model, the encoded test split of args.synth, the checkpoint's text queue); refuses a checkpoint without one."""
+    from training.checkpoint import load_model
+    from training.data import load_dataset
+    from training.evaluate import encode_set
+
+    model, ckpt = load_model(args.checkpoint)
+    rs = load_dataset({"kind": "synth", "root": args.synth}, "test")
+    enc = encode_set(model, rs, batch_size=16, num_workers=1, progress=True)
+    queue = ckpt.queues.get("text")
+    if queue is None or not len(queue):
+        raise SystemExit(f"{args.checkpoint}: no text query queue; NCL needs one")
+    return model, enc, queue
+
+
 def accuracy(args: argparse.Namespace) -> None:
     import torch
     import torch.nn.functional as F
 
-    from training.checkpoint import load_model
-    from training.data import load_dataset
-    from training.evaluate import encode_set
     from training.metrics import retrieval_metrics
     from training.sinkhorn import (
         normalization_error_scores,
@@ -81,12 +93,7 @@ def accuracy(args: argparse.Namespace) -> None:
     )
 
     started = time.time()
-    model, ckpt = load_model(args.checkpoint)
-    rs = load_dataset({"kind": "synth", "root": args.synth}, "test")
-    enc = encode_set(model, rs, batch_size=16, num_workers=1, progress=True)
-    queue = ckpt.queues.get("text")
-    if queue is None or not len(queue):
-        raise SystemExit(f"{args.checkpoint}: no text query queue; NCL needs one")
+    model, enc, queue = _load(args)
     if args.queue_limit:
         queue = queue[-args.queue_limit:]
     queue = queue.float()
@@ -193,19 +200,11 @@ def explain(args: argparse.Namespace) -> None:
     import torch
 
     from training import psi_fold as pf
-    from training.checkpoint import load_model
-    from training.data import load_dataset
-    from training.evaluate import encode_set
     from training.metrics import retrieval_metrics
     from training.sinkhorn import normalization_error_scores, sinkhorn_biases_dense
 
     started = time.time()
-    model, ckpt = load_model(args.checkpoint)
-    rs = load_dataset({"kind": "synth", "root": args.synth}, "test")
-    enc = encode_set(model, rs, batch_size=16, num_workers=1, progress=True)
-    queue = ckpt.queues.get("text")
-    if queue is None or not len(queue):
-        raise SystemExit(f"{args.checkpoint}: no text query queue; NCL needs one")
+    model, enc, queue = _load(args)
     queue = queue.float()
     gamma_model = float(1.0 / model.clip.logit_scale.detach().exp())
     t, cc = enc.t.float(), np.asarray(enc.caption_clip)
