@@ -12,8 +12,9 @@ A reload switches to another version name, so old entries can never answer; :met
 them at the switch. The text is normalised exactly as the embedding cache does (the tokenizer's own
 ``clean_fn``), so two texts share an entry only if they are the same tokens.
 
-Bounded by entries (LRU); an entry holds at most ``max_k`` hits (~100 bytes each) plus its key. Thread-safe.
-Off when ``max_entries == 0``. The service also keeps it off while the adaptive query bank records traffic
+Bounded by entries and by bytes (LRU): an entry is counted as its hits (HIT_BYTES each, measured with
+tracemalloc: ~145 bytes per Hit) plus its key text and a fixed overhead, so a flood of k = 1000 queries
+cannot grow a worker past ``max_bytes``. Thread-safe. Off when either bound is 0. The service also keeps it off while the adaptive query bank records traffic
 (GARE_QUERY_BANK_SIZE > 0): a cached answer would not reach the bank.
 
 Metrics: ``gare_result_cache_lookups_total{result="hit"|"miss"}`` and ``gare_result_cache_entries`` (gauge,
@@ -46,25 +47,35 @@ class ResultCacheMetrics:
 
 
 Key = tuple[Hashable, ...]
+HIT_BYTES = 160  # one indexer.search.Hit (a dataclass of five numbers), rounded up from tracemalloc's ~145
+ENTRY_OVERHEAD_BYTES = 512  # the QueryResult, its list, the key tuple and the OrderedDict node
 
 
 class ResultCache:
     """Thread-safe LRU of finished search results (see the module docstring for the key)."""
 
-    def __init__(self, max_entries: int, *, normalize: Callable[[str], str] = str,
+    def __init__(self, max_entries: int, max_bytes: int = 64 << 20, *, normalize: Callable[[str], str] = str,
                  metrics: ResultCacheMetrics | None = None) -> None:
         if max_entries < 0:
             raise ValueError(f"max_entries must be >= 0 (0 = off), got {max_entries}")
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0 (0 = off), got {max_bytes}")
         self.max_entries = int(max_entries)
+        self.max_bytes = int(max_bytes)
+        self._bytes = 0
         self.normalize = normalize
         self.metrics = metrics if metrics is not None else ResultCacheMetrics()
-        self._data: OrderedDict[Key, QueryResult] = OrderedDict()
+        self._data: OrderedDict[Key, tuple[QueryResult, int]] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
     @property
     def enabled(self) -> bool:
-        return self.max_entries > 0
+        return self.max_entries > 0 and self.max_bytes > 0
+
+    @staticmethod
+    def entry_bytes(key: Key, result: QueryResult) -> int:
+        return len(result.hits) * HIT_BYTES + len(str(key[4]).encode("utf-8")) + ENTRY_OVERHEAD_BYTES
 
     def key(self, version: str, checkpoint: str, variant: str, rerank_impl: str, text: str, options: SearchOptions) -> Key:
         return (str(version), str(checkpoint), str(variant), str(rerank_impl), self.normalize(text), options)
@@ -74,11 +85,12 @@ class ResultCache:
         if not self.enabled:
             return None
         with self._lock:
-            res = self._data.get(key)
-            if res is None:
+            got = self._data.get(key)
+            if got is None:
                 self.misses += 1
                 self.metrics.lookups.labels("miss").inc()
                 return None
+            res = got[0]
             self._data.move_to_end(key)
             self.hits += 1
         self.metrics.lookups.labels("hit").inc()
@@ -88,21 +100,29 @@ class ResultCache:
         if not self.enabled:
             return
         value = QueryResult(hits=copy.deepcopy(result.hits), timings={}, cached=False)
+        size = self.entry_bytes(key, value)
+        if size > self.max_bytes:
+            return  # larger than the whole cache: never stored
         with self._lock:
-            self._data[key] = value
-            self._data.move_to_end(key)
-            while len(self._data) > self.max_entries:
-                self._data.popitem(last=False)
+            old = self._data.pop(key, None)
+            if old is not None:
+                self._bytes -= old[1]
+            self._data[key] = (value, size)
+            self._bytes += size
+            while len(self._data) > self.max_entries or self._bytes > self.max_bytes:
+                _, (_, sz) = self._data.popitem(last=False)
+                self._bytes -= sz
             n = len(self._data)
         self.metrics.entries.set(n)
 
     def clear(self) -> None:
         with self._lock:
             self._data.clear()
+            self._bytes = 0
         self.metrics.entries.set(0)
 
     def __len__(self) -> int:
         return len(self._data)
 
     def stats(self) -> dict[str, Any]:
-        return {"entries": len(self._data), "hits": self.hits, "misses": self.misses}
+        return {"entries": len(self._data), "bytes": self._bytes, "hits": self.hits, "misses": self.misses}

@@ -138,6 +138,9 @@ class Settings(BaseSettings):
     result_cache_entries: int = Field(
         10_000, ge=0, le=10_000_000, description="most search results kept (LRU); 0 = off (always off while the query bank is on)"
     )
+    result_cache_bytes: int = Field(
+        64 * 1024 * 1024, ge=0, description="most bytes the result cache holds (~160 per hit + the key); 0 = off"
+    )
 
     # thumbnails
     thumbnail_width: int = Field(320, ge=16, le=1920)

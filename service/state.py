@@ -303,7 +303,7 @@ class ServiceState:
             self.query_bank = QueryBank(s.query_bank_size, model.cfg.embed_dim, s.query_bank_path, s.query_bank_flush_every)
         # whole results: off while the query bank records traffic (a cached answer would not reach the bank)
         self.result_cache = ResultCache(
-            0 if self.query_bank is not None else s.result_cache_entries,
+            0 if self.query_bank is not None else s.result_cache_entries, s.result_cache_bytes,
             normalize=self.query_cache.normalize if self.query_cache is not None else str,
             metrics=self.metrics.result_cache,
         )

@@ -35,12 +35,30 @@ def test_lru_bound_copies_and_counts():
     rc.get(k1)  # k1 becomes the most recent: k2 is evicted next
     rc.put(k3, _result([4]))
     assert len(rc) == 2 and rc.get(k2) is None and rc.get(k1) is not None and rc.get(k3) is not None
-    assert rc.stats() == {"entries": 2, "hits": 5, "misses": 2}
+    st = rc.stats()
+    assert (st["entries"], st["hits"], st["misses"]) == (2, 5, 2)
+    assert st["bytes"] == sum(ResultCache.entry_bytes(k, rc.get(k)) for k in (k1, k3))
     rc.clear()
     assert len(rc) == 0 and rc.get(k1) is None
     off = ResultCache(0)
     off.put(k1, _result([1]))
     assert not off.enabled and off.get(k1) is None and len(off) == 0
+
+
+def test_byte_bound_evicts_and_refuses_oversized_entries():
+    opts = S.SearchOptions(k=50, candidates=64)
+    one = ResultCache.entry_bytes(("v", "s", "e", "r", "q0", opts), _result(range(50)))
+    rc = ResultCache(1000, max_bytes=2 * one + one // 2)  # room for two 50-hit results, not three
+    keys = [rc.key("v", "s", "e", "r", f"q{i}", opts) for i in range(3)]
+    for k in keys:
+        rc.put(k, _result(range(50)))
+    assert len(rc) == 2 and rc.get(keys[0]) is None and rc.stats()["bytes"] <= rc.max_bytes
+    rc.put(keys[0], _result(range(50)))  # replacing/adding keeps the bound
+    assert len(rc) == 2 and rc.stats()["bytes"] <= rc.max_bytes
+    tiny = ResultCache(10, max_bytes=one // 2)
+    tiny.put(keys[0], _result(range(50)))  # larger than the whole cache: not stored
+    assert len(tiny) == 0 and tiny.get(keys[0]) is None
+    assert not ResultCache(10, max_bytes=0).enabled
 
 
 def test_service_repeat_runs_no_stage_and_equals_the_first_answer(service_env):
