@@ -86,8 +86,10 @@ def start_live_server(env: dict[str, Any], root: Path) -> dict[str, Any]:
     from tests.service.support import UvicornProcess
 
     idx, lib = private_index(env, root)
-    srv = UvicornProcess(["--index", str(idx), "--log-level", "warning", "--batch-max-wait-ms", "2"],
-                         env={"GARE_API_KEYS": LIVE_KEY})
+    # result cache off: the load checks replay a fixed set of queries, and every request must run the search
+    # (encoder, ANN, rerank) rather than a cache lookup; the result cache has its own tests (tests/service)
+    srv = UvicornProcess(["--index", str(idx), "--log-level", "warning", "--batch-max-wait-ms", "2",
+                          "--result-cache-entries", "0"], env={"GARE_API_KEYS": LIVE_KEY})
     srv.__enter__()
     return dict(srv=srv, index=idx, lib=lib, key=LIVE_KEY)
 
