@@ -551,7 +551,8 @@ def main(argv: list[str] | None = None) -> int:
             gc.collect()
             app = create_app(Settings(index=root / "index", torch_threads=args.threads, precision="fp32",
                                       batch_max_size=32, batch_max_wait_ms=2.0, max_body_bytes=1 << 20,
-                                      query_cache_entries=0))  # every request encodes (bench/serve_http.py measures the cache)
+                                      query_cache_entries=0, result_cache_entries=0))
+            # both caches off: every request encodes and searches (bench/serve_http.py measures the caches)
             r = asyncio.run(size_bench(app, queries, args, nex, cold=n == max(sizes) and args.cold_requests > 0))
             del app
             comp, svc = r["components"], r["service"]
