@@ -211,8 +211,9 @@ def make_request_models(settings: Settings) -> tuple[type[BaseModel], type[BaseM
             {"query": "a red circle rises, then two blue squares slide to the left", "k": 20, "candidates": 512, "rerank": True, "ncl": False},
         ]})
         query: QueryStr | None = Field(None, description=f"the text to search for (1..{max_q} characters, not blank)")
-        video_id: int | None = Field(None, ge=0, description="instead of query: more like this indexed video")
-        video_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        # ids are int64 in the index (as the path parameter VideoId): a larger number is a 422, not a 500
+        video_id: int | None = Field(None, ge=0, le=2**63 - 1, description="instead of query: more like this indexed video")
+        video_ids: list[Annotated[int, Field(ge=0, le=2**63 - 1)]] | None = Field(
             None, min_length=1, max_length=max_batch,
             description=f"instead of query: more like these 1..{max_batch} videos (their mean unit vector)")
 

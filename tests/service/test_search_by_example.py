@@ -92,6 +92,9 @@ def test_more_like_several_videos(client, model_and_index):
     ({"video_ids": []}, 422, "video_ids"),
     ({"video_id": -1}, 422, "video_id"),
     ({"video_id": "3"}, 422, "video_id"),
+    # beyond int64 (found by the full API fuzzing): a 422 naming the field, not an OverflowError and a 500
+    ({"video_id": 2**63}, 422, "video_id"),
+    ({"video_ids": [361, 1569449, 1164325133769476734451712]}, 422, "video_ids"),
 ])
 def test_more_like_this_errors(client, body, code, words):
     r = client.post("/v1/search", json=body)
