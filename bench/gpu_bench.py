@@ -64,17 +64,14 @@ def timed_ms(fn: Callable[[], Any], dev: torch.device, *, iters: int, reps: int 
 
 
 def vit_b32(dev: torch.device):
+    from psi_fold import nontrivial_psi
+
     from training.config import get_model_config
     from training.model import GARE
 
     torch.manual_seed(0)
     model = GARE.build(get_model_config("gare-vit-b-32", pretrained="none")).eval()
-    with torch.no_grad():  # non-trivial psi (its N(0, 0.02) init makes Δ ~ 0): timing does not care, accuracy does
-        for name, p in model.psi.named_parameters():
-            if name.startswith("ln"):
-                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0, 0.05)
+    nontrivial_psi(model.psi)
     return model.to(dev)
 
 

@@ -72,6 +72,18 @@ def make_gallery(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return (frames * mask[..., None]).half(), mask
 
 
+def nontrivial_psi(psi: torch.nn.Module) -> torch.nn.Module:
+    """In place: LayerNorm gamma ~ N(1, 0.2), beta ~ N(0, 0.2), everything else ~ N(0, 0.05). psi's N(0, 0.02)
+    init makes Δ ~ 0: timing does not care, the accuracy comparisons do. Shared with bench/gpu_bench.py."""
+    with torch.no_grad():
+        for name, p in psi.named_parameters():
+            if name.startswith("ln"):
+                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.05)
+    return psi
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gallery", type=int, default=100_000, help="exhaustive gallery size")
@@ -93,12 +105,7 @@ def main() -> None:
 
     cfg = get_model_config("gare-vit-b-32", pretrained="none")
     model = GARE.build(cfg).eval()
-    with torch.no_grad():  # non-trivial psi (the N(0, 0.02) init makes Δ ~ 0): timing does not care, accuracy does
-        for name, p in model.psi.named_parameters():
-            if name.startswith("ln"):
-                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0, 0.05)
+    nontrivial_psi(model.psi)
     reps = args.repeats
     results: dict[str, Any] = {"load_average_start": os.getloadavg(), "commit": commit(), "threads": torch.get_num_threads(), "repeats": reps,
                                "d": D, "f": F_FRAMES, "K": K}
