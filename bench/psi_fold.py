@@ -4,12 +4,14 @@
     python bench/psi_fold.py --quick    # smoke run (small gallery, 1 repeat each)
 
 One run, one CPU thread (torch.set_num_threads(1)), median of 3 repeats, ViT-B/32 sizes (d = 512, f = 12):
-- psi rerank of K = 256 candidates for one query: the fold (per-query vectors + pair scores from the
-  gathered constants and fp16 frames), `indexer.search.fused_pair_scores` (today's default) and
-  `model.score` (the training definition), each including the gather of the candidates' stored rows;
+- psi rerank of K = 256 random rows of the gallery for one query: the fold's CPU kernel
+  (`training/psi_fold_cpu.py`, the default: per-query vectors + the kernel reading the candidates' fp16
+  frames and constants straight from the gallery arrays), the fold in torch ops (CUDA's path),
+  `indexer.search.fused_pair_scores` (the default before the fold) and `model.score` (the training
+  definition), the last three including the gather of the candidates' rows;
 - the ViT-B/32 text tower for one query (open_clip ViT-B-32 with random weights: timing only);
-- exhaustive psi over a 100k-entry gallery for one query: `psi_fold.exhaustive` against
-  `indexer.search.exhaustive_psi` measured on a 10k slice and extrapolated x10 (labelled);
+- exhaustive psi over a 100k-entry gallery for one query: `psi_fold.exhaustive` (the kernel), the torch ops
+  in one pass, and `indexer.search.exhaustive_psi` fused, measured on a 10k slice and extrapolated x10 (labelled);
 - added bytes per video, index-time cost of folding, and the score differences fold vs fused / model
   (float32 constants, and float16-stored constants).
 The 100k gallery is `--distinct` distinct videos (fp16 frames, some padded) tiled to 100k rows (real
@@ -99,6 +101,7 @@ def main() -> None:
     torch.manual_seed(0)
     from indexer.search import exhaustive_psi, fused_pair_scores
     from training import psi_fold as pf
+    from training import psi_fold_cpu as pc
     from training.config import get_model_config
     from training.model import GARE
     from training.psi import masked_mean
@@ -132,34 +135,50 @@ def main() -> None:
     results["bytes_per_video"] = {"fp32": consts.bytes_per_video(), "fp16": consts.to(dtype=torch.float16).bytes_per_video()}
     print(f"fold weights {t_fold_w:.2f} s, videos {t_fold_v * 1e3:.3f} ms/video", flush=True)
 
-    # ---------------------------------------------------------------- rerank K = 256, one query
-    g = torch.Generator().manual_seed(2)
-    idx = torch.randperm(args.distinct, generator=g)[:K]
+    # ---------------------------------------------------------------- the gallery: distinct videos tiled (real copies)
+    reps_tile = -(-args.gallery // args.distinct)
+    big = pf.VideoConstants.cat([consts] * reps_tile).slice(0, args.gallery)
+    big_mask = mask.repeat(reps_tile, 1)[: args.gallery]
     vbar_all = masked_mean(frames.float(), mask)
+    norms_all = vbar_all.norm(dim=-1)
+    units_big = (vbar_all / norms_all[:, None]).repeat(reps_tile, 1)[: args.gallery].contiguous()
+    norms_big = norms_all.repeat(reps_tile)[: args.gallery].contiguous()
+    frames_np, packed_np = big.frames.numpy(), big.packed.numpy()
+    packed16_np = big.packed.half().numpy()
+    units_np, norms_np = units_big.numpy(), norms_big.numpy()
 
+    # ---------------------------------------------------------------- rerank K = 256, one query
+    # K random rows of the whole gallery (as an ANN returns them), each path reading them from the gallery arrays
+    g = torch.Generator().manual_seed(2)
+    idx = torch.randperm(args.gallery, generator=g)[:K]
+    idx_np = idx.numpy()[None]
     ar = torch.arange(K).view(1, K)
+    pc.warm_up()
 
-    def rr_fold() -> torch.Tensor:  # as indexer.search: gather the candidates' rows once, then score them
+    def rr_kernel(pk: np.ndarray) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:  # as indexer.search on the CPU: the kernel reads the rows from the arrays
+            q = pf.fold_queries(t, fw, cfg.temp)
+            return torch.from_numpy(pc.pair_scores(q, frames_np, pk, idx_np, vrows=units_np, vscale=norms_np)[0])
+        return run
+
+    def rr_fold_torch() -> torch.Tensor:  # the torch ops (CUDA's path; the CPU default before the kernel)
         q = pf.fold_queries(t, fw, cfg.temp)
-        return pf.pair_scores(q, consts.select(idx), ar)[0]
+        vs = pf.VideoConstants(frames=big.frames[idx], packed=big.packed[idx], fingerprint=big.fingerprint,
+                               vbar=units_big[idx] * norms_big[idx, None])
+        return pf.pair_scores(q, vs, ar, kernel=False)[0]
 
     def rr_fused() -> torch.Tensor:
-        fr = frames[idx].float()
-        return fused_pair_scores(model, t.expand(K, -1), fr, mask[idx], vbar_all[idx])
+        fr = big.frames[idx].float()
+        return fused_pair_scores(model, t.expand(K, -1), fr, big_mask[idx], units_big[idx] * norms_big[idx, None])
 
     def rr_model() -> torch.Tensor:
-        return model.score(t, frames[idx], mask[idx], vbar=vbar_all[idx], block_videos=K)[0]
-
-    consts16 = consts.to(dtype=torch.float16)
-
-    def rr_fold16() -> torch.Tensor:
-        return pf.pair_scores(pf.fold_queries(t, fw, cfg.temp), consts16.select(idx), ar)[0]
+        return model.score(t, big.frames[idx], big_mask[idx], vbar=units_big[idx] * norms_big[idx, None], block_videos=K)[0]
 
     rr: dict[str, Any] = {}
     with torch.inference_mode():
         outs = {}
-        for name, fn, iters in (("fold", rr_fold, 50), ("fold_fp16_consts", rr_fold16, 50), ("fused", rr_fused, 10),
-                                ("model", rr_model, 3)):
+        for name, fn, iters in (("fold", rr_kernel(packed_np), 50), ("fold_fp16_consts", rr_kernel(packed16_np), 50),
+                                ("fold_torch", rr_fold_torch, 50), ("fused", rr_fused, 10), ("model", rr_model, 3)):
             med, per = median_time(fn, iters, reps)
             rr[name] = {"median_s": med, **per}
             outs[name] = fn()
@@ -167,6 +186,7 @@ def main() -> None:
     diffs = {
         "fold_vs_fused": float((outs["fold"] - outs["fused"]).abs().max()),
         "fold_vs_model": float((outs["fold"] - outs["model"]).abs().max()),
+        "fold_torch_vs_model": float((outs["fold_torch"] - outs["model"]).abs().max()),
         "fused_vs_model": float((outs["fused"] - outs["model"]).abs().max()),
         "fold_fp16_consts_vs_model": float((outs["fold_fp16_consts"] - outs["model"]).abs().max()),
     }
@@ -175,15 +195,14 @@ def main() -> None:
     print(diffs, flush=True)
 
     # ---------------------------------------------------------------- exhaustive over the gallery, one query
-    reps_tile = -(-args.gallery // args.distinct)
-    big = pf.VideoConstants.cat([consts] * reps_tile).slice(0, args.gallery)  # real copies
-    big_mask = mask.repeat(reps_tile, 1)[: args.gallery]
     q1 = pf.fold_queries(t, fw, cfg.temp)
     with torch.inference_mode():
-        ex_fold, per = median_time(lambda: pf.exhaustive(q1, big), 1, reps)
+        ex_fold, per = median_time(lambda: pf.exhaustive(q1, big), 1, reps)  # one query: the CPU kernel
         s_fold = pf.exhaustive(q1, big)
+        ex_torch, per_t = median_time(lambda: pf._all_pairs(q1, big, None), 1, reps)  # the torch ops, one pass
     results["exhaustive_fold_s"] = {**per, "entries": args.gallery}
-    print(f"exhaustive fold {args.gallery}: {ex_fold:.3f} s  (rss {rss_bytes() / 2**30:.2f} GiB)", flush=True)
+    results["exhaustive_fold_torch_s"] = {**per_t, "entries": args.gallery}
+    print(f"exhaustive fold {args.gallery}: {ex_fold:.3f} s, torch ops {ex_torch:.3f} s (rss {rss_bytes() / 2**30:.2f} GiB)", flush=True)
 
     class Slice:  # the attributes exhaustive_psi reads from an index version
         def __init__(self, n: int) -> None:
@@ -223,15 +242,19 @@ def main() -> None:
             f"{', '.join(f'{x:.1f}' for x in results['load_average_end'])} on {os.cpu_count()} cores: other jobs shared "
             "the machine, so compare the ratios measured side by side, not the absolute times. Times are process CPU "
             "time (one torch thread: one core's time) unless a column says wall.\n\n")
-    body += "## psi rerank of K = 256 candidates, one query (d = 512, f = 12, fp16 stored frames)\n\n"
+    body += (f"## psi rerank of K = 256 candidates, one query (d = 512, f = 12, fp16 stored frames)\n\n"
+             f"K random rows of the {args.gallery:,}-row gallery; every path reads them from the gallery's arrays (the "
+             "kernel straight from them, as `indexer.search` does on the CPU; the others gather them first).\n\n")
     def wall(name: str) -> float:
         return rr[name]["wall_median"] * ms
 
     body += table(
         ["path", "CPU ms / query", "vs fold", "wall ms / query", "max |s - s_model|"],
-        [["fold (fp32 constants)", fold_rr * ms, 1.0, wall("fold"), diffs["fold_vs_model"]],
-         ["fold (fp16 constants)", rr["fold_fp16_consts"]["median_s"] * ms, rr["fold_fp16_consts"]["median_s"] / fold_rr,
+        [["fold, CPU kernel (the default; fp32 constants)", fold_rr * ms, 1.0, wall("fold"), diffs["fold_vs_model"]],
+         ["fold, CPU kernel (fp16 constants)", rr["fold_fp16_consts"]["median_s"] * ms, rr["fold_fp16_consts"]["median_s"] / fold_rr,
           wall("fold_fp16_consts"), diffs["fold_fp16_consts_vs_model"]],
+         ["fold, torch ops (CUDA's path; the CPU default before the kernel)", rr["fold_torch"]["median_s"] * ms,
+          rr["fold_torch"]["median_s"] / fold_rr, wall("fold_torch"), diffs["fold_torch_vs_model"]],
          ["fused (indexer.search, the previous default)", fused_rr * ms, fused_rr / fold_rr, wall("fused"), diffs["fused_vs_model"]],
          ["model.score", rr["model"]["median_s"] * ms, rr["model"]["median_s"] / fold_rr, wall("model"), 0.0],
          ["text encoder ViT-B/32, one query", t_text * ms, t_text / fold_rr, results["text_encoder_s"]["wall_median"] * ms, "-"]],
@@ -241,7 +264,8 @@ def main() -> None:
     wf, wu = results["exhaustive_fold_s"]["wall_median"], results["exhaustive_fused_slice_s"]["wall_median"]
     body += table(
         ["path", "entries measured", "CPU s", f"CPU s for {args.gallery:,}", f"wall s for {args.gallery:,}"],
-        [["fold (psi_fold.exhaustive)", args.gallery, ex_fold, ex_fold, wf],
+        [["fold (psi_fold.exhaustive: the CPU kernel for one query)", args.gallery, ex_fold, ex_fold, wf],
+         ["fold, torch ops (one pass)", args.gallery, ex_torch, ex_torch, results["exhaustive_fold_torch_s"]["wall_median"]],
          [f"fused (indexer.search.exhaustive_psi), EXTRAPOLATED x{scale:g} from a {args.fused_slice:,} slice",
           args.fused_slice, ex_fused, ex_fused * scale, wu * scale]],
     )

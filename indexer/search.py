@@ -17,8 +17,9 @@ Three implementations of the psi stage give the same scores (tests check it to 1
 
 * ``"fold"`` (default): psi folded exactly into per-video constants stored in the index
   (:mod:`training.psi_fold`, :mod:`indexer.psi_consts`) and per-query vectors: ~3f + 1 dot products per
-  pair plus O(f²) work. The candidates of a whole batch are read once (unique rows) and share their
-  constants. An index without valid constants (written before them, or folded for other psi weights) is
+  pair plus O(f²) work. On the CPU one compiled kernel (:mod:`training.psi_fold_cpu`, numba) reads each
+  candidate's rows straight from the memory-mapped arrays; elsewhere (CUDA) the candidates of a whole batch
+  are read once (unique rows) and share their constants in torch ops. An index without valid constants (written before them, or folded for other psi weights) is
   never served with them: the search logs one WARNING per version naming `gare-index upgrade` and uses
   ``"fused"`` for it (same scores, slower);
 
@@ -46,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from training import psi_fold as pf
+from training import psi_fold_cpu
 from training.model import autocast
 
 from . import psi_consts
@@ -306,6 +308,21 @@ def fold_usable(model: Any, version: Any) -> bool:
     return False
 
 
+def warm_up_rerank(impl: str, device: torch.device | str) -> None:
+    """Compile the CPU kernel of the folded rerank (a few seconds, once per process) when `impl` on `device`
+    will use it, so that no request pays for it."""
+    if impl == "fold" and torch.device(device).type == "cpu" and psi_fold_cpu.available():
+        psi_fold_cpu.warm_up()
+
+
+def _kernel_reads(version: Any) -> bool:
+    """Whether the CPU kernel can read this version's arrays as stored (float16/float32 frames and
+    constants, float32 units and norms) and numba is importable."""
+    ok = (np.float16, np.float32)
+    return (version.frames.dtype in ok and version.psi_consts.dtype in ok and version.units.dtype == np.float32
+            and np.asarray(version.norms).dtype == np.float32 and psi_fold_cpu.available())
+
+
 def _psi_scores_fold(model: Any, version: Any, t: torch.Tensor, rows: np.ndarray, sizes: list[int]) -> np.ndarray:
     """Folded psi for the pairs (query i, rows of its candidates), flat in the callers' order.
 
@@ -313,6 +330,17 @@ def _psi_scores_fold(model: Any, version: Any, t: torch.Tensor, rows: np.ndarray
     query shares; each query's candidates are ids into it (padded to the batch's largest K, pads dropped)."""
     dev = t.device
     fold = psi_consts.fold_of(model)
+    if dev.type == "cpu" and _kernel_reads(version):
+        # the compiled kernel reads each candidate's rows straight from the memory-mapped arrays: no gather
+        q = pf.fold_queries(t, fold, model.cfg.temp)
+        idx = np.zeros((len(sizes), max(sizes, default=0)), dtype=np.int64)
+        offs = np.cumsum([0] + sizes)
+        for i, (a, b) in enumerate(zip(offs[:-1], offs[1:], strict=True)):
+            idx[i, : b - a] = rows[a:b]
+            idx[i, b - a :] = rows[a] if b > a else 0  # padding, dropped below
+        s = psi_fold_cpu.pair_scores(q, version.frames, version.psi_consts, idx, vrows=version.units,
+                                     vscale=version.norms)
+        return np.concatenate([s[i, :k] for i, k in enumerate(sizes)]) if len(sizes) > 1 else s[0, : sizes[0]].copy()
     uniq, inv = np.unique(rows, return_inverse=True)
     v = psi_consts.gather(version, uniq, fold, dev)
     q = pf.fold_queries(t, fold, model.cfg.temp)
@@ -540,6 +568,6 @@ def search(
 
 __all__ = [
     "RERANK_IMPLS", "DEFAULT_RERANK_IMPL", "AUTO_RERANK_IMPL", "AUTO_PRECISION", "resolve_rerank_impl", "DEFAULT_CANDIDATES", "fold_usable", "rerank_scores", "Stage1Unavailable", "SearchOptions", "Hit", "QueryResult", "resolve_precision", "trim_tokens",
-    "encode_queries", "unit_rows", "ann_stage", "folded_psi", "fused_pair_scores", "psi_scores", "exhaustive_psi",
+    "encode_queries", "unit_rows", "ann_stage", "warm_up_rerank", "folded_psi", "fused_pair_scores", "psi_scores", "exhaustive_psi",
     "rank", "search_batch", "search",
 ]

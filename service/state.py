@@ -295,6 +295,7 @@ class ServiceState:
             raise StartupError(f"cannot open the index: {e}") from None
         self._check_fit(version)
         advise_random_access(version)
+        S.warm_up_rerank(self.rerank_impl, self.device)  # compile the CPU rerank kernel now, not in the first request
         self.handle = VersionHandle(version)
         self._publish(version)
         if s.query_bank_size:

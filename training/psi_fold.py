@@ -526,16 +526,42 @@ def _frame_dots(frames: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
-def pair_scores(q: QueryVectors, v: VideoConstants, idx: torch.Tensor | None = None) -> torch.Tensor:
+def cpu_kernel_usable(v: VideoConstants) -> bool:
+    """Whether `training.psi_fold_cpu` can score candidates of v: CPU tensors, float16/float32 frames and
+    constants, float32 v̄ (if any), and numba importable."""
+    from . import psi_fold_cpu
+
+    ok = {torch.float16, torch.float32}
+    return (v.device.type == "cpu" and v.frames.device.type == "cpu" and v.frames.dtype in ok and v.packed.dtype in ok
+            and (v.vbar is None or v.vbar.dtype == torch.float32) and psi_fold_cpu.available())
+
+
+def pair_scores(q: QueryVectors, v: VideoConstants, idx: torch.Tensor | None = None, *,
+                kernel: bool | None = None) -> torch.Tensor:
     """psi scores s_tj in float32 on v's device.
 
     idx None: every query against every video of v -> (a, b). idx (a, K) int64 row ids into v (candidates of
     each query; repeats allowed) -> (a, K), equal to the full scores gathered at idx.
+
+    `kernel` (candidates only): None = the compiled CPU kernel (`training.psi_fold_cpu`) when
+    `cpu_kernel_usable(v)`, else these torch ops; True = the kernel or an error; False = torch ops (the
+    reference the kernel is tested against, and the CUDA path).
     """
     if q.fingerprint != v.fingerprint:
         raise ValueError(f"query vectors (psi {q.fingerprint[:12]}) and video constants (psi {v.fingerprint[:12]}) "
                          "come from different psi weights")
     dev = v.device
+    if idx is not None and kernel is not False:
+        usable = cpu_kernel_usable(v)
+        if kernel and not usable:
+            raise ValueError(f"the CPU kernel cannot score these constants (device {dev}, frames {v.frames.dtype}, "
+                             f"constants {v.packed.dtype}; numba importable: {_numba_ok()})")
+        if usable:
+            from . import psi_fold_cpu
+
+            ix = torch.as_tensor(idx, dtype=torch.long).cpu().numpy()
+            with torch.no_grad():
+                return torch.from_numpy(psi_fold_cpu.pair_scores(q, v.frames, v.packed, ix, vrows=v.vbar))
     if q.device != dev:
         q = dataclasses.replace(q, u=q.u.to(dev), sc=q.sc.to(dev), wsc=q.wsc.to(dev))
     a, _, d = q.u.shape
@@ -568,6 +594,12 @@ def pair_scores(q: QueryVectors, v: VideoConstants, idx: torch.Tensor | None = N
         return _scores_from_dots(q, vs.packed, f, dots[:, 0], dots[:, 1], dots[:, 2], vt)
 
 
+def _numba_ok() -> bool:
+    from . import psi_fold_cpu
+
+    return psi_fold_cpu.available()
+
+
 def _all_pairs(q: QueryVectors, v: VideoConstants, buf: torch.Tensor | None) -> torch.Tensor:
     """Every query of q against every video of v -> (a, b). `buf`: a reusable float32 buffer of at least
     b·f·d elements for the upcast frames (a fresh 100 MB allocation costs more page faults than the work)."""
@@ -583,6 +615,11 @@ def _all_pairs(q: QueryVectors, v: VideoConstants, buf: torch.Tensor | None) -> 
     dots = (q.u.reshape(3 * a, d) @ fr.t()).view(a, 3, b, f)
     vt = None if v.vbar is None else q.u[:, 0] @ _f32(v.vbar).t()  # (a, b)
     return _scores_from_dots(q, v.packed, f, dots[:, 0], dots[:, 1], dots[:, 2], vt)
+
+
+# Below this many queries the CPU kernel scores a whole gallery faster than the torch ops (1 query: 4.5x; at 16
+# queries the torch path's shared frame upcast wins by 1.2-1.5x; measured with bench/psi_fold.py's sizes).
+_KERNEL_MAX_QUERIES = 8
 
 
 def exhaustive(
@@ -616,9 +653,14 @@ def exhaustive(
     with torch.no_grad():
         for s0 in starts:
             vc = v.slice(s0, s0 + chunk).to(dev)  # chunk rows (a copy only when v lives elsewhere)
+            kernel = q.n < _KERNEL_MAX_QUERIES and cpu_kernel_usable(vc)
             for i0 in range(0, q.n, query_chunk):
                 qc = dataclasses.replace(q, u=q.u[i0 : i0 + query_chunk], sc=q.sc[i0 : i0 + query_chunk])
-                out[i0 : i0 + query_chunk, s0 : s0 + vc.n] = _all_pairs(qc, vc, buf).cpu()
+                if kernel:
+                    idx = torch.arange(vc.n).expand(qc.n, vc.n)
+                    out[i0 : i0 + query_chunk, s0 : s0 + vc.n] = pair_scores(qc, vc, idx, kernel=True)
+                else:
+                    out[i0 : i0 + query_chunk, s0 : s0 + vc.n] = _all_pairs(qc, vc, buf).cpu()
     return out
 
 

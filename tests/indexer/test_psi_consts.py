@@ -46,6 +46,27 @@ def test_every_impl_equal_on_all_candidates(model_and_index):
     np.testing.assert_allclose(ex[0], got["model"][0], atol=1e-5, rtol=0)
 
 
+def test_cpu_kernel_reads_the_index_and_equals_the_torch_fold(model_and_index, monkeypatch):
+    """The default CPU rerank (the compiled kernel over the memory-mapped arrays) against the torch fold over
+    gathered rows (numba reported missing) and fused: equal within 1e-5, ragged K, repeated candidates."""
+    from training import psi_fold_cpu
+
+    model, version, sh = model_and_index
+    assert S._kernel_reads(version) and isinstance(version.frames, np.memmap)
+    t = S.encode_queries(model, sh["captions"][:3])
+    ids = np.asarray(version.ids)
+    cands = [ids[::-1], ids[2:5], np.concatenate([ids[:2], ids[:2]])]
+    kernel = S.psi_scores(model, version, t, cands, impl="fold")
+    monkeypatch.setattr(psi_fold_cpu, "_AVAILABLE", False)
+    assert not S._kernel_reads(version)
+    torch_fold = S.psi_scores(model, version, t, cands, impl="fold")
+    fused = S.psi_scores(model, version, t, cands, impl="fused")
+    for i in range(3):
+        assert len(kernel[i]) == len(cands[i]) and np.std(kernel[0]) > 1e-3
+        np.testing.assert_allclose(kernel[i], torch_fold[i], atol=1e-5, rtol=0)
+        np.testing.assert_allclose(kernel[i], fused[i], atol=1e-5, rtol=0)
+
+
 def _strip_constants(index, tmp_path):
     """A copy of the index whose current version is what a pre-issue-12 gare-index wrote (no psi constants)."""
     from indexer.store import ExistingFile, open_index, write_version
