@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -48,7 +48,11 @@ class ResultCacheMetrics:
 
 Key = tuple[Hashable, ...]
 HIT_BYTES = 160  # one indexer.search.Hit (a dataclass of five numbers), rounded up from tracemalloc's ~145
-ENTRY_OVERHEAD_BYTES = 512  # the QueryResult, its list, the key tuple and the OrderedDict node
+ENTRY_OVERHEAD_BYTES = 512  # the tuples, the key tuple and the OrderedDict node
+# A rendered hit (service.schemas.Hit with its metadata dict): pydantic model + dict + str objects. Measured with
+# tracemalloc (tests/service/test_result_cache.py holds this estimate above the measurement).
+RENDERED_BYTES_PER_JSON_BYTE = 4
+RENDERED_OVERHEAD_BYTES = 1024
 
 
 class ResultCache:
@@ -65,7 +69,7 @@ class ResultCache:
         self._bytes = 0
         self.normalize = normalize
         self.metrics = metrics if metrics is not None else ResultCacheMetrics()
-        self._data: OrderedDict[Key, tuple[QueryResult, int]] = OrderedDict()
+        self._data: OrderedDict[Key, tuple[tuple[tuple[Any, ...], tuple[Any, ...]], int]] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
@@ -74,14 +78,20 @@ class ResultCache:
         return self.max_entries > 0 and self.max_bytes > 0
 
     @staticmethod
-    def entry_bytes(key: Key, result: QueryResult) -> int:
-        return len(result.hits) * HIT_BYTES + len(str(key[4]).encode("utf-8")) + ENTRY_OVERHEAD_BYTES
+    def entry_bytes(key: Key, result: QueryResult, rendered: Sequence[Any] = ()) -> int:
+        """Estimated bytes of one entry: the hits, the key text, a fixed overhead and the rendered hits
+        (RENDERED_BYTES_PER_JSON_BYTE per byte of their JSON; tests hold the estimate above tracemalloc's)."""
+        out = len(result.hits) * HIT_BYTES + len(str(key[4]).encode("utf-8")) + ENTRY_OVERHEAD_BYTES
+        for h in rendered:
+            out += RENDERED_BYTES_PER_JSON_BYTE * len(h.model_dump_json()) + RENDERED_OVERHEAD_BYTES
+        return out
 
     def key(self, version: str, checkpoint: str, variant: str, rerank_impl: str, text: str, options: SearchOptions) -> Key:
         return (str(version), str(checkpoint), str(variant), str(rerank_impl), self.normalize(text), options)
 
-    def get(self, key: Key) -> QueryResult | None:
-        """A copy of the cached result marked ``cached`` with zero stage timings, or None."""
+    def lookup(self, key: Key) -> tuple[QueryResult, tuple[Any, ...]] | None:
+        """(a copy of the cached result marked ``cached`` with zero stage timings, the rendered hits as they were
+        put), or None. The rendered hits are shared, not copied: the caller must not change them."""
         if not self.enabled:
             return None
         with self._lock:
@@ -90,17 +100,24 @@ class ResultCache:
                 self.misses += 1
                 self.metrics.lookups.labels("miss").inc()
                 return None
-            res = got[0]
+            hits, rendered = got[0]
             self._data.move_to_end(key)
             self.hits += 1
         self.metrics.lookups.labels("hit").inc()
-        return QueryResult(hits=copy.deepcopy(res.hits), timings={}, cached=True)
+        return QueryResult(hits=[copy.copy(h) for h in hits], timings={}, cached=True), rendered
 
-    def put(self, key: Key, result: QueryResult) -> None:
+    def get(self, key: Key) -> QueryResult | None:
+        """A copy of the cached result marked ``cached`` with zero stage timings, or None."""
+        got = self.lookup(key)
+        return None if got is None else got[0]
+
+    def put(self, key: Key, result: QueryResult, rendered: Sequence[Any] = ()) -> None:
+        """Keep `result` (its hits copied) and, optionally, the hits as the API renders them (immutable by
+        contract: pydantic models with the metadata, so a repeat needs no metadata read)."""
         if not self.enabled:
             return
-        value = QueryResult(hits=copy.deepcopy(result.hits), timings={}, cached=False)
-        size = self.entry_bytes(key, value)
+        value = (tuple(copy.copy(h) for h in result.hits), tuple(rendered))
+        size = self.entry_bytes(key, result, rendered)
         if size > self.max_bytes:
             return  # larger than the whole cache: never stored
         with self._lock:

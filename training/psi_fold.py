@@ -630,12 +630,15 @@ def exhaustive(
     query_chunk: int = 16,
     device: torch.device | str | None = None,
     progress: bool = False,
+    kernel: bool | None = None,
 ) -> torch.Tensor:
     """Every query against every video: (a, b) float32 on the CPU, in chunks of `chunk` videos and
     `query_chunk` queries so memory stays bounded (~chunk·f·d·4 bytes for the upcast frames plus
     ~query_chunk·chunk·f²·12 bytes) whatever b is. `v` may live on the CPU (even memory-mapped); each chunk is
     moved to `device` (default: v's device) for the work. 512-video chunks keep the upcast frames (12 MB at
-    f = 12, d = 512) in cache."""
+    f = 12, d = 512) in cache. `kernel`: None = the CPU kernel (`pair_scores(..., kernel=True)`) for fewer
+    than _KERNEL_MAX_QUERIES queries when `cpu_kernel_usable`, else the batched torch ops; True / False force
+    one or the other."""
     if chunk < 1 or query_chunk < 1:
         raise ValueError(f"chunk and query_chunk must be >= 1, got {chunk}, {query_chunk}")
     dev = torch.device(device) if device is not None else v.device
@@ -653,10 +656,10 @@ def exhaustive(
     with torch.no_grad():
         for s0 in starts:
             vc = v.slice(s0, s0 + chunk).to(dev)  # chunk rows (a copy only when v lives elsewhere)
-            kernel = q.n < _KERNEL_MAX_QUERIES and cpu_kernel_usable(vc)
+            use_kernel = (q.n < _KERNEL_MAX_QUERIES and cpu_kernel_usable(vc)) if kernel is None else kernel
             for i0 in range(0, q.n, query_chunk):
                 qc = dataclasses.replace(q, u=q.u[i0 : i0 + query_chunk], sc=q.sc[i0 : i0 + query_chunk])
-                if kernel:
+                if use_kernel:
                     idx = torch.arange(vc.n).expand(qc.n, vc.n)
                     out[i0 : i0 + query_chunk, s0 : s0 + vc.n] = pair_scores(qc, vc, idx, kernel=True)
                 else:

@@ -7,7 +7,8 @@ Search by example (``video_id``/``video_ids`` in ``/v1/search``, an upload to ``
 import time
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, File, Form, HTTPException, UploadFile
+from fastapi import APIRouter, Depends, File, Form, HTTPException, Response, UploadFile
+from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from indexer import by_example as E
@@ -56,18 +57,23 @@ async def run_queries(state: ServiceState, version: Any, queries: list[str], opt
     rc = state.result_cache
     keys = [rc.key(version.name, state.checkpoint_sha or "", state.cache_variant, state.rerank_impl, q, opts)
             for q in queries] if rc.enabled else [None] * len(queries)
-    got: list[Any] = [rc.get(k) if k is not None else None for k in keys]  # whole results: no queue, no stage
-    todo = [i for i, r in enumerate(got) if r is None]
+    # whole answers, hits rendered with their metadata: no queue, no stage, no metadata read, no thread hop
+    cached = [rc.lookup(k) if k is not None else None for k in keys]
+    got: list[tuple[S.QueryResult, BatchInfo]] = [(c[0], _NO_BATCH) if c is not None else None for c in cached]  # type: ignore[misc]
+    todo = [i for i, c in enumerate(cached) if c is None]
     if todo:
         done = await state.batcher.submit_many([Job(version, queries[i], opts) for i in todo])
         for i, (res, info) in zip(todo, done, strict=True):
             got[i] = (res, info)
-            if keys[i] is not None:
-                rc.put(keys[i], res)
-    results = [r if isinstance(r, tuple) else (r, _NO_BATCH) for r in got]
     payload = []
-    for q, (res, info) in zip(queries, results, strict=True):
-        hits = await run_in_threadpool(_hit_models, state, version, res)
+    for i, (q, (res, info)) in enumerate(zip(queries, got, strict=True)):
+        c = cached[i]
+        if c is not None:
+            hits = list(c[1])
+        else:
+            hits = await run_in_threadpool(_hit_models, state, version, res)
+            if keys[i] is not None:
+                rc.put(keys[i], res, hits)
         total = time.perf_counter() - t_start
         stage_s = {"queue": info.queue_s, **{k: res.timings.get(k, 0.0) for k in ("encode", "ann", "rerank", "rank")}}
         state.metrics.observe_stages({**stage_s, "total": total})
@@ -98,6 +104,13 @@ async def run_example(state: ServiceState, version: Any, fn: Any, *args: Any, op
     )
 
 
+def _json(model: BaseModel) -> Response:
+    """The response body straight from the model we built (and so validated): FastAPI would otherwise dump it,
+    validate the dump against response_model and serialise it again, which costs more than a result-cache
+    answer itself. response_model stays on the routes for the OpenAPI document."""
+    return Response(model.model_dump_json(), media_type="application/json")
+
+
 def make_router(settings: Settings) -> APIRouter:
     """The search routes, with this deployment's request bounds in their bodies (and so in the OpenAPI)."""
     SearchRequest, BatchSearchRequest = make_request_models(settings)
@@ -105,17 +118,18 @@ def make_router(settings: Settings) -> APIRouter:
     router = APIRouter(tags=["search"], dependencies=[Depends(require_search)])
 
     @router.post(f"/{API_VERSION}/search", response_model=SearchResponse, responses=SEARCH_ONE_ERRORS, summary="search the index with one text query")
-    async def search_one(body: SearchRequest, state: StateDep) -> SearchResponse:  # type: ignore[valid-type]
+    async def search_one(body: SearchRequest, state: StateDep) -> Response:  # type: ignore[valid-type]
         t_start = time.perf_counter()
         with state.use_version() as version:
             ids = body.example_ids()
             if ids is not None:  # more like this: stage 1 with the videos' mean v̂, rerank by s_vv
                 opts = body.options(index_default_candidates(version.manifest))
                 opts = S.SearchOptions(k=opts.k, candidates=opts.candidates, rerank=opts.rerank, ncl=False)
-                return await run_example(state, version, E.search_by_videos, version, ids, opts=opts,
-                                         example={"kind": "videos", "ids": ids}, t_start=t_start)
-            return (await run_queries(state, version, [body.query],
-                                       body.options(index_default_candidates(version.manifest)), t_start))[0]
+                return _json(await run_example(state, version, E.search_by_videos, version, ids, opts=opts,
+                                               example={"kind": "videos", "ids": ids}, t_start=t_start))
+            res = await run_queries(state, version, [body.query], body.options(index_default_candidates(version.manifest)),
+                                    t_start)
+            return _json(res[0])
 
     max_k, max_K, default_K = settings.max_k, settings.max_candidates, settings.default_candidates
 
@@ -126,7 +140,7 @@ def make_router(settings: Settings) -> APIRouter:
         image: Annotated[UploadFile, File(description=f"the image (at most {settings.max_image_bytes} bytes)")],
         k: Annotated[int, Form(ge=1, le=max_k)] = 10,
         candidates: Annotated[int | None, Form(ge=1, le=max_K)] = None,
-    ) -> SearchResponse:
+    ) -> Response:
         t_start = time.perf_counter()
         data = await image.read(settings.max_image_bytes + 1)
         if len(data) > settings.max_image_bytes:
@@ -142,20 +156,20 @@ def make_router(settings: Settings) -> APIRouter:
             raise HTTPException(415 if "not accepted" in str(e) else 422, str(e)) from None
         opts = S.SearchOptions(k=k, candidates=K, rerank=False, ncl=False)
         with state.use_version() as version:
-            return await run_example(state, version, E.search_by_image, state.model, version, pil, opts=opts,
-                                     example={"kind": "image", "content_type": image.content_type, "bytes": len(data)},
-                                     t_start=t_start)
+            return _json(await run_example(state, version, E.search_by_image, state.model, version, pil, opts=opts,
+                                           example={"kind": "image", "content_type": image.content_type, "bytes": len(data)},
+                                           t_start=t_start))
 
     @router.post(f"/{API_VERSION}/search/batch", response_model=BatchSearchResponse, responses=SEARCH_ERRORS,
                  summary="many queries in one request (shared options)")
-    async def search_batch(body: BatchSearchRequest, state: StateDep) -> BatchSearchResponse:  # type: ignore[valid-type]
+    async def search_batch(body: BatchSearchRequest, state: StateDep) -> Response:  # type: ignore[valid-type]
         t_start = time.perf_counter()
         with state.use_version() as version:
             res = await run_queries(state, version, list(body.queries),
                                     body.options(index_default_candidates(version.manifest)), t_start)
-            return BatchSearchResponse(
+            return _json(BatchSearchResponse(
                 index_version=version.name, results=res,
                 timings_ms={"total": round((time.perf_counter() - t_start) * 1000, 3)},
-            )
+            ))
 
     return router

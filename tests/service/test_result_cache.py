@@ -123,3 +123,45 @@ def test_off_while_the_query_bank_records_traffic(service_env, tmp_path):
             assert c.post("/v1/search", json={"query": q, "k": 2}).json()["timings_ms"]["cache"] != "result"
         assert len(app.state.gare.query_bank) == 3  # every repeat reached the bank
     assert np.load(path, allow_pickle=False).shape[0] == 3
+
+
+def test_a_repeat_reads_no_metadata_and_the_byte_estimate_covers_rendered_hits(service_env):
+    """A result-cache answer reuses the hits rendered for the first answer: no metadata read (no SQLite, no
+    thread hop); and the entry's byte estimate is at least what tracemalloc measures for those rendered hits."""
+    import tracemalloc
+
+    from service.routes.search import _hit_models
+
+    sh = service_env
+    app = create_app(settings(sh["index"], result_cache_entries=100))
+    q = sh["captions"][2]
+    with TestClient(app) as c:
+        state = app.state.gare
+        version = state.handle.version
+        reads = []
+        orig = version.metadata
+
+        def counting(ids):
+            reads.append(list(ids))
+            return orig(ids)
+
+        version.metadata = counting
+        try:
+            first = c.post("/v1/search", json={"query": q, "k": 5}).json()
+            assert first["timings_ms"]["cache"] == "miss" and len(reads) == 1
+            again = c.post("/v1/search", json={"query": q, "k": 5}).json()
+            assert again["timings_ms"]["cache"] == "result" and len(reads) == 1  # no second read
+            assert again["results"] == first["results"] and first["results"][0]["metadata"]
+        finally:
+            version.metadata = orig
+        rc = state.result_cache
+        key = next(iter(rc._data))
+        res, rendered = rc.lookup(key)
+        assert len(rendered) == 5
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        fresh = _hit_models(state, version, res)
+        used = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
+        assert fresh == list(rendered)
+        assert ResultCache.entry_bytes(key, res, rendered) >= used > 0

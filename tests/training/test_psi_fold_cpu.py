@@ -156,3 +156,5 @@ def test_exhaustive_agrees_on_both_sides_of_the_kernel_threshold(a):
     q = pf.fold_queries(torch.randn(a, 16, generator=g), psi, 0.5)
     want = pf.pair_scores(q, v)
     torch.testing.assert_close(pf.exhaustive(q, v, chunk=16), want, atol=TOL, rtol=0)
+    for forced in (True, False):
+        torch.testing.assert_close(pf.exhaustive(q, v, chunk=16, kernel=forced), want, atol=TOL, rtol=0)
