@@ -3,7 +3,7 @@
     python bench/psi_fold.py            # ~5-10 min on one core; ~2.5 GiB peak
     python bench/psi_fold.py --quick    # smoke run (small gallery, 1 repeat each)
 
-One run, one CPU thread (torch.set_num_threads(1)), median of 3 repeats, ViT-B/32 sizes (d = 512, f = 12):
+One run, one CPU thread (torch.set_num_threads(1)), median of 5 rounds (the rerank paths interleaved in each), ViT-B/32 sizes (d = 512, f = 12):
 - psi rerank of K = 256 random rows of the gallery for one query: the fold's CPU kernel
   (`training/psi_fold_cpu.py`, the default: per-query vectors + the kernel reading the candidates' fp16
   frames and constants straight from the gallery arrays), the fold in torch ops (CUDA's path),
@@ -91,7 +91,7 @@ def main() -> None:
     ap.add_argument("--gallery", type=int, default=100_000, help="exhaustive gallery size")
     ap.add_argument("--distinct", type=int, default=1024, help="distinct videos folded (tiled to --gallery)")
     ap.add_argument("--fused-slice", type=int, default=10_000, help="entries the fused exhaustive is measured on")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5, help="rounds (rerank, interleaved) / repeats (the rest)")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     if args.quick:
@@ -175,14 +175,23 @@ def main() -> None:
         return model.score(t, big.frames[idx], big_mask[idx], vbar=units_big[idx] * norms_big[idx, None], block_videos=K)[0]
 
     rr: dict[str, Any] = {}
+    paths = (("fold", rr_kernel(packed_np), 50), ("fold_fp16_consts", rr_kernel(packed16_np), 50),
+             ("fold_torch", rr_fold_torch, 50), ("fused", rr_fused, 10), ("model", rr_model, 3))
     with torch.inference_mode():
-        outs = {}
-        for name, fn, iters in (("fold", rr_kernel(packed_np), 50), ("fold_fp16_consts", rr_kernel(packed16_np), 50),
-                                ("fold_torch", rr_fold_torch, 50), ("fused", rr_fused, 10), ("model", rr_model, 3)):
-            med, per = median_time(fn, iters, reps)
-            rr[name] = {"median_s": med, **per}
-            outs[name] = fn()
-            print(f"rerank {name}: {med * 1e3:.3f} ms", flush=True)
+        outs = {name: fn() for name, fn, _ in paths}  # also the warm-up call of each
+        # interleaved: every round times each path once, so a slow spell of the shared machine hits all paths of
+        # that round; the ratios below are medians of the per-round ratios
+        rounds: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in paths}
+        for _ in range(reps):
+            for name, fn, iters in paths:
+                _, per = median_time(fn, iters, 1)
+                rounds[name].append((per["cpu_repeats"][0], per["wall_repeats"][0]))
+        for name, _, _ in paths:
+            cpu = [c for c, _ in rounds[name]]
+            rr[name] = {"median_s": statistics.median(cpu), "wall_median": statistics.median(w for _, w in rounds[name]),
+                        "cpu_repeats": cpu, "wall_repeats": [w for _, w in rounds[name]]}
+            print(f"rerank {name}: {rr[name]['median_s'] * 1e3:.3f} ms", flush=True)
+        rr["fused_over_fold_per_round"] = [f / k for (f, _), (k, _) in zip(rounds["fused"], rounds["fold"], strict=True)]
     diffs = {
         "fold_vs_fused": float((outs["fold"] - outs["fused"]).abs().max()),
         "fold_vs_model": float((outs["fold"] - outs["model"]).abs().max()),
@@ -230,8 +239,9 @@ def main() -> None:
     # ---------------------------------------------------------------- report
     ms = 1e3
     fold_rr, fused_rr = rr["fold"]["median_s"], rr["fused"]["median_s"]
+    speedup = statistics.median(rr["fused_over_fold_per_round"])
     targets = {
-        "rerank >= 10x faster than fused": (fused_rr / fold_rr, fused_rr / fold_rr >= 10),
+        "rerank >= 10x faster than fused (median of the per-round ratios)": (speedup, speedup >= 10),
         "rerank <= 10% of the text encoder": (fold_rr / t_text, fold_rr / t_text <= 0.10),
         f"exhaustive {args.gallery:,} <= 2 s": (ex_fold, ex_fold <= 2.0),
         "bytes per video <= 4 KB (fp32)": (results["bytes_per_video"]["fp32"], results["bytes_per_video"]["fp32"] <= 4096),
@@ -259,7 +269,9 @@ def main() -> None:
          ["model.score", rr["model"]["median_s"] * ms, rr["model"]["median_s"] / fold_rr, wall("model"), 0.0],
          ["text encoder ViT-B/32, one query", t_text * ms, t_text / fold_rr, results["text_encoder_s"]["wall_median"] * ms, "-"]],
     )
-    body += f"\nmax |fold - fused| on these pairs: {diffs['fold_vs_fused']:.2e}.\n\n"
+    body += (f"\nThe paths ran interleaved, {reps} rounds; fused / fold (kernel) in each round: "
+             f"{', '.join(f'{x:.2f}' for x in rr['fused_over_fold_per_round'])} (median {speedup:.2f}). "
+             f"max |fold - fused| on these pairs: {diffs['fold_vs_fused']:.2e}.\n\n")
     body += f"## Exhaustive psi, one query, {args.gallery:,} entries\n\n"
     wf, wu = results["exhaustive_fold_s"]["wall_median"], results["exhaustive_fused_slice_s"]["wall_median"]
     body += table(
