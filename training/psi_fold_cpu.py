@@ -284,14 +284,15 @@ def widen_half(x: np.ndarray) -> np.ndarray:
 def warm_up() -> float:
     """Compile the kernel for the index's layouts (float16 frames, float32 or float16 constants, with and
     without v̄ rows) so no request pays for it; seconds spent."""
-    import torch
+    from types import SimpleNamespace
 
-    from .psi_fold import QueryVectors
+    import torch
 
     t0 = time.perf_counter()
     f, d = 2, 4
-    q = QueryVectors(u=torch.zeros(1, 3, d), sc=torch.zeros(1, 7), wsc=torch.zeros(4), eps=(1e-5, 1e-5, 1e-5),
-                     inv_temp=1.0, fingerprint="warm-up")
+    # the fields of training.psi_fold.QueryVectors the kernel reads (this module imports nothing of the project)
+    q = SimpleNamespace(u=torch.zeros(1, 3, d), sc=torch.zeros(1, 7), wsc=torch.zeros(4), eps=(1e-5, 1e-5, 1e-5),
+                        inv_temp=1.0)
     w = _N_VEC * f + _N_MAT * f * f + 2
     for fdt in (np.float16, np.float32):
         for pdt in (np.float32, np.float16):
