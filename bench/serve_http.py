@@ -28,6 +28,7 @@ import json
 import os
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import threading
@@ -145,6 +146,7 @@ def serve(index: Path, workers: int, cache: bool, threads: int | None,
 
 
 def components(index: Path, reps: int) -> dict[str, Any]:
+    import faiss
     import torch
 
     from indexer import search as S
@@ -154,6 +156,7 @@ def components(index: Path, reps: int) -> dict[str, Any]:
     from training.text_quant import build_text_encoder
 
     torch.set_num_threads(1)
+    faiss.omp_set_num_threads(1)  # one thread for every stage, as a worker with --torch-threads 1 runs them
     S.warm_up_rerank("fold", "cpu")  # compile the CPU kernel first, as the service's lifespan does
     v = open_index(index)
     model, _ = load_model(Path(v.manifest["checkpoint"]["path"]), "cpu")
@@ -181,20 +184,36 @@ def components(index: Path, reps: int) -> dict[str, Any]:
     out["psi rerank 256 (fused)"] = summary_ms(timed(lambda: S.psi_scores(model, v, t, [ids[0][ids[0] >= 0]], impl="fused"), reps))
     out["two-stage search, cache hit (encoder skipped)"] = summary_ms(timed(
         lambda: S.search_batch(model, v, [qs[0]], S.SearchOptions(k=10), encoder=lambda m: t), reps))
-    # The whole search with each text tower, a different query each time: first each query's first search (its
-    # candidates' rows may still be on disk: at 1M the arrays are ~19 GB next to the page cache's share), then
-    # the same queries again (their rows in RAM), which is the figure the ratio targets use.
+    # The whole search with each text tower on queries of its own: first each query's first search (its candidates'
+    # rows may still be on disk: at 1M the arrays are ~19 GB next to the page cache's share); then, interleaved
+    # query by query, the encoder alone and the search again (rows in RAM), so the ratio the targets use compares
+    # the two under the same machine state (this VM's speed drifts by tens of percent within minutes).
     def int8_enc(m: list[str]) -> torch.Tensor:
         return int8(S.trim_tokens(model.tokenize(list(m))))
 
-    for name, enc, seed in (("fp32", None, 6), ("int8", int8_enc, 7)):
-        fresh = make_queries(reps, seed=seed)  # queries of its own: none searched before
+    def fp32_enc(m: list[str]) -> torch.Tensor:
+        return S.encode_queries(model, list(m))
 
-        def one(enc: Any = enc, fresh: list[str] = fresh) -> None:
-            S.search_batch(model, v, [fresh[next(it) % reps]], S.SearchOptions(k=10), **({"encoder": enc} if enc else {}))
-
-        out[f"two-stage search, encoder {name}, first time each query (rows may be on disk)"] = summary_ms(timed(one, reps))
-        out[f"two-stage search, encoder {name}"] = summary_ms(timed(one, reps))
+    ratios: dict[str, Any] = {}
+    for name, enc, seed in (("fp32", fp32_enc, 6), ("int8", int8_enc, 7)):
+        fresh = make_queries(reps, seed=seed)  # none searched before
+        first, alone, two = [], [], []
+        for q in fresh:
+            t0 = time.perf_counter()
+            S.search_batch(model, v, [q], S.SearchOptions(k=10), encoder=enc)
+            first.append(time.perf_counter() - t0)
+        for q in fresh:
+            t0 = time.perf_counter()
+            enc([q])
+            t1 = time.perf_counter()
+            S.search_batch(model, v, [q], S.SearchOptions(k=10), encoder=enc)
+            alone.append(t1 - t0)
+            two.append(time.perf_counter() - t1)
+        out[f"two-stage search, encoder {name}, first time each query (rows may be on disk)"] = summary_ms(first)
+        out[f"text encoder {name} alone, interleaved with the row below"] = summary_ms(alone)
+        out[f"two-stage search, encoder {name} (rows in RAM)"] = summary_ms(two)
+        ratios[name] = round(statistics.median(b / a for a, b in zip(alone, two, strict=True)), 3)
+    out["two-stage / encoder alone, median of the per-query ratios"] = ratios
     v.close()
     return out
 
@@ -239,7 +258,8 @@ def markdown(d: dict[str, Any]) -> str:
           "(their candidates' rows may be read from disk) and again (rows in RAM).", "",
           "| component | p50 ms | p95 ms | mean ms | n |", "|---|---:|---:|---:|---:|"]
     for k, s in d["components"].items():
-        L.append(f"| {k} | {s['p50']} | {s['p95']} | {s['mean']} | {s['n']} |")
+        if "p50" in s:
+            L.append(f"| {k} | {s['p50']} | {s['p95']} | {s['mean']} | {s['n']} |")
     L += ["", "## Targets (issues 12 and 14), from this run", "", "| target | measured | met |", "|---|---|---|"]
     for t in targets(d):
         L.append(f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else 'NO' if t['met'] is not None else 'not measured'} |")
@@ -270,11 +290,13 @@ def targets(d: dict[str, Any]) -> list[dict[str, Any]]:
     out.append({"target": f"result-cache answer, 1 client, {wmax} workers: p50 <= 3 ms over HTTP", "measured": f"{hit} ms",
                 "met": None if hit is None else hit <= 3.0})
     c = d.get("components", {})
-    for enc, row in (("fp32", "text encoder fp32 (model)"), ("int8", "text encoder int8 (torch.ao dynamic)")):
-        two, alone = c.get(f"two-stage search, encoder {enc}", {}).get("p50"), c.get(row, {}).get("p50")
-        r = round(two / alone, 2) if two and alone else None
-        out.append({"target": f"two-stage p50 <= 1.15x the {enc} text encoder alone (in process, 1 thread, candidates' rows in RAM)",
-                    "measured": f"x{r} ({two} / {alone} ms)", "met": None if r is None else r <= 1.15})
+    for enc in ("fp32", "int8"):
+        two = c.get(f"two-stage search, encoder {enc} (rows in RAM)", {}).get("p50")
+        alone = c.get(f"text encoder {enc} alone, interleaved with the row below", {}).get("p50")
+        r = c.get("two-stage / encoder alone, median of the per-query ratios", {}).get(enc)
+        out.append({"target": f"two-stage <= 1.15x the {enc} text encoder alone (in process, 1 thread, rows in RAM; "
+                              "median of per-query ratios, interleaved)",
+                    "measured": f"x{r} (p50 {two} / {alone} ms)", "met": None if r is None else r <= 1.15})
     return out
 
 
