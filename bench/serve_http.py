@@ -82,6 +82,7 @@ def closed_loop(url: str, stream: list[str], clients: int, duration: float) -> d
     lat: list[list[float]] = [[] for _ in range(clients)]
     kinds: list[list[str]] = [[] for _ in range(clients)]  # each answer's timings_ms.cache: miss, hit or result
     errors = [0] * clients
+    probe: list[list[float]] = [[] for _ in range(clients)]  # GET /healthz every 10th request
     stop = time.perf_counter() + duration
     start_gate = threading.Barrier(clients)
 
@@ -99,6 +100,10 @@ def closed_loop(url: str, stream: list[str], clients: int, duration: float) -> d
                     kinds[i].append(r.json()["timings_ms"]["cache"])
                 else:
                     errors[i] += 1
+                if j % 10 == 0:  # the floor of this machine's HTTP round trip under the same traffic: GET /healthz
+                    t0 = time.perf_counter()
+                    if c.get("/healthz").status_code == 200:
+                        probe[i].append(time.perf_counter() - t0)
 
     t0 = time.perf_counter()
     c0 = time.process_time()
@@ -114,7 +119,8 @@ def closed_loop(url: str, stream: list[str], clients: int, duration: float) -> d
                for k in ("miss", "hit", "result") if k in all_kind}
     return {"clients": clients, "qps": round(len(all_lat) / wall, 2), **{f"latency_{k}": v for k, v in summary_ms(all_lat).items()},
             "errors": sum(errors), "wall_s": round(wall, 2), "client_cpu": round((time.process_time() - c0) / wall, 2),
-            "answers": {k: all_kind.count(k) for k in ("miss", "hit", "result")}, "latency_by_cache": by_kind}
+            "answers": {k: all_kind.count(k) for k in ("miss", "hit", "result")}, "latency_by_cache": by_kind,
+            "healthz": summary_ms([x for xs in probe for x in xs])}
 
 
 def serve(index: Path, workers: int, cache: bool, threads: int | None,
@@ -241,14 +247,15 @@ def markdown(d: dict[str, Any]) -> str:
                  f"{', '.join(str(x) for x in r['worker_rss_mib'])} | {r['client_cpu']} |")
     L += ["", "Answers by cache (`timings_ms.cache`: result = the whole result from the result cache, hit = the "
           "query embedding from the embedding cache, miss = every stage ran) and their client-side latency:", "",
-          "| workers | stream | clients | answers miss / hit / result | result p50 ms | result p99 ms | miss p50 ms |",
-          "|---:|---|---:|---|---:|---:|---:|"]
+          "| workers | stream | clients | answers miss / hit / result | result p50 ms | result p99 ms | miss p50 ms | GET /healthz p50 ms (every 10th request) |",
+          "|---:|---|---:|---|---:|---:|---:|---:|"]
     for r in d["runs"]:
         a, lk = r.get("answers"), r.get("latency_by_cache", {})
         if a is None:
             continue
         L.append(f"| {r['workers']} | {r['stream']} | {r['clients']} | {a['miss']} / {a['hit']} / {a['result']} | "
-                 f"{lk.get('result', {}).get('p50', '-')} | {lk.get('result', {}).get('p99', '-')} | {lk.get('miss', {}).get('p50', '-')} |")
+                 f"{lk.get('result', {}).get('p50', '-')} | {lk.get('result', {}).get('p99', '-')} | {lk.get('miss', {}).get('p50', '-')} | "
+                 f"{r.get('healthz', {}).get('p50', '-')} |")
     L += ["", "Ratios (same run): 32 clients vs 1 client, q/s and p99:", ""]
     for key, rs in d["ratios"].items():
         L.append(f"- {key}: q/s x{rs['qps']}, p99 x{rs['p99']}")
@@ -276,19 +283,23 @@ def targets(d: dict[str, Any]) -> list[dict[str, Any]]:
     q = round(hi["qps"] / lo["qps"], 2) if lo and hi and lo["qps"] else None
     p = round(hi["latency_p99"] / lo["latency_p99"], 2) if lo and hi and lo["latency_p99"] else None
     out.append({"target": f"32 vs 1 clients, {wmax} workers, every request searched: q/s >= 2.5x", "measured": f"x{q}", "met": None if q is None else q >= 2.5})
-    # Little's law for a closed loop: 32 clients over C cores, each query costing c CPU seconds, wait at least
-    # 32·c/C per request (c = the workers' CPU per answered query of the 1-client run, every stage searched)
-    bound = None
-    if lo and lo["qps"]:
-        c_q = sum(lo["worker_cpu"]) / lo["qps"]
-        bound = round(32 * c_q / d["usable_cores"] * 1000 / lo["latency_p99"], 1)
+    # Little's law for the closed loop: with c CPU seconds per query (the workers' CPU over the answers of the
+    # 32-client run itself, micro-batching included), C cores answer at most C/c queries a second, so 32 clients
+    # wait at least 32·c/C on average; the target needs p99 <= 4x the 1-client p99.
+    why = ""
+    if lo and hi and hi["qps"]:
+        c_q = sum(hi["worker_cpu"]) / hi["qps"]
+        cores = d["usable_cores"]
+        why = (f"; the 32-client run spent {c_q * 1000:.1f} ms of worker CPU per query, so {cores} cores answer at most "
+               f"{cores / c_q:.0f} q/s and 32 clients wait >= {32 * c_q / cores * 1000:.0f} ms on average, against "
+               f"4 x {lo['latency_p99']} = {4 * lo['latency_p99']:.0f} ms")
     out.append({"target": f"32 vs 1 clients, {wmax} workers: p99 <= 4x", "met": None if p is None else p <= 4,
-                "measured": f"x{p}" + (f" (lower bound on {d['usable_cores']} cores from this run's CPU per query: x{bound})"
-                                        if bound is not None else "")})
+                "measured": f"x{p}{why}"})
     z = by.get((wmax, "zipf", 1))
     hit = (z or {}).get("latency_by_cache", {}).get("result", {}).get("p50")
-    out.append({"target": f"result-cache answer, 1 client, {wmax} workers: p50 <= 3 ms over HTTP", "measured": f"{hit} ms",
-                "met": None if hit is None else hit <= 3.0})
+    floor = (z or {}).get("healthz", {}).get("p50")
+    out.append({"target": f"result-cache answer, 1 client, {wmax} workers: p50 <= 3 ms over HTTP",
+                "measured": f"{hit} ms (GET /healthz in the same stream: {floor} ms)", "met": None if hit is None else hit <= 3.0})
     c = d.get("components", {})
     for enc in ("fp32", "int8"):
         two = c.get(f"two-stage search, encoder {enc} (rows in RAM)", {}).get("p50")
