@@ -124,9 +124,11 @@ def test_fully_padded_video_scores_nan_like_pair_scores():
     mask[1] = False
     frames[1] = 0
     ref = reference(psi, t, frames, mask, 3.0)
-    s = pf.pair_scores(pf.fold_queries(t, psi, 3.0), pf.fold_videos(frames, mask, psi))
-    assert torch.isnan(ref[:, 1]).all() and torch.isnan(s[:, 1]).all()
-    torch.testing.assert_close(s[:, [0, 2]].double(), ref[:, [0, 2]], atol=TOL, rtol=0)
+    q, v = pf.fold_queries(t, psi, 3.0), pf.fold_videos(frames, mask, psi)
+    # all pairs (torch ops) and the candidates path (the CPU kernel): the same NaN, the other videos untouched
+    for s in (pf.pair_scores(q, v), pf.pair_scores(q, v, torch.arange(3).repeat(2, 1))):
+        assert torch.isnan(ref[:, 1]).all() and torch.isnan(s[:, 1]).all()
+        torch.testing.assert_close(s[:, [0, 2]].double(), ref[:, [0, 2]], atol=TOL, rtol=0)
 
 
 def test_equals_model_score_and_fused(tiny_model):

@@ -67,18 +67,6 @@ def test_kernel_all_rows_mode(problem):
     torch.testing.assert_close(pf.pair_scores(q, v, idx), pf.pair_scores(q, v, idx, kernel=False), atol=TOL, rtol=0)
 
 
-def test_fully_padded_video_scores_nan_and_others_are_untouched():
-    psi = random_psi(16, 1)
-    t, frames = torch.randn(2, 16), torch.randn(3, 5, 16)
-    mask = torch.ones(3, 5, dtype=torch.bool)
-    mask[1] = False
-    frames[1] = 0
-    ref = reference(psi, t, frames, mask, 3.0)
-    s = pf.pair_scores(pf.fold_queries(t, psi, 3.0), pf.fold_videos(frames, mask, psi), torch.arange(3).repeat(2, 1))
-    assert torch.isnan(s[:, 1]).all()
-    torch.testing.assert_close(s[:, [0, 2]].double(), ref[:, [0, 2]], atol=TOL, rtol=0)
-
-
 def test_real_sizes_from_memory_mapped_arrays(tmp_path):
     """d = 512, f = 12, float16 frames and float32 constants memory-mapped as the index stores them, K = 256:
     equal to the torch fold on the gathered rows."""
