@@ -48,6 +48,18 @@ def _hit_models(state: ServiceState, version: Any, res: S.QueryResult) -> list[H
     return out
 
 
+def _fresh_urls(state: ServiceState, rendered: tuple[Hit, ...]) -> list[Hit]:
+    """Cached rendered hits with media URLs signed now: a signed URL expires (ServiceState.media_token), so a
+    cached answer must not hand out the token it was first rendered with. Unsigned URLs never change."""
+    if not state.settings.require_key_for_search:
+        return list(rendered)
+    out = []
+    for h in rendered:
+        thumb, video = state.media_urls(h.id)
+        out.append(h.model_copy(update={"thumbnail_url": thumb, "video_url": video}))
+    return out
+
+
 async def run_queries(state: ServiceState, version: Any, queries: list[str], opts: S.SearchOptions,
                       t_start: float) -> list[SearchResponse]:
     try:  # refused here, before the micro-batch, so it cannot fail other clients' queries
@@ -69,7 +81,7 @@ async def run_queries(state: ServiceState, version: Any, queries: list[str], opt
     for i, (q, (res, info)) in enumerate(zip(queries, got, strict=True)):
         c = cached[i]
         if c is not None:
-            hits = list(c[1])
+            hits = _fresh_urls(state, c[1])
         else:
             hits = await run_in_threadpool(_hit_models, state, version, res)
             if keys[i] is not None:

@@ -165,3 +165,30 @@ def test_a_repeat_reads_no_metadata_and_the_byte_estimate_covers_rendered_hits(s
         tracemalloc.stop()
         assert fresh == list(rendered)
         assert ResultCache.entry_bytes(key, res, rendered) >= used > 0
+
+
+def test_a_repeat_hands_out_freshly_signed_media_urls(service_env, tmp_path, monkeypatch):
+    """With require_key_for_search the media URLs carry an expiring token: a result-cache answer signs them
+    anew, so a repeat an hour later still gives URLs that work (the cached answer's own tokens have expired)."""
+    import time as _time
+
+    kf = tmp_path / "keys.txt"
+    kf.write_text("k1\n")
+    sh = service_env
+    app = create_app(settings(sh["index"], result_cache_entries=100, api_keys_file=kf, require_key_for_search=True))
+    q, auth = sh["captions"][3], {"X-API-Key": "k1"}
+    with TestClient(app) as c:
+        first = c.post("/v1/search", json={"query": q, "k": 3}, headers=auth).json()
+        assert first["timings_ms"]["cache"] == "miss"
+        now = _time.time()
+        monkeypatch.setattr(_time, "time", lambda: now + 7200)  # two hours on: the first tokens have expired
+        state = app.state.gare
+        old = first["results"][0]
+        assert not state.check_media_token(old["id"], old["video_url"].split("token=")[1])
+        again = c.post("/v1/search", json={"query": q, "k": 3}, headers=auth).json()
+        assert again["timings_ms"]["cache"] == "result"
+        assert [h["id"] for h in again["results"]] == [h["id"] for h in first["results"]]
+        for h in again["results"]:
+            for url in (h["video_url"], h["thumbnail_url"]):
+                assert state.check_media_token(h["id"], url.split("token=")[1]), url
+        assert c.get(again["results"][0]["thumbnail_url"]).status_code == 200
