@@ -323,34 +323,38 @@ def _kernel_reads(version: Any) -> bool:
             and np.asarray(version.norms).dtype == np.float32 and psi_fold_cpu.available())
 
 
+def _padded(ids: np.ndarray, sizes: list[int]) -> np.ndarray:
+    """Flat per-query ids (the queries' runs of `sizes`) -> (len(sizes), max K) int64, each row padded with its
+    first id (a valid row; the pads' scores are dropped by `_unpad`)."""
+    out = np.zeros((len(sizes), max(sizes, default=0)), dtype=np.int64)
+    offs = np.cumsum([0] + sizes)
+    for i, (a, b) in enumerate(zip(offs[:-1], offs[1:], strict=True)):
+        out[i, : b - a] = ids[a:b]
+        out[i, b - a :] = ids[a] if b > a else 0
+    return out
+
+
+def _unpad(s: np.ndarray, sizes: list[int]) -> np.ndarray:
+    return np.concatenate([s[i, :k] for i, k in enumerate(sizes)]) if len(sizes) > 1 else s[0, : sizes[0]].copy()
+
+
 def _psi_scores_fold(model: Any, version: Any, t: torch.Tensor, rows: np.ndarray, sizes: list[int]) -> np.ndarray:
     """Folded psi for the pairs (query i, rows of its candidates), flat in the callers' order.
 
-    The batch's candidate rows are read once, ascending (memmap friendly), into one VideoConstants that every
-    query shares; each query's candidates are ids into it (padded to the batch's largest K, pads dropped)."""
+    On the CPU the compiled kernel reads each candidate's rows straight from the memory-mapped arrays. Elsewhere
+    the batch's candidate rows are read once, ascending (memmap friendly), into one VideoConstants that every
+    query shares; each query's candidates are ids into it. Either way K is padded to the batch's largest."""
     dev = t.device
     fold = psi_consts.fold_of(model)
+    q = pf.fold_queries(t, fold, model.cfg.temp)
     if dev.type == "cpu" and _kernel_reads(version):
-        # the compiled kernel reads each candidate's rows straight from the memory-mapped arrays: no gather
-        q = pf.fold_queries(t, fold, model.cfg.temp)
-        idx = np.zeros((len(sizes), max(sizes, default=0)), dtype=np.int64)
-        offs = np.cumsum([0] + sizes)
-        for i, (a, b) in enumerate(zip(offs[:-1], offs[1:], strict=True)):
-            idx[i, : b - a] = rows[a:b]
-            idx[i, b - a :] = rows[a] if b > a else 0  # padding, dropped below
-        s = psi_fold_cpu.pair_scores(q, version.frames, version.psi_consts, idx, vrows=version.units,
+        s = psi_fold_cpu.pair_scores(q, version.frames, version.psi_consts, _padded(rows, sizes), vrows=version.units,
                                      vscale=version.norms)
-        return np.concatenate([s[i, :k] for i, k in enumerate(sizes)]) if len(sizes) > 1 else s[0, : sizes[0]].copy()
+        return _unpad(s, sizes)
     uniq, inv = np.unique(rows, return_inverse=True)
     v = psi_consts.gather(version, uniq, fold, dev)
-    q = pf.fold_queries(t, fold, model.cfg.temp)
-    kmax = max(sizes)
-    idx = np.zeros((len(sizes), kmax), dtype=np.int64)
-    offs = np.cumsum([0] + sizes)
-    for i, (a, b) in enumerate(zip(offs[:-1], offs[1:], strict=True)):
-        idx[i, : b - a] = inv[a:b]
-    s = pf.pair_scores(q, v, torch.from_numpy(idx).to(dev)).cpu().numpy()
-    return np.concatenate([s[i, :k] for i, k in enumerate(sizes)]) if len(sizes) > 1 else s[0, : sizes[0]].copy()
+    s = pf.pair_scores(q, v, torch.from_numpy(_padded(inv.reshape(-1), sizes)).to(dev)).cpu().numpy()
+    return _unpad(s, sizes)
 
 
 def rerank_scores(impl: str, model: Any, t: torch.Tensor, frames: torch.Tensor, mask: torch.Tensor | None, **kw: Any) -> torch.Tensor:

@@ -74,6 +74,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from . import psi_fold_cpu
 from .psi import Psi
 
 log = logging.getLogger(__name__)
@@ -529,8 +530,6 @@ def _frame_dots(frames: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def cpu_kernel_usable(v: VideoConstants) -> bool:
     """Whether `training.psi_fold_cpu` can score candidates of v: CPU tensors, float16/float32 frames and
     constants, float32 v̄ (if any), and numba importable."""
-    from . import psi_fold_cpu
-
     ok = {torch.float16, torch.float32}
     return (v.device.type == "cpu" and v.frames.device.type == "cpu" and v.frames.dtype in ok and v.packed.dtype in ok
             and (v.vbar is None or v.vbar.dtype == torch.float32) and psi_fold_cpu.available())
@@ -555,10 +554,8 @@ def pair_scores(q: QueryVectors, v: VideoConstants, idx: torch.Tensor | None = N
         usable = cpu_kernel_usable(v)
         if kernel and not usable:
             raise ValueError(f"the CPU kernel cannot score these constants (device {dev}, frames {v.frames.dtype}, "
-                             f"constants {v.packed.dtype}; numba importable: {_numba_ok()})")
+                             f"constants {v.packed.dtype}; numba importable: {psi_fold_cpu.available()})")
         if usable:
-            from . import psi_fold_cpu
-
             ix = torch.as_tensor(idx, dtype=torch.long).cpu().numpy()
             with torch.no_grad():
                 return torch.from_numpy(psi_fold_cpu.pair_scores(q, v.frames, v.packed, ix, vrows=v.vbar))
@@ -592,12 +589,6 @@ def pair_scores(q: QueryVectors, v: VideoConstants, idx: torch.Tensor | None = N
         dots = torch.bmm(fr, q.u.transpose(1, 2)).view(a, k, f, 3).permute(0, 3, 1, 2)  # (a, 3, K, f)
         vt = None if vs.vbar is None else torch.bmm(_f32(vs.vbar), q.u[:, 0, :, None]).view(a, k)
         return _scores_from_dots(q, vs.packed, f, dots[:, 0], dots[:, 1], dots[:, 2], vt)
-
-
-def _numba_ok() -> bool:
-    from . import psi_fold_cpu
-
-    return psi_fold_cpu.available()
 
 
 def _all_pairs(q: QueryVectors, v: VideoConstants, buf: torch.Tensor | None) -> torch.Tensor:

@@ -20,6 +20,13 @@ def test_numba_is_available():
     assert pc.available()
 
 
+def test_kernel_layout_constants_are_the_folds():
+    """The kernel hard-codes the packed row's layout (it imports nothing of the project): the counts and the cosine
+    eps must be psi_fold's (the field order itself is held by the equality tests below)."""
+    assert (pc._N_VEC, pc._N_MAT, pc._COS_EPS) == (len(pf.VEC_FIELDS), len(pf.MAT_FIELDS), pf._COS_EPS)
+    assert pf.SCALAR_FIELDS == ("cvv", "vsum") and pf.VEC_FIELDS[:5] == ("rs", "bias", "le", "lg", "omega")
+
+
 def test_half_widening_is_exact_for_every_bit_pattern():
     bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
     half = bits.view(np.float16).reshape(256, 256)
