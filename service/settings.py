@@ -115,6 +115,42 @@ class Settings(BaseSettings):
     default_candidates: int = Field(DEFAULT_CANDIDATES, ge=1)
     max_candidates: int = Field(2048, ge=1, le=1_000_000)
     max_batch_queries: int = Field(64, ge=1, le=10_000)
+    max_image_aspect: float = Field(
+        20.0, ge=1.0, le=10_000.0, description="largest long side / short side of an uploaded image (422 beyond)"
+    )
+    image_decode_concurrency: int = Field(
+        2, ge=1, le=64, description="image uploads decoded and encoded at once per worker; more wait (bounded memory)"
+    )
+    header_timeout_s: float = Field(
+        10.0, gt=0, le=600, description="a connection must send a request's complete headers within this (slow-client bound)"
+    )
+    body_timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="a request body must arrive within this once its headers are in (408 beyond)"
+    )
+    trusted_hosts: str = Field(
+        "", description="comma-separated Host header values accepted ('*' = any; a leading '*.' matches subdomains); "
+        "empty = the loopback names (localhost, 127.0.0.1, ::1) when bound to a loopback address, else any"
+    )
+    metrics_require_key: bool | None = Field(
+        None, description="/metrics needs an API key; default: when search needs one (require_key_for_search)"
+    )
+
+    # signed media URLs: one secret per deployment (every worker and replica must share it)
+    media_secret: str = Field(
+        "", repr=False, description="secret that signs media URLs (at least 32 characters); every replica needs the "
+        "same one. Empty: read media_secret_file, else generated once and kept in <index>/.gare-media-secret"
+    )
+    media_secret_file: Path | None = Field(None, description="file holding the media URL secret (a docker/k8s secret)")
+    media_secret_previous: str = Field(
+        "", repr=False, description="the secret before a rotation: tokens it signed stay valid until they expire"
+    )
+    media_token_ttl_s: int = Field(3600, ge=10, le=7 * 24 * 3600, description="lifetime of a signed media URL")
+
+    # following the index: every worker and replica switches to a new CURRENT by itself
+    index_poll_s: float = Field(
+        2.0, ge=0, le=3600, description="check the index's CURRENT every this many seconds and switch to a new "
+        "version (0 = only on POST /v1/admin/reload or restart)"
+    )
 
     # micro-batching
     batch_max_size: int = Field(32, ge=1, le=4096, description="most queries the worker processes at once")
@@ -147,7 +183,7 @@ class Settings(BaseSettings):
     thumbnail_cache_size: int = Field(1024, ge=0)
 
     @field_validator("checkpoint", "index", "api_keys_file", "library_root", "query_bank_path", "run_dir",
-                     "workers", "torch_threads", mode="before")
+                     "workers", "torch_threads", "media_secret_file", "metrics_require_key", mode="before")
     @classmethod
     def _empty_is_none(cls, v: Any) -> Any:
         return None if v == "" else v
@@ -157,6 +193,18 @@ class Settings(BaseSettings):
         if self.default_candidates > self.max_candidates:
             raise ValueError(f"default_candidates={self.default_candidates} exceeds max_candidates={self.max_candidates}")
         return self
+
+    def trusted_host_list(self) -> list[str]:
+        """The Host header values accepted; ['*'] = any (see ``trusted_hosts``)."""
+        given = [h.strip() for h in self.trusted_hosts.split(",") if h.strip()]
+        if given:
+            return given
+        if self.host in ("127.0.0.1", "localhost", "::1") or self.host.startswith("127."):
+            return ["localhost", "127.0.0.1", "::1", "[::1]"]
+        return ["*"]
+
+    def metrics_need_key(self) -> bool:
+        return self.require_key_for_search if self.metrics_require_key is None else self.metrics_require_key
 
     def cors_origin_list(self) -> list[str]:
         return [o.strip() for o in self.cors_origins.split(",") if o.strip()]
