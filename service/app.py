@@ -25,6 +25,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
+from .follow import follow_current
 from .metrics import Metrics, MetricsMiddleware, mark_worker_dead
 from .middleware import BodySizeLimitMiddleware, SecurityHeadersMiddleware, install_error_handlers
 from .routes import admin, ops, search, videos
@@ -59,17 +60,19 @@ def create_app(settings: Settings | None = None, **overrides: Any) -> FastAPI:
             raise
         app.state.gare = state
         state.batcher.start()
-        watcher = (
-            asyncio.get_running_loop().create_task(watch_reloads(state, state.board), name="gare-reload-watch")
-            if state.board is not None else None
-        )
+        loop = asyncio.get_running_loop()
+        tasks = []
+        if state.board is not None:  # the other workers' admin reloads
+            tasks.append(loop.create_task(watch_reloads(state, state.board), name="gare-reload-watch"))
+        if settings.index_poll_s > 0:  # a new CURRENT written by gare-index, on any host sharing the index
+            tasks.append(loop.create_task(follow_current(state, settings.index_poll_s), name="gare-follow-current"))
         try:
             yield
         finally:
-            if watcher is not None:
-                watcher.cancel()
+            for task in tasks:
+                task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await watcher
+                    await task
             await state.batcher.stop()
             state.close()
             app.state.gare = None

@@ -8,11 +8,9 @@
 
 import asyncio
 import contextlib
-import hashlib
 import hmac
 import logging
 import mmap
-import secrets
 import threading
 import time
 from collections.abc import Sequence
@@ -23,7 +21,6 @@ from typing import Any
 import torch
 from cachetools import LRUCache
 from fastapi import HTTPException
-from itsdangerous import Signer
 from starlette.concurrency import run_in_threadpool
 
 from indexer import search as S
@@ -42,6 +39,7 @@ from training.checkpoint import CheckpointError, file_sha256, load_model
 from training.model import resolve_device
 
 from .batcher import MicroBatcher
+from .media import MediaSecretError, MediaSigner, resolve_secrets
 from .metrics import Metrics
 from .query_cache import QueryCache, make_normalizer
 from .querybank import QueryBank
@@ -239,21 +237,15 @@ class ServiceState:
         )
         self.started = time.time()
         # Signs short-lived media URLs (thumbnail, file) handed out in search results, so that <img> and
-        # <video> elements, which cannot send an API key header, work when search needs a key. A token is
-        # "<expiry>.<signature of 'video_id:expiry'>" (itsdangerous, HMAC-SHA256, a per-process secret).
-        self._media_signer = Signer(secrets.token_bytes(32), salt="gare-media-url", digest_method=hashlib.sha256)
+        # <video> elements, which cannot send an API key header, work when search needs a key: one secret
+        # per deployment (service.media), resolved in load(); unsigned URLs need none.
+        self.media = MediaSigner.ephemeral(settings.media_token_ttl_s)
 
-    def media_token(self, video_id: int, ttl_s: int = 3600) -> str:
-        exp = int(time.time()) + ttl_s
-        return f"{exp}.{self._media_signer.get_signature(f'{video_id}:{exp}').decode('ascii')}"
+    def media_token(self, video_id: int) -> str:
+        return self.media.token(video_id)
 
     def check_media_token(self, video_id: int, token: str | None) -> bool:
-        if not token or "." not in token:
-            return False
-        exp_s, _, sig = token.partition(".")
-        if not exp_s.isdigit() or int(exp_s) < time.time():
-            return False
-        return self._media_signer.verify_signature(f"{video_id}:{exp_s}", sig)
+        return self.media.verify(video_id, token)
 
     def media_urls(self, video_id: int) -> tuple[str, str]:
         """(thumbnail_url, video_url); signed when search needs a key."""
@@ -273,6 +265,13 @@ class ServiceState:
             except (ImportError, AttributeError):  # pragma: no cover - faiss is a dependency
                 pass
         path, sha, _ = resolve_checkpoint(s)
+        if s.require_key_for_search:  # media URLs are signed: every worker and replica needs the same secret
+            try:
+                self.media = MediaSigner(resolve_secrets(
+                    secret=s.media_secret, secret_file=s.media_secret_file, previous=s.media_secret_previous,
+                    index_dir=s.index), s.media_token_ttl_s)
+            except MediaSecretError as e:
+                raise StartupError(str(e)) from None
         try:
             self.device = resolve_device(s.device)
         except RuntimeError as e:
