@@ -24,12 +24,19 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
+from swagger_ui_bundle import swagger_ui_path
 
 from .follow import follow_current
 from .metrics import Metrics, MetricsMiddleware, mark_worker_dead
-from .middleware import BodySizeLimitMiddleware, SecurityHeadersMiddleware, install_error_handlers
+from .middleware import (
+    BodySizeLimitMiddleware,
+    HeadMiddleware,
+    SecurityHeadersMiddleware,
+    TrustedHostMiddleware,
+    install_error_handlers,
+)
 from .routes import admin, ops, search, videos
-from .routes.ops import STATIC_DIR
+from .routes.ops import DOCS_ASSETS, STATIC_DIR
 from .settings import Settings, SettingsError, load_api_key_hashes, load_settings
 from .state import API_VERSION, ServiceState, StartupError, VersionHandle, resolve_checkpoint
 from .workers import watch_reloads
@@ -79,6 +86,7 @@ def create_app(settings: Settings | None = None, **overrides: Any) -> FastAPI:
             mark_worker_dead()
 
     app = FastAPI(
+        docs_url=None, redoc_url=None,  # /docs is served below from local assets (no CDN: works offline, CSP-clean)
         title="GARE search",
         version="1.0",
         summary="Text-to-video search: dual-tower ANN, GARE psi rerank and NCL biases",
@@ -107,6 +115,7 @@ def create_app(settings: Settings | None = None, **overrides: Any) -> FastAPI:
     app.include_router(admin.router)
     app.include_router(ops.router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+    app.mount(DOCS_ASSETS, StaticFiles(directory=swagger_ui_path), name="docs-assets")
 
     # ------------------------------------------------------------------ middleware (last added = outermost)
     origins = settings.cors_origin_list()
@@ -116,7 +125,9 @@ def create_app(settings: Settings | None = None, **overrides: Any) -> FastAPI:
             allow_headers=["Authorization", "X-API-Key", "Content-Type", "Range"],
             expose_headers=["Content-Range", "Accept-Ranges", "Content-Length"], max_age=600,
         )
+    app.add_middleware(HeadMiddleware)
     app.add_middleware(SecurityHeadersMiddleware)
+    app.add_middleware(TrustedHostMiddleware, allowed=settings.trusted_host_list())
     # the image upload may be larger than a JSON body (plus the multipart envelope)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes,
                        path_limits={f"/{API_VERSION}/search/image": settings.max_image_bytes + 64 * 1024})

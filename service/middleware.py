@@ -1,6 +1,11 @@
-"""ASGI middleware (body-size limit, security headers) and the JSON error handlers of the service."""
+"""ASGI middleware (body-size limit, trusted hosts, security headers) and the JSON error handlers of the service.
+
+Every error body goes through :func:`public_detail`: a client never sees a memory address, a server path or
+a traceback, whatever a library put in an exception's text.
+"""
 
 import logging
+import re
 import sqlite3
 from collections.abc import Sequence
 from typing import Any
@@ -81,6 +86,82 @@ class BodySizeLimitMiddleware:
         await send({"type": "http.response.body", "body": resp.body})
 
 
+class HeadMiddleware:
+    """HEAD wherever GET is served (RFC 9110 §9.3.2): the request is routed as GET and only the response's
+    status and headers go out (Content-Length included). FastAPI routes answer only their declared methods,
+    and declaring HEAD on each would double the OpenAPI operations.
+
+    A file response is not read for a HEAD: the scope offers the ASGI ``http.response.pathsend`` extension,
+    so Starlette's FileResponse hands over the path instead of streaming the file, and the path is dropped.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+        extensions = {**scope.get("extensions", {}), "http.response.pathsend": {}}
+        scope = {**scope, "method": "GET", "extensions": extensions}
+        ended = False
+
+        async def head_send(msg: dict[str, Any]) -> None:
+            nonlocal ended
+            kind = msg["type"]
+            if kind in ("http.response.body", "http.response.pathsend"):
+                if not ended:  # one empty, final body; later chunks of a streamed body are dropped
+                    ended = True
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+            await send(msg)
+
+        await self.app(scope, receive, head_send)
+
+
+class TrustedHostMiddleware:
+    """400 for a request whose Host header is not an accepted name (DNS rebinding: a web page on another site
+    resolving its own name to 127.0.0.1 reaches a keyless local server only with its own name as the Host).
+
+    ``allowed``: exact names (any case, port ignored, IPv6 with or without brackets), ``*.domain`` for its
+    subdomains, or ``*`` for any. Starlette's own middleware splits ``[::1]:8000`` on the first colon.
+    """
+
+    def __init__(self, app: Any, allowed: Sequence[str]) -> None:
+        self.app = app
+        names = [h.strip().lower() for h in allowed if h.strip()]
+        self.any = "*" in names
+        self.exact = {h.strip("[]") for h in names if not h.startswith("*.")}
+        self.suffixes = tuple(h[1:] for h in names if h.startswith("*."))
+
+    @staticmethod
+    def host_name(value: str) -> str:
+        v = value.strip().lower()
+        if v.startswith("["):  # [v6]:port
+            return v[1:v.find("]")] if "]" in v else ""
+        if v.count(":") == 1:
+            v = v.split(":", 1)[0]
+        return v.rstrip(".")
+
+    def accepts(self, value: str) -> bool:
+        if self.any:
+            return True
+        name = self.host_name(value)
+        return bool(name) and (name in self.exact or name.endswith(self.suffixes))
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] not in ("http", "websocket") or self.any:
+            await self.app(scope, receive, send)
+            return
+        hosts = [v.decode("latin-1") for k, v in scope.get("headers", []) if k == b"host"]
+        if len(hosts) == 1 and self.accepts(hosts[0]):
+            await self.app(scope, receive, send)
+            return
+        resp = JSONResponse({"detail": "invalid Host header: this server answers only for its configured names "
+                                       "(GARE_TRUSTED_HOSTS)"}, status_code=400)
+        await resp(scope, receive, send)
+
+
 class SecurityHeadersMiddleware:
     CSP = (
         "default-src 'self'; img-src 'self' data: blob:; media-src 'self' blob:; style-src 'self'; script-src 'self'; "
@@ -106,6 +187,18 @@ class SecurityHeadersMiddleware:
             await send(msg)
 
         await self.app(scope, receive, send_wrapper)
+
+
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]{4,}")
+# an absolute file system path of two or more components; the API's own routes (/v1/..., /static/...) are kept
+_FS_PATH = re.compile(r"(?<![\w/.])/(?!v\d+/|static/|docs/)[^\s'\"(),;:<>]+/[^\s'\"(),;:<>]*")
+
+
+def public_detail(text: str) -> str:
+    """An error message safe to show a client: no memory addresses, file system paths or tracebacks."""
+    if "Traceback (most recent call last)" in text or 'File "' in text:
+        return "internal server error"
+    return _FS_PATH.sub("<path>", _ADDRESS.sub("0x…", text))
 
 
 def _readable(errors: Sequence[dict[str, Any]]) -> str:
@@ -134,10 +227,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         errs = [
-            {"loc": [str(x) for x in e.get("loc", ())], "msg": str(e.get("msg", "")), "type": e.get("type", "")}
+            {"loc": [str(x) for x in e.get("loc", ())], "msg": public_detail(str(e.get("msg", ""))), "type": e.get("type", "")}
             for e in exc.errors()
         ]
-        return JSONResponse({"detail": _readable(exc.errors()), "errors": errs}, status_code=422)
+        return JSONResponse({"detail": public_detail(_readable(exc.errors())), "errors": errs}, status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
@@ -146,7 +239,7 @@ def install_error_handlers(app: FastAPI) -> None:
             detail = "not found"
         if exc.status_code == 405:
             detail = "method not allowed"
-        return JSONResponse({"detail": detail}, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        return JSONResponse({"detail": public_detail(detail)}, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(BatcherOverloaded)
     async def _busy(request: Request, exc: BatcherOverloaded) -> JSONResponse:
@@ -160,7 +253,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _metadata(request: Request, exc: sqlite3.Error) -> JSONResponse:
         # open/reload refuse a damaged meta.sqlite (indexer.metadb); this is for one damaged after that
         log.error("index metadata unreadable on %s %s: %s", request.method, request.url.path, exc)
-        return JSONResponse({"detail": f"the index metadata cannot be read ({exc}); run gare-index verify"},
+        return JSONResponse({"detail": public_detail(f"the index metadata cannot be read ({exc}); run gare-index verify")},
                             status_code=503)
 
     @app.exception_handler(Exception)

@@ -1,14 +1,35 @@
-"""Operations: ``/healthz`` (liveness), ``/readyz`` (model and index loaded), ``/metrics`` and the search page."""
+"""Operations: ``/healthz`` (liveness), ``/readyz`` (model and index loaded), ``/metrics``, the search page and
+the API docs page (``/docs``: Swagger UI from the ``swagger-ui-bundle`` package, no CDN)."""
 
 from pathlib import Path
 
-from fastapi import APIRouter, Request
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi import APIRouter, HTTPException, Request
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 
 from ..metrics import CONTENT_TYPE_LATEST
 from ..schemas import ErrorResponse
+from ..security import KeyDep, authorize
 
 STATIC_DIR = Path(__file__).resolve().parents[1] / "static"
+DOCS_ASSETS = "/docs/assets"  # swagger_ui_bundle's files (service.app mounts them)
+
+# The page loads everything from this server, and its start-up code is a file, not an inline script: the
+# service's content-security policy (script-src 'self', service.middleware) applies here as on every page.
+_DOCS_HTML = f"""<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<title>GARE search API</title>
+<link rel="stylesheet" href="{DOCS_ASSETS}/swagger-ui.css">
+<link rel="icon" type="image/png" href="{DOCS_ASSETS}/favicon-32x32.png">
+</head>
+<body>
+<div id="swagger-ui"></div>
+<script src="{DOCS_ASSETS}/swagger-ui-bundle.js"></script>
+<script src="/static/docs.js"></script>
+</body>
+</html>
+"""
 
 router = APIRouter()
 
@@ -37,11 +58,22 @@ async def readyz(request: Request) -> JSONResponse:
     return JSONResponse(body)
 
 
-@router.get("/metrics", tags=["ops"], summary="Prometheus metrics", response_class=Response)
-async def prometheus_metrics(request: Request) -> Response:
+@router.get("/metrics", tags=["ops"], summary="Prometheus metrics (needs a key when search does: metrics_require_key)",
+            response_class=Response, responses={401: {"model": ErrorResponse}, 403: {"model": ErrorResponse}})
+async def prometheus_metrics(request: Request, key: KeyDep) -> Response:
+    if request.app.state.settings.metrics_need_key():
+        state = request.app.state.gare
+        if state is None:
+            raise HTTPException(503, "the service is not ready")
+        authorize(state, key, "metrics")
     return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/", include_in_schema=False)
 async def page() -> FileResponse:
     return FileResponse(STATIC_DIR / "index.html", media_type="text/html", headers={"Cache-Control": "no-cache"})
+
+
+@router.get("/docs", include_in_schema=False)
+async def docs_page() -> HTMLResponse:
+    return HTMLResponse(_DOCS_HTML, headers={"Cache-Control": "no-cache"})

@@ -81,6 +81,8 @@ def settings(index: Path, **kw: Any):
     # whole-result caching off: these tests watch the stages run (the embedding cache, the batcher, the rerank);
     # the result cache has its own tests (test_result_cache.py)
     kw.setdefault("result_cache_entries", 0)
+    # in-process clients send Host: testserver; the loopback default (Settings.trusted_host_list) has its own tests
+    kw.setdefault("trusted_hosts", "testserver,127.0.0.1,localhost")
     return Settings(index=index, **kw)
 
 

@@ -132,7 +132,7 @@ def test_read_only_index_without_a_secret_refuses_to_start(service_env, tmp_path
         with TestClient(app) as c:
             assert c.get("/readyz").status_code == 200
     finally:
-        subprocess.run(["umount", str(ro)], check=False)
+        subprocess.run(["umount", "-l", str(ro)], check=False)
 
 
 # ------------------------------------------------------------------------------- real processes
