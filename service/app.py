@@ -24,7 +24,6 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
-from swagger_ui_bundle import swagger_ui_path
 
 from .follow import follow_current
 from .metrics import Metrics, MetricsMiddleware, mark_worker_dead
@@ -36,7 +35,7 @@ from .middleware import (
     install_error_handlers,
 )
 from .routes import admin, ops, search, videos
-from .routes.ops import DOCS_ASSETS, STATIC_DIR
+from .routes.ops import DOCS_ASSET_DIR, DOCS_ASSETS, STATIC_DIR
 from .settings import Settings, SettingsError, load_api_key_hashes, load_settings
 from .state import API_VERSION, ServiceState, StartupError, VersionHandle, resolve_checkpoint
 from .workers import watch_reloads
@@ -115,7 +114,7 @@ def create_app(settings: Settings | None = None, **overrides: Any) -> FastAPI:
     app.include_router(admin.router)
     app.include_router(ops.router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
-    app.mount(DOCS_ASSETS, StaticFiles(directory=swagger_ui_path), name="docs-assets")
+    app.mount(DOCS_ASSETS, StaticFiles(directory=DOCS_ASSET_DIR), name="docs-assets")
 
     # ------------------------------------------------------------------ middleware (last added = outermost)
     origins = settings.cors_origin_list()
@@ -131,6 +130,7 @@ def create_app(settings: Settings | None = None, **overrides: Any) -> FastAPI:
     # the image upload may be larger than a JSON body (plus the multipart envelope)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes,
                        path_limits={f"/{API_VERSION}/search/image": settings.max_image_bytes + 64 * 1024})
+    from .http_limits import BodyTimeoutMiddleware; app.add_middleware(BodyTimeoutMiddleware, timeout_s=settings.body_timeout_s)  # noqa: E702, I001
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app
 

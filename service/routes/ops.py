@@ -1,8 +1,10 @@
 """Operations: ``/healthz`` (liveness), ``/readyz`` (model and index loaded), ``/metrics``, the search page and
-the API docs page (``/docs``: Swagger UI from the ``swagger-ui-bundle`` package, no CDN)."""
+the API docs page (``/docs``: Swagger UI 5, which reads FastAPI's OpenAPI 3.1, from the files the
+``fastapi-offline`` package ships; no CDN)."""
 
 from pathlib import Path
 
+import fastapi_offline
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 
@@ -11,7 +13,8 @@ from ..schemas import ErrorResponse
 from ..security import KeyDep, authorize
 
 STATIC_DIR = Path(__file__).resolve().parents[1] / "static"
-DOCS_ASSETS = "/docs/assets"  # swagger_ui_bundle's files (service.app mounts them)
+DOCS_ASSETS = "/docs/assets"  # URL of the Swagger UI files (service.app mounts DOCS_ASSET_DIR there)
+DOCS_ASSET_DIR = Path(fastapi_offline.__file__).parent / "static"  # swagger-ui-bundle.js, swagger-ui.css, favicon.png
 
 # The page loads everything from this server, and its start-up code is a file, not an inline script: the
 # service's content-security policy (script-src 'self', service.middleware) applies here as on every page.
@@ -21,7 +24,7 @@ _DOCS_HTML = f"""<!doctype html>
 <meta charset="utf-8">
 <title>GARE search API</title>
 <link rel="stylesheet" href="{DOCS_ASSETS}/swagger-ui.css">
-<link rel="icon" type="image/png" href="{DOCS_ASSETS}/favicon-32x32.png">
+<link rel="icon" type="image/png" href="{DOCS_ASSETS}/favicon.png">
 </head>
 <body>
 <div id="swagger-ui"></div>

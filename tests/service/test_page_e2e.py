@@ -126,5 +126,17 @@ def test_search_page_end_to_end(service_env, tmp_path):
             page.wait_for_function("() => document.getElementById('status').textContent.includes('type a query')")
             assert not errors, errors
             assert not external, external  # no CDN, nothing outside the server
+
+            # the API docs page: Swagger UI from the server's own assets, running under the same CSP (it was
+            # blank: the CDN script was blocked); every operation is listed and one can be expanded
+            page.goto(srv.base_url + "/docs")
+            page.wait_for_selector(".opblock", timeout=30_000)
+            assert page.locator(".opblock").count() >= 10
+            assert page.locator(".opblock-summary-path", has_text="/v1/search/batch").count() == 1
+            page.locator(".opblock-summary-path", has_text="/v1/search/batch").click()
+            page.wait_for_selector(".opblock.is-open .parameters-container, .opblock.is-open .opblock-section")
+            assert "script-src 'self'" in page.evaluate("async () => (await fetch('/docs')).headers.get('content-security-policy')")
+            assert not errors, errors
+            assert not external, external
         finally:
             browser.close()
