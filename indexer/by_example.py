@@ -86,31 +86,94 @@ def search_by_videos(version: Any, ids: Sequence[int], opts: SearchOptions) -> Q
     return QueryResult(hits, {"encode": t1 - t0, "ann": t2 - t1, "rerank": t3 - t2, "rank": t4 - t3, "total": t4 - t0})
 
 
-def decode_image(data: bytes, content_type: str | None, *, max_pixels: int) -> Any:
-    """Bytes -> RGB PIL image, refusing what is not a small still image of an allowed type.
+class UnsupportedImageType(ExampleError):
+    """The declared content type is not one of IMAGE_TYPES (the service answers 415)."""
 
-    Pillow's decompression-bomb guard is set to `max_pixels` (an error, not a warning, beyond it) and the
-    size is checked from the header before any pixel is decoded."""
-    from PIL import Image, UnidentifiedImageError
 
-    if content_type not in IMAGE_TYPES:
-        raise ExampleError(f"image type {content_type!r} is not accepted; send one of {sorted(IMAGE_TYPES)}")
-    old = Image.MAX_IMAGE_PIXELS
+def image_type(content_type: str | None) -> str | None:
+    """The accepted media type a Content-Type names (``IMAGE/PNG``, `` image/png ; x=y`` -> ``image/png``;
+    case-insensitive, parameters ignored), or None when it names none of IMAGE_TYPES."""
+    if not content_type:
+        return None
+    base = content_type.split(";", 1)[0].strip().lower()
+    return base if base in IMAGE_TYPES else None
+
+
+# The fixed message of each way decoding can fail. Pillow's own text is never shown: it can carry the repr of
+# the buffer it read (``<_io.BytesIO object at 0x7f...>``), a file path or a library's internals.
+_NOT_THIS_TYPE = "could not decode the image as {fmt}: the data is not a {fmt} image (or its header is damaged)"
+_BROKEN = "could not decode the image as {fmt}: the data is truncated or corrupt"
+
+
+def reduced_size(size: tuple[int, int], short_side: int) -> tuple[int, int]:
+    """(w, h) scaled so that its short side is `short_side` (never enlarged; each side at least 1)."""
+    w, h = size
+    s = min(w, h)
+    if s <= short_side:
+        return w, h
+    return max(1, round(w * short_side / s)), max(1, round(h * short_side / s))
+
+
+def decode_image(data: bytes, content_type: str | None, *, max_pixels: int, max_aspect: float | None = None,
+                 image_size: int | None = None) -> Any:
+    """Bytes -> RGB PIL image, refusing what is not a still image of an allowed type within the bounds.
+
+    Checked from the header, before any pixel is decoded: the pixel count (``max_pixels``: width x height) and
+    the aspect ratio (``max_aspect``: long side / short side; None = unchecked). The model's transform resizes
+    the *short* side to its ``image_size``, so a 100000x1 image would be enlarged to 22 400 000 x 224 pixels:
+    the aspect bound is what keeps that enlargement small.
+
+    With ``image_size`` (the model's input side) the image is reduced while it is decoded: a JPEG is decoded
+    at 1/2, 1/4 or 1/8 scale (Pillow's ``draft``) and any image whose short side is still above
+    ``2 * image_size`` is reduced (box-reduce, then bicubic: Pillow's ``reducing_gap``) to a short side of
+    ``2 * image_size``. The model transform (bicubic to ``image_size``, centre crop) then sees the same picture
+    as from the full-size image, up to resampling. None: the image is returned at its full size.
+
+    Every failure raises ExampleError with a fixed message (UnsupportedImageType for a type not accepted)."""
+    from PIL import Image
+
+    kind = image_type(content_type)
+    if kind is None:
+        raise UnsupportedImageType(f"image type {content_type!r} is not accepted; send one of {sorted(IMAGE_TYPES)}")
+    fmt = IMAGE_TYPES[kind]
+    # Pillow's own decompression-bomb guard (Image.MAX_IMAGE_PIXELS, a process-wide value) is left as it is:
+    # changing it per call would race between the threads decoding at once. The bound here is checked first.
     try:
-        Image.MAX_IMAGE_PIXELS = max_pixels // 2  # Pillow raises DecompressionBombError above twice this
-        with Image.open(io.BytesIO(data), formats=[IMAGE_TYPES[content_type]]) as im:
-            w, h = im.size
-            if w * h > max_pixels:
-                raise ExampleError(f"image is {w}x{h} = {w * h} pixels; at most {max_pixels} are accepted")
-            im.seek(0)
-            im.load()
-            return im.convert("RGB")
-    except ExampleError:
+        im = Image.open(io.BytesIO(data), formats=[fmt])
+    except Image.DecompressionBombError:  # beyond 2 x Image.MAX_IMAGE_PIXELS: refused by Pillow at open
+        limit = min(max_pixels, 2 * Image.MAX_IMAGE_PIXELS) if Image.MAX_IMAGE_PIXELS else max_pixels
+        raise ExampleError(f"image has more than {limit} pixels; at most {limit} are accepted") from None
+    except MemoryError:
         raise
-    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError, SyntaxError) as e:
-        raise ExampleError(f"could not decode the image as {IMAGE_TYPES[content_type]}: {e}") from None
-    finally:
-        Image.MAX_IMAGE_PIXELS = old
+    except Exception:  # noqa: BLE001 - Pillow raises many types; the message is fixed whatever it was
+        raise ExampleError(_NOT_THIS_TYPE.format(fmt=fmt)) from None
+    with im:
+        w, h = im.size
+        if w < 1 or h < 1:
+            raise ExampleError(_NOT_THIS_TYPE.format(fmt=fmt))
+        if w * h > max_pixels:
+            raise ExampleError(f"image is {w}x{h} = {w * h} pixels; at most {max_pixels} are accepted")
+        if max_aspect is not None and max(w, h) > max_aspect * min(w, h):
+            raise ExampleError(f"image is {w}x{h}: its long side is {max(w, h) / min(w, h):.4g} times its short side; "
+                               f"at most {max_aspect:g} times is accepted")
+        target = 2 * int(image_size) if image_size else None
+        try:
+            im.seek(0)
+            if target is not None and fmt == "JPEG":
+                im.draft("RGB", reduced_size((w, h), target))  # decodes at 1/2, 1/4 or 1/8 when that stays >= target
+            im.load()
+            if im.size[0] * im.size[1] > max_pixels:  # a format whose first frame is larger than its header said
+                raise ExampleError(f"image is {im.size[0]}x{im.size[1]} pixels; at most {max_pixels} are accepted")
+            out = im if im.mode == "RGB" else im.convert("RGB")  # "P", "1": resize would fall back to NEAREST
+            if target is not None and min(out.size) > target:
+                out = out.resize(reduced_size(out.size, target), Image.Resampling.BICUBIC, reducing_gap=3.0)
+            return out.copy() if out is im else out  # not tied to the file object closed below
+        except ExampleError:
+            raise
+        except MemoryError:
+            raise
+        except Exception:  # noqa: BLE001 - truncated data, bad chunks, zlib errors, ...: one fixed message
+            raise ExampleError(_BROKEN.format(fmt=fmt)) from None
 
 
 @torch.no_grad()
@@ -149,5 +212,5 @@ def _rank_no_bias(version: Any, ann_s: np.ndarray, ann_i: np.ndarray, rerank: np
             for j in order]
 
 
-__all__ = ["IMAGE_TYPES", "ExampleError", "video_query_unit", "frame_match_scores", "search_by_videos",
-           "decode_image", "encode_image", "search_by_image"]
+__all__ = ["IMAGE_TYPES", "ExampleError", "UnsupportedImageType", "image_type", "reduced_size", "video_query_unit",
+           "frame_match_scores", "search_by_videos", "decode_image", "encode_image", "search_by_image"]

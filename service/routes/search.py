@@ -4,7 +4,9 @@ Search by example (``video_id``/``video_ids`` in ``/v1/search``, an upload to ``
 ``indexer.by_example`` in the thread pool: it has no text to encode, so the micro-batcher has nothing to share.
 """
 
+import asyncio
 import time
+import weakref
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, File, Form, HTTPException, Response, UploadFile
@@ -144,33 +146,58 @@ def make_router(settings: Settings) -> APIRouter:
             return _json(res[0])
 
     max_k, max_K, default_K = settings.max_k, settings.max_candidates, settings.default_candidates
+    slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = weakref.WeakKeyDictionary()
+
+    def image_slots() -> asyncio.Semaphore:
+        """This worker's image decode+encode slots (settings.image_decode_concurrency), one semaphore per event
+        loop (an asyncio.Semaphore is bound to the loop it first waits on; tests run one app in several loops)."""
+        loop = asyncio.get_running_loop()
+        sem = slots.get(loop)
+        if sem is None:
+            sem = slots[loop] = asyncio.Semaphore(settings.image_decode_concurrency)
+        return sem
 
     @router.post(f"/{API_VERSION}/search/image", response_model=SearchResponse, responses=IMAGE_ERRORS,
                  summary="search by an image (multipart field `image`: JPEG, PNG, WebP or GIF); stage 1 only")
     async def search_image(
         state: StateDep,
-        image: Annotated[UploadFile, File(description=f"the image (at most {settings.max_image_bytes} bytes)")],
+        image: Annotated[UploadFile, File(description=f"the image (at most {settings.max_image_bytes} bytes, "
+                                                      f"{settings.max_image_pixels} pixels, long side at most "
+                                                      f"{settings.max_image_aspect:g} x the short side)")],
         k: Annotated[int, Form(ge=1, le=max_k)] = 10,
         candidates: Annotated[int | None, Form(ge=1, le=max_K)] = None,
     ) -> Response:
         t_start = time.perf_counter()
-        data = await image.read(settings.max_image_bytes + 1)
-        if len(data) > settings.max_image_bytes:
-            raise HTTPException(413, f"image is larger than {settings.max_image_bytes} bytes")
-        if not data:
-            raise HTTPException(422, "the image file is empty")
         K = candidates if candidates is not None else min(max_K, max(default_K, k))
         if K < k:
             raise HTTPException(422, f"candidates ({K}) must be >= k ({k})")
-        try:
-            pil = await run_in_threadpool(E.decode_image, data, image.content_type, max_pixels=settings.max_image_pixels)
-        except E.ExampleError as e:
-            raise HTTPException(415 if "not accepted" in str(e) else 422, str(e)) from None
-        opts = S.SearchOptions(k=k, candidates=K, rerank=False, ncl=False)
-        with state.use_version() as version:
-            return _json(await run_example(state, version, E.search_by_image, state.model, version, pil, opts=opts,
-                                           example={"kind": "image", "content_type": image.content_type, "bytes": len(data)},
-                                           t_start=t_start))
+        kind = E.image_type(image.content_type)
+        if kind is None:
+            raise HTTPException(415, f"image type {image.content_type!r} is not accepted; send one of {sorted(E.IMAGE_TYPES)}")
+        # At most image_decode_concurrency uploads are read, decoded and encoded at once in this worker; the
+        # others wait here holding only their spooled upload (no bytes read, no pixels decoded).
+        async with image_slots():
+            data = await image.read(settings.max_image_bytes + 1)
+            if len(data) > settings.max_image_bytes:
+                raise HTTPException(413, f"image is larger than {settings.max_image_bytes} bytes")
+            if not data:
+                raise HTTPException(422, "the image file is empty")
+            if state.model is None:  # not ready (the lifespan has not loaded the model): nothing to decode for
+                raise HTTPException(503, "the model is not loaded yet")
+            try:  # reduced while decoded to a short side of at most 2 x the model's input side
+                pil = await run_in_threadpool(E.decode_image, data, kind, max_pixels=settings.max_image_pixels,
+                                              max_aspect=settings.max_image_aspect, image_size=state.model.cfg.image_size)
+            except E.UnsupportedImageType as e:
+                raise HTTPException(415, str(e)) from None
+            except E.ExampleError as e:
+                raise HTTPException(422, str(e)) from None
+            nbytes = len(data)
+            del data  # the upload's bytes are not needed for the search
+            opts = S.SearchOptions(k=k, candidates=K, rerank=False, ncl=False)
+            with state.use_version() as version:
+                return _json(await run_example(state, version, E.search_by_image, state.model, version, pil, opts=opts,
+                                               example={"kind": "image", "content_type": kind, "bytes": nbytes},
+                                               t_start=t_start))
 
     @router.post(f"/{API_VERSION}/search/batch", response_model=BatchSearchResponse, responses=SEARCH_ERRORS,
                  summary="many queries in one request (shared options)")
