@@ -218,6 +218,17 @@ def _props_cell(f: dict) -> str:
             f"{f.get('queries')} queries x (two-stage, ANN-only) equal in {_count(rows, lambda r: r.get('equal'))}/{len(rows)}")
 
 
+def _deploy_cell(f: dict) -> str:
+    rows = f.get("rows", [])
+    parts = [f"{r['attack']}: {_hist(r['status'])}, RSS {r['rss_before_mib']} -> {r['rss_after_mib']} MiB"
+             f"{' (' + r['note'] + ')' if r.get('note') else ''}{'' if r.get('ok') else ' NOT OK'}" for r in rows]
+    n5 = sum(1 for r in rows for s in r["status"] if s >= 500)
+    worst = max((r["rss_growth_mib"] for r in rows), default=0.0)
+    return (f"{len(rows)} attacks, {_count(rows, lambda r: r.get('ok'))} as required; 5xx {n5}; largest worker RSS "
+            f"growth {worst} MiB (limit {f.get('rss_limit_mib')}); search afterwards {f.get('search_after')}. "
+            + "; ".join(parts))
+
+
 # (title, figure names per run kind, test names behind the row, cell function)
 ROWS: list[tuple[str, Any, tuple[str, ...], Any]] = [
     ("Load (rated concurrency) and memory growth", lambda m: [f"load_{m}"],
@@ -241,6 +252,8 @@ ROWS: list[tuple[str, Any, tuple[str, ...], Any]] = [
      lambda F: _hostile_cell(F[0])),
     ("Pickle payloads", lambda m: ["pickle_index", "pickle_checkpoint"],
      ("test_pickle_payloads_in_index_files_never_run", "test_pickle_checkpoints_never_run"), lambda F: _pickle_cell(F[0], F[1])),
+    ("Deployment attacks (images, tokens, slow clients, hosts; worker RSS)", lambda m: ["deploy_attacks"],
+     ("test_deployment_attacks",), lambda F: _deploy_cell(F[0])),
     ("Hostile video files", lambda m: ["hostile_videos"], ("test_hostile_video_files_are_reported_and_skipped",),
      lambda F: _videos_cell(F[0])),
     ("Add then remove = same results", lambda m: [f"add_remove_{m}"],

@@ -52,7 +52,7 @@ def create_app(settings: Settings | None = None, **overrides: Any) -> FastAPI:
     metrics = Metrics()
     # API keys are read now so that a bad key file fails at once, not in the middle of serving.
     try:
-        load_api_key_hashes(settings)
+        key_hashes = load_api_key_hashes(settings)
     except SettingsError as e:
         raise StartupError(str(e)) from None
 
@@ -106,6 +106,7 @@ def create_app(settings: Settings | None = None, **overrides: Any) -> FastAPI:
     )
     app.state.gare = None
     app.state.settings = settings
+    app.state.key_hashes = key_hashes  # /metrics checks a key before the lifespan has loaded the state
     app.state.metrics = metrics
     install_error_handlers(app)
 

@@ -2,17 +2,20 @@
 
 The keys are read with FastAPI's own security dependencies (:class:`HTTPBearer`, :class:`APIKeyHeader`),
 so the OpenAPI document declares both schemes; the check itself compares sha256 digests in constant time
-(``ServiceState.check_key``). Admin routes always need a key; search, video and index routes need one when
+(:func:`key_matches`). Admin routes always need a key; search, video and index routes need one when
 the server runs with ``require_key_for_search`` (a thumbnail or file URL from a search result carries a
 signed token instead, because ``<img>``/``<video>`` elements cannot send headers).
 """
 
+import hmac
+from collections.abc import Sequence
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request, Security
 from fastapi import Path as PathParam
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
+from .settings import hash_key
 from .state import ServiceState
 
 # The dependencies are `async def` although none of them awaits: FastAPI runs a plain `def` dependency in the
@@ -47,16 +50,30 @@ async def presented_key(
 KeyDep = Annotated[str | None, Depends(presented_key)]
 
 
-def authorize(state: ServiceState, key: str | None, what: str) -> None:
-    if not state.key_hashes:
+def key_matches(hashes: Sequence[str], presented: str) -> bool:
+    """Whether the key's sha256 is one of ``hashes``; compared against every one, so the time taken does not
+    depend on which matched."""
+    h = hash_key(presented)
+    ok = False
+    for stored in hashes:
+        ok |= hmac.compare_digest(h, stored)
+    return ok
+
+
+def authorize_hashes(hashes: Sequence[str], key: str | None, what: str) -> None:
+    if not hashes:
         raise HTTPException(403, f"{what} is disabled: the server has no API keys configured (GARE_API_KEYS)")
     if key is None:
         raise HTTPException(
             401, "an API key is required (Authorization: Bearer <key> or X-API-Key)",
             headers={"WWW-Authenticate": "Bearer"},
         )
-    if not state.check_key(key):
+    if not key_matches(hashes, key):
         raise HTTPException(403, "invalid API key")
+
+
+def authorize(state: ServiceState, key: str | None, what: str) -> None:
+    authorize_hashes(state.key_hashes, key, what)
 
 
 async def require_admin(state: StateDep, key: KeyDep) -> None:
@@ -74,5 +91,5 @@ async def require_media(request: Request, video_id: VideoId, state: StateDep, ke
         authorize(state, key, "search")
 
 
-__all__ = ["get_state", "StateDep", "VideoId", "presented_key", "authorize", "require_admin", "require_search",
+__all__ = ["get_state", "StateDep", "VideoId", "presented_key", "key_matches", "authorize_hashes", "authorize", "require_admin", "require_search",
            "require_media"]

@@ -8,7 +8,6 @@
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import mmap
 import threading
@@ -44,7 +43,7 @@ from .metrics import Metrics
 from .query_cache import QueryCache, make_normalizer
 from .querybank import QueryBank
 from .result_cache import ResultCache
-from .settings import Settings, hash_key, load_api_key_hashes
+from .settings import Settings, load_api_key_hashes
 from .workers import WorkerBoard
 
 log = logging.getLogger("gare.service")
@@ -354,10 +353,11 @@ class ServiceState:
         return getattr(model, "_tokenizer", None)
 
     def encode_texts(self, texts: list[str]) -> torch.Tensor:
-        """Texts -> t (a, d) float32 on the model's device, by the configured tower (no cache)."""
-        if self._tower is None:
-            return S.encode_queries(self.model, texts, self.precision)
-        return self._tower(S.trim_tokens(self.model.tokenize(list(texts))))
+        """Texts -> t (a, d) float32 on the model's device, by the configured tower (no cache).
+
+        The offline call with the same tower (``S.search(..., tower=build_text_encoder(model, kind))``): the
+        same bits, and a text's bits do not depend on the micro-batch it came in (issue 24)."""
+        return S.encode_queries(self.model, texts, self.precision, tower=self._tower)
 
     def publish_worker(self, generation: int | None = None) -> None:
         """Tell the other workers (run directory) what this one serves."""
@@ -533,15 +533,6 @@ class ServiceState:
         out["path"] = self.display_path(version, row.get("path"))
         out["name"] = Path(row["path"]).name if row.get("path") else None
         return out
-
-    def check_key(self, presented: str | None) -> bool:
-        if not presented:
-            return False
-        h = hash_key(presented)
-        ok = False
-        for stored in self.key_hashes:  # compare against every key: timing does not depend on which matched
-            ok |= hmac.compare_digest(h, stored)
-        return ok
 
 
 __all__ = ["API_VERSION", "StartupError", "checkpoint_sha256", "resolve_checkpoint", "advise_random_access",

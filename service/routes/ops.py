@@ -5,12 +5,12 @@ the API docs page (``/docs``: Swagger UI 5, which reads FastAPI's OpenAPI 3.1, f
 from pathlib import Path
 
 import fastapi_offline
-from fastapi import APIRouter, HTTPException, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 
 from ..metrics import CONTENT_TYPE_LATEST
 from ..schemas import ErrorResponse
-from ..security import KeyDep, authorize
+from ..security import KeyDep, authorize_hashes
 
 STATIC_DIR = Path(__file__).resolve().parents[1] / "static"
 DOCS_ASSETS = "/docs/assets"  # URL of the Swagger UI files (service.app mounts DOCS_ASSET_DIR there)
@@ -64,11 +64,8 @@ async def readyz(request: Request) -> JSONResponse:
 @router.get("/metrics", tags=["ops"], summary="Prometheus metrics (needs a key when search does: metrics_require_key)",
             response_class=Response, responses={401: {"model": ErrorResponse}, 403: {"model": ErrorResponse}})
 async def prometheus_metrics(request: Request, key: KeyDep) -> Response:
-    if request.app.state.settings.metrics_need_key():
-        state = request.app.state.gare
-        if state is None:
-            raise HTTPException(503, "the service is not ready")
-        authorize(state, key, "metrics")
+    if request.app.state.settings.metrics_need_key():  # the keys read at create_app: answers before the lifespan too
+        authorize_hashes(request.app.state.key_hashes, key, "metrics")
     return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -216,7 +216,8 @@ def _status_recipes(vid: int, too_big: int) -> list[tuple[str, int, str, str, st
             (route, 413, "open", "POST", "/v1/admin/reload", {"headers": {**admin["headers"], "content-length": str(10**9)}}),
             (route, 503, "cold", "POST", "/v1/admin/reload", admin)]
     out += [("GET /healthz", 200, "open", "GET", "/healthz", {}), ("GET /readyz", 200, "open", "GET", "/readyz", {}),
-            ("GET /readyz", 503, "cold", "GET", "/readyz", {}), ("GET /metrics", 200, "open", "GET", "/metrics", {})]
+            ("GET /readyz", 503, "cold", "GET", "/readyz", {}), ("GET /metrics", 200, "open", "GET", "/metrics", {}),
+            ("GET /metrics", 401, "keyed", "GET", "/metrics", {}), ("GET /metrics", 403, "keyed", "GET", "/metrics", wrong)]
     return out
 
 

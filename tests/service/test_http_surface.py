@@ -6,7 +6,9 @@ import re
 
 import pytest
 from fastapi.testclient import TestClient
-from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
 from service.app import create_app
 from service.middleware import TrustedHostMiddleware, public_detail

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
 from service.app import StartupError, create_app
 from service.media import SECRET_FILE, MediaSecretError, MediaSigner, load_or_create_secret, resolve_secrets
