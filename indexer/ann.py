@@ -27,16 +27,37 @@ the id of every row of ``vectors``); vectors added later through :meth:`AnnIndex
 
 GPU: with ``faiss.get_num_gpus() > 0`` (a faiss-gpu build) and ``use_gpu`` not False, ``flat`` and ``ivf``
 indexes are searched on the GPU(s) via ``index_cpu_to_all_gpus``; the CPU index stays the master copy
-(that is what is saved, and mutations are applied to it and re-cloned).  Thread counts are left to faiss /
-``OMP_NUM_THREADS``.
+(that is what is saved, and mutations are applied to it and re-cloned).  :func:`gpu_plan` decides, from the
+CPU index alone, what goes to the GPU and how (one pure function, tested on CPU-only machines):
+
+- ``hnsw`` and ``ivfpq`` (8-bit and fast-scan) stay on the CPU: faiss has no GPU HNSW or fast-scan IVF-PQ
+  (its GPU cloner throws "not implemented on GPU"), and ``ivfpq`` re-scores its shortlist exactly from the
+  float vectors on the CPU;
+- an ``ivf`` index whose coarse quantiser is an HNSW graph (``coarse="hnsw"``, automatic from
+  ``COARSE_HNSW_MIN`` cells) is cloned with ``allowCpuCoarseQuantizer`` (faiss >= 1.9 throws without it;
+  the graph is searched on the CPU, the inverted lists on the GPU);
+- faiss's GPU k-selection handles at most ``GPU_MAX_K`` = 2,048 (``GPU_MAX_SELECTION_K`` in
+  ``faiss/gpu/utils/DeviceDefs.cuh``, the same from faiss 1.8 to 1.15, checked by ``validateKSelect`` /
+  ``validateNProbe`` in ``faiss/gpu/impl/IndexUtils.cu``; cuVS builds allow 16,384, but the plan turns
+  cuVS off so that one limit and one code path hold): an ``ivf`` index whose nprobe exceeds it is refused
+  with ``use_gpu=True`` and searched on the CPU (with a warning) under ``use_gpu=None``, never clamped
+  (a clamped nprobe would silently serve a lower recall than the one the index was tuned to); a search
+  for more than 2,048 results is answered by the CPU master copy (same results, CPU latency), never clamped;
+- the clone happens when the :class:`AnnIndex` is made (``AnnIndex.load``, ``indexer.store.open_index``),
+  so a GPU that cannot take the index fails the service at start-up with :class:`GpuIndexError`, not at
+  the first request; after ``add``/``remove_ids`` the copy is re-cloned at the next search.
+
+Thread counts are left to faiss / ``OMP_NUM_THREADS``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +75,10 @@ __all__ = [
     "default_nprobe",
     "default_pq_m",
     "AnnParams",
+    "GPU_MAX_K",
+    "GpuPlan",
+    "GpuIndexError",
+    "gpu_plan",
     "build_index",
     "AnnIndex",
     "exact_search",
@@ -72,6 +97,14 @@ IVFPQ_MIN = 5_000_000
 COARSE_HNSW_MIN = 16_384  # IVF cells from which the coarse quantiser is an HNSW graph (coarse="auto")
 
 _ADD_BATCH = 65_536  # rows per add() call (bounds the float32 copy made from a memmap)
+
+# faiss GPU k-selection limit: GPU_MAX_SELECTION_K (faiss/gpu/utils/DeviceDefs.cuh) is 2048 for every CUDA build
+# from faiss 1.8 to 1.15 (1024 only for CUDA <= 9.0); GpuIndex::search (validateKSelect) and GpuIndexIVF
+# (validateNProbe, at copyFrom and at every search) throw above it.  cuVS builds allow 16384, but gpu_plan turns
+# cuVS off.  Both nprobe (cells selected per query) and k (results) are bounded by it.
+GPU_MAX_K = 2048
+
+log = logging.getLogger(__name__)
 
 
 def choose_index_type(n: int) -> str:
@@ -187,24 +220,32 @@ def _check_vectors(vectors: np.ndarray, ids: np.ndarray | None = None) -> tuple[
     return n, d
 
 
+def _num_gpus() -> int:
+    """GPUs faiss can use (0 for a faiss-cpu build)."""
+    try:
+        return int(faiss.get_num_gpus())
+    except AttributeError:  # pragma: no cover - very old builds
+        return 0
+
+
 def _gpu_available(use_gpu: bool | None) -> bool:
     if use_gpu is False:
         return False
-    try:
-        n = faiss.get_num_gpus()
-    except AttributeError:  # pragma: no cover - very old builds
-        n = 0
+    n = _num_gpus()
     if use_gpu and n == 0:
-        raise RuntimeError("use_gpu=True but faiss sees no GPU (install faiss-gpu and check CUDA)")
+        raise GpuIndexError("use_gpu=True but faiss sees no GPU (install faiss-gpu and check CUDA)")
     return n > 0
 
 
 def _is_gpu(index: faiss.Index) -> bool:
+    """A GPU index, a replica/shard set of them (several GPUs), or an IDMap around either."""
     idx = faiss.downcast_index(index)
     if type(idx).__name__.startswith("Gpu"):
         return True
+    if isinstance(idx, (faiss.IndexReplicas, faiss.IndexShards)):
+        return idx.count() > 0 and _is_gpu(idx.at(0))
     if isinstance(idx, faiss.IndexIDMap) and idx.index is not None:
-        return type(faiss.downcast_index(idx.index)).__name__.startswith("Gpu")
+        return _is_gpu(idx.index)
     return False
 
 
@@ -233,13 +274,170 @@ def _apply_search_params(index: faiss.Index, params: AnnParams) -> None:
         inner.hnsw.efSearch = int(params.ef_search)
 
 
-def _to_gpu(cpu: faiss.Index, params: AnnParams) -> faiss.Index:
-    gpu = faiss.index_cpu_to_all_gpus(cpu)
-    try:  # nprobe is copied by the cloner, but set it on the GPU index too where exposed
-        faiss.GpuParameterSpace().set_index_parameter(gpu, "nprobe", int(_inner(cpu).nprobe))
-    except Exception:  # noqa: BLE001 - flat indexes have no nprobe; best effort only
-        pass
+# ------------------------------------------------------------------------------------------------- GPU
+_GPU_OFF = "to search it on the CPU instead, set use_gpu_ann: false (GARE_USE_GPU_ANN=false; use_gpu=False in Python)"
+
+
+class GpuIndexError(RuntimeError):
+    """The index cannot be searched on the GPU as asked: raised when the index is built or opened (the plan
+    and the clone), not at its first search (only a re-clone after add/remove waits for the next search)."""
+
+
+@dataclass(frozen=True)
+class GpuPlan:
+    """What :func:`gpu_plan` decided for one index (see the module docstring)."""
+
+    on_gpu: bool  # clone the index to the GPU(s) and search there
+    reason: str  # why (or why not), one line
+    index: str  # the index described: type, faiss class, nlist / nprobe / coarse quantiser, vectors
+    n_gpus: int = 0
+    # GpuMultipleClonerOptions fields to set (those the installed faiss has; see _to_gpu)
+    cloner_options: dict[str, bool] = field(default_factory=dict)
+    nprobe: int | None = None  # ivf: nprobe set on the GPU copy (<= max_k)
+    max_k: int = GPU_MAX_K  # largest k (results per query) the GPU copy answers; larger k search the CPU copy
+    error: str | None = None  # opening must fail with this message (use_gpu=True and the GPU cannot run it)
+    warnings: tuple[str, ...] = ()  # logged at WARNING when the index is opened
+
+
+def _nprobe_of(inner: faiss.Index, params: AnnParams | None) -> int:
+    """The nprobe ``_apply_search_params`` gives an IVF index under ``params`` (the index's own without)."""
+    if params is None:
+        return int(inner.nprobe)
+    return int(min(inner.nlist, params.nprobe or default_nprobe(inner.nlist)))
+
+
+def _describe(inner: faiss.Index, params: AnnParams | None = None) -> str:
+    if params is not None:
+        t = params.index_type
+    elif isinstance(inner, faiss.IndexIVF):
+        t = "ivfpq" if isinstance(inner, (faiss.IndexIVFPQ, faiss.IndexIVFPQFastScan)) else "ivf"
+    else:
+        t = "hnsw" if isinstance(inner, faiss.IndexHNSW) else "flat" if isinstance(inner, faiss.IndexFlat) else "?"
+    s = f"{t} index ({type(inner).__name__}, {int(inner.ntotal)} vectors of d={int(inner.d)}"
+    if isinstance(inner, faiss.IndexIVF):
+        q = faiss.downcast_index(inner.quantizer)
+        s += f", nlist={int(inner.nlist)}, nprobe={_nprobe_of(inner, params)}, coarse quantiser {type(q).__name__}"
+    return s + ")"
+
+
+def gpu_plan(
+    index: faiss.Index,
+    params: AnnParams | None = None,
+    *,
+    use_gpu: bool | None = None,
+    n_gpus: int | None = None,
+    k_max: int | None = None,
+    max_select: int | None = None,
+) -> GpuPlan:
+    """Decide whether and how the CPU ``index`` is searched on the GPU; pure (faiss-cpu is enough to run it).
+
+    ``use_gpu``: False = never; None = when faiss sees a GPU and the index can run there as configured;
+    True = the GPU is required (what cannot run there as configured is an ``error``; types faiss has no
+    GPU version of stay on the CPU with a warning).  ``n_gpus``: GPUs faiss sees (None: ask faiss; tests
+    pass a number).  ``k_max``: the largest k callers will ask (e.g. the service's max candidates), only
+    for a warning: k above ``max_select`` (default GPU_MAX_K) are answered by the CPU copy.  ``index``:
+    the CPU index (a GPU one is copied back first); the nprobe checked is the one ``params`` give it (as
+    ``_apply_search_params`` sets it), or the index's own when ``params`` is None.
+    """
+    max_select = GPU_MAX_K if max_select is None else int(max_select)
+    inner = _inner(_cpu_of(index))
+    desc = _describe(inner, params)
+    if use_gpu is False:
+        return GpuPlan(False, "use_gpu=False", desc)
+    cpu_only = None
+    if isinstance(inner, faiss.IndexHNSW):
+        cpu_only = "faiss has no GPU HNSW index (its GPU cloner throws 'not implemented on GPU')"
+    elif isinstance(inner, faiss.IndexIVFPQFastScan):
+        cpu_only = "faiss has no GPU fast-scan IVF-PQ (its GPU cloner throws 'not implemented on GPU')"
+    elif isinstance(inner, faiss.IndexIVFPQ):
+        cpu_only = ("ivfpq re-scores its shortlist exactly from the float vectors on the CPU, and GpuIndexIVFPQ "
+                    "takes only some code sizes (8-bit codes; <= 48 bytes per vector without float16 tables)")
+    elif not isinstance(inner, (faiss.IndexFlat, faiss.IndexIVFFlat)):
+        cpu_only = f"{type(inner).__name__} is not one of the types searched on the GPU (flat, ivf)"
+    if cpu_only is not None:
+        warn = (f"use_gpu=True: the {desc} stays on the CPU: {cpu_only}",) if use_gpu else ()
+        return GpuPlan(False, cpu_only, desc, warnings=warn)
+    n = _num_gpus() if n_gpus is None else int(n_gpus)
+    if n <= 0:
+        err = "use_gpu=True but faiss sees no GPU (install faiss-gpu and check CUDA)" if use_gpu else None
+        return GpuPlan(False, "faiss sees no GPU", desc, error=err)
+    # exact float32 scores (the GPU copy must return the CPU index's ids); the classic faiss GPU kernels (cuVS
+    # off: the limit below and the faiss coarse quantiser apply); 64-bit ids (the default)
+    opts: dict[str, bool] = {"useFloat16": False, "useFloat16CoarseQuantizer": False, "use_cuvs": False,
+                             "use_raft": False}
+    nprobe = None
+    warnings: list[str] = []
+    if isinstance(inner, faiss.IndexIVF):
+        coarse = faiss.downcast_index(inner.quantizer)
+        if not isinstance(coarse, faiss.IndexFlat):
+            # GpuIndexIVF::copyFrom clones the quantiser with the GPU cloner, which throws for an HNSW graph
+            # unless allowCpuCoarseQuantizer (faiss >= 1.9); the graph is then searched on the CPU
+            opts["allowCpuCoarseQuantizer"] = True
+        nprobe = _nprobe_of(inner, params)
+        if nprobe > max_select:
+            msg = (f"the {desc} probes nprobe={nprobe} cells per query, above the faiss GPU limit of {max_select} "
+                   f"(GPU_MAX_SELECTION_K: GpuIndexIVF throws above it)")
+            if use_gpu:
+                return GpuPlan(False, msg, desc, n_gpus=n, error=(
+                    f"{msg}. Re-tune it on the GPU machine (gare-index tune: the tuner keeps nprobe <= {max_select} "
+                    f"for GPU builds), or lower nprobe; or, {_GPU_OFF}. Clamping nprobe would serve a lower recall "
+                    "than the index was tuned to"))
+            return GpuPlan(False, msg, desc, n_gpus=n, warnings=(
+                f"{msg}: searched on the CPU with nprobe={nprobe} (its tuned recall) instead of the GPU. Re-tune it "
+                f"on the GPU machine to use the GPU",))
+    if k_max is not None and k_max > max_select:
+        warnings.append(f"searches for more than {max_select} results (up to {k_max} asked) exceed the faiss GPU "
+                        f"limit: they are answered by the CPU copy of the {desc} (same results, CPU latency)")
+    why = f"{type(inner).__name__} on {n} GPU(s)" + (
+        ", coarse quantiser searched on the CPU (allowCpuCoarseQuantizer)" if opts.get("allowCpuCoarseQuantizer") else "")
+    return GpuPlan(True, why, desc, n_gpus=n, cloner_options=opts, nprobe=nprobe, max_k=max_select,
+                   warnings=tuple(warnings))
+
+
+def _gpu_parts(index: faiss.Index) -> list[faiss.Index]:
+    idx = faiss.downcast_index(index)
+    if isinstance(idx, faiss.IndexIDMap) and idx.index is not None:
+        return _gpu_parts(idx.index)
+    if isinstance(idx, (faiss.IndexReplicas, faiss.IndexShards)):
+        return [p for i in range(idx.count()) for p in _gpu_parts(idx.at(i))]
+    return [idx]
+
+
+def _to_gpu(cpu: faiss.Index, plan: GpuPlan) -> faiss.Index:
+    """Clone ``cpu`` onto ``plan.n_gpus`` GPUs as ``plan`` says; GpuIndexError (naming the index and what to
+    do) for anything that fails."""
+    if not plan.on_gpu:
+        raise GpuIndexError(f"the {plan.index} is not to be searched on the GPU: {plan.reason}")
+    if not hasattr(faiss, "GpuMultipleClonerOptions"):
+        raise GpuIndexError(f"the {plan.index} is planned for {plan.n_gpus} GPU(s), but this faiss "
+                            f"({faiss.__version__}) is a CPU-only build: install faiss-gpu; or, {_GPU_OFF}")
+    co = faiss.GpuMultipleClonerOptions()
+    for name, value in plan.cloner_options.items():
+        # fields a version lacks: use_cuvs (< 1.10), use_raft (>= 1.10: renamed), allowCpuCoarseQuantizer
+        # (< 1.9, whose cloner copies a non-GPU coarse quantiser to the CPU by itself)
+        if hasattr(co, name):
+            setattr(co, name, value)
+    try:
+        gpu = faiss.index_cpu_to_all_gpus(cpu, co=co, ngpu=plan.n_gpus)
+    except Exception as e:  # noqa: BLE001 - faiss raises RuntimeError with the C++ message
+        raise GpuIndexError(f"cloning the {plan.index} to {plan.n_gpus} GPU(s) with {plan.cloner_options} "
+                            f"failed: {e}; {_GPU_OFF}") from e
+    if plan.nprobe is not None:
+        _set_gpu_nprobe(gpu, plan)
     return gpu
+
+
+def _set_gpu_nprobe(gpu: faiss.Index, plan: GpuPlan) -> None:
+    """Set nprobe on every GPU IVF part explicitly (the cloner copies it; this makes it certain), and check it."""
+    try:
+        faiss.GpuParameterSpace().set_index_parameter(gpu, "nprobe", int(plan.nprobe))
+    except Exception as e:  # noqa: BLE001
+        raise GpuIndexError(f"setting nprobe={plan.nprobe} on the GPU copy of the {plan.index} failed: {e}; "
+                            f"{_GPU_OFF}") from e
+    for part in _gpu_parts(gpu):
+        got = getattr(part, "nprobe", None)
+        if got is not None and int(got) != int(plan.nprobe):
+            raise GpuIndexError(f"the GPU copy of the {plan.index} has nprobe={got} after setting {plan.nprobe}")
 
 
 def _add(index: faiss.Index, vectors: np.ndarray, ids: np.ndarray) -> None:
@@ -277,8 +475,9 @@ def build_index(
     ``flat``/``hnsw`` are wrapped in ``IndexIDMap2``; ``ivf``/``ivfpq`` take the ids natively.  IVF quantisers
     are trained on the data (a seeded sample of up to max(64 nlist, 16384) rows); ``nlist`` defaults to
     ``default_nlist(n)``.  With a GPU (``faiss.get_num_gpus() > 0`` and ``use_gpu`` not False) a ``flat`` or
-    ``ivf`` index is returned cloned onto all GPUs (``index_cpu_to_all_gpus``); :class:`AnnIndex` keeps and
-    saves the CPU copy.  Otherwise the CPU index is returned.
+    ``ivf`` index is returned cloned onto all GPUs as :func:`gpu_plan` says (GpuIndexError when
+    ``use_gpu=True`` and it cannot be); :class:`AnnIndex` keeps and saves the CPU copy.  Otherwise the CPU
+    index is returned.
     """
     ids = np.asarray(ids)
     n, d = _check_vectors(vectors, ids)
@@ -317,8 +516,13 @@ def build_index(
         raise ValueError(t)
     _apply_search_params(index, params)
     _add(index, vectors, ids)
-    if t in ("flat", "ivf") and _gpu_available(use_gpu):
-        return _to_gpu(index, params)
+    plan = gpu_plan(index, params, use_gpu=use_gpu)
+    if plan.error:
+        raise GpuIndexError(plan.error)
+    for w in plan.warnings:
+        log.warning("%s", w)
+    if plan.on_gpu:
+        return _to_gpu(index, plan)
     return index
 
 
@@ -403,18 +607,39 @@ class AnnIndex:
         *,
         vector_ids: np.ndarray | None = None,
         use_gpu: bool | None = False,
+        n_gpus: int | None = None,
+        k_max: int | None = None,
     ) -> None:
+        """``use_gpu`` (False / None = when possible / True = required) and ``n_gpus`` (None: ask faiss) go to
+        :func:`gpu_plan`, as does ``k_max`` (the largest k callers ask; only for a warning).  A flat/ivf index
+        planned for the GPU is cloned here, not at the first search: GpuIndexError now if it cannot be.  A GPU
+        ``index`` (from :func:`build_index`) is kept as the GPU copy, with ``params``' nprobe set on it."""
+        given_gpu = _is_gpu(index)
         self._cpu = _cpu_of(index)
         self.params = params if params is not None else AnnParams.from_index(self._cpu)
-        self._want_gpu = _is_gpu(index) or (
-            self.params.index_type in ("flat", "ivf") and _gpu_available(use_gpu)
-        )
         _apply_search_params(self._cpu, self.params)
-        if _is_gpu(index):
-            self._search_index: faiss.Index | None = index
-        else:
-            self._search_index = None  # cloned lazily (or the CPU index itself)
         self._store = _VectorStore(vectors, vector_ids)
+        self._use_gpu = True if given_gpu else use_gpu
+        self._n_gpus = n_gpus
+        self._k_max = k_max
+        self._gpu_lock = threading.Lock()  # faiss GPU indexes (their StandardGpuResources) are not thread-safe
+        self._warned_k = False
+        self._gpu: faiss.Index | None = None
+        self._gpu_stale = False
+        self._plan = self._make_plan()
+        if self._plan.on_gpu:
+            self._gpu = index if given_gpu else _to_gpu(self._cpu, self._plan)
+            if given_gpu and self._plan.nprobe is not None:
+                _set_gpu_nprobe(self._gpu, self._plan)
+        log.debug("ANN %s: %s", "GPU" if self._gpu is not None else "CPU", self._plan.reason)
+
+    def _make_plan(self) -> GpuPlan:
+        plan = gpu_plan(self._cpu, self.params, use_gpu=self._use_gpu, n_gpus=self._n_gpus, k_max=self._k_max)
+        if plan.error:
+            raise GpuIndexError(plan.error)
+        for w in plan.warnings:
+            log.warning("%s", w)
+        return plan
 
     # -- properties
     @property
@@ -429,12 +654,31 @@ class AnnIndex:
     def cpu_index(self) -> faiss.Index:
         return self._cpu
 
-    def _searcher(self) -> faiss.Index:
-        if not self._want_gpu:
-            return self._cpu
-        if self._search_index is None:
-            self._search_index = _to_gpu(self._cpu, self.params)
-        return self._search_index
+    @property
+    def gpu_plan(self) -> GpuPlan:
+        """What :func:`gpu_plan` decided when this index was opened."""
+        return self._plan
+
+    @property
+    def on_gpu(self) -> bool:
+        """Whether searches (of at most ``gpu_plan.max_k`` results) run on the GPU copy."""
+        return self._plan.on_gpu
+
+    def _searcher(self, k: int) -> tuple[faiss.Index, bool]:
+        """(the index to search for k results, whether it is the GPU copy)."""
+        if not self._plan.on_gpu:
+            return self._cpu, False
+        if k > self._plan.max_k:  # beyond faiss's GPU k-selection: the CPU master copy answers, unclamped
+            if not self._warned_k:
+                self._warned_k = True
+                log.warning("a search for k=%d results exceeds the faiss GPU limit of %d: answered by the CPU copy "
+                            "of the %s (same results, CPU latency; logged once)", k, self._plan.max_k, self._plan.index)
+            return self._cpu, False
+        with self._gpu_lock:
+            if self._gpu is None or self._gpu_stale:  # re-clone after add/remove, with the plan checked at open
+                self._gpu = _to_gpu(self._cpu, self._plan)
+                self._gpu_stale = False
+            return self._gpu, True
 
     # -- search
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -449,7 +693,12 @@ class AnnIndex:
             return np.full((nq, k), -np.inf, dtype=np.float32), np.full((nq, k), -1, dtype=np.int64)
         rescore = self.params.index_type == "ivfpq" and self._store.available
         k_search = k * self.params.rescore if rescore else k
-        scores, ids = self._searcher().search(q, k_search)
+        searcher, gpu = self._searcher(k_search)
+        if gpu:
+            with self._gpu_lock:
+                scores, ids = searcher.search(q, k_search)
+        else:
+            scores, ids = searcher.search(q, k_search)
         ids = ids.astype(np.int64, copy=False)
         if rescore:
             scores, ids = self._rescore(q, ids, k)
@@ -502,10 +751,13 @@ class AnnIndex:
         *,
         vector_ids: np.ndarray | None = None,
         mmap: bool = False,
+        n_gpus: int | None = None,
+        k_max: int | None = None,
     ) -> AnnIndex:
         """Read an index written by :meth:`save`.  ``params`` (default: recovered from the file) set the
         query-time knobs (nprobe, ef_search, rescore); its index_type must match the file.  ``use_gpu=None``
-        moves flat/ivf to the GPU when faiss has one.  ``mmap=True`` maps the flat codes (flat, HNSW storage)
+        moves flat/ivf to the GPU when faiss has one and :func:`gpu_plan` allows (``n_gpus``, ``k_max``: as
+        for the constructor); the clone happens here, so GpuIndexError is raised by ``load``.  ``mmap=True`` maps the flat codes (flat, HNSW storage)
         read-only from the file instead of copying them (IVF inverted lists are still read into memory), so several serving processes share one
         copy through the page cache; such an index must never be modified (add/remove)."""
         if mmap:
@@ -519,7 +771,7 @@ class AnnIndex:
             params = found
         elif params.index_type != found.index_type:
             raise ValueError(f"{path} holds a {found.index_type!r} index, params say {params.index_type!r}")
-        return cls(index, params, vectors, vector_ids=vector_ids, use_gpu=use_gpu)
+        return cls(index, params, vectors, vector_ids=vector_ids, use_gpu=use_gpu, n_gpus=n_gpus, k_max=k_max)
 
     # -- incremental updates
     def add(self, vectors: np.ndarray, ids: np.ndarray) -> None:
@@ -535,7 +787,7 @@ class AnnIndex:
         _add(self._cpu, vectors, ids)
         if self.params.index_type == "ivfpq" and self._store.available:
             self._store.add(vectors, ids)
-        self._search_index = None
+        self._gpu_stale = True
 
     def remove_ids(self, ids: np.ndarray) -> int:
         """Remove ids; returns how many vectors were removed.
@@ -548,7 +800,7 @@ class AnnIndex:
         if self.params.index_type == "hnsw":
             return self._rebuild_hnsw_without(ids)
         removed = int(self._cpu.remove_ids(ids))
-        self._search_index = None
+        self._gpu_stale = True
         return removed
 
     def _rebuild_hnsw_without(self, ids: np.ndarray) -> int:
@@ -561,7 +813,6 @@ class AnnIndex:
             return 0
         xb = inner.reconstruct_n(0, inner.ntotal)
         self._cpu = build_index(xb[keep], id_map[keep], self.params, use_gpu=False)
-        self._search_index = None
         return removed
 
 

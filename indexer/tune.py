@@ -24,8 +24,11 @@ later; any ``scorer(queries, ids) -> scores`` callable) inside the ANN top-K for
 :func:`choose_candidates` picks the smallest K reaching a target.
 
 GPU: when faiss sees a GPU (a faiss-gpu build) and ``use_gpu`` is not False, the auto ladder is IVF-Flat
-searched on the GPU (``indexer.ann.build_index`` clones it).  CAGRA is NOT implemented yet:
-:func:`cagra_available` only reports whether the installed wheel has it.
+searched on the GPU (``indexer.ann.build_index`` clones it).  The nprobe search of an index searched on the GPU
+stops at ``indexer.ann.GPU_MAX_K`` (2,048, faiss's GPU selection limit) as well as at ``max_nprobe_frac`` of
+the cells, so the tuner never picks an nprobe the GPU cannot run (a target that needs more moves on to the next
+index type, flat on the GPU).  CAGRA is NOT implemented yet: :func:`cagra_available` only reports whether the
+installed wheel has it.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from typing import Any
 import faiss
 import numpy as np
 
+from . import ann as _ann
 from .ann import (
     FLAT_MAX,
     IVFPQ_MIN,
@@ -50,6 +54,7 @@ from .ann import (
     build_index,
     coarse_kind,
     default_nlist,
+    default_nprobe,
     perturbed_queries,
 )
 
@@ -87,7 +92,7 @@ class TuneConfig:
     n_queries: int = 1000  # sample queries used in all (half tune, half held out)
     latency_queries: int = 100  # single queries timed for the p50
     index_types: tuple[str, ...] | None = None  # None: auto_ladder(n)
-    max_nprobe_frac: float = 0.5  # never probe more than this share of the IVF cells
+    max_nprobe_frac: float = 0.5  # never probe more than this share of the IVF cells (nor GPU_MAX_K on the GPU)
     max_ef: int = 4096
     max_rescore: int = 32
     nlist: int | None = None  # ivf / ivfpq cells (None: default_nlist(n))
@@ -392,16 +397,18 @@ def tune_ann(
                     return None
                 ef = min(cfg.max_ef, ef * 2)
         # ivf / ivfpq: start at the nprobe the cell ranks predict, then raise
-        inner = faiss.downcast_index(a.cpu_index)
-        nlist = int(inner.nlist)
-        cap = max(1, int(cfg.max_nprobe_frac * nlist))
+        cap = _nprobe_cap(a, cfg, gpu)
+        gpu_capped = cap < _frac_cap(a, cfg)
         with timer:
             pred = _nprobe_for(a, _gather(units, gt_tune_rows), q_tune, gt_tune_rows, goal)
         nprobe = int(min(cap, max(1, pred)))
         rescore = p.rescore
         while True:
             a = _with_params(a, dataclasses.replace(p, nprobe=nprobe, rescore=rescore), units, vec_ids, cfg)
-            tr = measure(a, f"(cell ranks predict nprobe {pred})" if nprobe == min(cap, pred) else "")
+            note = f"(cell ranks predict nprobe {pred})" if nprobe == min(cap, pred) else ""
+            if gpu_capped and pred > cap:
+                note += f" (GPU nprobe limit {cap})"
+            tr = measure(a, note.strip())
             consider(a, tr)
             if tr.p50_ms > cfg.latency_budget_ms:
                 return None
@@ -442,7 +449,7 @@ def tune_ann(
                 break
             log.info("held-out recall %.4f < %.4f for %s; trying the next setting", r_hold, cfg.target,
                      describe_params(chosen.params))
-            chosen = _step_up(chosen, cfg, units, vec_ids)
+            chosen = _step_up(chosen, cfg, units, vec_ids, gpu)
             if chosen is not None:
                 chosen_tr = measure(chosen, "(held-out check failed: stepped up)")
                 consider(chosen, chosen_tr)
@@ -531,8 +538,9 @@ def _build(kind: str, units: np.ndarray, ids: np.ndarray, cfg: TuneConfig, gpu: 
         p = AnnParams("flat")
     elif kind == "hnsw":
         p = AnnParams("hnsw", ef_search=max(cfg.candidates, 128))
-    elif kind == "ivf":
-        p = AnnParams("ivf", nlist=nlist, train_per_cell=cfg.train_per_cell, coarse="flat" if gpu else "auto")
+    elif kind == "ivf":  # on the GPU: a flat quantiser, and a first nprobe within faiss's GPU limit
+        p = AnnParams("ivf", nlist=nlist, train_per_cell=cfg.train_per_cell, coarse="flat" if gpu else "auto",
+                      nprobe=min(default_nprobe(min(nlist, n)), _ann.GPU_MAX_K) if gpu else None)
     elif kind in ("ivfpq", "ivfpq-fs"):
         p = AnnParams("ivfpq", nlist=nlist, train_per_cell=cfg.train_per_cell, fastscan=kind == "ivfpq-fs",
                       rescore=4)
@@ -561,7 +569,23 @@ def _with_params(a: AnnIndex, p: AnnParams, units: np.ndarray, vec_ids: np.ndarr
     return AnnIndex(a.cpu_index, p, use_gpu=cfg.use_gpu)
 
 
-def _step_up(a: AnnIndex, cfg: TuneConfig, units: np.ndarray, vec_ids: np.ndarray | None) -> AnnIndex | None:
+def _nprobe_cap(a: AnnIndex, cfg: TuneConfig, gpu: bool) -> int:
+    """The largest nprobe tried for ``a``: ``max_nprobe_frac`` of its cells, and at most GPU_MAX_K when ``a`` is
+    (or, tuning on a GPU, would be) an IVF-Flat index searched on the GPU: faiss's GPU IVF throws above it, and
+    ``indexer.ann.gpu_plan`` keeps such an index on the CPU (or refuses it), so a larger nprobe would not be
+    what the GPU serves."""
+    cap = _frac_cap(a, cfg)
+    if a.on_gpu or (gpu and a.params.index_type == "ivf"):
+        return min(cap, _ann.GPU_MAX_K)
+    return cap
+
+
+def _frac_cap(a: AnnIndex, cfg: TuneConfig) -> int:
+    return max(1, int(cfg.max_nprobe_frac * int(faiss.downcast_index(a.cpu_index).nlist)))
+
+
+def _step_up(a: AnnIndex, cfg: TuneConfig, units: np.ndarray, vec_ids: np.ndarray | None,
+             gpu: bool = False) -> AnnIndex | None:
     p = a.params
     if p.index_type == "hnsw":
         if p.ef_search >= cfg.max_ef:
@@ -569,8 +593,7 @@ def _step_up(a: AnnIndex, cfg: TuneConfig, units: np.ndarray, vec_ids: np.ndarra
         pp = dataclasses.replace(p, ef_search=min(cfg.max_ef, p.ef_search * 2))
         return AnnIndex(a.cpu_index, pp, use_gpu=False)
     if p.index_type in ("ivf", "ivfpq"):
-        nlist = int(faiss.downcast_index(a.cpu_index).nlist)
-        cap = max(1, int(cfg.max_nprobe_frac * nlist))
+        cap = _nprobe_cap(a, cfg, gpu)
         if (p.nprobe or 0) >= cap:
             return None
         pp = dataclasses.replace(p, nprobe=int(min(cap, math.ceil((p.nprobe or 1) * 1.5))))

@@ -19,7 +19,7 @@ import numpy as np
 from training.checkpoint import file_sha256
 from training.sinkhorn import fold_query
 
-from ..ann import AnnIndex, AnnParams
+from ..ann import AnnIndex, AnnParams, GpuIndexError
 from ..metadb import check_meta_db
 from ..ncl_ann import FoldedRows, Stage1Unavailable
 from .format import (
@@ -361,6 +361,8 @@ def open_version(
     stage1 = arrays.get("ann_units", arrays["units"])  # ivfpq re-scores with the vectors the ANN was built on
     try:
         ann = AnnIndex.load(path / ANN_FILE, params, stage1, use_gpu, vector_ids=arrays["ids"], mmap=mmap_ann)
+    except GpuIndexError as e:  # the GPU clone is made here, at open: its error names the index and the way out
+        raise IndexFormatError(f"{path / ANN_FILE}: {e}") from e
     except (RuntimeError, ValueError) as e:
         raise IndexFormatError(f"{path / ANN_FILE}: unreadable ({e})") from e
     if ann.ntotal != n or (n and ann.d != d):
@@ -372,6 +374,8 @@ def open_version(
         try:
             ann_ncl = AnnIndex.load(path / ANN_NCL_FILE, nparams, FoldedRows(stage1, arrays["biases"], float(ncl.get("c", 1.0))),
                                     use_gpu, vector_ids=arrays["ids"], mmap=mmap_ann)
+        except GpuIndexError as e:
+            raise IndexFormatError(f"{path / ANN_NCL_FILE}: {e}") from e
         except (RuntimeError, ValueError) as e:
             raise IndexFormatError(f"{path / ANN_NCL_FILE}: unreadable ({e})") from e
         if ann_ncl.ntotal != n or (n and ann_ncl.d != d + 1):
@@ -407,7 +411,9 @@ def open_index(
     `verify=True` re-hashes every file against manifest["files"] (IndexFormatError naming the bad file);
     without it, presence and byte sizes are still checked. `expect_checkpoint_sha` that differs from the
     manifest's checkpoint hash raises IndexMismatchError naming both hashes. `use_gpu=None` searches
-    flat/IVF indexes on the GPU when faiss has one.
+    flat/IVF indexes on the GPU when faiss has one and `indexer.ann.gpu_plan` allows (True: required). The
+    GPU copy is made here, so an index the GPU cannot take fails this call (IndexFormatError with the
+    GpuIndexError's message: the index, its parameters, what to do), not the first search.
     """
     root = Path(root)
     if not root.is_dir():
