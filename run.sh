@@ -37,7 +37,7 @@ case "${1:-}" in
     fi
     export HF_HUB_OFFLINE=1
     "$VENV/bin/ruff" check training indexer service tests bench
-    "$VENV/bin/python" -m pytest -q -m "not slow" "${@:2}"
+    "$VENV/bin/python" -m pytest -q -m "not slow and not gpu" "${@:2}"  # gpu: bench/gpu_check.sh runs them on a GPU
     ;;
   demo)
     install dist

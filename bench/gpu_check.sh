@@ -15,6 +15,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 GARE_COMMIT=${1:-unknown}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$OUT/nvidia-smi.txt"
 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/training/test_sinkhorn.py::test_cuda_matches_cpu \
+    tests/indexer/test_ann_gpu_plan.py \
     2>&1 | tee "$OUT/pytest_cuda.log"
 tests=${PIPESTATUS[0]}
 python3 bench/gpu_bench.py --out "$OUT/gpu_bench" "${@:2}" 2>&1 | tee "$OUT/gpu_bench.log"

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from tests.psi_weights import randomize_psi
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 CUDA = torch.device("cuda")
 

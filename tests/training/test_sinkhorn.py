@@ -184,6 +184,7 @@ def test_input_validation():
     assert a.shape == (3,) and b.shape == (0,)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_matches_cpu():
     q, g = _unit(300, 32, 0), _unit(1000, 32, 1)
