@@ -19,6 +19,12 @@ to ``usable cores // N`` (at least 1) unless ``--torch-threads`` says otherwise,
 over the cores. The workers share a run directory (reload generation, per-worker state for readiness;
 ``service.workers``) and a Prometheus multiprocess directory, both emptied at start.
 ``--workers 1`` serves in this process, as before.
+
+Slow clients and shutdown. Both paths serve with ``service.http_limits.HeaderTimeoutH11Protocol`` (a request's
+headers within ``--header-timeout-s``; the body bound is the app's ``BodyTimeoutMiddleware``). SIGTERM or
+SIGINT stops accepting and drains the requests in flight (``GRACEFUL_SHUTDOWN_S``); with workers the
+supervisor forwards SIGTERM to each and exits only after all of them, and a worker whose supervisor is killed
+gets SIGTERM from the kernel (``service.nodelay``).
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ from training.cli_logging import setup_cli_logging
 
 from .settings import Settings, SettingsError, hash_key, load_settings
 from .workers import usable_cores
+
+GRACEFUL_SHUTDOWN_S = 10  # uvicorn's timeout_graceful_shutdown: requests in flight at SIGTERM get this long
 
 
 def _bool(v: str) -> bool:
@@ -76,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify-index", type=_bool, nargs="?", const=True, help="re-hash index files on open")
     p.add_argument("--batch-max-size", type=int, help="micro-batch size limit")
     p.add_argument("--batch-max-wait-ms", type=float, help="micro-batch wait for company")
+    p.add_argument("--header-timeout-s", type=float,
+                   help="a request's headers must arrive within this of the connection opening or the previous "
+                        "response (default 10; 408 or close beyond)")
+    p.add_argument("--body-timeout-s", type=float, help="a request body must arrive within this (default 30; 408 beyond)")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--check", action="store_true", help="check settings, checkpoint hash and index, then exit")
     p.add_argument("--hash-key", action="store_true", help="read an API key on stdin, print sha256:<hex>, exit")
@@ -87,6 +99,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         "index", "checkpoint", "host", "port", "device", "precision", "rerank_impl", "torch_threads", "library_root",
         "cors_origins", "require_key_for_search", "api_keys_file", "verify_index", "batch_max_size",
         "batch_max_wait_ms", "log_level", "workers", "text_encoder", "query_cache_entries", "result_cache_entries",
+        "header_timeout_s", "body_timeout_s",
     ]
     overrides: dict[str, Any] = {n: getattr(args, n) for n in names}
     return load_settings(args.config, **overrides)
@@ -137,15 +150,18 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
+    from .http_limits import LimitsConfig
+
     workers = settings.workers or usable_cores()
     if settings.torch_threads is None:
         settings = settings.model_copy(update={"torch_threads": max(1, usable_cores() // workers)})
     if workers > 1:
         return serve_workers(settings, workers)
     app = create_app(settings)
-    config = uvicorn.Config(
+    # SIGTERM/SIGINT: stop accepting, drain the requests in flight (at most GRACEFUL_SHUTDOWN_S), then exit
+    config = LimitsConfig(
         app, host=settings.host, port=settings.port, log_level=settings.log_level, proxy_headers=False,
-        server_header=False, timeout_graceful_shutdown=10,
+        server_header=False, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, header_timeout_s=settings.header_timeout_s,
     )
     server = uvicorn.Server(config)
     try:
@@ -180,6 +196,19 @@ def _empty_dir(d: Path) -> None:
             p.unlink()
 
 
+def _stop_workers(supervisor: Any) -> None:
+    """Workers still running once the supervisor returned (it raised, or was interrupted before it joined
+    them): SIGTERM, a graceful drain, then SIGKILL, so that this process never exits before its workers."""
+    procs = [p.process for p in getattr(supervisor, "processes", []) if p.process.is_alive()]
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        proc.join(GRACEFUL_SHUTDOWN_S + 5)
+        if proc.is_alive():  # pragma: no cover - a worker stuck past its graceful shutdown
+            proc.kill()
+            proc.join()
+
+
 def serve_workers(settings: Settings, workers: int) -> int:
     """Run ``workers`` uvicorn worker processes over one socket (see the module docstring)."""
     from uvicorn.supervisors import Multiprocess
@@ -195,19 +224,27 @@ def serve_workers(settings: Settings, workers: int) -> int:
     logging.getLogger("gare.service").info(
         "starting %d workers, %d torch threads each (run dir %s)", workers, settings.torch_threads, run_dir
     )
+    supervisor = None
     try:
-        # what uvicorn.run(..., workers=N) does, with a listening socket that keeps TCP_NODELAY (service.nodelay)
+        # what uvicorn.run(..., workers=N) does, with a listening socket that keeps TCP_NODELAY, the header
+        # timeout, and workers that die with this process (service.nodelay)
         config = NodelayConfig(
             "service.app:create_app", factory=True, workers=workers, host=settings.host, port=settings.port,
-            log_level=settings.log_level, proxy_headers=False, server_header=False, timeout_graceful_shutdown=10,
+            log_level=settings.log_level, proxy_headers=False, server_header=False,
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, header_timeout_s=settings.header_timeout_s,
             # uvicorn pings each worker and kills one that does not answer in time (default 5 s): importing
             # torch and loading a model on a busy machine holds the GIL longer than that
             timeout_worker_healthcheck=settings.worker_healthcheck_s,
         )
-        Multiprocess(config, sockets=[config.bind_socket()]).run()
+        supervisor = Multiprocess(config, sockets=[config.bind_socket()])
+        # On SIGTERM/SIGINT the supervisor sends SIGTERM to every worker and joins them all (each drains its
+        # requests for at most GRACEFUL_SHUTDOWN_S): this process exits after its workers.
+        supervisor.run()
     except KeyboardInterrupt:  # pragma: no cover
         pass
     finally:
+        if supervisor is not None:
+            _stop_workers(supervisor)
         shutil.rmtree(run_dir, ignore_errors=True)
         if given:
             _empty_dir(prom_dir)
