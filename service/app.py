@@ -26,6 +26,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
 from .follow import follow_current
+from .http_limits import BodyTimeoutMiddleware
 from .metrics import Metrics, MetricsMiddleware, mark_worker_dead
 from .middleware import (
     BodySizeLimitMiddleware,
@@ -131,7 +132,7 @@ def create_app(settings: Settings | None = None, **overrides: Any) -> FastAPI:
     # the image upload may be larger than a JSON body (plus the multipart envelope)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes,
                        path_limits={f"/{API_VERSION}/search/image": settings.max_image_bytes + 64 * 1024})
-    from .http_limits import BodyTimeoutMiddleware; app.add_middleware(BodyTimeoutMiddleware, timeout_s=settings.body_timeout_s)  # noqa: E702, I001
+    app.add_middleware(BodyTimeoutMiddleware, timeout_s=settings.body_timeout_s)  # a body must arrive in time
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app
 
