@@ -134,7 +134,8 @@ def _cmd_fit(args: argparse.Namespace) -> int:
             "num_workers": args.num_workers, "seed": args.seed, "save_every": args.save_every,
             "ncl_train": True if args.ncl_train else None, "queue_size": args.queue_size,
             "init_checkpoint": args.init_checkpoint, "preset": args.preset,
-            "early_stop_patience": args.early_stop_patience, "cache_frames": True if args.cache_frames else None}
+            "early_stop_patience": args.early_stop_patience, "cache_frames": True if args.cache_frames else None,
+            "optimizer": args.optimizer}
     data = data_spec(args)
     if data:
         over["data"] = data
@@ -205,6 +206,8 @@ def _register_train_commands(sub) -> None:
     fit.add_argument("--save-every", type=int)
     fit.add_argument("--queue-size", type=int)
     fit.add_argument("--ncl-train", action="store_true", help="train with Sinkhorn-adjusted logits")
+    fit.add_argument("--optimizer", choices=["adamw", "bertadam"],
+                     help="adamw (default) | bertadam: the authors' optimizer and warm-up cosine (exact reproduction)")
     fit.add_argument("--early-stop-patience", type=int, metavar="N",
                      help="stop when the validation R@1 has not improved for N epochs (default 0: never)")
     fit.add_argument("--cache-frames", action="store_true",

@@ -44,6 +44,7 @@ from .data import (
 )
 from .loss import gare_loss
 from .model import GARE, autocast, resolve_device
+from .optim import BertAdam, bert_warmup_cosine_lambda
 from .sinkhorn import sinkhorn_biases
 from .strict import strict_from_dict
 from .video import collate_clips
@@ -65,7 +66,10 @@ class TrainConfig:
     coef_lr: float = 1e-3  # CLIP parameters train at lr * coef_lr
     warmup_proportion: float = 0.1
     weight_decay: float = 0.2
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # global gradient norm; with bertadam also each tensor's (the reference: 1.0 and 1.0)
+    # "adamw": torch AdamW with the project's warm-up cosine; "bertadam": the authors' optimizer and schedule
+    # (training.optim: no bias correction, per-tensor clipping, their warmup_cosine), for exact reproduction.
+    optimizer: str = "adamw"
     loss: dict[str, float] = field(default_factory=dict)  # LossConfig overrides
     queue_size: int = 16384
     ncl_train: bool = False  # train with Sinkhorn-adjusted logits (NCL §3.3)
@@ -103,11 +107,15 @@ class TrainConfig:
             raise ValueError(f"cache_frames needs augment 'none' (augmented frames differ every epoch), got augment {self.augment!r}")
         if self.early_stop_patience < 0:
             raise ValueError(f"early_stop_patience must be >= 0 (0: off), got {self.early_stop_patience}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
 
     def fingerprint(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         for k in self.RESUMABLE_CHANGES:
             d.pop(k, None)
+        if d.get("optimizer") == "adamw":
+            del d["optimizer"]  # states saved before the field existed trained with AdamW and still resume
         return d
 
     @classmethod
@@ -124,6 +132,8 @@ class TrainConfig:
             d = {**PRESETS[preset], **d}
         return strict_from_dict(cls, d, "training options")
 
+
+OPTIMIZERS = ("adamw", "bertadam")
 
 # Named bundles of TrainConfig values (defaults < preset < YAML < flags).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -191,7 +201,8 @@ def _average_gradients(params: list[torch.nn.Parameter]) -> None:
 
 # ---------------------------------------------------------------- optimisation
 def build_optimizer(model: GARE, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW (β .9/.98, eps 1e-6); decay 0.2 except biases and norms (1-D); CLIP at lr * coef_lr."""
+    """AdamW, or BertAdam with cfg.optimizer "bertadam" (β .9/.98, eps 1e-6, each tensor's gradient clipped to
+    grad_clip); decay 0.2 except biases and norms (1-D); CLIP at lr * coef_lr."""
     groups: dict[tuple[str, bool], list[torch.nn.Parameter]] = {}
     for group, named in model.param_groups().items():
         for _, p in named:
@@ -205,7 +216,16 @@ def build_optimizer(model: GARE, cfg: TrainConfig) -> torch.optim.Optimizer:
             "weight_decay": cfg.weight_decay if decay else 0.0,
             "name": f"{group}-{'decay' if decay else 'no_decay'}",
         })
+    if cfg.optimizer == "bertadam":
+        return BertAdam(param_groups, lr=cfg.lr, betas=(0.9, 0.98), eps=1e-6, max_grad_norm=cfg.grad_clip)
     return torch.optim.AdamW(param_groups, betas=(0.9, 0.98), eps=1e-6)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """The project's warm-up cosine for AdamW; the reference's warmup_cosine (training.optim) for BertAdam."""
+    if cfg.optimizer == "bertadam":
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, bert_warmup_cosine_lambda(total_steps, cfg.warmup_proportion))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(total_steps, cfg.warmup_proportion))
 
 
 def warmup_cosine(total_steps: int, warmup_proportion: float):
@@ -317,7 +337,7 @@ class Trainer:
                  len(self.train_set.clips), self.steps_per_epoch, cfg.batch_size)
         self.total_steps = self.steps_per_epoch * cfg.epochs
         self.optimizer = build_optimizer(self.model, cfg)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_cosine(self.total_steps, cfg.warmup_proportion))
+        self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
         d = model_cfg.embed_dim
         self.text_queue, self.video_queue = FeatureQueue(cfg.queue_size, d), FeatureQueue(cfg.queue_size, d)
         self.step, self.best_val, self.skipped = 0, -1.0, []
