@@ -376,7 +376,8 @@ class Trainer:
         mine = json.dumps(self.cfg.fingerprint(), sort_keys=True)
         if state["config"] != mine:
             theirs = json.loads(state["config"])
-            diff = {k: (theirs.get(k), v) for k, v in self.cfg.fingerprint().items() if theirs.get(k) != v}
+            ours = self.cfg.fingerprint()  # either side may lack a field left out at its default (optimizer)
+            diff = {k: (theirs.get(k), ours.get(k)) for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k)}
             raise CheckpointError(f"refusing to resume: {model_path} comes from a different configuration: {diff}")
         ck = read_checkpoint(model_path)
         self.model.load_state_dict(ck.state_dict)
