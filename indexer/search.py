@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from training import psi_fold as pf
 from training import psi_fold_cpu
 from training.model import autocast
+from training.text_quant import encode_each
 
 from . import psi_consts
 from .ncl_ann import Stage1Unavailable
@@ -150,15 +151,30 @@ def trim_tokens(tokens: torch.Tensor) -> torch.Tensor:
     return tokens[:, :last]
 
 
-def encode_queries(model: Any, texts: Sequence[str], precision: str = "fp32", *, trim: bool = True) -> torch.Tensor:
-    """Texts -> t (a, d) float32 on the model's device (un-normalised: psi needs |t|)."""
+def encode_queries(
+    model: Any,
+    texts: Sequence[str],
+    precision: str = "fp32",
+    *,
+    trim: bool = True,
+    tower: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Texts -> t (a, d) float32 on the model's device (un-normalised: psi needs |t|).
+
+    Batch-invariant: a text's embedding is the same bits alone or in any batch (issue 24; the scheme is in
+    training.text_quant's docstring), so the service's micro-batches, its query cache and this offline path
+    agree. `tower`: a training.text_quant encoder (int8, onnx, fp16, ...: batch-invariant themselves) instead
+    of the model's own encoder, which runs each text alone at its own length under `precision`'s autocast.
+    `trim=False` (the model's own encoder only): the whole batch in one call at the full context length,
+    what training computes; not batch-invariant, a reference for comparisons.
+    """
     if not texts:
         return torch.zeros(0, model.cfg.embed_dim, device=model.device)
     tokens = model.tokenize(list(texts))
-    if trim:
-        tokens = trim_tokens(tokens)
+    if tower is not None:
+        return tower(tokens).to(model.device).float()
     with torch.inference_mode(), autocast(model.device, precision):
-        t = model.encode_text(tokens)
+        t = encode_each(model.encode_text, tokens) if trim else model.encode_text(tokens)
     return t.float()
 
 
@@ -499,13 +515,16 @@ def search_batch(
     rerank_impl: str = DEFAULT_RERANK_IMPL,
     on_units: Any = None,
     encoder: Callable[[list[str]], torch.Tensor] | None = None,
+    tower: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> list[QueryResult]:
     """Search many queries with one text-encoder pass, one ANN call per distinct K and one rerank pass.
 
     Every result carries the batch's stage timings (seconds). `on_units`, when given, receives the unit
-    query embeddings (n_q, d) as a float32 array (the service's adaptive query bank). `encoder`, when
-    given, replaces ``encode_queries(model, texts, precision)``: texts -> t (n_q, d) float32 on the model's
-    device (the service's query-embedding cache and its int8/ONNX text towers).
+    query embeddings (n_q, d) as a float32 array (the service's adaptive query bank). `tower` chooses the
+    text tower: a training.text_quant encoder (``build_text_encoder(model, kind)``, what the service's
+    `text_encoder` setting builds), None = the model's own at `precision`. `encoder`, when given, replaces
+    ``encode_queries(model, texts, precision, tower=tower)``: texts -> t (n_q, d) float32 on the model's
+    device (the service's query-embedding cache in front of that same call).
     """
     n_q = len(texts)
     opts = [options] * n_q if isinstance(options, SearchOptions) else list(options)
@@ -515,7 +534,7 @@ def search_batch(
         return []
     dev = model.device
     t0 = time.perf_counter()
-    t = encoder(list(texts)) if encoder is not None else encode_queries(model, texts, precision)
+    t = encoder(list(texts)) if encoder is not None else encode_queries(model, texts, precision, tower=tower)
     t = t.to(dev)
     _sync(dev)
     t1 = time.perf_counter()
@@ -565,9 +584,11 @@ def search(
     *,
     precision: str = "fp32",
     rerank_impl: str = DEFAULT_RERANK_IMPL,
+    tower: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> QueryResult:
-    """The offline search of one query (what the API must return for the same index and options)."""
-    return search_batch(model, version, [query], options, precision=precision, rerank_impl=rerank_impl)[0]
+    """The offline search of one query (what the API must return for the same index, options and text tower:
+    `tower` as in :func:`search_batch`, e.g. ``build_text_encoder(model, "int8")`` for a service on int8)."""
+    return search_batch(model, version, [query], options, precision=precision, rerank_impl=rerank_impl, tower=tower)[0]
 
 
 __all__ = [

@@ -8,12 +8,9 @@ skips), so that every matrix product of the blocks can be quantised and the grap
 
 Encoders (:func:`build_text_encoder`, ``kind``):
 - ``"fp32"``: :class:`TextTower` in float32 (numerically the model's own encoder, up to summation order);
-- ``"int8"``: the same with every block Linear (q/k/v, out, c_fc, c_proj) replaced by a dynamically
-  quantised int8 Linear (weights int8 per tensor, activations quantised per batch at run time, fp32
-  accumulate-and-rescale). Built with ``torch.ao.quantization.quantize_dynamic``; torch 2.14 marks that
-  API deprecated in favour of torchao (``quantize_`` with ``Int8DynamicActivationInt8WeightConfig``),
-  which is not a dependency and was not benchmarked here; the deprecation warning is silenced at this
-  one call, and a torch release that drops the API makes ``kind="int8"`` fail when the encoder is built;
+- ``"int8"``: :class:`Int8TextTower`, the same tower with every block Linear (q/k/v, out, c_fc, c_proj) an
+  :class:`Int8Linear`: weights 7-bit int8 per output channel, activations quantised per token at run time,
+  the products summed exactly in int32 (``torch._int_mm``) and rescaled in float32;
 - ``"onnx"`` / ``"onnx-int8"``: the fp32 tower exported with ``torch.onnx.export`` and run by ONNX Runtime
   (optionally with ORT's own dynamic int8 quantisation of the MatMuls). Needs the ``onnx`` extra.
 
@@ -24,6 +21,25 @@ Those four are CPU-only: asking for int8/onnx on a CUDA model raises :class:`Val
 
 Every encoder is a callable ``tokens (a, L) int64 -> t (a, d) float32`` on the model's device (the CPU for
 the CPU kinds), L <= context length; the embedding is un-normalised like ``GARE.encode_text`` (psi needs |t|).
+
+Batch invariance (issue 24): a text's embedding is the same bits whatever else is in its batch and however far
+the batch is padded. A batched float GEMM's rounding may depend on the row count M (MKL/oneDNN/cuBLAS pick
+their blocking and kernels by shape), attention and activations see the padded length, and a dynamic int8
+scale taken over the batch depends on the other texts; so "alone" and "in a batch" are made the same
+computation by construction, not by measurement:
+- fp32 / fp16 / bf16 / onnx / onnx-int8 (and the model's own encoder, :func:`encode_each`): every text runs
+  alone at its own length (a batch of one, L = its EOT position + 1), the same shapes as when it is sent alone;
+- int8: the texts' tokens are packed back to back without padding (T rows); every op on the packed rows
+  computes each row on its own (LayerNorm's per-row kernel, the row max), or each element with one correctly
+  rounded float op (add, mul, div, round), or is exact (the int8 products summed in int32); what mixes rows or
+  calls a transcendental function (attention, the MLP activation, the final projection) runs per text on that
+  text's rows. This keeps the int8 tower's batching, which a batch of one would lose.
+Cost, measured against the earlier batched towers (ms per query, 1 thread, ViT-B/32, MSR-VTT test captions,
+micro-batches of 1 / 8 / 32): int8 x1.23 / x0.79 / x0.67 (no padding now; the earlier int8 with each text alone
+would have been x0.97 / x1.77 / x1.75); the per-text towers x1.0 at one query and x1.6-x3.2 at 8-32 (model fp32
+x3.1, onnx x1.6-2.0, onnx-int8 x1.1-1.4): the price of exactness where float GEMMs do the sums.
+The guarantee is per machine and thread count (a different CPU or ``torch.set_num_threads`` may round
+differently, for a text alone as in a batch).
 
 Fidelity and speed: ``bench/text_encoder.py`` -> ``bench/results/text_encoder.md``; the CPU default below
 is chosen from those numbers.
@@ -56,7 +72,32 @@ DEFAULT_CPU_TEXT_ENCODER = "int8"
 # fastest of the model's own tower at fp32 and the half-precision towers at one query and at 32.
 DEFAULT_CUDA_TEXT_ENCODER = "fp16"
 
-__all__ = ["TEXT_ENCODERS", "CUDA_TEXT_ENCODERS", "DEFAULT_CPU_TEXT_ENCODER", "DEFAULT_CUDA_TEXT_ENCODER", "half_tower", "TextTower", "build_text_encoder", "quantize_int8", "OnnxTextEncoder"]
+# Quantised values |q| <= 63 (7 bits) for weights and activations. CPUs without VNNI (AVX2, AVX512 without
+# VNNI) multiply u8 x s8 byte pairs into a saturating int16 (vpmaddubsw), and oneDNN feeds them s8 data shifted
+# by +128; with full-range int8 a pair sum can pass 32767 and the "exact" int32 sum is then wrong (measured with
+# ONEDNN_MAX_CPU_ISA=AVX2). With both operands <= 63 in magnitude a pair is at most 2 * (63 + 128) * 63 = 24066,
+# so every x86 kernel sums exactly, and float32 holds the int32 sums exactly up to K = 2^24 / 63^2 = 4227.
+QMAX = 63
+
+__all__ = ["TEXT_ENCODERS", "CUDA_TEXT_ENCODERS", "DEFAULT_CPU_TEXT_ENCODER", "DEFAULT_CUDA_TEXT_ENCODER", "QMAX", "half_tower", "TextTower",
+           "Int8Linear", "Int8TextTower", "token_lengths", "encode_each", "build_text_encoder", "quantize_int8", "OnnxTextEncoder"]
+
+
+def token_lengths(tokens: torch.Tensor) -> list[int]:
+    """Each text's own length in tokens (a, L) -> [L_i]: its EOT position + 1 (EOT has the largest id, as
+    ``encode_text_tokens`` reads it); nothing after EOT can change the text's embedding (causal mask)."""
+    return (tokens.argmax(dim=-1) + 1).tolist()
+
+
+def encode_each(encode: Callable[[torch.Tensor], torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+    """``encode`` run on every text alone at its own length: tokens (a, L) -> t (a, d).
+
+    Text i gets ``encode(tokens[i:i+1, :L_i])``, exactly the call it gets when it is sent alone, so its
+    embedding cannot depend on the rest of the batch (see the module docstring). ``a`` must be >= 1.
+    """
+    if tokens.shape[0] == 0:
+        raise ValueError("encode_each needs at least one text")
+    return torch.cat([encode(tokens[i : i + 1, :n]) for i, n in enumerate(token_lengths(tokens))])
 
 
 class _Attention(nn.Module):
@@ -147,29 +188,111 @@ def _check_cpu(model: nn.Module, kind: str) -> None:
         )
 
 
-def quantize_int8(tower: TextTower) -> TextTower:
-    """A copy of ``tower`` with every block Linear dynamically quantised to int8 (weights per tensor)."""
-    from torch.ao.quantization import quantize_dynamic
+class Int8Linear(nn.Module):
+    """``nn.Linear`` on the CPU in int8, row by row: (T, K) float32 -> (T, N) float32.
 
-    q = copy.deepcopy(tower)
-    with warnings.catch_warnings():
-        # torch.ao.quantization is deprecated in favour of torchao (see the module docstring for why it
-        # is still used here); the warnings say nothing about this call's correctness.
-        warnings.filterwarnings("ignore", category=DeprecationWarning)
-        warnings.filterwarnings("ignore", message=".*quantize_per_tensor.*")
-        q.blocks = quantize_dynamic(q.blocks, {nn.Linear}, dtype=torch.qint8)
-    return q.eval()
+    Weights: symmetric int8 per output channel (|q| <= QMAX), fixed at build time. Activations: symmetric int8
+    per row (token), scale = the row's max |x| / QMAX, so a row's codes depend on that row alone. The int8
+    products are summed in int32 by ``torch._int_mm``, which is exact whatever order or blocking the kernel
+    uses; the rescale (row scale, channel scale, bias) is one correctly rounded float op at a time, the same
+    for an element wherever it sits. Row i of the output is therefore a function of row i of the input only.
+    """
+
+    def __init__(self, lin: nn.Linear) -> None:
+        super().__init__()
+        w = lin.weight.detach().float().cpu()  # (N, K)
+        scale = w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / QMAX  # (N,)
+        self.register_buffer("weight", torch.round(w / scale[:, None]).clamp(-QMAX, QMAX).to(torch.int8))  # (N, K)
+        self.register_buffer("weight_scale", scale)
+        bias = lin.bias.detach().float().cpu().clone() if lin.bias is not None else torch.zeros(w.shape[0])
+        self.register_buffer("bias", bias)  # (N,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # (T, 1): the row's max |x| (exact) / QMAX; a zero row gets a tiny scale and codes 0
+        scale = x.abs().amax(dim=1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny).div_(QMAX)
+        q = torch.round(x / scale).to(torch.int8)  # (T, K); |x / scale| <= QMAX up to rounding, so |q| <= QMAX
+        y = torch._int_mm(q, self.weight.t()).float()  # (T, N) exact int32 sums
+        y *= scale
+        y *= self.weight_scale
+        y += self.bias
+        return y
+
+
+class _Int8Block(nn.Module):
+    """A :class:`_Block` on packed rows (T, w): int8 Linears on all rows, attention and activation per text."""
+
+    def __init__(self, blk: _Block) -> None:
+        super().__init__()
+        self.ln_1, self.ls_1, self.ln_2, self.ls_2 = blk.ln_1, blk.ls_1, blk.ln_2, blk.ls_2
+        self.heads = blk.attn.heads
+        self.qkv, self.out = Int8Linear(blk.attn.qkv), Int8Linear(blk.attn.out)
+        self.c_fc, self.act, self.c_proj = Int8Linear(blk.mlp.c_fc), blk.mlp.gelu, Int8Linear(blk.mlp.c_proj)
+
+    def attend(self, qkv: torch.Tensor, lens: list[int], mask: torch.Tensor) -> torch.Tensor:
+        """qkv (T, 3w) packed -> (T, w): causal attention within each text, one text at a time (its own L)."""
+        w = qkv.shape[1] // 3
+        out = []
+        for part, n in zip(qkv.split(lens), lens, strict=True):
+            q, k, v = part.view(1, n, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)  # 3 x (1, h, n, w/h)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:n, :n])  # (1, h, n, w/h)
+            out.append(y.transpose(1, 2).reshape(n, w))
+        return torch.cat(out)
+
+    def forward(self, x: torch.Tensor, lens: list[int], mask: torch.Tensor) -> torch.Tensor:
+        """x (T, w) the texts' rows back to back, lens their lengths (sum T), mask (ctx, ctx) additive."""
+        x = x + self.ls_1(self.out(self.attend(self.qkv(self.ln_1(x)), lens, mask)))
+        # the activation per text: its vectorised and scalar-tail code paths may round differently, and which
+        # elements take the tail depends on the tensor's size (and the threads' split of it)
+        h = torch.cat([self.act(part) for part in self.c_fc(self.ln_2(x)).split(lens)])  # (T, 4w)
+        return x + self.ls_2(self.c_proj(h))
+
+
+class Int8TextTower(nn.Module):
+    """:class:`TextTower` with int8 block Linears, batch-invariant by construction (module docstring)."""
+
+    def __init__(self, tower: TextTower) -> None:
+        super().__init__()
+        tower = copy.deepcopy(tower)
+        self.token_embedding = tower.token_embedding
+        self.register_buffer("positional_embedding", tower.positional_embedding)
+        self.register_buffer("attn_mask", tower.attn_mask)
+        self.blocks = nn.ModuleList(_Int8Block(b) for b in tower.blocks)
+        self.ln_final = tower.ln_final
+        self.register_buffer("text_projection", tower.text_projection)
+        self.eval()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (a, L), any padding after each EOT -> t (a, d) float32."""
+        lens = token_lengths(tokens)
+        own = torch.arange(tokens.shape[1]) < torch.tensor(lens)[:, None]  # (a, L): each text's own tokens
+        pos = torch.arange(tokens.shape[1]).expand_as(tokens)[own]  # (T,) position within its text
+        x = self.token_embedding(tokens[own]) + self.positional_embedding[pos]  # (T, w), row-major: texts in order
+        for blk in self.blocks:
+            x = blk(x, lens, self.attn_mask)
+        x = self.ln_final(x[torch.tensor(lens).cumsum(0) - 1])  # (a, w): each text's EOT row
+        # the projection per text: a batched (a, w) @ (w, d) could round row i differently for another a
+        return torch.cat([row @ self.text_projection for row in x.split(1)])  # (a, d)
+
+
+def quantize_int8(tower: TextTower) -> Int8TextTower:
+    """``tower`` with every block Linear in int8 (:class:`Int8Linear`), as :class:`Int8TextTower`."""
+    return Int8TextTower(tower)
 
 
 class _TorchEncoder:
-    def __init__(self, tower: nn.Module, kind: str, device: torch.device | str = "cpu") -> None:
+    """A torch tower as an encoder. ``per_text``: run each text alone at its own length (:func:`encode_each`);
+    off only for a tower that is batch-invariant itself (:class:`Int8TextTower`)."""
+
+    def __init__(self, tower: nn.Module, kind: str, device: torch.device | str = "cpu", *, per_text: bool = True) -> None:
         self.tower = tower
         self.kind = kind
         self.device = torch.device(device)
+        self.per_text = per_text
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        tokens = tokens.to(self.device)
         with torch.inference_mode():
-            return self.tower(tokens.to(self.device)).float()
+            return (encode_each(self.tower, tokens) if self.per_text else self.tower(tokens)).float()
 
 
 def half_tower(model: nn.Module, kind: str) -> TextTower:
@@ -217,9 +340,13 @@ class OnnxTextEncoder:
         self.path = path
         self._tmp = tmp  # keeps the files while the session lives
 
-    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+    def _run(self, tokens: torch.Tensor) -> torch.Tensor:
         out = self.session.run(None, {"tokens": tokens.cpu().numpy().astype("int64", copy=False)})[0]
         return torch.from_numpy(out).float()
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        # each text alone: ORT's GEMMs are shaped by the batch, and onnx-int8's activation scale is per call
+        return encode_each(self._run, tokens)
 
 
 def export_onnx(tower: TextTower, path: str | os.PathLike) -> Path:
@@ -258,7 +385,7 @@ def build_text_encoder(model: nn.Module, kind: str = DEFAULT_CPU_TEXT_ENCODER, *
     if kind == "fp32":
         return _TorchEncoder(tower, kind)
     if kind == "int8":
-        return _TorchEncoder(quantize_int8(tower), kind)
+        return _TorchEncoder(quantize_int8(tower), kind, per_text=False)
     return OnnxTextEncoder(tower, int8=kind == "onnx-int8", threads=threads)
 
 

@@ -10,7 +10,9 @@ from training.config import get_model_config
 from training.model import GARE
 from training.text_quant import (
     CUDA_TEXT_ENCODERS,
+    QMAX,
     TEXT_ENCODERS,
+    Int8Linear,
     TextTower,
     build_text_encoder,
     quantize_int8,
@@ -59,11 +61,12 @@ def test_tower_equals_model_encoder(model):
 
 def test_int8_quantises_every_block_linear(model):
     q = quantize_int8(TextTower.from_model(model))
-    from torch.ao.nn.quantized.dynamic import Linear as DynLinear
-
-    assert not any(type(m) is torch.nn.Linear for m in q.blocks.modules())  # no fp32 Linear left
-    n_q = sum(isinstance(m, DynLinear) for m in q.blocks.modules())  # q/k/v, out, c_fc, c_proj per block
-    assert n_q == 4 * len(q.blocks)
+    assert not any(isinstance(m, torch.nn.Linear) for m in q.blocks.modules())  # no fp32 Linear left
+    lins = [m for m in q.blocks.modules() if isinstance(m, Int8Linear)]  # q/k/v, out, c_fc, c_proj per block
+    assert len(lins) == 4 * len(q.blocks)
+    for m in lins:  # 7-bit codes (QMAX: exact sums on every x86 int8 kernel), one scale per output channel
+        assert m.weight.dtype == torch.int8 and int(m.weight.abs().max()) == QMAX
+        assert m.weight_scale.shape == (m.weight.shape[0],)
 
 
 @pytest.mark.parametrize("kind", [k for k in TEXT_ENCODERS if k not in CUDA_TEXT_ENCODERS])
