@@ -199,9 +199,12 @@ def _stage1_options(args: argparse.Namespace):
 
     if args.recall_target > 1:
         raise ValueError(f"--recall-target must be in (0, 1], got {args.recall_target}")
+    bank = getattr(args, "from_bank", None)
+    if bank is not None and args.tune_captions:
+        raise ValueError("--from-bank and --tune-captions are two sources of tuning queries: give one")
     return Stage1Options(enabled=getattr(args, "tune", True), recall_target=args.recall_target,
                          candidates=DEFAULT_CANDIDATES, latency_budget_ms=args.latency_budget_ms,
-                         n_queries=max(2, args.tune_queries))
+                         n_queries=max(2, args.tune_queries), bank=bank)
 
 
 def _caption_texts(source: str | None) -> list[str] | None:
@@ -336,6 +339,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--index-type", choices=("auto", *INDEX_TYPES), default=None,
                     help="index types the tuner may use (default: the index's requested type)")
     _add_tune_args(sp, tune_cmd=True)
+    sp.add_argument("--from-bank", metavar="BANK.npy",
+                    help="tune on served queries: a float32 (n, d) .npy of unit query embeddings written by gare-serve's "
+                         "query bank (GARE_QUERY_BANK_PATH; loaded without pickle); its distinct rows (at most "
+                         "--tune-queries) replace the checkpoint's queue / --tune-captions; the manifest's stage1 "
+                         "records query_source query-bank and the bank file's sha256")
     sp.add_argument("--keep", type=_positive_int, default=3)
     sp.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
 

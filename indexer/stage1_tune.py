@@ -4,7 +4,9 @@ One entry for ``gare-index build`` / ``add`` (after the ANN is built or grown) a
 existing version, nothing re-encoded): :func:`tune_version_ann`
 
 1. samples queries (:func:`indexer.tune.sample_queries`: the checkpoint's NCL text queue when present, else
-   caption embeddings of a manifest when given, else perturbed gallery vectors; the source is recorded);
+   caption embeddings of a manifest when given, else perturbed gallery vectors; or, with
+   ``Stage1Options.bank`` (``gare-index tune --from-bank``), the served queries of a query bank,
+   :func:`bank_queries`; the source is recorded);
 2. meets the recall target (recall@K of the exact cosine top-10, K = the service's default candidates) within
    a latency budget with :func:`indexer.tune.tune_ann` (RecallTargetError, with the tuner's message, when it
    cannot);
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -49,7 +52,7 @@ COVERAGE_KS = (16, 32, 64, 128, 256, 512, 1024)  # as training.evaluate.COVERAGE
 STAGE1_KEY = "stage1"  # the manifest entry
 
 __all__ = ["Stage1Options", "COVERAGE_KS", "STAGE1_KEY", "RecallTargetError", "encode_captions", "psi_fold_scorer",
-           "tune_version_ann", "index_default_candidates", "describe_stage1"]
+           "bank_queries", "tune_version_ann", "index_default_candidates", "describe_stage1"]
 
 
 @dataclass
@@ -62,6 +65,9 @@ class Stage1Options:
     coverage_target: float = 0.995  # the default K is the smallest K with this share of the psi top-10
     coverage_ks: tuple[int, ...] = COVERAGE_KS
     seed: int = 0
+    # served-query bank (service.querybank: float32 (n, d) .npy of unit query embeddings): when given, its distinct
+    # rows are the sample queries instead of the queue / captions / perturbed gallery (`gare-index tune --from-bank`)
+    bank: str | os.PathLike | None = None
 
     def validate(self) -> None:
         if not 0.0 < self.recall_target <= 1.0:
@@ -138,6 +144,27 @@ def _pick_rows(n_rows: int, n: int, seed: int) -> np.ndarray | None:
     return np.sort(np.random.default_rng(seed).choice(n_rows, size=n, replace=False))
 
 
+def _build_sample(units: np.ndarray, queue: np.ndarray | None, captions: np.ndarray | None, opt: Stage1Options
+                  ) -> tuple[np.ndarray, str, np.ndarray]:
+    """(unit queries, source, the matching raw rows psi scores): the queue, else the captions, else perturbed
+    gallery vectors (:func:`indexer.tune.sample_queries`)."""
+    raw = None
+    for arr in (queue, captions):  # sample_queries' order: the queue, then the captions
+        if arr is not None and len(arr):
+            arr = np.asarray(arr, dtype=np.float32).reshape(len(arr), -1)
+            keep = _pick_rows(arr.shape[0], opt.n_queries, opt.seed)
+            raw = arr if keep is None else arr[keep]
+            break
+    if raw is not None:
+        is_queue = queue is not None and len(queue) > 0
+        unit_q, source = sample_queries(units, queue=raw if is_queue else None, captions=None if is_queue else raw,
+                                        n=opt.n_queries, seed=opt.seed)
+    else:
+        unit_q, source = sample_queries(units, n=opt.n_queries, seed=opt.seed)
+        raw = unit_q
+    return unit_q, source, raw
+
+
 def tune_version_ann(
     units: np.ndarray,
     ids: np.ndarray,
@@ -165,20 +192,12 @@ def tune_version_ann(
     opt = options or Stage1Options()
     opt.validate()
     n = units.shape[0]
-    raw = None
-    for arr in (queue, captions):  # sample_queries' order: the queue, then the captions
-        if arr is not None and len(arr):
-            arr = np.asarray(arr, dtype=np.float32).reshape(len(arr), -1)
-            keep = _pick_rows(arr.shape[0], opt.n_queries, opt.seed)
-            raw = arr if keep is None else arr[keep]
-            break
-    if raw is not None:
-        is_queue = queue is not None and len(queue) > 0
-        unit_q, source = sample_queries(units, queue=raw if is_queue else None, captions=None if is_queue else raw,
-                                        n=opt.n_queries, seed=opt.seed)
-    else:
-        unit_q, source = sample_queries(units, n=opt.n_queries, seed=opt.seed)
+    bank_info = None
+    if opt.bank is not None:  # served queries replace the build's sample (they are unit rows: raw = unit)
+        unit_q, source, bank_info = bank_queries(opt.bank, units.shape[1], n=opt.n_queries, seed=opt.seed)
         raw = unit_q
+    else:
+        unit_q, source, raw = _build_sample(units, queue, captions, opt)
     types = None
     if requested_type not in (None, "auto"):
         types = (requested_type,)
@@ -215,6 +234,7 @@ def tune_version_ann(
         "latency_budget_ms": res.latency_budget_ms,
         "device": res.device,
         "query_source": source,
+        **({"query_bank": bank_info} if bank_info is not None else {}),
         "n_queries": int(unit_q.shape[0]),
         "n_tune_queries": res.n_tune_queries,
         "n_holdout_queries": res.n_holdout_queries,
@@ -233,6 +253,40 @@ def tune_version_ann(
     log.info("stage 1: %s; psi coverage %s -> default candidates %s", res.message,
              {k: round(v, 4) for k, v in cov.coverage.items()}, chosen)
     return tuned, entry
+
+
+def bank_queries(path: str | os.PathLike, d: int, *, n: int = 1000, seed: int = 0
+                 ) -> tuple[np.ndarray, str, dict[str, Any]]:
+    """(unit queries (m, d) float32, query source, the manifest's ``query_bank`` record) from a served-query bank.
+
+    The bank is read as ``gare-index biases --from-traffic`` reads it (:func:`indexer.postprocess.load_query_bank`:
+    no pickle, float32 (rows, d), finite, non-zero rows, re-normalised). Repeated queries (the same text gives the
+    same embedding) are kept once, so that the tuner's held-out half holds no query of its tuning half; at most
+    ``n`` distinct rows are used (a seeded sample, as the other sources). Bank rows are unit vectors: the psi
+    coverage and the deviation figure score them with |t| = 1, as they do perturbed-gallery queries."""
+    from .postprocess import load_query_bank
+
+    try:
+        x, info = load_query_bank(path, d)
+    except ValueError as e:
+        raise ValueError(str(e).replace("--from-traffic", "--from-bank", 1)) from None
+    _, first = np.unique(x, axis=0, return_index=True)
+    x = x[np.sort(first)]  # distinct rows, first occurrences in bank order (oldest first)
+    distinct = int(x.shape[0])
+    if distinct < 2:
+        raise ValueError(f"--from-bank {info['file']}: {distinct} distinct queries; the tuner needs at least 2 (half tune, "
+                         "half held out)")
+    keep = _pick_rows(distinct, n, seed)
+    q = np.ascontiguousarray(x if keep is None else x[keep], dtype=np.float32)
+    m = int(q.shape[0])
+    if m < 100:
+        log.warning("--from-bank: only %d distinct served queries; the held-out recall (%d queries) is a coarse estimate",
+                    m, m - m // 2)
+    record = {"file": info["file"], "sha256": info["sha256"], "rows": info["rows"], "distinct": distinct, "used": m,
+              "non_unit_rows": info["non_unit_rows"],
+              "note": "unit query embeddings served by gare-serve (service.querybank); psi coverage scores them with |t| = 1"}
+    source = f"query-bank ({m} queries; {distinct} distinct of {info['rows']} served)"
+    return q, source, record
 
 
 def build_deviation(model: Any, raw_queries: np.ndarray, frames: Any, masks: Any, *, seed: int = 0,

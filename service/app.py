@@ -35,6 +35,7 @@ from .middleware import (
     TrustedHostMiddleware,
     install_error_handlers,
 )
+from .recall_watch import start_recall_watch
 from .routes import admin, ops, search, videos
 from .routes.ops import DOCS_ASSET_DIR, DOCS_ASSETS, STATIC_DIR
 from .settings import Settings, SettingsError, load_api_key_hashes, load_settings
@@ -67,6 +68,7 @@ def create_app(settings: Settings | None = None, **overrides: Any) -> FastAPI:
             raise
         app.state.gare = state
         state.batcher.start()
+        recall_watch = start_recall_watch(state)  # stage-1 recall of sampled served queries (None when off)
         loop = asyncio.get_running_loop()
         tasks = []
         if state.board is not None:  # the other workers' admin reloads
@@ -81,6 +83,8 @@ def create_app(settings: Settings | None = None, **overrides: Any) -> FastAPI:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             await state.batcher.stop()
+            if recall_watch is not None:
+                await run_in_threadpool(recall_watch.stop)
             state.close()
             app.state.gare = None
             mark_worker_dead()

@@ -8,13 +8,23 @@
 
 - ``gare_query_cache_*``: the query embedding cache (service/query_cache.py).
 - ``gare_result_cache_*``: the search result cache (service/result_cache.py).
+- ``gare_stage1_recall*``: stage-1 recall of sampled served queries against an exact search
+  (service/recall_watch.py): per-query histograms ``gare_stage1_recall{stage1}`` (recall@K of the exact
+  top-10, K = the manifest's ``recall_at``) and ``gare_stage1_served_recall{stage1}`` (inside the candidates
+  actually served); per worker the rolling mean ``gare_stage1_recall_mean`` (NaN until one query is evaluated),
+  the queries in it ``gare_stage1_recall_window_queries`` and the version's ``gare_stage1_recall_target`` (NaN:
+  not tuned); counters ``gare_stage1_recall_{sampled,dropped}_total``, ``..._evaluated_total{list}``
+  (served list or stage 1 re-run at the manifest's K), ``..._skipped_total{reason}``, ``..._cpu_seconds_total``.
 
 Several workers (``gare-serve --workers N``): when ``PROMETHEUS_MULTIPROC_DIR`` is set (the CLI sets and
 empties it) every worker writes its series to that directory and ``/metrics`` (on any worker) renders all
 of them with prometheus_client's ``MultiProcessCollector``: counters and histograms are summed over the
 workers, ``gare_index_entries`` is the largest live value and ``gare_index_info`` is shown per worker
 (``pid`` label), so a worker left on an old version after a reload is visible, as is
-``gare_worker_requests`` (requests each worker answered).
+``gare_worker_requests`` (requests each worker answered). The recall watch's gauges (rolling mean, its size,
+the target) are per worker too (``liveall``: each worker samples its own queries; averaging means over
+workers of different sizes would be wrong, and a dead worker's series go): compare them by ``pid``, or use
+the summed histogram (``rate(gare_stage1_recall_sum) / rate(gare_stage1_recall_count)``) for the fleet.
 
 Routes are labelled by their template (``/v1/videos/{video_id}``), never by the raw path, so the label
 set stays bounded; unmatched paths are labelled ``unmatched``.
@@ -22,6 +32,7 @@ set stays bounded; unmatched paths are labelled ``unmatched``.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Any
@@ -35,6 +46,7 @@ from .result_cache import ResultCacheMetrics
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "CONNECT"})
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+RECALL_BUCKETS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)  # per-query recall of a top-10: multiples of 0.1
 
 __all__ = ["Metrics", "MetricsMiddleware", "CONTENT_TYPE_LATEST", "multiprocess_dir", "mark_worker_dead"]
 
@@ -83,6 +95,44 @@ class Metrics:
         self.worker_requests = Gauge(
             "gare_worker_requests", "HTTP requests answered by this worker process", registry=r, multiprocess_mode="liveall"
         )
+        # stage-1 recall of sampled served queries vs an exact search (service/recall_watch.py)
+        self.recall = Histogram(
+            "gare_stage1_recall", "per sampled query: recall@K of the exact top-10, K = the manifest's recall_at (the "
+            "build-time definition)", ["stage1"], buckets=RECALL_BUCKETS, registry=r,
+        )
+        self.recall_served = Histogram(
+            "gare_stage1_served_recall", "per sampled query: share of the exact top-10 inside the candidates served "
+            "(the request's K)", ["stage1"], buckets=RECALL_BUCKETS, registry=r,
+        )
+        self.recall_mean = Gauge(
+            "gare_stage1_recall_mean", "this worker's rolling mean of gare_stage1_recall on the served version (NaN: "
+            "none evaluated yet)", registry=r, multiprocess_mode="liveall",
+        )
+        self.recall_window = Gauge(
+            "gare_stage1_recall_window_queries", "queries in gare_stage1_recall_mean", registry=r,
+            multiprocess_mode="liveall",
+        )
+        self.recall_target = Gauge(
+            "gare_stage1_recall_target", "the served version's stage-1 recall target (manifest stage1.recall_target; "
+            "NaN: not tuned)", registry=r, multiprocess_mode="liveall",
+        )
+        self.recall_sampled = Counter("gare_stage1_recall_sampled", "served queries sampled for an exact re-run", registry=r)
+        self.recall_evaluated = Counter(
+            "gare_stage1_recall_evaluated", "sampled queries re-run exactly, by the stage-1 list scored (served, or "
+            "rerun at the manifest's K)", ["list"], registry=r,
+        )
+        self.recall_dropped = Counter(
+            "gare_stage1_recall_dropped", "sampled queries dropped: the re-run queue was full", registry=r
+        )
+        self.recall_skipped = Counter(
+            "gare_stage1_recall_skipped", "sampled queries not evaluated, by reason (stale: served by a version no "
+            "longer current; empty; unloaded; error)", ["reason"], registry=r,
+        )
+        self.recall_cpu = Counter(
+            "gare_stage1_recall_cpu_seconds", "thread CPU seconds spent on the exact re-runs", registry=r
+        )
+        self.recall_mean.set(math.nan)
+        self.recall_target.set(math.nan)
 
     def observe_stages(self, timings_s: dict[str, float]) -> None:
         for stage, v in timings_s.items():

@@ -162,6 +162,21 @@ class Settings(BaseSettings):
     query_bank_path: Path | None = Field(None, description="where the bank is written (float32 .npy); required when the bank is on")
     query_bank_flush_every: int = Field(1000, ge=1, description="write the bank every N queries (and at shutdown)")
 
+    # stage-1 recall watch (service/recall_watch.py): sampled served queries re-run exactly in the background
+    recall_sample_rate: float = Field(
+        0.01, ge=0, le=1, description="share of served text queries whose stage-1 recall (recall@K of the exact top-10, "
+        "the index's definition) is measured against an exact search in the background; 0 = off"
+    )
+    recall_cpu_share: float = Field(
+        0.05, gt=0, le=1, description="most of one core's time the exact re-runs may take (per worker; paced per chunk)"
+    )
+    recall_queue_size: int = Field(64, ge=1, description="sampled queries waiting for their re-run; more are dropped (counted)")
+    recall_window: int = Field(200, ge=1, description="the rolling mean (gauge, warning) covers the last N evaluated queries")
+    recall_warn_min_queries: int = Field(
+        50, ge=1, description="no low-recall WARNING before this many evaluated queries on the served version"
+    )
+    recall_warn_interval_s: float = Field(600.0, ge=0, description="at most one low-recall WARNING per interval")
+
     # query embedding cache (service/query_cache.py); either bound at 0 turns it off
     query_cache_entries: int = Field(
         10_000, ge=0, le=100_000_000, description="most query embeddings kept (LRU); 0 = cache off"

@@ -216,6 +216,7 @@ class ServiceState:
         self.reload_lock = asyncio.Lock()
         self.thumbs = ThumbnailCache(settings.thumbnail_cache_size)
         self.query_bank: Any = None  # service.querybank.QueryBank when GARE_QUERY_BANK_SIZE > 0
+        self.recall_watch: Any = None  # service.recall_watch.RecallWatch when GARE_RECALL_SAMPLE_RATE > 0 (lifespan)
         self.query_cache: QueryCache | None = None  # built in load() (needs the tokenizer's normaliser)
         self.result_cache = ResultCache(0)  # built in load(); off until then
         self.text_encoder = "fp32"  # the text tower that runs (settings.text_encoder; fp32 = the model's own)
@@ -494,9 +495,10 @@ class ServiceState:
                 flags.extend(hit)
                 return t
 
+            watch = self.recall_watch  # samples this batch's stage-1 lists for an exact re-run (service.recall_watch)
             res = S.search_batch(
                 self.model,
-                version,
+                version if watch is None else watch.wrap(version),
                 [jobs[i].query for i in members],
                 [jobs[i].options for i in members],
                 precision=self.precision,
