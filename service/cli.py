@@ -8,10 +8,15 @@ Settings come from (lowest to highest priority) defaults, the ``--config`` file 
 environment variables and the options below. Exit status 2 means bad settings (message on stderr).
 
 Workers. ``--workers N`` (default: the usable cores, ``os.sched_getaffinity``) runs N processes behind the
-port with uvicorn's own process manager (what ``uvicorn.run(..., factory=True, workers=N)`` runs): one
-listening socket opened here and inherited (through ``service.nodelay.NodelayConfig``, so that connections
-keep TCP_NODELAY: uvicorn's own socket costs every keep-alive request ~40 ms), a supervisor that restarts a
-worker that dies, no extra dependency.
+port with uvicorn's own process manager (``uvicorn.supervisors.Multiprocess``, what ``uvicorn.run(...,
+factory=True, workers=N)`` runs; a supervisor that restarts a worker that dies, no extra dependency). How they
+listen (``--worker-sockets``, ``service.nodelay``): ``reuseport`` (default on Linux) gives every worker a
+listening socket of its own on the port (SO_REUSEPORT), so the kernel spreads connections evenly over the
+workers whatever the clients do; the port is bound here first (an address in use fails the start at once;
+port 0 picks one port for all) and held for the life of the group. ``shared``: one listening socket opened
+here and inherited by every worker (the first worker awake takes all queued connections: a burst of
+keep-alive clients can all land on one worker). Either way connections keep TCP_NODELAY (uvicorn's own
+socket costs every keep-alive request ~40 ms; ``service.nodelay.NodelayConfig``).
 (gunicorn + uvicorn workers would give the same model, but one more package and config surface, and
 uvicorn's supervisor already restarts workers.) Each worker builds the app with ``service.app.create_app``
 from the resolved settings, exported here as ``GARE_*`` variables, and bounds its torch and FAISS threads
@@ -72,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="psi rerank implementation (same scores; default auto = the fastest measured for the device, fold today; GARE_RERANK_IMPL)")
     p.add_argument("--torch-threads", type=int, help="torch/FAISS threads per worker (default: usable cores // workers)")
     p.add_argument("--workers", type=int, help="worker processes (default: the usable cores; 1 = serve in this process)")
+    p.add_argument("--worker-sockets", choices=["auto", "reuseport", "shared"],
+                   help="with --workers N: reuseport = a listening socket per worker (SO_REUSEPORT: the kernel spreads "
+                        "connections evenly), shared = one socket for all; auto (default) = reuseport on Linux")
     p.add_argument("--text-encoder", choices=["auto", "fp32", "int8", "onnx", "onnx-int8", "fp16", "bf16"],
                    help="query text tower (int8/onnx are CPU options, fp16/bf16 half-precision towers CUDA options; "
                         "fp32 = the model's own at --precision; default auto: the measured default of the device at fp32)")
@@ -99,7 +107,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         "index", "checkpoint", "host", "port", "device", "precision", "rerank_impl", "torch_threads", "library_root",
         "cors_origins", "require_key_for_search", "api_keys_file", "verify_index", "batch_max_size",
         "batch_max_wait_ms", "log_level", "workers", "text_encoder", "query_cache_entries", "result_cache_entries",
-        "header_timeout_s", "body_timeout_s",
+        "header_timeout_s", "body_timeout_s", "worker_sockets",
     ]
     overrides: dict[str, Any] = {n: getattr(args, n) for n in names}
     return load_settings(args.config, **overrides)
@@ -122,7 +130,21 @@ def main(argv: list[str] | None = None) -> int:
     # Our loggers at --log-level; third-party libraries (open_clip's root-logger lines) only at debug.
     setup_cli_logging(settings.log_level == "debug", level=settings.log_level)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Several workers with a socket each: take the port first, so that an address in use fails in a moment,
+    # not after the imports and checks below.
+    group = None
+    if not args.check and (settings.workers or usable_cores()) > 1:
+        group, status = open_port_group(settings)
+        if status:
+            return status
+    try:
+        return _serve(args, settings, group)
+    finally:
+        if group is not None:
+            group.close()
 
+
+def _serve(args: argparse.Namespace, settings: Settings, group: Any) -> int:
     from .app import StartupError, create_app, resolve_checkpoint
 
     try:
@@ -156,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     if settings.torch_threads is None:
         settings = settings.model_copy(update={"torch_threads": max(1, usable_cores() // workers)})
     if workers > 1:
-        return serve_workers(settings, workers)
+        return serve_workers(settings, workers, group)
     app = create_app(settings)
     # SIGTERM/SIGINT: stop accepting, drain the requests in flight (at most GRACEFUL_SHUTDOWN_S), then exit
     config = LimitsConfig(
@@ -209,12 +231,40 @@ def _stop_workers(supervisor: Any) -> None:
             proc.join()
 
 
-def serve_workers(settings: Settings, workers: int) -> int:
-    """Run ``workers`` uvicorn worker processes over one socket (see the module docstring)."""
+def open_port_group(settings: Settings) -> tuple[Any, int]:
+    """(the bound port group, 0) when the workers listen on a socket each (``worker_sockets``), (None, 0) when
+    they share one; (None, exit status) with a message on stderr when the setting cannot be honoured here (2)
+    or the address is in use (1)."""
+    from .nodelay import PortGroup, resolve_worker_sockets
+
+    try:
+        mode = resolve_worker_sockets(settings.worker_sockets)
+    except ValueError as e:
+        print(f"gare-serve: {e}", file=sys.stderr)
+        return None, 2
+    if mode != "reuseport":
+        return None, 0
+    try:
+        return PortGroup(settings.host, settings.port), 0
+    except OSError as e:
+        print(f"gare-serve: cannot listen on {settings.host}:{settings.port}: {e.strerror or e}", file=sys.stderr)
+        return None, 1
+
+
+def serve_workers(settings: Settings, workers: int, group: Any = None) -> int:
+    """Run ``workers`` uvicorn worker processes behind one port (see the module docstring); ``group``: the port
+    group ``main`` already bound (:func:`open_port_group`), closed here when the workers are done."""
     from uvicorn.supervisors import Multiprocess
 
-    from .nodelay import NodelayConfig
+    from .nodelay import NodelayConfig, prompt_supervisor
 
+    if group is None:
+        group, status = open_port_group(settings)  # None again with worker_sockets=shared
+        if status:
+            return status
+    mode = "shared" if group is None else "reuseport"
+    if group is not None:
+        settings = settings.model_copy(update={"port": group.port})  # port 0: the one chosen, for every worker
     run_dir = Path(tempfile.mkdtemp(prefix="gare-serve-"))
     given = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     prom_dir = Path(given) if given else run_dir / "prometheus"
@@ -222,11 +272,13 @@ def serve_workers(settings: Settings, workers: int) -> int:
     os.environ.pop("GARE_CONFIG", None)  # the exported values already include the file's
     os.environ.update(worker_environment(settings, workers, run_dir, prom_dir))
     logging.getLogger("gare.service").info(
-        "starting %d workers, %d torch threads each (run dir %s)", workers, settings.torch_threads, run_dir
+        "starting %d workers, %d torch threads each, %s listening socket%s (run dir %s)", workers,
+        settings.torch_threads, "a" if mode == "reuseport" else "one shared", " each" if mode == "reuseport" else "",
+        run_dir,
     )
     supervisor = None
     try:
-        # what uvicorn.run(..., workers=N) does, with a listening socket that keeps TCP_NODELAY, the header
+        # what uvicorn.run(..., workers=N) does, with listening sockets that keep TCP_NODELAY, the header
         # timeout, and workers that die with this process (service.nodelay)
         config = NodelayConfig(
             "service.app:create_app", factory=True, workers=workers, host=settings.host, port=settings.port,
@@ -236,7 +288,15 @@ def serve_workers(settings: Settings, workers: int) -> int:
             # torch and loading a model on a busy machine holds the GIL longer than that
             timeout_worker_healthcheck=settings.worker_healthcheck_s,
         )
-        supervisor = Multiprocess(config, sockets=[config.bind_socket()])
+        if group is not None:
+            # the group's anchor: each worker it is pickled into binds its own socket in the group (service.nodelay)
+            sockets = [group.socket]
+            fmt = "%s://[%s]:%d" if ":" in settings.host else "%s://%s:%d"
+            logging.getLogger("uvicorn.error").info(  # the line uvicorn's bind_socket logs for the shared socket
+                f"Uvicorn running on {fmt} (Press CTRL+C to quit)", "http", settings.host, group.port)
+        else:
+            sockets = [config.bind_socket()]
+        supervisor = prompt_supervisor(Multiprocess)(config, sockets=sockets)
         # On SIGTERM/SIGINT the supervisor sends SIGTERM to every worker and joins them all (each drains its
         # requests for at most GRACEFUL_SHUTDOWN_S): this process exits after its workers.
         supervisor.run()
@@ -245,6 +305,8 @@ def serve_workers(settings: Settings, workers: int) -> int:
     finally:
         if supervisor is not None:
             _stop_workers(supervisor)
+        if group is not None:
+            group.close()
         shutil.rmtree(run_dir, ignore_errors=True)
         if given:
             _empty_dir(prom_dir)

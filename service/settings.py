@@ -82,6 +82,11 @@ class Settings(BaseSettings):
     workers: int | None = Field(
         None, ge=1, le=256, description="worker processes behind the port (gare-serve; default: the usable cores)"
     )
+    worker_sockets: Literal["auto", "reuseport", "shared"] = Field(
+        "auto", description="how the workers of gare-serve --workers N listen: reuseport = a socket each on the port "
+        "(SO_REUSEPORT: the kernel spreads connections evenly), shared = one socket for all (the first worker awake "
+        "takes every queued connection); auto = reuseport on Linux, else shared (service/nodelay.py)"
+    )
     run_dir: Path | None = Field(
         None, description="shared state of the workers of one gare-serve (set by gare-serve --workers; see service/workers.py)"
     )

@@ -1,0 +1,332 @@
+"""Do connections reach every worker? `gare-serve --workers 2`, shared listening socket vs a socket per worker.
+
+    python bench/worker_spread.py                       # 5 runs, 32 keep-alive clients, 12 requests each
+    python bench/worker_spread.py --runs 5 --clients 32 --requests 12 --n 2000
+
+Two real servers (``python -m service.cli --workers 2``) on one index: ``--worker-sockets shared`` (one listening
+socket inherited by both workers, the design before issue 29) and ``--worker-sockets reuseport`` (a socket per
+worker, SO_REUSEPORT: the kernel hashes connections over them; ``service/nodelay.py``). Both run for the whole
+benchmark; each run sends one burst to each, in alternating order (shared first in even runs): ``--clients``
+threads open one keep-alive HTTP/1.1 connection each at the same instant (a barrier) and send ``--requests``
+``POST /v1/search`` (distinct queries, two-stage, k=10, query and result caches off so that every request runs
+the text encoder) back to back on it. Per burst: the connections each worker served (its
+``gare_worker_requests`` counter in /metrics before and after, divided by ``--requests``: every connection
+sends exactly that many), q/s (requests / the burst's wall time), client-side p50/p99 latency and the CPU
+seconds per second each worker used (/proc/PID/stat). The index and checkpoint are those of
+``bench/serve_http.py`` (``serve_bench.write_gallery``: ViT-B/32 sizes, random weights, psi fold constants).
+
+Results: bench/results/worker_spread.{json,md} with the commit, command, CPU model (lscpu), kernel and the load
+average before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+for p in (str(REPO), str(BENCH)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+MODES = ("shared", "reuseport")
+TICK = os.sysconf("SC_CLK_TCK")
+RUNNING = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
+
+
+def lscpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30).stdout
+        for line in out.splitlines():
+            if line.strip().startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    from index_common import cpu_name
+
+    return cpu_name()
+
+
+def git_commit() -> str:
+    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "service", "bench/worker_spread.py"], cwd=REPO,
+                           capture_output=True, text=True).stdout.strip()
+    return r.stdout.strip() + (" (service/ or this script modified)" if dirty else "")
+
+
+def loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def worker_requests(url: str) -> dict[int, float]:
+    text = httpx.get(url + "/metrics", timeout=60).text
+    return {int(m.group(1)): float(m.group(2))
+            for m in re.finditer(r'gare_worker_requests\{pid="(\d+)"\} ([0-9.e+]+)', text)}
+
+
+class Server:
+    """`gare-serve --workers 2 --worker-sockets MODE --port 0` in a child process."""
+
+    def __init__(self, index: Path, mode: str, log: Path) -> None:
+        self.mode, self.log = mode, log
+        args = [sys.executable, "-m", "service.cli", "--index", str(index), "--workers", "2", "--worker-sockets", mode,
+                "--host", "127.0.0.1", "--port", "0", "--log-level", "info", "--query-cache-entries", "0",
+                "--result-cache-entries", "0"]
+        env = {**os.environ, "PYTHONPATH": str(REPO), "GARE_TORCH_THREADS": "1", "GARE_WORKER_HEALTHCHECK_S": "900"}
+        env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        self.port = 0
+        self.url = ""
+        self.pids: list[int] = []
+
+    def wait_ready(self, limit_s: float = 900) -> None:
+        deadline = time.time() + limit_s
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gare-serve ({self.mode}) exited: {self.log.read_text()[-3000:]}")
+            if not self.port and (m := RUNNING.search(self.log.read_text(errors="replace"))):
+                self.port = int(m.group(1))
+                self.url = f"http://127.0.0.1:{self.port}"
+            if self.port:
+                try:
+                    r = httpx.get(self.url + "/readyz", timeout=5)
+                    if r.status_code == 200:
+                        self.pids = sorted(int(w["pid"]) for w in r.json()["workers"])
+                        return
+                except httpx.HTTPError:
+                    pass
+            time.sleep(0.5)
+        raise RuntimeError(f"gare-serve ({self.mode}) not ready: {self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def burst(port: int, queries: list[str], clients: int, requests: int) -> dict[str, Any]:
+    gate = threading.Barrier(clients + 1)
+    lat: list[list[float]] = [[] for _ in range(clients)]
+    failures: list[str] = []
+
+    def client(i: int) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+        try:
+            gate.wait()
+            conn.connect()
+            for j in range(requests):
+                body = json.dumps({"query": queries[(i * requests + j) % len(queries)], "k": 10})
+                t0 = time.perf_counter()
+                conn.request("POST", "/v1/search", body, {"Content-Type": "application/json"})
+                r = conn.getresponse()
+                r.read()
+                if r.status != 200 or r.will_close:
+                    failures.append(f"client {i} request {j}: HTTP {r.status}, will_close={r.will_close}")
+                    return
+                lat[i].append(time.perf_counter() - t0)
+        except Exception as e:  # noqa: BLE001 - reported
+            failures.append(f"client {i}: {e!r}")
+        finally:
+            conn.close()
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    gate.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    all_lat = sorted(x for xs in lat for x in xs)
+
+    def pct(q: float) -> float:
+        return round(1000 * all_lat[min(len(all_lat) - 1, int(q * len(all_lat)))], 1) if all_lat else float("nan")
+
+    return {"wall_s": round(wall, 2), "qps": round(len(all_lat) / wall, 1), "p50_ms": pct(0.5), "p99_ms": pct(0.99),
+            "errors": len(failures), "first_errors": failures[:3]}
+
+
+def measure(srv: Server, queries: list[str], clients: int, requests: int) -> dict[str, Any]:
+    before = worker_requests(srv.url)
+    c0 = {p: cpu_seconds(p) for p in srv.pids}
+    t0 = time.perf_counter()
+    r = burst(srv.port, queries, clients, requests)
+    dt = time.perf_counter() - t0
+    after = worker_requests(srv.url)
+    # the /metrics scrape before the burst counts one request on one worker: floor division drops it
+    conns = [int(after.get(p, 0) - before.get(p, 0)) // requests for p in srv.pids]
+    r.update(mode=srv.mode, connections_per_worker=conns,
+             worker_cpu=[round((cpu_seconds(p) - c0[p]) / dt, 2) for p in srv.pids])
+    if sum(conns) != clients:
+        r["note"] = f"connections counted {sum(conns)} != {clients} clients"
+    return r
+
+
+def make_index(work: Path, n: int) -> Path:
+    import torch
+    from serve_bench import write_gallery
+
+    from training.checkpoint import file_sha256, save_checkpoint
+    from training.config import get_model_config
+    from training.model import GARE
+    from training.psi_fold import fold_weights
+
+    torch.manual_seed(0)
+    cfg = get_model_config("gare-vit-b-32", pretrained="none")
+    m = GARE.build(cfg).eval()
+    ck = work / "gare-vit-b-32-random.safetensors"
+    save_checkpoint(ck, m, queues={})
+    fold = fold_weights(m.psi)
+    del m
+    write_gallery(work / "g", n, {"path": str(ck), "sha256": file_sha256(ck), "model_config": cfg.to_dict()}, fold)
+    return work / "g" / "index"
+
+
+def summary(runs: list[dict[str, Any]], clients: int) -> dict[str, Any]:
+    out = {}
+    for mode in MODES:
+        rs = [r for r in runs if r["mode"] == mode]
+        qps = [r["qps"] for r in rs]
+        out[mode] = {
+            "runs": len(rs),
+            "runs_with_an_idle_worker": sum(1 for r in rs if min(r["connections_per_worker"]) == 0),
+            "largest_share_per_run": [round(max(r["connections_per_worker"]) / clients, 2) for r in rs],
+            "qps_min": min(qps), "qps_median": statistics.median(qps), "qps_max": max(qps),
+        }
+    s, p = out["shared"], out["reuseport"]
+    out["reuseport_over_shared_median_qps"] = round(p["qps_median"] / s["qps_median"], 2)
+    return out
+
+
+def markdown(d: dict[str, Any]) -> str:
+    L = ["# Worker spread: `gare-serve --workers 2`, one shared listening socket vs a socket per worker (SO_REUSEPORT)", "",
+         f"Generated by `{d['command']}` at commit `{d['commit']}` on {d['date']}.", "",
+         f"CPU: {d['cpu']} ({d['cores']} cores); Linux {d['kernel']}; Python {d['python']}, uvicorn {d['uvicorn']}. "
+         f"Load average (1/5/15 min) before: {d['load_start']}, after: {d['load_end']}.", "",
+         f"Each run: one burst per server (order alternating), {d['clients']} keep-alive connections opened at once, "
+         f"{d['requests']} `POST /v1/search` each (distinct queries, caches off, two-stage, k=10); index of "
+         f"{d['n']:,} entries, ViT-B/32 text tower with random weights (`--text-encoder auto`), 1 torch thread per "
+         "worker. Connections per worker: each worker's `gare_worker_requests` delta / requests per connection. "
+         "Worker CPU: CPU seconds per second of the burst, per worker.", "",
+         "| run | worker sockets | connections per worker | q/s | p50 ms | p99 ms | wall s | worker CPU/s | errors |",
+         "|---:|---|---|---:|---:|---:|---:|---|---:|"]
+    for r in d["runs"]:
+        L.append(f"| {r['run']} | {r['mode']} | {' / '.join(map(str, r['connections_per_worker']))} | {r['qps']} | "
+                 f"{r['p50_ms']} | {r['p99_ms']} | {r['wall_s']} | {', '.join(map(str, r['worker_cpu']))} | {r['errors']} |")
+    s = d["summary"]
+    L += ["", "| worker sockets | runs | runs where a worker got no connection | largest share per run | q/s min / median / max |",
+          "|---|---:|---:|---|---|"]
+    for mode in MODES:
+        m = s[mode]
+        L.append(f"| {mode} | {m['runs']} | {m['runs_with_an_idle_worker']} | {', '.join(map(str, m['largest_share_per_run']))} | "
+                 f"{m['qps_min']} / {m['qps_median']} / {m['qps_max']} |")
+    L += ["", f"Median q/s, reuseport / shared: **{s['reuseport_over_shared_median_qps']}x**.", "", d["notes"].strip(), ""]
+    return "\n".join(L)
+
+
+NOTES = """
+## Notes
+
+- **Why the shared socket skews.** Both workers' event loops wait on the one listening socket; a new connection
+  wakes them, and the first to run accepts every connection queued at that moment (asyncio accepts up to the
+  backlog per wake-up). A burst therefore tends to land on whichever worker is awake first, and keep-alive
+  connections stay where they landed for their whole life. With a socket per worker the kernel picks the socket
+  by a hash of each connection's addresses and ports: with 2 workers every connection is a fair coin, so a
+  burst of 32 splits around 16 / 16 (spread of a binomial: 95% of bursts between 10 and 22), never by the
+  workers' timing.
+- **Same machine, one run.** Client threads run on the same 2 cores as the servers (they take a share of the
+  CPU), and the machine may be shared with other jobs (load averages above): compare the two modes within
+  this run only, and across runs by the count of runs where a worker idled rather than by the q/s alone.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=12, help="requests per connection")
+    ap.add_argument("--n", type=int, default=2000, help="index entries")
+    ap.add_argument("--work", default="/tmp/gare-worker-spread")
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "worker_spread"))
+    args = ap.parse_args(argv)
+    import uvicorn
+    from serve_bench import make_queries
+
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    data: dict[str, Any] = {
+        "command": "python " + " ".join(shlex.quote(a) for a in ["bench/worker_spread.py", *(argv if argv is not None else sys.argv[1:])]),
+        "commit": git_commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": lscpu_model(),
+        "cores": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(),
+        "uvicorn": uvicorn.__version__, "load_start": loadavg(), "runs_requested": args.runs, "clients": args.clients,
+        "requests": args.requests, "n": args.n, "runs": [], "notes": NOTES,
+    }
+    t_start = time.perf_counter()
+    print("writing the index", flush=True)
+    index = make_index(work, args.n)
+    queries = make_queries(args.runs * 2 * args.clients * args.requests + 1000, seed=5)
+    servers = {mode: Server(index, mode, work / f"serve-{mode}.log") for mode in MODES}
+    try:
+        for srv in servers.values():
+            srv.wait_ready()
+            print(f"{srv.mode}: port {srv.port}, workers {srv.pids}", flush=True)
+            burst(srv.port, queries[-1000:], 2, 5)  # warm-up (first requests of each worker), not counted
+        data["startup_s"] = round(time.perf_counter() - t_start, 1)
+        q = 0
+        for run in range(args.runs):
+            order = MODES if run % 2 == 0 else MODES[::-1]
+            for mode in order:
+                chunk = queries[q:q + args.clients * args.requests]
+                q += len(chunk)
+                r = measure(servers[mode], chunk, args.clients, args.requests)
+                r["run"] = run + 1
+                print(json.dumps(r), flush=True)
+                data["runs"].append(r)
+    finally:
+        for srv in servers.values():
+            srv.stop()
+    data["load_end"] = loadavg()
+    data["total_s"] = round(time.perf_counter() - t_start, 1)
+    data["summary"] = summary(data["runs"], args.clients)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown(data))
+    print(markdown(data))
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
