@@ -70,7 +70,7 @@ class Settings(BaseSettings):
     )
     text_encoder: Literal["auto", "fp32", "int8", "onnx", "onnx-int8", "fp16", "bf16"] = Field(
         "auto",
-        description="query text tower: fp32 = the model's own (at `precision`); int8 (torch dynamic quantisation), "
+        description="query text tower: fp32 = the model's own (at `precision`); int8 (per-token activation and per-channel weight scales, exact integer sums: training.text_quant), "
         "onnx, onnx-int8 (ONNX Runtime) are CPU options, fidelity in bench/results/text_encoder*; fp16, bf16 (the "
         "tower with half-precision weights) are CUDA options, measured in bench/results/gpu_bench.md; "
         f"auto = {DEFAULT_CPU_TEXT_ENCODER} on the CPU and {DEFAULT_CUDA_TEXT_ENCODER} on CUDA (the measured defaults) at "
