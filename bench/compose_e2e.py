@@ -262,7 +262,7 @@ class Run:
         vids = sorted(self.library.glob("videos/*.mp4"))
         self.check("library: gare-train synth in the image", res.returncode == 0 and len(vids) == n,
                    f"{len(vids)} mp4 files of {n}", seconds=round(time.perf_counter() - t0, 1))
-        # the demo's recipe (service/demo.py DEMO_TRAIN), fewer epochs
+        # the demo's recipe (gare_demo/demo.py DEMO_TRAIN), fewer epochs
         train = {"model": DEMO_MODEL, "data": {"kind": "synth", "root": "/library"}, "epochs": self.args.epochs,
                  "batch_size": 32, "lr": 1e-3, "coef_lr": 1.0, "augment": "none", "freeze_patch_embed": False,
                  "cache_frames": True, "early_stop_patience": 6, "num_workers": 2, "seed": 0}

@@ -66,8 +66,8 @@ def timed_ms(fn: Callable[[], Any], dev: torch.device, *, iters: int, reps: int 
 def vit_b32(dev: torch.device):
     from psi_fold import nontrivial_psi
 
-    from training.config import get_model_config
-    from training.model import GARE
+    from gare.config import get_model_config
+    from gare.model import GARE
 
     torch.manual_seed(0)
     model = GARE.build(get_model_config("gare-vit-b-32", pretrained="none")).eval()
@@ -116,10 +116,10 @@ def section_env(ctx: dict[str, Any]) -> dict[str, Any]:
 
 def _text_encoders(model, dev: torch.device) -> list[tuple[str, str, Callable[[list[str]], torch.Tensor]]]:
     """(impl, precision, texts -> t) for every text encoder this device offers: the model's own tower through
-    indexer.search.encode_queries (autocast for fp16/bf16), and on CUDA the half-precision towers of
-    training.text_quant (what `text_encoder` fp16/bf16 serves); both tokenise and trim as the service does."""
-    from indexer.search import encode_queries, trim_tokens
-    from training.text_quant import build_text_encoder
+    gare_search.search.encode_queries (autocast for fp16/bf16), and on CUDA the half-precision towers of
+    gare.text_quant (what `text_encoder` fp16/bf16 serves); both tokenise and trim as the service does."""
+    from gare.text_quant import build_text_encoder
+    from gare_search.search import encode_queries, trim_tokens
 
     out: list[tuple[str, str, Callable[[list[str]], torch.Tensor]]] = []
     for prec in (["fp32", "fp16", "bf16"] if dev.type == "cuda" else ["fp32", "bf16"]):
@@ -134,7 +134,7 @@ def _text_encoders(model, dev: torch.device) -> list[tuple[str, str, Callable[[l
 def section_text_encoder(ctx: dict[str, Any]) -> dict[str, Any]:
     from serve_bench import make_queries
 
-    from indexer.search import encode_queries
+    from gare_search.search import encode_queries
 
     dev, model, args = ctx["dev"], ctx["model"], ctx["args"]
     rows = []
@@ -166,8 +166,8 @@ def section_fidelity(ctx: dict[str, Any]) -> dict[str, Any]:
     """The trained benchmark model on its test split: each precision on this device against CPU fp32."""
     from safetensors.torch import load_file
 
-    from training.checkpoint import load_model
-    from training.metrics import retrieval_metrics
+    from gare.checkpoint import load_model
+    from gare.metrics import retrieval_metrics
 
     dev, assets = ctx["dev"], ctx["args"].assets
     if assets is None or not (assets / "fidelity.json").exists():
@@ -197,9 +197,9 @@ def section_fidelity(ctx: dict[str, Any]) -> dict[str, Any]:
 
 
 def section_psi(ctx: dict[str, Any]) -> dict[str, Any]:
-    from indexer.search import fused_pair_scores
-    from training import psi_fold as pf
-    from training.psi import masked_mean
+    from gare import psi_fold as pf
+    from gare.psi import masked_mean
+    from gare_search.search import fused_pair_scores
 
     dev, model, args = ctx["dev"], ctx["model"], ctx["args"]
     temp = model.cfg.temp
@@ -281,7 +281,7 @@ def section_psi(ctx: dict[str, Any]) -> dict[str, Any]:
 
 def section_sinkhorn(ctx: dict[str, Any]) -> dict[str, Any]:
     """NCL Sinkhorn biases (dual-tower cosines) for a queue of Q queries over N gallery entries."""
-    from training.sinkhorn import sinkhorn_biases
+    from gare.sinkhorn import sinkhorn_biases
 
     dev, args = ctx["dev"], ctx["args"]
     g = torch.Generator().manual_seed(3)
@@ -298,9 +298,9 @@ def section_sinkhorn(ctx: dict[str, Any]) -> dict[str, Any]:
 
 def section_served_biases(ctx: dict[str, Any]) -> dict[str, Any]:
     """The served-score pair scorer (psi over the queue's stage-1 candidates, through stored constants)."""
-    from indexer.served_biases import fold_pair_scorer
-    from training import psi_fold as pf
-    from training.psi import masked_mean
+    from gare import psi_fold as pf
+    from gare.psi import masked_mean
+    from gare_build.served_biases import fold_pair_scorer
 
     dev, model, args = ctx["dev"], ctx["model"], ctx["args"]
     n = args.distinct
@@ -328,21 +328,21 @@ def section_served_biases(ctx: dict[str, Any]) -> dict[str, Any]:
 
 
 def section_search(ctx: dict[str, Any]) -> dict[str, Any]:
-    """Two-stage search end to end (indexer.search.search_batch) on a gallery written in the real index format."""
+    """Two-stage search end to end (gare_search.search.search_batch) on a gallery written in the real index format."""
     import tempfile
 
     from serve_bench import make_queries, write_gallery
 
-    from indexer.search import (
+    from gare.checkpoint import file_sha256, save_checkpoint
+    from gare.psi_fold import fold_weights
+    from gare_index.store import open_index
+    from gare_search.search import (
         SearchOptions,
         encode_queries,
         resolve_precision,
         resolve_rerank_impl,
         search_batch,
     )
-    from indexer.store import open_index
-    from training.checkpoint import file_sha256, save_checkpoint
-    from training.psi_fold import fold_weights
 
     dev, model, args = ctx["dev"], ctx["model"], ctx["args"]
     work = Path(tempfile.mkdtemp(prefix="gare-gpu-bench-"))
@@ -395,11 +395,11 @@ def prepare(assets: Path, checkpoint: Path, corpus: Path, split: str) -> None:
     """On the CPU: a queue-free copy of the checkpoint, the split's encoded gallery and the CPU fp32 reference."""
     from safetensors.torch import save_file
 
-    from indexer.search import encode_queries
-    from training.checkpoint import file_sha256, load_model, save_checkpoint
-    from training.data import load_dataset
-    from training.evaluate import encode_set
-    from training.metrics import retrieval_metrics
+    from gare.annotations import load_dataset
+    from gare.checkpoint import file_sha256, load_model, save_checkpoint
+    from gare.encoded_set import encode_set
+    from gare.metrics import retrieval_metrics
+    from gare_search.search import encode_queries
 
     assets.mkdir(parents=True, exist_ok=True)
     model, _ = load_model(checkpoint, "cpu")
@@ -449,10 +449,10 @@ def markdown(res: dict[str, Any]) -> str:
     sec = {k: v["result"] for k, v in res["sections"].items() if v["ok"]}
     if "text_encoder" in sec:
         te = sec["text_encoder"]
-        L += ["## Text encoder", "", f"{te['model']}, `indexer.search.encode_queries` (autocast, trimmed tokens); "
+        L += ["## Text encoder", "", f"{te['model']}, `gare_search.search.encode_queries` (autocast, trimmed tokens); "
               "median wall-clock per call." + (f" The same tower on this machine's CPU, fp32, one thread, one query: "
               f"{te['cpu_fp32_1q_1thread_ms']:.2f} ms." if "cpu_fp32_1q_1thread_ms" in te else ""), "",
-              "`model` = the model's own tower (fp16/bf16 under autocast); `tower` = training.text_quant's tower with "
+              "`model` = the model's own tower (fp16/bf16 under autocast); `tower` = gare.text_quant's tower with "
               "half-precision weights (`text_encoder` fp16/bf16).", "",
               "| encoder | precision | batch | ms per call | queries/s |", "|---|---|---|---|---|"]
         for r in te["rows"]:
@@ -501,7 +501,7 @@ def markdown(res: dict[str, Any]) -> str:
         L.append("")
     if "served_biases" in sec:
         sb = sec["served_biases"]
-        L += ["## Served-score bias pairs (`indexer.served_biases.fold_pair_scorer`, stored constants)", "",
+        L += ["## Served-score bias pairs (`gare_build.served_biases.fold_pair_scorer`, stored constants)", "",
               f"{sb['pairs']:,} queue pairs in {sb['seconds']:.2f} s: {sb['pairs_per_s']:,.0f} pairs/s; a 16,384-query queue x "
               f"K = 256 (4.2M pairs, whatever the gallery size) would take {sb['queue_pairs_16384x256_s_extrapolated']:.1f} s "
               "(extrapolated from this rate).", ""]
@@ -509,7 +509,7 @@ def markdown(res: dict[str, Any]) -> str:
         se = sec["search"]
         L += [f"## Two-stage search end to end ({se['entries']:,} entries, {se['gallery']['index_type']}, K = {se['candidates']}, "
               f"text encoder {se['precision']})", "",
-              "`indexer.search.search_batch` over a gallery written in the real index format (serve_bench.write_gallery); the "
+              "`gare_search.search.search_batch` over a gallery written in the real index format (serve_bench.write_gallery); the "
               "ANN runs in faiss on the CPU (no faiss-gpu here: see the environment line).", "",
               "| rerank impl | queries per call | encoder alone ms | search ms | search / encoder | encode | ann | rerank | rank |",
               "|---|---|---|---|---|---|---|---|---|"]

@@ -1,6 +1,6 @@
 """Time to recompute the NCL video biases (SPEC §5) for 1M videos against a 16,384-query queue, d = 512.
 
-`indexer.build.compute_biases` -> `training.sinkhorn.sinkhorn_biases` (log domain, gallery chunks,
+`gare_build.build.compute_biases` -> `gare.sinkhorn.sinkhorn_biases` (log domain, gallery chunks,
 n_iters = 4: five passes over the gallery). The cost is linear in the number of videos (every pass visits
 each gallery chunk once, with the same Q x chunk work), so on a CPU too slow for the full 1M it is measured
 at smaller galleries and extrapolated linearly (labelled). `--full` runs the real 1M.
@@ -27,8 +27,8 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from indexer.ann import clustered_vectors
-    from indexer.build import compute_biases
+    from gare_build.build import compute_biases
+    from gare_index.ann import clustered_vectors
 
     rng = np.random.default_rng(0)
     queue = rng.standard_normal((args.queries, args.dim)).astype(np.float32)

@@ -6,8 +6,8 @@ precomputed at index time (`gare-index build --store-kv`, keys.npy + values.npy,
 This measures model.score for K candidates read from float16 memmaps (page cache warm), both ways, at the
 ViT-B/32 sizes (d = 512, f = 12, random weights: the cost does not depend on them).
 Issue 12 adds the third way the index now serves by default: psi folded into per-video constants
-(psi_consts.npy, float32, 3,368 B per video at f = 12; `indexer.psi_consts`), gather of frames + constants +
-v̄, then `training.psi_fold.pair_scores`. The verdict line says whether stored K/V still pays for its bytes.
+(psi_consts.npy, float32, 3,368 B per video at f = 12; `gare_index.psi_consts`), gather of frames + constants +
+v̄, then `gare.psi_fold.pair_scores`. The verdict line says whether stored K/V still pays for its bytes.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from training.config import get_model_config
-    from training.model import GARE
+    from gare.config import get_model_config
+    from gare.model import GARE
 
     torch.manual_seed(0)
     cfg = get_model_config("gare-vit-b-32", pretrained="none")
@@ -45,8 +45,8 @@ def main() -> None:
     frames = np.lib.format.open_memmap(tmp / "frames.npy", mode="w+", dtype=np.float16, shape=(n, f, d))
     keys = np.lib.format.open_memmap(tmp / "keys.npy", mode="w+", dtype=np.float16, shape=(n, f, d))
     values = np.lib.format.open_memmap(tmp / "values.npy", mode="w+", dtype=np.float16, shape=(n, f, d))
-    from training import psi_fold as pf
-    from training.psi_fold import packed_width
+    from gare import psi_fold as pf
+    from gare.psi_fold import packed_width
 
     fw = pf.fold_weights(model.psi)
     consts = np.lib.format.open_memmap(tmp / "psi_consts.npy", mode="w+", dtype=np.float32, shape=(n, packed_width(f)))
@@ -84,7 +84,7 @@ def main() -> None:
                 for r in range(args.repeats + 1):
                     rows = np.sort(rng.choice(n, size=kc, replace=False))
                     t0 = time.perf_counter()
-                    if mode == "fold":  # what indexer.search does: gather rows once, fold the queries, pair scores
+                    if mode == "fold":  # what gare_search.search does: gather rows once, fold the queries, pair scores
                         v = pf.VideoConstants(frames=torch.from_numpy(frames[rows]), packed=torch.from_numpy(consts[rows]),
                                               fingerprint=fw.fingerprint, vbar=torch.from_numpy(vbars[rows]))
                         t1 = time.perf_counter()

@@ -1,6 +1,6 @@
 """Indexing throughput on this machine, bytes on disk and RAM per indexed video.
 
-1. `indexer.build.build` (the code behind `gare-index build`) on synthetic mp4 libraries (96x96, 12 s at
+1. `gare_build.build.build` (the code behind `gare-index build`) on synthetic mp4 libraries (96x96, 12 s at
    8 fps, so 12 frames at 1 fps): the tiny test model (`gare-test-tiny`) and the ViT-B/32 vision tower
    with random weights (`get_model_config("gare-vit-b-32", pretrained="none")`, few videos), fp32 and
    bf16 autocast. Reported: encoder videos/s and frames/s (decode in worker processes overlapped with
@@ -29,7 +29,7 @@ from index_common import rss_bytes, table, write_results
 def ram_probe(path: str) -> None:
     import numpy as np
 
-    from indexer.store import open_index
+    from gare_index.store import open_index
 
     before = rss_bytes()
     t0 = time.time()
@@ -52,8 +52,8 @@ def ram_probe(path: str) -> None:
 def make_synthetic_index(path: Path, n: int, d: int, f: int, index_type: str) -> None:
     import numpy as np
 
-    from indexer.ann import AnnParams
-    from indexer.store import ExistingFile, write_version
+    from gare_index.ann import AnnParams
+    from gare_index.store import ExistingFile, write_version
 
     rng = np.random.default_rng(0)
     path.mkdir(parents=True, exist_ok=True)
@@ -77,7 +77,7 @@ def make_synthetic_index(path: Path, n: int, d: int, f: int, index_type: str) ->
 
 
 def run_build(name: str, ckpt: Path, videos: Path, work: Path, precision: str, batch_size: int, workers: int):
-    from indexer.build import BuildOptions, build
+    from gare_build.build import BuildOptions, build
 
     out = work / f"index-{name}-{precision}"
     t0 = time.time()
@@ -101,10 +101,10 @@ def main() -> None:
 
     import torch
 
-    from training.checkpoint import save_checkpoint
-    from training.config import get_model_config
-    from training.model import GARE
-    from training.synth import SynthConfig, generate_corpus
+    from gare.checkpoint import save_checkpoint
+    from gare.config import get_model_config
+    from gare.model import GARE
+    from gare_train.synth import SynthConfig, generate_corpus
 
     work = Path(tempfile.mkdtemp(prefix="gare-index-bench-"))
     n_lib = max(args.tiny_videos, args.vit_videos)

@@ -343,7 +343,7 @@ def spawned_server(workdir: Path, n_videos: int = 24, extra_args: Sequence[str] 
     Yields (base_url, pid, index_dir)."""
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
-    from indexer.build import BuildOptions, build
+    from gare_build.build import BuildOptions, build
     from tests.indexer.support import make_checkpoint, make_corpus
     from tests.service.support import UvicornProcess
 

@@ -39,7 +39,7 @@ def _psi_scorers(model: Any, t, frames, mask, vbar, pair_chunk: int = 8192):
     """(matrix scorer, pair scorer) over encoded features: model.score and the search's fused pair scorer."""
     import torch
 
-    from indexer.search import fused_pair_scores
+    from gare_search.search import fused_pair_scores
 
     def matrix(qi, rows):
         qi, rows = torch.as_tensor(qi), torch.as_tensor(rows)
@@ -64,9 +64,9 @@ def _centred(b):
 
 def _load(args: argparse.Namespace):
     """(model, the encoded test split of args.synth, the checkpoint's text queue); refuses a checkpoint without one."""
-    from training.checkpoint import load_model
-    from training.data import load_dataset
-    from training.evaluate import encode_set
+    from gare.annotations import load_dataset
+    from gare.checkpoint import load_model
+    from gare.encoded_set import encode_set
 
     model, ckpt = load_model(args.checkpoint)
     rs = load_dataset({"kind": "synth", "root": args.synth}, "test")
@@ -81,8 +81,8 @@ def accuracy(args: argparse.Namespace) -> None:
     import torch
     import torch.nn.functional as F
 
-    from training.metrics import retrieval_metrics
-    from training.sinkhorn import (
+    from gare.metrics import retrieval_metrics
+    from gare.sinkhorn import (
         normalization_error_scores,
         score_candidates,
         served_score_matrix,
@@ -165,7 +165,7 @@ def accuracy(args: argparse.Namespace) -> None:
         + table(["scores ranked", "t2v R@1", "R@5", "R@10", "MdR", "norm err (test captions)",
                  "norm err (queue, psi)", "|b - b_dense| mean", "|b - b_dense| max", "uncovered videos"], rows_out)
         + "\nnorm err: NCL eq. 5 (t2v) of softmax((psi + b) / gamma) summed over the queries, rescaled to target 1 "
-          "(training.sinkhorn.normalization_error_scores); test captions = the rows' own queries, queue = the "
+          "(gare.sinkhorn.normalization_error_scores); test captions = the rows' own queries, queue = the "
           "checkpoint's queue scored with psi. |b - b_dense|: the biases centred (a common shift does not change "
           "a ranking) against the dense served biases.\n\n"
         + f"**+ psi + NCL(served, dense) >= + psi in t2v R@1 and R@5: {'yes' if verdict else 'NO'}** "
@@ -196,12 +196,12 @@ def explain(args: argparse.Namespace) -> None:
     It also measures how alike the banks' view of the gallery is: the Pearson correlation between the videos'
     soft popularity sum_i softmax_j(S_ij / gamma) under the bank and under the test captions (NCL moves a
     video's bias against its popularity in the bank, which helps the test queries only if they agree).
-    psi scores come from the exact fold (training.psi_fold), equal to model.score within 1e-5."""
+    psi scores come from the exact fold (gare.psi_fold), equal to model.score within 1e-5."""
     import torch
 
-    from training import psi_fold as pf
-    from training.metrics import retrieval_metrics
-    from training.sinkhorn import normalization_error_scores, sinkhorn_biases_dense
+    from gare import psi_fold as pf
+    from gare.metrics import retrieval_metrics
+    from gare.sinkhorn import normalization_error_scores, sinkhorn_biases_dense
 
     started = time.time()
     model, enc, queue = _load(args)
@@ -292,8 +292,8 @@ def cost(args: argparse.Namespace) -> None:
     import torch
     import torch.nn.functional as F
 
-    from training.checkpoint import load_model
-    from training.sinkhorn import sinkhorn_biases, sinkhorn_biases_sparse, stage1_candidates
+    from gare.checkpoint import load_model
+    from gare.sinkhorn import sinkhorn_biases, sinkhorn_biases_sparse, stage1_candidates
 
     started = time.time()
     torch.set_num_threads(args.threads)
@@ -304,10 +304,10 @@ def cost(args: argparse.Namespace) -> None:
     q_raw = torch.randn(Q, d, generator=g)
     qn = F.normalize(q_raw, dim=-1)
     gamma = 0.01
-    # psi throughput (pairs per second) of the three pair scorers of indexer.served_biases on the same random
+    # psi throughput (pairs per second) of the three pair scorers of gare_build.served_biases on the same random
     # pairs, for this checkpoint's psi and for a ViT-B/32-size psi (random weights: speed only)
-    from training.config import get_model_config
-    from training.model import GARE
+    from gare.config import get_model_config
+    from gare.model import GARE
 
     big = GARE.build(get_model_config("gare-vit-b-32", pretrained="none")).eval()
     throughput = {"checkpoint": _psi_throughput(model, args.pairs, seed=1),
@@ -344,7 +344,7 @@ def cost(args: argparse.Namespace) -> None:
 
 
 def _psi_throughput(model: Any, n_pairs: int, seed: int, n_feat: int = 4096, n_queries: int = 1024) -> dict[str, Any]:
-    """Pairs per second of indexer.served_biases' scorers on n_pairs random (queue query, video) pairs in queue
+    """Pairs per second of gare_build.served_biases' scorers on n_pairs random (queue query, video) pairs in queue
     order (each query's candidates together, as score_candidates passes them): "fused" (the search's fused psi),
     "fold_per_chunk" (the fold, each chunk's videos folded on the fly) and "fold_stored" (the fold reading the
     index's stored constants: what build/add/remove/biases run). The constants' one-off cost per video (paid
@@ -352,8 +352,8 @@ def _psi_throughput(model: Any, n_pairs: int, seed: int, n_feat: int = 4096, n_q
     import numpy as np
     import torch
 
-    from indexer import psi_consts
-    from indexer.served_biases import fold_pair_scorer, psi_pair_scorer
+    from gare_build.served_biases import fold_pair_scorer, psi_pair_scorer
+    from gare_index import psi_consts
 
     d, f = model.cfg.embed_dim, model.cfg.max_frames
     g = torch.Generator().manual_seed(seed)
@@ -452,7 +452,7 @@ def _throughput_md(meta: dict[str, Any], qk: int) -> str:
         for k, lab in names.items():
             rows.append([f"{size} (d = {r['d']}, f = {r['f']})", lab, r[k]["pairs"], r[k]["pairs_per_s"],
                          qk / r[k]["pairs_per_s"], r["max_abs_diff_vs_fused"][k]])
-    return ("psi on the queue pairs: the pair scorers of `indexer.served_biases` on the same random pairs, in queue "
+    return ("psi on the queue pairs: the pair scorers of `gare_build.served_biases` on the same random pairs, in queue "
             "order (each query's 256 candidates together), one process, side by side. `vit-b-32` is a ViT-B/32-size "
             "psi with random weights (speed only). The stored constants cost "
             + ", ".join(f"{r['fold_videos_s_per_video'] * 1e3:.2f} ms per video ({s})" for s, r in tp.items())

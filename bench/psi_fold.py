@@ -1,17 +1,17 @@
-"""psi folded into per-video constants (training/psi_fold.py) against today's fused and model paths.
+"""psi folded into per-video constants (gare/psi_fold.py) against today's fused and model paths.
 
     python bench/psi_fold.py            # ~5-10 min on one core; ~2.5 GiB peak
     python bench/psi_fold.py --quick    # smoke run (small gallery, 1 repeat each)
 
 One run, one CPU thread (torch.set_num_threads(1)), median of 5 rounds (the rerank paths interleaved in each), ViT-B/32 sizes (d = 512, f = 12):
 - psi rerank of K = 256 random rows of the gallery for one query: the fold's CPU kernel
-  (`training/psi_fold_cpu.py`, the default: per-query vectors + the kernel reading the candidates' fp16
+  (`gare/psi_fold_cpu.py`, the default: per-query vectors + the kernel reading the candidates' fp16
   frames and constants straight from the gallery arrays), the fold in torch ops (CUDA's path),
-  `indexer.search.fused_pair_scores` (the default before the fold) and `model.score` (the training
+  `gare_search.search.fused_pair_scores` (the default before the fold) and `model.score` (the training
   definition), the last three including the gather of the candidates' rows;
 - the ViT-B/32 text tower for one query (open_clip ViT-B-32 with random weights: timing only);
 - exhaustive psi over a 100k-entry gallery for one query: `psi_fold.exhaustive` (the kernel), the torch ops
-  in one pass, and `indexer.search.exhaustive_psi` fused, measured on a 10k slice and extrapolated x10 (labelled);
+  in one pass, and `gare_search.search.exhaustive_psi` fused, measured on a 10k slice and extrapolated x10 (labelled);
 - added bytes per video, index-time cost of folding, and the score differences fold vs fused / model
   (float32 constants, and float16-stored constants).
 The 100k gallery is `--distinct` distinct videos (fp16 frames, some padded) tiled to 100k rows (real
@@ -99,12 +99,12 @@ def main() -> None:
     started = time.time()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    from indexer.search import exhaustive_psi, fused_pair_scores
-    from training import psi_fold as pf
-    from training import psi_fold_cpu as pc
-    from training.config import get_model_config
-    from training.model import GARE
-    from training.psi import masked_mean
+    from gare import psi_fold as pf
+    from gare import psi_fold_cpu as pc
+    from gare.config import get_model_config
+    from gare.model import GARE
+    from gare.psi import masked_mean
+    from gare_search.search import exhaustive_psi, fused_pair_scores
 
     cfg = get_model_config("gare-vit-b-32", pretrained="none")
     model = GARE.build(cfg).eval()
@@ -156,7 +156,7 @@ def main() -> None:
     pc.warm_up()
 
     def rr_kernel(pk: np.ndarray) -> Callable[[], torch.Tensor]:
-        def run() -> torch.Tensor:  # as indexer.search on the CPU: the kernel reads the rows from the arrays
+        def run() -> torch.Tensor:  # as gare_search.search on the CPU: the kernel reads the rows from the arrays
             q = pf.fold_queries(t, fw, cfg.temp)
             return torch.from_numpy(pc.pair_scores(q, frames_np, pk, idx_np, vrows=units_np, vscale=norms_np)[0])
         return run
@@ -254,7 +254,7 @@ def main() -> None:
             "time (one torch thread: one core's time) unless a column says wall.\n\n")
     body += (f"## psi rerank of K = 256 candidates, one query (d = 512, f = 12, fp16 stored frames)\n\n"
              f"K random rows of the {args.gallery:,}-row gallery; every path reads them from the gallery's arrays (the "
-             "kernel straight from them, as `indexer.search` does on the CPU; the others gather them first).\n\n")
+             "kernel straight from them, as `gare_search.search` does on the CPU; the others gather them first).\n\n")
     def wall(name: str) -> float:
         return rr[name]["wall_median"] * ms
 
@@ -265,7 +265,7 @@ def main() -> None:
           wall("fold_fp16_consts"), diffs["fold_fp16_consts_vs_model"]],
          ["fold, torch ops (CUDA's path; the CPU default before the kernel)", rr["fold_torch"]["median_s"] * ms,
           rr["fold_torch"]["median_s"] / fold_rr, wall("fold_torch"), diffs["fold_torch_vs_model"]],
-         ["fused (indexer.search, the previous default)", fused_rr * ms, fused_rr / fold_rr, wall("fused"), diffs["fused_vs_model"]],
+         ["fused (gare_search.search, the previous default)", fused_rr * ms, fused_rr / fold_rr, wall("fused"), diffs["fused_vs_model"]],
          ["model.score", rr["model"]["median_s"] * ms, rr["model"]["median_s"] / fold_rr, wall("model"), 0.0],
          ["text encoder ViT-B/32, one query", t_text * ms, t_text / fold_rr, results["text_encoder_s"]["wall_median"] * ms, "-"]],
     )
@@ -278,7 +278,7 @@ def main() -> None:
         ["path", "entries measured", "CPU s", f"CPU s for {args.gallery:,}", f"wall s for {args.gallery:,}"],
         [["fold (psi_fold.exhaustive: the CPU kernel for one query)", args.gallery, ex_fold, ex_fold, wf],
          ["fold, torch ops (psi_fold.exhaustive(kernel=False), in chunks)", args.gallery, ex_torch, ex_torch, results["exhaustive_fold_torch_s"]["wall_median"]],
-         [f"fused (indexer.search.exhaustive_psi), EXTRAPOLATED x{scale:g} from a {args.fused_slice:,} slice",
+         [f"fused (gare_search.search.exhaustive_psi), EXTRAPOLATED x{scale:g} from a {args.fused_slice:,} slice",
           args.fused_slice, ex_fused, ex_fused * scale, wu * scale]],
     )
     body += (f"\nmax |fold - fused| over the measured slice: {results['max_abs_score_diff']['exhaustive_fold_vs_fused']:.2e}. "

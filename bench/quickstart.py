@@ -8,7 +8,7 @@ What it does, all observed in this run:
 1. `git clone` this repository into a temporary folder and check out HEAD's commit (a fresh clone; changes not
    committed are not in it, so the report names the commit);
 2. deletes --venv, then starts `GARE_VENV=<venv> bash run.sh demo --dir <tmp>/demo --port P` in the clone;
-3. the stage times come from the run itself: install = from the start until service.demo began (its
+3. the stage times come from the run itself: install = from the start until gare_demo.demo began (its
    demo-run.json `started_unix`), then the demo's own per-stage wall times (corpus, training, index,
    held-out check), then when `GET /` first answered 200 (server ready) and when `POST /v1/search` with a
    held-out caption first returned results (first search), all measured from the start of `bash run.sh demo`;

@@ -3,7 +3,7 @@
     python bench/serve_bench.py                       # 10k, 100k and 1M entries (~15 min on 2 cores)
     python bench/serve_bench.py --sizes 10000 --quick # a smoke run
 
-For every gallery size a synthetic index is written through the real index format (indexer.store
+For every gallery size a synthetic index is written through the real index format (gare_index.store
 write_version: float16 frame memmap, units, norms, masks, biases, FAISS, SQLite) with the real ViT-B/32
 sizes (d = 512, f = 12 frames; 1M entries = 11.4 GiB of frames). Embeddings are clustered unit vectors;
 frames are the video direction plus per-frame noise, v̄ their masked mean, so psi sees realistic inputs.
@@ -101,10 +101,10 @@ def write_gallery(root: Path, n: int, ckpt: dict[str, Any], fold: Any = None, *,
 
     `fold` (the checkpoint's PsiFold): also fold psi's per-video constants (psi_consts.npy, what `gare-index build`
     writes), so the service reranks with the fold; ~19 MFLOP per video (minutes at 1M on one core), on `device`."""
-    from indexer.ann import AnnParams, choose_index_type
-    from indexer.psi_consts import manifest_entry
-    from indexer.store import ExistingFile, write_version
-    from training.psi_fold import fold_videos, packed_width
+    from gare.psi_fold import fold_videos, packed_width
+    from gare_index.ann import AnnParams, choose_index_type
+    from gare_index.psi_consts import manifest_entry
+    from gare_index.store import ExistingFile, write_version
 
     t0 = time.perf_counter()
     rng = np.random.default_rng(seed)
@@ -198,7 +198,7 @@ def timed(fn, reps: int) -> list[float]:
 
 
 def components(model, version, queries: list[str], reps: int) -> tuple[dict[str, Any], Any, list[np.ndarray]]:
-    from indexer import search as S
+    from gare_search import search as S
 
     res: dict[str, Any] = {}
     qs = queries[:reps]
@@ -232,7 +232,7 @@ def exhaustive(model, version, t, cands, n_queries: int) -> dict[str, Any]:
     """Exhaustive psi over the whole gallery (the fold over the stored constants) for a few queries."""
     import mmap
 
-    from indexer import search as S
+    from gare_search import search as S
 
     mm = getattr(version.frames, "_mmap", None)
     if mm is not None and hasattr(mmap, "MADV_SEQUENTIAL"):
@@ -515,11 +515,11 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     try:
-        from service.app import create_app
-        from service.settings import Settings
-        from training.checkpoint import file_sha256, save_checkpoint
-        from training.config import get_model_config
-        from training.model import GARE
+        from gare.checkpoint import file_sha256, save_checkpoint
+        from gare.config import get_model_config
+        from gare.model import GARE
+        from gare_serve.app import create_app
+        from gare_serve.settings import Settings
 
         print("saving a ViT-B/32 GARE checkpoint (random weights)", flush=True)
         torch.manual_seed(0)
@@ -531,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
                     p.normal_(0, 0.05)
         ck_path = work / "gare-vit-b-32-random.safetensors"
         save_checkpoint(ck_path, m, queues={})
-        from training.psi_fold import fold_weights
+        from gare.psi_fold import fold_weights
 
         fold = fold_weights(m.psi)
         del m

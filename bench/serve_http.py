@@ -5,7 +5,7 @@
 
 One index (``serve_bench.write_gallery``: the real index format, ViT-B/32 sizes d=512, f=12) and one ViT-B/32
 GARE checkpoint with random weights. For every server configuration a real ``gare-serve`` is started
-(``python -m service.cli``; uvicorn, ``--workers N``), and closed-loop clients (threads, one keep-alive
+(``python -m gare_serve.cli``; uvicorn, ``--workers N``), and closed-loop clients (threads, one keep-alive
 HTTP/1.1 connection each, ``POST /v1/search`` back to back, two-stage, k=10) run for ``--duration`` s with
 1 and then 32 clients. Reported per run: q/s, p50/p95/p99 latency (client side), CPU seconds per second
 used by each worker process (/proc/PID/stat utime+stime) and each worker's RSS at the end (VmRSS).
@@ -129,7 +129,7 @@ def serve(index: Path, workers: int, cache: bool, threads: int | None,
 
     port = free_port()
     log = Path(f"/tmp/gare-serve-http-{port}.log")
-    args = [sys.executable, "-m", "service.cli", "--index", str(index), "--port", str(port), "--workers", str(workers),
+    args = [sys.executable, "-m", "gare_serve.cli", "--index", str(index), "--port", str(port), "--workers", str(workers),
             "--log-level", "warning", "--query-cache-entries", "10000" if cache else "0",
             "--result-cache-entries", "10000" if cache else "0", "--text-encoder", text_encoder]
     if threads:
@@ -155,11 +155,11 @@ def components(index: Path, reps: int) -> dict[str, Any]:
     import faiss
     import torch
 
-    from indexer import search as S
-    from indexer.store import open_index
-    from service.query_cache import QueryCache
-    from training.checkpoint import load_model
-    from training.text_quant import build_text_encoder
+    from gare.checkpoint import load_model
+    from gare.text_quant import build_text_encoder
+    from gare_index.store import open_index
+    from gare_search import search as S
+    from gare_serve.query_cache import QueryCache
 
     torch.set_num_threads(1)
     faiss.omp_set_num_threads(1)  # one thread for every stage, as a worker with --torch-threads 1 runs them
@@ -336,10 +336,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from service.workers import usable_cores
-    from training.checkpoint import file_sha256, save_checkpoint
-    from training.config import get_model_config
-    from training.model import GARE
+    from gare.checkpoint import file_sha256, save_checkpoint
+    from gare.config import get_model_config
+    from gare.model import GARE
+    from gare_serve.workers import usable_cores
 
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
@@ -351,13 +351,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         if args.index:
-            from indexer.store import open_index
+            from gare_index.store import open_index
 
             index = Path(args.index)
             with open_index(index) as v:
                 data["n"] = v.n
         else:
-            from training.psi_fold import fold_weights
+            from gare.psi_fold import fold_weights
 
             torch.manual_seed(0)
             cfg = get_model_config("gare-vit-b-32", pretrained="none")
@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
             print("writing the gallery", flush=True)
             write_gallery(work / "g", args.n, {"path": str(ck), "sha256": file_sha256(ck), "model_config": cfg.to_dict()}, fold)
             index = work / "g" / "index"
-        from indexer.store import open_index as _open
+        from gare_index.store import open_index as _open
 
         with _open(index) as v:
             data["frames_resident_before_components"] = resident_fraction(v.path / "frames.npy")

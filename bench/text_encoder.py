@@ -14,7 +14,7 @@ a shared machine hits all of them alike; the median of the rounds is reported):
    plus the cosine on the random-weight ViT-B/32 (labelled as such: random weights are not representative);
 3. query-cache hit rates of Zipf query streams (bench/zipf_queries.py) for a few cache sizes.
 Writes bench/results/text_encoder.{md,json} with commit, command, date and CPU. The CPU default recorded
-in training/text_quant.py is chosen from section 1 and 2 by the rule printed in the report.
+in gare/text_quant.py is chosen from section 1 and 2 by the rule printed in the report.
 """
 
 from __future__ import annotations
@@ -65,12 +65,12 @@ def make_queries(n: int, seed: int = 0) -> list[str]:
 
 
 def build_encoders(model, kinds, threads: int) -> dict[str, Any]:
-    from training.text_quant import build_text_encoder, encode_each
+    from gare.text_quant import build_text_encoder, encode_each
 
     encs: dict[str, Any] = {}
 
     def model_fp32(tokens: torch.Tensor) -> torch.Tensor:
-        # the model's own encoder as the service runs it (indexer.search.encode_queries): each text alone
+        # the model's own encoder as the service runs it (gare_search.search.encode_queries): each text alone
         with torch.inference_mode():
             return encode_each(model.encode_text, tokens)
 
@@ -97,9 +97,9 @@ def time_side_by_side(encs: dict[str, Any], tokens: torch.Tensor, rounds: int, p
 
 
 def speed_section(args) -> dict[str, Any]:
-    from indexer.search import trim_tokens
-    from training.config import get_model_config
-    from training.model import GARE
+    from gare.config import get_model_config
+    from gare.model import GARE
+    from gare_search.search import trim_tokens
 
     torch.manual_seed(0)
     model = GARE.build(get_model_config("gare-vit-b-32"), pretrained="none").eval()
@@ -129,7 +129,7 @@ def speed_section(args) -> dict[str, Any]:
 
 
 def retrieval(t: torch.Tensor, model, enc, caption_clip) -> dict[str, float]:
-    from training.metrics import retrieval_metrics
+    from gare.metrics import retrieval_metrics
 
     tn, vn = F.normalize(t, dim=-1), F.normalize(enc.vbar, dim=-1)
     dual = tn @ vn.T
@@ -143,10 +143,10 @@ def retrieval(t: torch.Tensor, model, enc, caption_clip) -> dict[str, float]:
 
 
 def fidelity_section(args) -> dict[str, Any]:
-    from indexer.search import trim_tokens
-    from training.checkpoint import file_sha256, load_model
-    from training.data import load_dataset
-    from training.evaluate import encode_set
+    from gare.annotations import load_dataset
+    from gare.checkpoint import file_sha256, load_model
+    from gare.encoded_set import encode_set
+    from gare_search.search import trim_tokens
 
     torch.set_num_threads(torch.get_num_threads())
     model, _ = load_model(args.checkpoint, "cpu")
@@ -232,7 +232,7 @@ def write_report(res: dict[str, Any], out_dir: Path) -> None:
         "",
         "## Speed (ViT-B/32 text tower, random weights)", "",
         "ms per call, median of interleaved rounds; speed-up = model fp32 / encoder. `model-fp32` is "
-        "`GARE.encode_text` run on each text alone (the service's path, `indexer.search.encode_queries`); `fp32` is "
+        "`GARE.encode_text` run on each text alone (the service's path, `gare_search.search.encode_queries`); `fp32` is "
         "the stand-alone tower in text_quant.", "",
     ]
     sp = res["speed"]
@@ -262,7 +262,7 @@ def write_report(res: dict[str, Any], out_dir: Path) -> None:
         L += ["", "## Query-cache hit rate on Zipf query streams", "",
               f"{z['n']} queries drawn from {z['distinct']} distinct ones with P(rank r) ∝ 1/r^s, {100 * z['perturb']:.0f}% re-typed "
               "(capitalised / doubled space / trailing space / upper case; the key normalisation merges them); cold cache, "
-              "replayed through service.query_cache.QueryCache. Cells: hit rate over the whole stream (second half, warm).", "",
+              "replayed through gare_serve.query_cache.QueryCache. Cells: hit rate over the whole stream (second half, warm).", "",
               "| s | " + " | ".join(f"{e} entries" for e in ents) + " |", "|---:|" + "---:|" * len(ents)]
         for r in z["rows"]:
             L.append(f"| {r['s']} | " + " | ".join(

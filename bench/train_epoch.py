@@ -58,7 +58,7 @@ def reused_run(out: Path, cfg: Any) -> tuple[dict[str, Any], list[dict[str, Any]
     configuration `cfg` (out_dir aside)."""
     import yaml
 
-    from training.fit import TrainConfig
+    from gare_train.fit import TrainConfig
 
     theirs = TrainConfig.from_sources(str(out / "config.yaml"), {}).fingerprint()
     mine = cfg.fingerprint()
@@ -85,10 +85,11 @@ def main() -> None:
     args = ap.parse_args()
     corpus = subset_corpus(Path(args.corpus), args.out, args.train_clips, args.test_videos)
 
-    from training.checkpoint import load_model
-    from training.data import load_dataset
-    from training.evaluate import encode_set, evaluate_encoded
-    from training.fit import TrainConfig, Trainer
+    from gare.annotations import load_dataset
+    from gare.checkpoint import load_model
+    from gare.encoded_set import encode_set
+    from gare_train.evaluate import evaluate_encoded
+    from gare_train.fit import TrainConfig, Trainer
 
     started = time.time()
     commit = _commit()

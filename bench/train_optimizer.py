@@ -23,7 +23,7 @@ from typing import Any
 from index_common import REPO, table, write_results
 from train_epoch import subset_corpus
 
-CODE = ("training/optim.py", "training/fit.py")  # the files whose contents the runs used (hashes recorded)
+CODE = ("gare_train/optim.py", "gare_train/fit.py")  # the files whose contents the runs used (hashes recorded)
 
 
 def main() -> None:
@@ -37,10 +37,11 @@ def main() -> None:
     args = ap.parse_args()
     corpus = subset_corpus(Path(args.corpus), args.out, args.train_clips, args.test_videos)
 
-    from training.checkpoint import load_model
-    from training.data import load_dataset
-    from training.evaluate import encode_set, evaluate_encoded
-    from training.fit import TrainConfig, Trainer
+    from gare.annotations import load_dataset
+    from gare.checkpoint import load_model
+    from gare.encoded_set import encode_set
+    from gare_train.evaluate import evaluate_encoded
+    from gare_train.fit import TrainConfig, Trainer
 
     started = time.time()
     code = {f: hashlib.sha256((REPO / f).read_bytes()).hexdigest()[:12] for f in CODE}
@@ -106,7 +107,7 @@ def main() -> None:
         "gare-cpu-small from random init with bench/train_synth.yaml (scratch-preset values, batch 64, no "
         f"augmentation, one caption per clip per epoch), seed 0 for both runs;{short} The runs differ only in "
         "`optimizer`: adamw is torch AdamW (bias-corrected) with the project's warm-up cosine (lr ramps (k+1)/W, "
-        "then cosine of the progress after the warm-up); bertadam is training/optim.py (the authors' BertAdam: no "
+        "then cosine of the progress after the warm-up); bertadam is gare_train/optim.py (the authors' BertAdam: no "
         "bias correction, each tensor's gradient clipped to 1.0 besides the global clip, their warmup_cosine: "
         "lr 0 on the first step, then cosine of the whole progress). Both: betas 0.9/0.98, eps 1e-6, decay 0.2 "
         "except 1-D tensors. The machine's cores were shared with other jobs, so wall times are indicative only. "

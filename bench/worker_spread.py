@@ -3,9 +3,9 @@
     python bench/worker_spread.py                       # 5 runs, 32 keep-alive clients, 40 requests each
     python bench/worker_spread.py --runs 5 --clients 32 --requests 40 --n 2000
 
-Two real servers (``python -m service.cli --workers 2``) on one index: ``--worker-sockets shared`` (one listening
+Two real servers (``python -m gare_serve.cli --workers 2``) on one index: ``--worker-sockets shared`` (one listening
 socket inherited by both workers, the design before issue 29) and ``--worker-sockets reuseport`` (a socket per
-worker, SO_REUSEPORT: the kernel hashes connections over them; ``service/nodelay.py``). Both run for the whole
+worker, SO_REUSEPORT: the kernel hashes connections over them; ``gare_serve/nodelay.py``). Both run for the whole
 benchmark; each run sends one burst to each, in alternating order (shared first in even runs): ``--clients``
 threads open one keep-alive HTTP/1.1 connection each at the same instant (a barrier) and send ``--requests``
 ``POST /v1/search`` (distinct queries, two-stage, k=10, query and result caches off so that every request runs
@@ -65,7 +65,7 @@ def lscpu_model() -> str:
 
 
 def git_commit() -> tuple[str, list[str]]:
-    """(HEAD's short hash, the files under service/, indexer/, training/ and this script that differ from it)."""
+    """(HEAD's short hash, the files under gare_serve/, gare_build/, gare_train/ and this script that differ from it)."""
     r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     st = subprocess.run(["git", "status", "--porcelain", "--", "service", "indexer", "training", "bench/worker_spread.py"],
                         cwd=REPO, capture_output=True, text=True).stdout
@@ -95,7 +95,7 @@ class Server:
 
     def __init__(self, index: Path, mode: str, log: Path) -> None:
         self.mode, self.log = mode, log
-        args = [sys.executable, "-m", "service.cli", "--index", str(index), "--workers", "2", "--worker-sockets", mode,
+        args = [sys.executable, "-m", "gare_serve.cli", "--index", str(index), "--workers", "2", "--worker-sockets", mode,
                 "--host", "127.0.0.1", "--port", "0", "--log-level", "info", "--query-cache-entries", "0",
                 "--result-cache-entries", "0"]
         env = {**os.environ, "PYTHONPATH": str(REPO), "GARE_TORCH_THREADS": "1", "GARE_WORKER_HEALTHCHECK_S": "900"}
@@ -197,10 +197,10 @@ def make_index(work: Path, n: int) -> Path:
     import torch
     from serve_bench import write_gallery
 
-    from training.checkpoint import file_sha256, save_checkpoint
-    from training.config import get_model_config
-    from training.model import GARE
-    from training.psi_fold import fold_weights
+    from gare.checkpoint import file_sha256, save_checkpoint
+    from gare.config import get_model_config
+    from gare.model import GARE
+    from gare.psi_fold import fold_weights
 
     torch.manual_seed(0)
     cfg = get_model_config("gare-vit-b-32", pretrained="none")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from training.synth import write_video
+from gare_train.synth import write_video
 
 
 def mp4_atoms(data: bytes) -> list[tuple[bytes, int, int]]:

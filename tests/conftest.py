@@ -30,14 +30,14 @@ def require(condition: object, reason: str) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_cfg():
-    from training.config import get_model_config
+    from gare.config import get_model_config
 
     return get_model_config("gare-test-tiny")
 
 
 @pytest.fixture()
 def tiny_model(tiny_cfg):
-    from training.model import GARE
+    from gare.model import GARE
 
     torch.manual_seed(0)
     model = GARE.build(tiny_cfg).eval()
@@ -77,8 +77,8 @@ def service_env(tmp_path_factory):
 def model_and_index(service_env):
     """(model, the opened service index, service_env): the service test index read offline (the reference the
     service and the search functions are compared with); read-only, shared by tests/indexer and tests/service."""
-    from indexer.store import open_index
-    from training.checkpoint import load_model
+    from gare.checkpoint import load_model
+    from gare_index.store import open_index
 
     model, _ = load_model(service_env["checkpoint"], "cpu")
     version = open_index(service_env["index"])

@@ -27,7 +27,7 @@ def test_ncl_biases_do_not_help_psi_there():
 
 
 def test_deviation_above_the_authors_and_stage1_complete_at_the_service_k():
-    from indexer.search import DEFAULT_CANDIDATES
+    from gare_search.search import DEFAULT_CANDIDATES
 
     r = _result()
     assert r["deviation"]["delta_mean_abs"] > 0.084

@@ -37,7 +37,7 @@ def third_party_lines(text: str) -> list[str]:
 def built_index(ckpt, corpus, tmp_path_factory):
     """`gare-index build` run as a user would (default verbosity); returns (index dir, the process)."""
     out = tmp_path_factory.mktemp("cli-ux") / "index"
-    proc = run("indexer.cli", "build", "--checkpoint", str(ckpt), "--videos", str(corpus), "--out", str(out),
+    proc = run("gare_build.cli", "build", "--checkpoint", str(ckpt), "--videos", str(corpus), "--out", str(out),
                "--workers", "0", "--no-progress")
     assert proc.returncode in (0, 3), proc.stderr
     return out, proc
@@ -51,7 +51,7 @@ def test_index_build_prints_no_third_party_lines(built_index):
 
 def test_verbose_shows_third_party_lines(ckpt, corpus, tmp_path):
     # -v must still show open_clip's lines (otherwise the quiet test above would pass for the wrong reason).
-    proc = run("indexer.cli", "-v", "build", "--checkpoint", str(ckpt), "--videos", str(corpus), "--out",
+    proc = run("gare_build.cli", "-v", "build", "--checkpoint", str(ckpt), "--videos", str(corpus), "--out",
                str(tmp_path / "idx"), "--workers", "0", "--no-progress")
     assert proc.returncode in (0, 3), proc.stderr
     assert MODEL_BUILT in proc.stderr
@@ -61,13 +61,13 @@ def test_stats_and_verify_json(built_index, ckpt):
     from tests.indexer.support import N_VIDEOS
 
     out, _ = built_index
-    st = run("indexer.cli", "stats", "--out", str(out), "--json")
+    st = run("gare_build.cli", "stats", "--out", str(out), "--json")
     assert st.returncode == 0, st.stderr
     stats = json.loads(st.stdout)
     assert stats["n"] == N_VIDEOS and stats["index_type"] == "flat"
-    human = run("indexer.cli", "stats", "--out", str(out))
+    human = run("gare_build.cli", "stats", "--out", str(out))
     assert human.returncode == 0 and "index_type" in human.stdout and "{" not in human.stdout
-    v = run("indexer.cli", "verify", "--out", str(out), "--json", "--checkpoint", str(ckpt))
+    v = run("gare_build.cli", "verify", "--out", str(out), "--json", "--checkpoint", str(ckpt))
     assert v.returncode == 0, v.stderr
     rep = json.loads(v.stdout)
     assert rep["ok"] is True and rep["problems"] == [] and rep["version"]
@@ -84,28 +84,28 @@ def test_verify_json_reports_problems(built_index, tmp_path):
     vdir = broken / "versions" / current if (broken / "versions" / current).is_dir() else broken / current
     target = next(p for p in sorted(vdir.iterdir()) if p.suffix == ".npy")
     target.write_bytes(target.read_bytes()[:-8])  # truncate one array
-    v = run("indexer.cli", "verify", "--out", str(broken), "--json")
+    v = run("gare_build.cli", "verify", "--out", str(broken), "--json")
     assert v.returncode == 1
     rep = json.loads(v.stdout)
     assert rep["ok"] is False and rep["problems"]
 
 
 def test_train_info_json(ckpt):
-    from training.checkpoint import file_sha256
+    from gare.checkpoint import file_sha256
 
-    proc = run("training.cli", "info", str(ckpt), "--json")
+    proc = run("gare_train.cli", "info", str(ckpt), "--json")
     assert proc.returncode == 0, proc.stderr
     info = json.loads(proc.stdout)
     assert info["sha256"] == file_sha256(ckpt) and info["model_config"]["embed_dim"] == 64
     assert info["queues"]["text"] == [256, 64]
-    human = run("training.cli", "info", str(ckpt))
+    human = run("gare_train.cli", "info", str(ckpt))
     assert human.returncode == 0 and file_sha256(ckpt) in human.stdout and "{" not in human.stdout
 
 
 def test_fit_bad_manifest_fails_before_the_model(tmp_path):
     bad = tmp_path / "captions.csv"
     bad.write_text("video,caption\nmissing/clip1.mp4,a red ball\n")
-    proc = run("training.cli", "-v", "fit", "--model", "gare-test-tiny", "--train-manifest", str(bad),
+    proc = run("gare_train.cli", "-v", "fit", "--model", "gare-test-tiny", "--train-manifest", str(bad),
                "--out", str(tmp_path / "run"))
     assert proc.returncode == 2
     assert "clip1.mp4" in proc.stderr and "relative to the manifest" in proc.stderr
@@ -116,11 +116,11 @@ def test_fit_bad_manifest_fails_before_the_model(tmp_path):
 def test_fit_bad_columns_and_model_name(tmp_path):
     bad = tmp_path / "captions.csv"
     bad.write_text("file,text\na.mp4,hello\n")
-    proc = run("training.cli", "-v", "fit", "--model", "gare-test-tiny", "--train-manifest", str(bad))
+    proc = run("gare_train.cli", "-v", "fit", "--model", "gare-test-tiny", "--train-manifest", str(bad))
     assert proc.returncode == 2 and "video and caption" in proc.stderr and MODEL_BUILT not in proc.stderr
-    proc = run("training.cli", "fit", "--model", "gare-tiny-typo", "--train-manifest", str(bad))
+    proc = run("gare_train.cli", "fit", "--model", "gare-tiny-typo", "--train-manifest", str(bad))
     assert proc.returncode == 2 and "gare-tiny-typo" in proc.stderr and "gare-test-tiny" in proc.stderr
-    proc = run("training.cli", "fit", "--model", "gare-test-tiny", "--synth", str(tmp_path / "nowhere"))
+    proc = run("gare_train.cli", "fit", "--model", "gare-test-tiny", "--synth", str(tmp_path / "nowhere"))
     assert proc.returncode == 2 and "nowhere" in proc.stderr and "gare-train synth" in proc.stderr
 
 
@@ -128,25 +128,25 @@ def test_fit_too_little_data_fails_before_the_model(corpus, tmp_path):
     vids = sorted(Path(corpus).glob("*.mp4"))[:2]
     man = tmp_path / "captions.csv"
     man.write_text("video,caption\n" + "".join(f"{v},caption {i}\n" for i, v in enumerate(vids)))
-    proc = run("training.cli", "-v", "fit", "--model", "gare-test-tiny", "--train-manifest", str(man),
+    proc = run("gare_train.cli", "-v", "fit", "--model", "gare-test-tiny", "--train-manifest", str(man),
                "--batch-size", "8")
     assert proc.returncode == 2 and "fewer than one batch of 8" in proc.stderr and "--batch-size" in proc.stderr
     assert MODEL_BUILT not in proc.stderr
 
 
 def test_index_build_bad_paths_fail_before_the_model(ckpt, tmp_path):
-    proc = run("indexer.cli", "-v", "build", "--checkpoint", str(ckpt), "--videos", str(tmp_path / "novideos"),
+    proc = run("gare_build.cli", "-v", "build", "--checkpoint", str(ckpt), "--videos", str(tmp_path / "novideos"),
                "--out", str(tmp_path / "idx"))
     assert proc.returncode == 1 and "novideos" in proc.stderr and MODEL_BUILT not in proc.stderr
-    proc = run("indexer.cli", "-v", "build", "--checkpoint", str(tmp_path / "no.safetensors"), "--videos",
+    proc = run("gare_build.cli", "-v", "build", "--checkpoint", str(tmp_path / "no.safetensors"), "--videos",
                str(tmp_path), "--out", str(tmp_path / "idx"))
     assert proc.returncode == 1 and "no.safetensors" in proc.stderr and MODEL_BUILT not in proc.stderr
 
 
 def test_serve_check_is_quiet_and_bad_index_fails_early(built_index, tmp_path):
     out, _ = built_index
-    proc = run("service.cli", "--index", str(out), "--check")
+    proc = run("gare_serve.cli", "--index", str(out), "--check")
     assert proc.returncode == 0, proc.stderr
     assert third_party_lines(proc.stdout + proc.stderr) == []
-    proc = run("service.cli", "--index", str(tmp_path / "noindex"), "--check", "--log-level", "debug")
+    proc = run("gare_serve.cli", "--index", str(tmp_path / "noindex"), "--check", "--log-level", "debug")
     assert proc.returncode == 2 and "noindex" in proc.stderr and MODEL_BUILT not in proc.stderr

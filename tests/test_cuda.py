@@ -21,8 +21,8 @@ CUDA = torch.device("cuda")
 
 
 def _tiny_model(seed: int = 0):
-    from training.config import get_model_config
-    from training.model import GARE
+    from gare.config import get_model_config
+    from gare.model import GARE
 
     torch.manual_seed(seed)
     model = GARE.build(get_model_config("gare-test-tiny")).eval()
@@ -40,8 +40,8 @@ def _gallery(n: int, f: int, d: int, seed: int = 1) -> tuple[torch.Tensor, torch
 
 
 def test_psi_fold_on_cuda_equals_cpu_and_the_model():
-    from training import psi_fold as pf
-    from training.psi import pair_scores
+    from gare import psi_fold as pf
+    from gare.psi import pair_scores
 
     model = _tiny_model()
     d, f = int(model.psi.dim), 12
@@ -70,8 +70,8 @@ def test_psi_fold_on_cuda_equals_cpu_and_the_model():
 
 
 def test_build_time_psi_constants_on_cuda_equal_cpu():
-    from indexer.psi_consts import compute_rows
-    from training import psi_fold as pf
+    from gare import psi_fold as pf
+    from gare_index.psi_consts import compute_rows
 
     model = _tiny_model(1)
     d, f, n = int(model.psi.dim), 12, 700
@@ -98,7 +98,7 @@ def test_build_time_psi_constants_on_cuda_equal_cpu():
 
 
 def test_served_pair_scorer_on_cuda_equals_cpu():
-    from indexer.served_biases import fold_pair_scorer
+    from gare_build.served_biases import fold_pair_scorer
 
     model = _tiny_model(2)
     d, f, n = int(model.psi.dim), 12, 200
@@ -119,7 +119,7 @@ def test_served_pair_scorer_on_cuda_equals_cpu():
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_text_encoder_under_autocast_on_cuda_stays_close_to_fp32(precision):
-    from indexer.search import encode_queries
+    from gare_search.search import encode_queries
 
     model = _tiny_model(3)
     texts = ["a dog runs across a field", "a red car drives through a city at night", "someone is cooking"]
@@ -133,9 +133,9 @@ def test_text_encoder_under_autocast_on_cuda_stays_close_to_fp32(precision):
 
 def _train_step(model, dev, precision, frames, mask, texts):
     """One forward (text, video, psi), the four losses and backward; (terms, grads) on the CPU in float64."""
-    from training.config import LossConfig
-    from training.loss import gare_loss
-    from training.model import autocast
+    from gare.config import LossConfig
+    from gare.model import autocast
+    from gare_train.loss import gare_loss
 
     model.zero_grad(set_to_none=True)
     dtype = next(model.parameters()).dtype
@@ -192,7 +192,7 @@ def test_training_step_on_cuda_in_each_precision_follows_float64(precision):
 
 
 def test_sinkhorn_biases_on_cuda_equal_cpu_at_scale():
-    from training.sinkhorn import normalization_error, sinkhorn_biases
+    from gare.sinkhorn import normalization_error, sinkhorn_biases
 
     g = torch.Generator().manual_seed(8)
     q = F.normalize(torch.randn(2048, 64, generator=g), dim=-1)
@@ -207,9 +207,9 @@ def test_sinkhorn_biases_on_cuda_equal_cpu_at_scale():
 
 @pytest.mark.parametrize("kind", ["fp16", "bf16"])
 def test_half_precision_text_tower_on_cuda_stays_close_to_fp32(kind):
-    """training.text_quant's CUDA towers (half-precision weights, fp32 projection) against the CPU fp32 encoder."""
-    from indexer.search import encode_queries, trim_tokens
-    from training.text_quant import build_text_encoder
+    """gare.text_quant's CUDA towers (half-precision weights, fp32 projection) against the CPU fp32 encoder."""
+    from gare.text_quant import build_text_encoder
+    from gare_search.search import encode_queries, trim_tokens
 
     model = _tiny_model(5)
     texts = ["a dog runs across a field", "a red car drives through a city at night", "someone is cooking"]

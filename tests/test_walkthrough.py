@@ -25,7 +25,7 @@ def bash_blocks() -> list[str]:
 
 
 def test_walkthrough_runs_as_written(tmp_path, ckpt):
-    from training.synth import SynthConfig, generate_corpus
+    from gare_train.synth import SynthConfig, generate_corpus
 
     blocks = bash_blocks()
     assert len(blocks) == 3, "the page has three steps"

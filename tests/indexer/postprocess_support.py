@@ -18,9 +18,9 @@ D = 64  # gare-test-tiny's embedding size
 
 
 def make_checkpoint_with_queues(path: Path, *, seed: int = 0, video_queue: bool = True) -> Path:
-    from training.checkpoint import save_checkpoint
-    from training.config import get_model_config
-    from training.model import GARE
+    from gare.checkpoint import save_checkpoint
+    from gare.config import get_model_config
+    from gare.model import GARE
 
     torch.manual_seed(seed)
     model = GARE.build(get_model_config("gare-test-tiny")).eval()
@@ -36,8 +36,8 @@ def make_checkpoint_with_queues(path: Path, *, seed: int = 0, video_queue: bool 
 def make_postprocess_env(root: Path) -> dict[str, Any]:
     """{root, checkpoint, corpus (synth folder with captions), videos, index (plain + --ncl-stage1)} under `root`;
     read-only for tests (copy what you change)."""
-    from indexer.build import BuildOptions, build
-    from training.synth import SynthConfig, generate_corpus
+    from gare_build.build import BuildOptions, build
+    from gare_train.synth import SynthConfig, generate_corpus
 
     ckpt = make_checkpoint_with_queues(root / "tiny.safetensors")
     info = generate_corpus(root / "corpus", SynthConfig(n_videos=14, seed=0, width=32, height=32, duration=2.0,
@@ -59,7 +59,7 @@ def unit(x: np.ndarray) -> np.ndarray:
 
 def queues(ckpt: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """(Ĝ, Q̂) = the checkpoint's video and text queues, unit rows."""
-    from training.checkpoint import read_checkpoint
+    from gare.checkpoint import read_checkpoint
 
     ck = read_checkpoint(ckpt)
     return (torch.nn.functional.normalize(ck.queues["video"].float(), dim=1),

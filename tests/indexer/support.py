@@ -18,9 +18,9 @@ N_VIDEOS = 12
 
 def make_checkpoint(path: Path, *, queue: bool = True, seed: int = 0) -> Path:
     """A tiny GARE checkpoint with non-trivial psi weights and (optionally) a 256 x 64 text queue."""
-    from training.checkpoint import save_checkpoint
-    from training.config import get_model_config
-    from training.model import GARE
+    from gare.checkpoint import save_checkpoint
+    from gare.config import get_model_config
+    from gare.model import GARE
 
     torch.manual_seed(seed)
     model = GARE.build(get_model_config("gare-test-tiny")).eval()
@@ -32,7 +32,7 @@ def make_checkpoint(path: Path, *, queue: bool = True, seed: int = 0) -> Path:
 
 def make_corpus(directory: Path, n: int = N_VIDEOS, seed: int = 0) -> Path:
     """n short real mp4 files (32x32, 2 s at 8 fps) under directory/videos; returns that folder."""
-    from training.synth import SynthConfig, generate_corpus
+    from gare_train.synth import SynthConfig, generate_corpus
 
     generate_corpus(directory, SynthConfig(n_videos=n, seed=seed, width=32, height=32, duration=2.0, fps=8.0,
                                            captions_per_video=1), progress=False)
@@ -40,7 +40,7 @@ def make_corpus(directory: Path, n: int = N_VIDEOS, seed: int = 0) -> Path:
 
 
 def make_long_video(path: Path, seconds: float = 12.0, fps: float = 4.0, size: int = 32, seed: int = 0) -> Path:
-    from training.synth import write_video
+    from gare_train.synth import write_video
 
     rng = np.random.default_rng(seed)
     t = int(seconds * fps)
@@ -68,4 +68,4 @@ def cli_env() -> dict[str, str]:
 
 
 def cli_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "indexer.cli", *args]
+    return [sys.executable, "-m", "gare_build.cli", *args]

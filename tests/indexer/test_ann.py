@@ -1,4 +1,4 @@
-"""indexer.ann: recall of every FAISS index type against brute force on clustered unit vectors, ids,
+"""gare_index.ann: recall of every FAISS index type against brute force on clustered unit vectors, ids,
 save/load, incremental remove/add, and the automatic type choice (the recall table people compare is
 bench/index_ann*.py: a benchmark, not a test)."""
 
@@ -10,7 +10,7 @@ import faiss
 import numpy as np
 import pytest
 
-from indexer.ann import (
+from gare_index.ann import (
     FLAT_MAX,
     INDEX_TYPES,
     IVFPQ_MIN,

@@ -1,4 +1,4 @@
-"""The FAISS GPU path (issue 27): what goes to the GPU and how, decided by ``indexer.ann.gpu_plan`` and applied
+"""The FAISS GPU path (issue 27): what goes to the GPU and how, decided by ``gare_index.ann.gpu_plan`` and applied
 when the index is opened, tested here on CPU-only machines; the ``gpu``-marked tests at the end run the same
 paths on a real GPU with faiss-gpu (skipped where faiss sees none).
 
@@ -29,8 +29,8 @@ import faiss
 import numpy as np
 import pytest
 
-import indexer.ann as ann_mod
-from indexer.ann import (
+import gare_index.ann as ann_mod
+from gare_index.ann import (
     COARSE_HNSW_MIN,
     GPU_MAX_K,
     AnnIndex,
@@ -184,7 +184,7 @@ def test_k_above_the_limit_is_answered_by_the_cpu_copy(small):
 
 
 def test_service_max_candidates_default_fits_the_gpu_limit():
-    from service.settings import Settings
+    from gare_serve.settings import Settings
 
     assert Settings.model_fields["max_candidates"].default <= GPU_MAX_K
 
@@ -288,7 +288,7 @@ def test_refusal_is_raised_by_load_with_a_clear_message(tmp_path):
 
 
 def _store(tmp_path: Path, index_type: str, ann_params: dict) -> Path:
-    from indexer.store import write_version
+    from gare_index.store import write_version
     from tests.indexer.test_index_store import extra, synth_arrays
 
     arrays, meta = synth_arrays(400)
@@ -297,9 +297,9 @@ def _store(tmp_path: Path, index_type: str, ann_params: dict) -> Path:
 
 
 def test_open_index_fails_with_the_reason_so_the_service_fails_at_start(tmp_path, monkeypatch, caplog):
-    """service.state.ServiceState.load turns this IndexFormatError into its StartupError (start-up fails; a
+    """gare_serve.state.ServiceState.load turns this IndexFormatError into its StartupError (start-up fails; a
     reload keeps the old version), so the first request never meets it."""
-    from indexer.store import IndexFormatError, open_index
+    from gare_index.store import IndexFormatError, open_index
 
     root = _store(tmp_path, "ivf", {"index_type": "ivf", "nlist": 8, "nprobe": 6, "coarse": "flat"})
     monkeypatch.setattr(ann_mod, "_num_gpus", lambda: 1)  # "faiss sees one GPU"
@@ -309,7 +309,7 @@ def test_open_index_fails_with_the_reason_so_the_service_fails_at_start(tmp_path
     msg = str(e.value)
     assert "ann.faiss" in msg and "nprobe=6" in msg and "limit of 4" in msg and "use_gpu_ann: false" in msg
     assert "unreadable" not in msg
-    with caplog.at_level(logging.WARNING, logger="indexer.ann"):
+    with caplog.at_level(logging.WARNING, logger="gare_index.ann"):
         v = open_index(root, use_gpu=None, mmap_ann=True)
     assert not v.ann.on_gpu and any("nprobe=6" in r.getMessage() for r in caplog.records)
     v.close()
@@ -317,7 +317,7 @@ def test_open_index_fails_with_the_reason_so_the_service_fails_at_start(tmp_path
 
 @pytest.mark.skipif(HAS_GPU, reason="checks faiss-cpu's behaviour")
 def test_open_index_clones_eagerly(tmp_path, monkeypatch):
-    from indexer.store import IndexFormatError, open_index
+    from gare_index.store import IndexFormatError, open_index
 
     root = _store(tmp_path, "flat", {"index_type": "flat"})
     monkeypatch.setattr(ann_mod, "_num_gpus", lambda: 1)
@@ -350,7 +350,7 @@ def test_gpu_nprobe_errors_are_raised_not_swallowed(small, monkeypatch):
 def test_tuner_never_tries_an_nprobe_the_gpu_cannot_run(monkeypatch):
     """A GPU build (faiss "sees" a GPU; the clone is a CPU copy) with the limit scaled down to 8: every IVF
     setting tried stays <= 8 and the hard target moves on to flat, the next rung of the GPU ladder."""
-    from indexer.tune import TuneConfig, _nprobe_cap, tune_ann
+    from gare_build.tune import TuneConfig, _nprobe_cap, tune_ann
 
     monkeypatch.setattr(ann_mod, "_num_gpus", lambda: 1)
     monkeypatch.setattr(ann_mod, "GPU_MAX_K", 8)
@@ -519,7 +519,7 @@ def test_gpu_ivf_flat_add_remove_save_load_and_recall(gpu_data, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs a GPU and faiss-gpu")
 def test_gpu_tuner_choices_stay_within_the_limit(gpu_data):
-    from indexer.tune import TuneConfig, tune_ann
+    from gare_build.tune import TuneConfig, tune_ann
 
     x, q, _ = gpu_data
     a, res = tune_ann(x, q, config=TuneConfig(n_queries=200, latency_queries=20))

@@ -4,7 +4,7 @@
 - rerank on CUDA: the faster in the two-stage search as served on the lent GPU (bench/results/gpu_bench.json);
 - text-encoder precision on CUDA: the faster on that GPU at one query and at 32 (the service's micro-batches
   stay at or below that).
-A rerun that changes the winner fails here until the constant in indexer/search.py follows it.
+A rerun that changes the winner fails here until the constant in gare_search/search.py follows it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from indexer import search as S
+from gare_search import search as S
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 
@@ -57,10 +57,10 @@ def test_cuda_text_precision_default_is_the_faster_one_measured(batch):
 
 
 def test_cuda_text_encoder_default_is_the_fastest_faithful_one_measured():
-    """training.text_quant.DEFAULT_CUDA_TEXT_ENCODER (what `text_encoder: auto` serves on CUDA at fp32): of the
+    """gare.text_quant.DEFAULT_CUDA_TEXT_ENCODER (what `text_encoder: auto` serves on CUDA at fp32): of the
     model's own fp32 tower and the half-precision towers, the least time at one query plus 32 among those whose
     R@1 (+psi) on the benchmark model stayed within 0.5 point of CPU fp32."""
-    from training.text_quant import DEFAULT_CUDA_TEXT_ENCODER
+    from gare.text_quant import DEFAULT_CUDA_TEXT_ENCODER
 
     sec = _gpu_sections()
     rows = sec["text_encoder"]["result"]["rows"]

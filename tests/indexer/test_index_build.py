@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from indexer import ann as ann_mod
-from indexer.build import BuildOptions, build
-from indexer.cli import main
-from indexer.store import IndexMismatchError, list_versions, open_index, verify_index
+from gare.checkpoint import file_sha256, load_model, read_checkpoint
+from gare.sinkhorn import sinkhorn_biases, sinkhorn_biases_naive
+from gare.video import load_frames
+from gare_build.build import BuildOptions, build
+from gare_build.cli import main
+from gare_index import ann as ann_mod
+from gare_index.store import IndexMismatchError, list_versions, open_index, verify_index
 from tests.indexer.support import copy_videos, make_checkpoint, make_long_video
-from training.checkpoint import file_sha256, load_model, read_checkpoint
-from training.sinkhorn import sinkhorn_biases, sinkhorn_biases_naive
-from training.video import load_frames
 
 
 def served_reference(model, ck, v, gamma: float) -> np.ndarray:
@@ -255,8 +255,8 @@ def test_store_kv_and_no_queue(tmp_path, corpus):
 
 
 def test_concurrent_runs_are_refused(tmp_path, ckpt, corpus):
-    from indexer.build import BUILD_LOCK
-    from indexer.store import IndexFormatError, index_lock
+    from gare_build.build import BUILD_LOCK
+    from gare_index.store import IndexFormatError, index_lock
 
     out = tmp_path / "INDEX"
     with index_lock(out, BUILD_LOCK, blocking=False):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from indexer.build import BuildOptions, build
-from indexer.store import open_index, verify_index
+from gare_build.build import BuildOptions, build
+from gare_index.store import open_index, verify_index
 
 distributed = pytest.importorskip("dask.distributed")
 
@@ -36,7 +36,7 @@ def test_dask_engine_equals_local(tmp_path, ckpt, corpus):
 
 @pytest.mark.slow
 def test_dask_engine_starts_its_own_loopback_cluster(tmp_path, ckpt, corpus):
-    from indexer.cli import main
+    from gare_build.cli import main
 
     rc = main(["build", "--checkpoint", str(ckpt), "--videos", str(corpus), "--out", str(tmp_path / "INDEX"),
                "--engine", "dask", "--dask-workers", "2", "--shard-size", "4", "--no-progress"])

@@ -1,4 +1,4 @@
-"""manifest.json as the typed IndexManifest (indexer/store/manifest.py): read and written through the model,
+"""manifest.json as the typed IndexManifest (gare_index/store/manifest.py): read and written through the model,
 byte-compatible with the indexes written before it, strict about unknown keys and bad or missing fields."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from indexer.store import (
+from gare_index.store import (
     MANIFEST_FILE,
     FileEntry,
     IndexFormatError,
@@ -23,7 +23,7 @@ from indexer.store import (
 )
 from tests.indexer.test_index_store import extra, synth_arrays
 
-# A complete index written by `indexer.build.build` of main at commit 78f2e78, before the manifest had a model
+# A complete index written by `gare_build.build.build` of main at commit 78f2e78, before the manifest had a model
 # (4 synthetic 1-s mp4 files at 4 fps, the gare-test-tiny model with a 64-row text queue, --ncl-stage1):
 #   cd <main checkout> && PYTHONPATH=$PWD python -c "build(ckpt, videos, out, BuildOptions(workers=0,
 #   progress=False, ncl_stage1=True))"   (see the commit that added this folder for the exact script)

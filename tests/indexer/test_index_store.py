@@ -1,4 +1,4 @@
-"""indexer.store: the on-disk contract with the service (write_version / open_index / gc / verify), without a model.
+"""gare_index.store: the on-disk contract with the service (write_version / open_index / gc / verify), without a model.
 `pytest -s` prints the recall@10 of every index type read back through the format."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from indexer.ann import INDEX_TYPES, exact_search, perturbed_queries, recall_at_k
-from indexer.store import (
+from gare_index.ann import INDEX_TYPES, exact_search, perturbed_queries, recall_at_k
+from gare_index.store import (
     FORMAT_VERSION,
     ExistingFile,
     IndexFormatError,
@@ -203,7 +203,7 @@ def test_linked_files_are_shared_not_copied(tmp_path):
 
 @pytest.mark.parametrize("index_type", INDEX_TYPES)
 def test_recall_of_each_type_through_the_format(tmp_path, index_type):
-    from indexer.ann import clustered_vectors
+    from gare_index.ann import clustered_vectors
 
     n, d = 4000, 32
     x = clustered_vectors(n, d, 60, seed=0, spread=0.5)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from indexer.search import NCL_DEFAULT, NCL_DEFAULT_REASON
-from indexer.served_biases import describe
+from gare_index.describe import describe_biases as describe
+from gare_search.search import NCL_DEFAULT, NCL_DEFAULT_REASON
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results" / "ncl_served"
@@ -28,12 +28,12 @@ def test_default_matches_the_committed_results():
 
 
 def test_service_page_and_readme_agree_with_the_default():
-    from indexer.search import SearchOptions
-    from service.schemas import IndexInfo
+    from gare_search.search import SearchOptions
+    from gare_serve.schemas import IndexInfo
 
     assert SearchOptions().ncl is NCL_DEFAULT
     assert IndexInfo.model_fields["ncl_default"].default is NCL_DEFAULT
-    html = (REPO / "service" / "static" / "index.html").read_text()
+    html = (REPO / "gare_serve" / "static" / "index.html").read_text()
     line = next(ln for ln in html.splitlines() if 'id="ncl"' in ln)
     assert ("checked" in line) is NCL_DEFAULT
     readme = (REPO / "README.md").read_text()

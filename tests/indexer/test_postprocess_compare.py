@@ -1,5 +1,5 @@
 """`gare-index compare` on a tiny synthetic corpus: every row, the table / JSON / plot, and the search path it uses
-(indexer.search's stage functions: equal to indexer.search.search_batch for the plain stage 1)."""
+(gare_search.search's stage functions: equal to gare_search.search.search_batch for the plain stage 1)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from indexer.cli import main
-from indexer.compare import BANK_COMBOS, COMBOS, Combo, final_ranks, two_stage
+from gare_build.cli import main
+from gare_build.compare import BANK_COMBOS, COMBOS, Combo, final_ranks, two_stage
 from tests.indexer.postprocess_support import D, unit
 
 
@@ -57,18 +57,18 @@ def test_compare_writes_every_row(compared):
     assert bank["source"] == "checkpoint-queue+traffic" and bank["traffic"]["traffic_queries"] == 40
     assert r["ncl"]["bias_source"] == "checkpoint-queue" and "Bank rows" in md
     # the index was kept (--index-dir) and holds the InvGC version last
-    from indexer.store import open_index
+    from gare_index.store import open_index
 
     v = open_index(out / "index")
     assert v.manifest["invgc"]["r_g"] == r["invgc"]["r_g"] and v.ann_ncl is not None
 
 
 def test_two_stage_is_service_search(postprocess_env, compared):
-    from indexer import search as S
-    from training.checkpoint import load_model
+    from gare.checkpoint import load_model
+    from gare_search import search as S
 
     out, _ = compared
-    from indexer.store import open_index
+    from gare_index.store import open_index
 
     v = open_index(out / "index")
     sh = postprocess_env

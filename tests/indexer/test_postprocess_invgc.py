@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from indexer.cli import main
-from indexer.postprocess import invgc_apply, invgc_means
-from indexer.store import list_versions, open_index, verify_index, write_version
+from gare.invgc import invgc
+from gare_build.cli import main
+from gare_build.postprocess import invgc_apply, invgc_means
+from gare_index.store import list_versions, open_index, verify_index, write_version
 from tests.indexer.postprocess_support import D, copy_index, make_checkpoint_with_queues, queues, unit
-from training.invgc import invgc
 
 
 def test_invgc_apply_is_training_invgc_and_per_item():
@@ -100,8 +100,8 @@ def test_build_add_remove_with_invgc(postprocess_env, tmp_path):
     assert verify_index(out) == []
 
     # psi is unaffected: with every video a candidate, the reranked scores are the plain index's
-    from indexer import search as S
-    from training.checkpoint import load_model
+    from gare.checkpoint import load_model
+    from gare_search import search as S
 
     model, _ = load_model(sh["checkpoint"])
     plain3 = copy_index(sh["index"], tmp_path / "plain3")  # the same videos, ids and checkpoint, no InvGC

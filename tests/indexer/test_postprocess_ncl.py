@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from indexer.cli import main
-from indexer.ncl_ann import build_ncl_ann, exact_ncl_topk
-from indexer.store import open_index, verify_index, write_version
+from gare_build.cli import main
+from gare_index.ncl_ann import build_ncl_ann, exact_ncl_topk
+from gare_index.store import open_index, verify_index, write_version
 from tests.indexer.postprocess_support import D, copy_index, unit
 
 
@@ -122,9 +122,9 @@ def test_folded_index_follows_add_remove_and_biases(postprocess_env, tmp_path):
 
 
 def test_shared_index_two_stage_with_folded_candidates(postprocess_env, tmp_path):
-    """The folded candidates go through indexer.search's psi stage and rank like the plain ones."""
-    from indexer import search as S
-    from training.checkpoint import load_model
+    """The folded candidates go through gare_search.search's psi stage and rank like the plain ones."""
+    from gare.checkpoint import load_model
+    from gare_search import search as S
 
     sh = postprocess_env
     v = open_index(copy_index(sh["index"], tmp_path / "I"))
@@ -146,12 +146,12 @@ def test_service_ncl_stage1_flag(service_env, tmp_path):
     """The API's ncl_stage1 equals the offline folded search, and a plain index refuses it with 409."""
     from fastapi.testclient import TestClient
 
-    from indexer import search as S
-    from indexer.cli import main as index_main
-    from indexer.store import open_index
-    from service.app import create_app
+    from gare.checkpoint import load_model
+    from gare_build.cli import main as index_main
+    from gare_index.store import open_index
+    from gare_search import search as S
+    from gare_serve.app import create_app
     from tests.service.support import settings
-    from training.checkpoint import load_model
 
     sh = service_env
     with TestClient(create_app(settings(sh["index"]))) as c:

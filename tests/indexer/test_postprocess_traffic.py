@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from indexer.cli import main
-from indexer.postprocess import mix_queues
-from indexer.store import current_version_name, list_versions, open_index, verify_index
+from gare.checkpoint import load_model, read_checkpoint
+from gare.sinkhorn import sinkhorn_biases_naive
+from gare_build.cli import main
+from gare_build.postprocess import mix_queues
+from gare_index.store import current_version_name, list_versions, open_index, verify_index
 from tests.indexer.postprocess_support import D, copy_index, unit
-from training.checkpoint import load_model, read_checkpoint
-from training.sinkhorn import sinkhorn_biases_naive
 
 
 def _bank(path, n=50, seed=0):

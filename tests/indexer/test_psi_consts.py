@@ -9,14 +9,14 @@ import logging
 import numpy as np
 import torch
 
-from indexer import psi_consts
-from indexer import search as S
+from gare.psi_fold import packed_width
+from gare_index import psi_consts
+from gare_search import search as S
 from tests.service.support import build_index, copy_index
-from training.psi_fold import packed_width
 
 
 def test_built_index_stores_valid_constants(model_and_index):
-    from indexer.store import verify_index
+    from gare_index.store import verify_index
 
     model, version, sh = model_and_index
     info = version.manifest["psi_fold"]
@@ -49,7 +49,7 @@ def test_every_impl_equal_on_all_candidates(model_and_index):
 def test_cpu_kernel_reads_the_index_and_equals_the_torch_fold(model_and_index, monkeypatch):
     """The default CPU rerank (the compiled kernel over the memory-mapped arrays) against the torch fold over
     gathered rows (numba reported missing) and fused: equal within 1e-5, ragged K, repeated candidates."""
-    from training import psi_fold_cpu
+    from gare import psi_fold_cpu
 
     model, version, sh = model_and_index
     assert S._kernel_reads(version) and isinstance(version.frames, np.memmap)
@@ -69,7 +69,7 @@ def test_cpu_kernel_reads_the_index_and_equals_the_torch_fold(model_and_index, m
 
 def _strip_constants(index, tmp_path):
     """A copy of the index whose current version is what a pre-issue-12 gare-index wrote (no psi constants)."""
-    from indexer.store import ExistingFile, open_index, write_version
+    from gare_index.store import ExistingFile, open_index, write_version
 
     root = copy_index(index, tmp_path / "old")
     with open_index(root) as v:
@@ -82,8 +82,8 @@ def _strip_constants(index, tmp_path):
 
 
 def test_old_index_falls_back_with_a_log_line_then_upgrade(model_and_index, tmp_path, caplog):
-    from indexer.cli import main
-    from indexer.store import open_index, verify_index
+    from gare_build.cli import main
+    from gare_index.store import open_index, verify_index
 
     model, version, sh = model_and_index
     root = _strip_constants(sh["index"], tmp_path)
@@ -91,7 +91,7 @@ def test_old_index_falls_back_with_a_log_line_then_upgrade(model_and_index, tmp_
     with open_index(root) as old:
         assert old.psi_consts is None and "psi_fold" not in old.manifest
         assert verify_index(root) == []  # an old index is still a valid index (the search falls back)
-        with caplog.at_level(logging.WARNING, logger="indexer.search"):
+        with caplog.at_level(logging.WARNING, logger="gare_search.search"):
             a = S.search(model, old, text, S.SearchOptions(k=5, candidates=10))
         assert "gare-index upgrade" in caplog.text and "fused" in caplog.text
         b = S.search(model, version, text, S.SearchOptions(k=5, candidates=10))
@@ -111,7 +111,7 @@ def test_old_index_falls_back_with_a_log_line_then_upgrade(model_and_index, tmp_
 
 
 def test_stale_or_corrupt_constants_are_refused_and_reported(model_and_index, tmp_path):
-    from indexer.store import open_index, verify_index
+    from gare_index.store import open_index, verify_index
 
     model, version, sh = model_and_index
     root = copy_index(sh["index"], tmp_path / "stale")
@@ -137,8 +137,8 @@ def test_stale_or_corrupt_constants_are_refused_and_reported(model_and_index, tm
 def test_add_and_remove_keep_constants_aligned(model_and_index, tmp_path):
     import shutil
 
-    from indexer.build import BuildOptions, build, remove
-    from indexer.store import open_index, verify_index
+    from gare_build.build import BuildOptions, build, remove
+    from gare_index.store import open_index, verify_index
 
     model, version, sh = model_and_index
     vids = sorted(sh["videos"].glob("*.mp4"))

@@ -16,10 +16,13 @@ import open_clip
 import pytest
 import torch
 
-from indexer import search as S
-from indexer.build import stats
-from indexer.cli import main as index_cli
-from indexer.store import open_index, verify_index
+from gare.checkpoint import load_model
+from gare.video import load_frames
+from gare_build.build import stats
+from gare_build.cli import main as index_cli
+from gare_index.store import open_index, verify_index
+from gare_search import search as S
+from gare_train.cli import main as train_cli
 from tests.indexer.support import make_checkpoint, make_long_video
 from tests.training.test_official import (
     FRAMES,
@@ -28,9 +31,6 @@ from tests.training.test_official import (
     reference_encode,
     reference_pair_scores,
 )
-from training.checkpoint import load_model
-from training.cli import main as train_cli
-from training.video import load_frames
 
 # real frames per clip at 1 fps (the imported config's rate): 1..5 are padded to FRAMES = 6, 8 s fills it
 SECONDS = (1, 2, 3, 4, 5, 8)
@@ -96,7 +96,7 @@ def test_index_stores_padded_rows_and_the_all_rows_mean(imported):
 def test_stage2_paths_equal_the_authors_on_the_stored_features(imported):
     """Given what the index stores (float16 F, float32 v̄), every psi path equals the authors' psi and pooling
     within 1e-5; the authors' restatement is fed the same stored numbers."""
-    from training import psi_fold as pf
+    from gare import psi_fold as pf
 
     model, v, sd = imported["model"], imported["version"], imported["sd"]
     frames, masks, vbar = _stored(v)
@@ -135,7 +135,7 @@ def test_search_equals_the_authors_forward_pass_from_pixels(imported):
             want = ref[i, v.rows(np.array([h.id for h in r.hits]))].numpy()
             np.testing.assert_allclose(got, want, atol=FP16_TOL, rtol=0, err_msg=impl)
     # the same weights scored with masked padding (a model trained here) are off by more on the short clips
-    from training.model import GARE
+    from gare.model import GARE
 
     masked = GARE.build(model.cfg.replace(reference_padding=False), pretrained="none").eval()
     masked.load_state_dict(model.state_dict())
@@ -193,7 +193,7 @@ def test_a_model_trained_here_still_masks(imported, tmp_path):
 
 
 def GARE_all_rows(model):
-    from training.model import GARE
+    from gare.model import GARE
 
     m = GARE.build(model.cfg.replace(reference_padding=True), pretrained="none").eval()
     m.load_state_dict(model.state_dict())

@@ -1,4 +1,4 @@
-"""indexer.search: the two-stage search as pure functions, against model.score and exhaustive psi."""
+"""gare_search.search: the two-stage search as pure functions, against model.score and exhaustive psi."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from indexer import search as S
+from gare_search import search as S
 from tests.psi_weights import randomize_psi
 from tests.service.support import build_index
 
@@ -25,7 +25,7 @@ def _psi_model_score(model, version, text):
 
 @pytest.mark.parametrize("heads", [1, 4])
 def test_fused_equals_model_score(tiny_cfg, heads):
-    from training.model import GARE
+    from gare.model import GARE
 
     torch.manual_seed(1)
     model = GARE.build(tiny_cfg.replace(psi_heads=heads)).eval()
@@ -119,7 +119,7 @@ def test_model_impl_equals_fused_and_batch_equals_single(model_and_index):
 
 def test_stored_kv_index(model_and_index, tmp_path):
     """An index built with --store-kv: the model path uses the stored K/V and still agrees."""
-    from indexer.store import open_index
+    from gare_index.store import open_index
 
     model, version, sh = model_and_index
     idx = build_index(sh["checkpoint"], sh["videos"], tmp_path / "kv", store_kv=True)

@@ -4,7 +4,7 @@ pair scorer must give the fused psi scorer's values (which equal ``model.score``
 import numpy as np
 import torch
 
-from indexer.served_biases import fold_pair_scorer, psi_pair_scorer, served_biases
+from gare_build.served_biases import fold_pair_scorer, psi_pair_scorer, served_biases
 
 
 def _gallery(model, n=9, seed=0):
@@ -48,7 +48,7 @@ def test_fold_pair_scorer_reads_stored_constants(tiny_model):
     """With the index's stored constants (what build/add/remove pass) the scorer reads rows instead of folding
     them: the same scores; constants of the wrong shape are refused; constants that are not this psi's
     change the scores (so the stored path really reads them)."""
-    from indexer import psi_consts
+    from gare_index import psi_consts
 
     frames, masks, units, norms = _gallery(tiny_model, n=11, seed=5)
     q = torch.randn(4, tiny_model.cfg.embed_dim, generator=torch.Generator().manual_seed(6)).numpy()

@@ -11,17 +11,18 @@ import numpy as np
 import pytest
 import torch
 
-from indexer.cli import main
-from indexer.stage1_tune import COVERAGE_KS, index_default_candidates
-from indexer.store import current_version_name, list_versions, open_index
+from gare.checkpoint import load_model
+from gare_build.cli import main
+from gare_build.stage1_tune import COVERAGE_KS
+from gare_index.describe import index_default_candidates
+from gare_index.store import current_version_name, list_versions, open_index
 from tests.indexer.support import copy_videos, make_checkpoint
-from training.checkpoint import load_model
 
 
 @pytest.fixture(scope="module")
 def gallery(tmp_path_factory):
     """40 test-split videos with 2 captions each (80 queries): large enough that K=16 misses some psi top-10."""
-    from training.synth import SynthConfig, generate_corpus
+    from gare_train.synth import SynthConfig, generate_corpus
 
     root = tmp_path_factory.mktemp("stage1")
     info = generate_corpus(root / "corpus", SynthConfig(n_videos=50, seed=3, width=32, height=32, duration=2.0, fps=8.0,
@@ -40,7 +41,7 @@ def test_build_coverage_equals_gare_train_eval(gallery, capsys):
     """The coverage recorded at build time equals `gare-train eval`'s figure: same checkpoint, same gallery (the
     test split), same queries (its captions, via --tune-captions; the checkpoint has no queue, so the biases
     are zero and eval's psi top-10 is the index's psi + b top-10)."""
-    from training.cli import main as train_cli
+    from gare_train.cli import main as train_cli
 
     out = gallery["root"] / "IDX_captions"
     assert _build(gallery["ckpt_noq"], gallery["manifest"], out, "--tune-captions", gallery["manifest"]) == 0
@@ -65,7 +66,7 @@ def test_build_coverage_equals_gare_train_eval(gallery, capsys):
     assert f"default K={want_K}" in printed and "manifest-captions" in printed
     # SPEC §4's deviation figure (the rebuttal's definition) in the stage-1 entry: 64 sampled queries x 40 videos;
     # over every pair it equals eval's figure (eval's frames are float32, the index stores float16)
-    from indexer.stage1_tune import build_deviation, encode_captions
+    from gare_build.stage1_tune import build_deviation, encode_captions
 
     dv = st["deviation"]
     assert dv["pairs"] == 64 * 40 and 0 < dv["delta_mean_abs"] <= dv["delta_p95_abs"] and "0.084" in dv["authors"]

@@ -1,12 +1,11 @@
-"""indexer.tune: recall-target tuning of stage 1, checked against exact search."""
+"""gare_build.tune: recall-target tuning of stage 1, checked against exact search."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from indexer.ann import AnnIndex, AnnParams, build_index, clustered_vectors, exact_search, perturbed_queries
-from indexer.tune import (
+from gare_build.tune import (
     RecallTargetError,
     TuneConfig,
     choose_candidates,
@@ -16,6 +15,14 @@ from indexer.tune import (
     recall_of_topk,
     sample_queries,
     tune_ann,
+)
+from gare_index.ann import (
+    AnnIndex,
+    AnnParams,
+    build_index,
+    clustered_vectors,
+    exact_search,
+    perturbed_queries,
 )
 
 N, D = 12_000, 32

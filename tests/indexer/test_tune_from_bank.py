@@ -1,5 +1,5 @@
 """`gare-index tune --from-bank BANK.npy` (issue 29, must-have 3): stage 1 retuned on the queries the service
-served (the query bank gare-serve writes, service/querybank.py) instead of the build's sample. The real service
+served (the query bank gare-serve writes, gare_serve/querybank.py) instead of the build's sample. The real service
 test index (16 mp4 files, the tiny checkpoint with a 64-row NCL queue)."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import json
 import numpy as np
 import pytest
 
-from indexer.cli import main
-from indexer.stage1_tune import build_deviation
-from indexer.store import current_version_name, open_index
-from service.querybank import QueryBank
+from gare.checkpoint import file_sha256, load_model
+from gare_build.cli import main
+from gare_build.stage1_tune import build_deviation
+from gare_index.store import current_version_name, open_index
+from gare_serve.querybank import QueryBank
 from tests.service.support import copy_index
-from training.checkpoint import file_sha256, load_model
 
 
 def _bank(path, version, rng, n_distinct=30, repeats=10):

@@ -1,7 +1,7 @@
 """Shared helpers for the robustness tests (tests/robustness/test_robust_*.py); holds no tests itself.
 
 The fixtures are made the real way (a tiny GARE checkpoint saved with ``save_checkpoint``, real H.264 mp4
-files from ``training.synth``, indexes written by ``indexer.build``) once per test run, by the session fixtures
+files from ``gare_train.synth``, indexes written by ``gare_build.build``) once per test run, by the session fixtures
 ``robust_env`` (:func:`make_robust_env`) and ``live_env`` (:func:`start_live_server`) of
 tests/robustness/conftest.py; the helpers below take that ``env`` dict. Tests that
 produce a figure for docs/robustness.md call :func:`record`; ``bench/robustness.py`` sets
@@ -66,7 +66,7 @@ def load_bench_module(name: str):
 def make_robust_env(root: Path, checkpoint: Path) -> dict[str, Any]:
     """{root, checkpoint, videos (N_CORPUS mp4 files), base_lib (N_BASE of them), base_index} under `root`;
     read-only for tests (copy what you change). The session fixture ``robust_env`` builds it once."""
-    from indexer.build import BuildOptions, build
+    from gare_build.build import BuildOptions, build
     from tests.indexer.support import make_corpus
 
     videos = make_corpus(root / "corpus", n=N_CORPUS)
@@ -136,8 +136,8 @@ def running_app(app):
 
 
 def index_cli(*args: str) -> tuple[int, str, str]:
-    """`gare-index ARGS` in this process (indexer.cli.main): (exit code, stdout, stderr)."""
-    from indexer.cli import main
+    """`gare-index ARGS` in this process (gare_build.cli.main): (exit code, stdout, stderr)."""
+    from gare_build.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -147,7 +147,7 @@ def index_cli(*args: str) -> tuple[int, str, str]:
 
 _WORKER_SRC = r"""
 import contextlib, io, json, sys
-from indexer.cli import main
+from gare_build.cli import main
 for line in sys.stdin:
     args = json.loads(line)
     out, err = io.StringIO(), io.StringIO()
@@ -214,7 +214,7 @@ class IndexWorker:
 
 def index_contents(index: Path) -> dict[str, Any]:
     """What the current version holds: {version, n, ids, paths (sorted), checksums by path}."""
-    from indexer.store import open_index
+    from gare_index.store import open_index
 
     v = open_index(index, use_gpu=False)
     try:
@@ -241,7 +241,7 @@ def assert_exactly_once(index: Path, lib: Path) -> dict[str, Any]:
     assert len(set(c["paths"])) == len(c["paths"]), f"a path is indexed twice: {c['paths']}"
     assert len(set(c["ids"])) == len(c["ids"]) == c["n"]
     assert c["paths"] == want, f"index {c['version']} holds {c['paths']}, the library {want}"
-    from indexer.store import file_sha256
+    from gare_index.store import file_sha256
 
     for p in want:  # and each entry is the file's current content
         assert c["checksums"][p] == file_sha256(p), f"{p}: stale entry"

@@ -37,8 +37,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from indexer.build import BuildOptions, build
-from indexer.store import current_version_name, list_versions, open_index, verify_index
+from gare.checkpoint import file_sha256
+from gare_build.build import BuildOptions, build
+from gare_index.store import current_version_name, list_versions, open_index, verify_index
 from tests.conftest import require
 from tests.indexer.support import cli_cmd, cli_env, copy_videos
 from tests.robustness.test_robust_common import (
@@ -55,7 +56,6 @@ from tests.robustness.test_robust_common import (
 )
 from tests.service.support import running_app
 from tests.service.support import settings as svc_settings
-from training.checkpoint import file_sha256
 
 KEY = LIVE_KEY
 ANCHORS = ("start", "encode", "write", "switch")
@@ -150,7 +150,7 @@ def _kill_run(args: list[str], anchor: str, delay: float, tmp: Path, timeout: fl
     if anchor in ("write", "switch"):
         env.update(GARE_INDEX_TEST_PAUSE=anchor, GARE_INDEX_TEST_PAUSE_FILE=str(marker),
                    GARE_INDEX_TEST_PAUSE_SECONDS=str(pause_s))
-    proc = subprocess.Popen([sys.executable, "-m", "indexer.cli", *args], env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "gare_build.cli", *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     lines: list[str] = []
     encoding = threading.Event()
@@ -468,7 +468,7 @@ def _tamper(path: Path, how: str) -> bytes:
 
 
 def _new_version(idx: Path) -> str:
-    from indexer.build import recompute_biases
+    from gare_build.build import recompute_biases
 
     return recompute_biases(str(idx)).version
 
@@ -478,7 +478,7 @@ def test_tampered_files_are_detected_and_refused(robust_env, tmp_path):
     altered: with verify_index) and the service keeps answering from the version it had."""
     import asyncio
 
-    from service.app import create_app
+    from gare_serve.app import create_app
 
     idx = copy_index(robust_env, tmp_path / "index")
     rows = []
@@ -651,7 +651,7 @@ def test_disk_full_sweep(robust_env, tmp_path):
 # Regression: report.json is written after CURRENT is switched; a failed write there (disk full right after
 # the switch, a 4 KiB window the tmpfs sweep rarely hits) must not turn the run into "exit 1, nothing changed".
 def test_failed_report_write_after_switch_does_not_claim_failure(robust_env, tmp_path, monkeypatch):
-    import indexer.build as B
+    import gare_build.build as B
 
     idx, lib = private_index(robust_env, tmp_path)
     shutil.copy2(robust_env["videos"] / "video20.mp4", lib / "video20.mp4")

@@ -25,8 +25,8 @@ from hypothesis import HealthCheck, Phase, given
 from hypothesis import settings as hsettings
 from hypothesis.errors import Unsatisfiable
 
-from indexer.cli import main as index_main
-from indexer.store import IndexFormatError, list_versions, open_index, verify_index
+from gare_build.cli import main as index_main
+from gare_index.store import IndexFormatError, list_versions, open_index, verify_index
 from tests.badfiles import write_bad_videos
 from tests.robustness.test_robust_common import (
     LIVE_KEY,
@@ -100,7 +100,7 @@ def fuzz_index(robust_env, tmp_path_factory):
 
 
 def _fuzz_all(fuzz_index, max_examples: int, derandomize: bool) -> dict:
-    from service.app import create_app
+    from gare_serve.app import create_app
 
     try:
         from schemathesis.python.asgi import shutdown_lifespans
@@ -224,8 +224,8 @@ def _status_recipes(vid: int, too_big: int) -> list[tuple[str, int, str, str, st
 def test_every_documented_status_is_produced_on_its_route(robust_env, tmp_path, figure):
     """The OpenAPI document is a claim: each status code it lists for a route is produced on that route by
     a request that should produce it (and nothing else is listed), each error answers with a JSON detail."""
-    from indexer.build import recompute_biases
-    from service.app import create_app
+    from gare_build.build import recompute_biases
+    from gare_serve.app import create_app
 
     idx = copy_index(robust_env, tmp_path / "index")
     v = open_index(idx, use_gpu=False)
@@ -467,7 +467,7 @@ def test_hostile_requests_to_the_live_server(live_env, figure):
 
 def test_search_with_required_key_and_media_tokens(fuzz_index):
     """require_key_for_search: search and media need a key or a signed, unexpired, id-bound media token."""
-    from service.app import create_app
+    from gare_serve.app import create_app
 
     app = create_app(svc_settings(fuzz_index, api_keys=KEY, require_key_for_search=True))
 
@@ -520,7 +520,7 @@ def _rehash_manifest(vdir: Path, fname: str) -> None:
 
 
 def test_pickle_payloads_in_index_files_never_run(robust_env, tmp_path, figure):
-    from service.app import create_app
+    from gare_serve.app import create_app
 
     marker = tmp_path / "PWNED"
     fig = figure("pickle_index", rows=[], marker_appeared=None)
@@ -591,8 +591,8 @@ def test_pickle_payloads_in_index_files_never_run(robust_env, tmp_path, figure):
 # server error") until an operator notices. Fix: open the DB and run a cheap query (e.g. `SELECT count(*)
 # FROM videos` == n, or `PRAGMA quick_check`) in open_version, raising IndexFormatError.
 def test_reload_refuses_a_junk_sqlite_of_the_right_size(robust_env, tmp_path):
-    from indexer.build import recompute_biases
-    from service.app import create_app
+    from gare_build.build import recompute_biases
+    from gare_serve.app import create_app
 
     idx = copy_index(robust_env, tmp_path / "index")
     app = create_app(svc_settings(idx, api_keys=KEY))
@@ -616,8 +616,8 @@ def test_reload_refuses_a_junk_sqlite_of_the_right_size(robust_env, tmp_path):
 def test_pickle_checkpoints_never_run(robust_env, tmp_path, figure):
     import torch
 
-    from service.app import StartupError, create_app, resolve_checkpoint
-    from training.checkpoint import CheckpointError, load_model, read_checkpoint
+    from gare.checkpoint import CheckpointError, load_model, read_checkpoint
+    from gare_serve.app import StartupError, create_app, resolve_checkpoint
 
     marker = tmp_path / "PWNED"
     evil = tmp_path / "evil.safetensors"
@@ -650,7 +650,7 @@ def test_pickle_checkpoints_never_run(robust_env, tmp_path, figure):
         app = create_app(svc_settings(idx))
         with pytest.raises(StartupError, match="cannot load checkpoint"):
             asyncio.run(_start(app))
-        from service.cli import main as serve_main
+        from gare_serve.cli import main as serve_main
 
         check_rc = serve_main(["--index", str(idx), "--check"])
         rows.append({"checkpoint": ck.name, "load_refused": True, "index_build_rc": rc, "serve_refused": True,
@@ -658,7 +658,7 @@ def test_pickle_checkpoints_never_run(robust_env, tmp_path, figure):
         assert check_rc == 2, rows[-1]  # --check loads the checkpoint: refused like the real start
         assert not marker.exists()
     # the official-checkpoint importer reads with weights_only=True
-    from training.official import load_official_state_dict
+    from gare_train.official import load_official_state_dict
 
     bin_path = tmp_path / "pytorch_model.bin.4"
     torch.save({"state": _Payload(marker)}, bin_path)
@@ -701,16 +701,16 @@ def _tiny_rawvideo_avi(path: Path) -> Path:
 
 
 def test_hostile_video_files_are_reported_and_skipped(robust_env, tmp_path, monkeypatch, figure):
-    import training.video as V
+    import gare.video as V
+    from gare_train.synth import write_video
     from tests.badfiles import write_bad_videos
-    from training.synth import write_video
 
     lib = copy_lib(robust_env, tmp_path / "lib", ["video0.mp4", "video1.mp4", "video2.mp4"])
     bad = write_bad_videos(lib / "bad")  # empty, truncated, random, no_moov, wrong_container (PNG), text
     hostile = {f"bad/{k}.mp4" for k in bad}
     raw = _tiny_rawvideo_avi(tmp_path / "raw.avi")
     _avi_with_dims(raw, lib / "claims_20000x20000.avi", 20000, 20000)  # FFmpeg refuses the size
-    _avi_with_dims(raw, lib / "claims_9000x9000.avi", 9000, 9000)  # over training.video.MAX_FRAME_PIXELS
+    _avi_with_dims(raw, lib / "claims_9000x9000.avi", 9000, 9000)  # over gare.video.MAX_FRAME_PIXELS
     hostile |= {"claims_20000x20000.avi", "claims_9000x9000.avi"}
     # a real 64x64 video, "huge" once MAX_FRAME_PIXELS is lowered (the limit is read at decode time)
     write_video(lib / "big_64x64.mp4", np.random.default_rng(0).integers(0, 255, (8, 64, 64, 3), dtype=np.uint8), 8.0)
@@ -848,13 +848,13 @@ def test_help_documents_exit_codes(capsys):
 
 
 # ============================================================================================ known bugs
-# Fixed (found by this suite): service/metrics.py labels gare_http_requests_total by the raw HTTP method (scope["method"]); a client
+# Fixed (found by this suite): gare_serve/metrics.py labels gare_http_requests_total by the raw HTTP method (scope["method"]); a client
 # can send any token as a method (every one gets a 405), so each new method adds a label set that lives
 # forever: unbounded memory and /metrics size (the module docstring promises a bounded label set).
 # Reproduce: for i in $(seq 1000); do curl -s -X M$i http://127.0.0.1:8000/healthz; done; curl .../metrics
 # Fix: label unknown methods as "other" (keep GET/HEAD/POST/PUT/DELETE/PATCH/OPTIONS/TRACE/CONNECT).
 def test_metrics_labels_stay_bounded_under_random_methods(fuzz_index):
-    from service.app import create_app
+    from gare_serve.app import create_app
 
     app = create_app(svc_settings(fuzz_index))
 
@@ -877,7 +877,7 @@ def test_metrics_labels_stay_bounded_under_random_methods(fuzz_index):
 # Reproduce: curl -X POST localhost:8000/v1/search -H 'content-type: application/json' --data-binary $'\xff'
 # Fix: add 400 to ERRORS (or map body-decoding errors to the documented 422).
 def test_status_for_undecodable_bodies_is_documented(fuzz_index):
-    from service.app import create_app
+    from gare_serve.app import create_app
 
     app = create_app(svc_settings(fuzz_index))
 
@@ -896,7 +896,7 @@ def test_status_for_undecodable_bodies_is_documented(fuzz_index):
 # route (VideoId) refuses negative ids with 422 (schemathesis' positive cases get 422 from documented-valid
 # input). Fix: annotate require_media's video_id with the same VideoId type.
 def test_openapi_states_the_id_bounds_of_media_routes(fuzz_index):
-    from service.app import create_app
+    from gare_serve.app import create_app
 
     doc = create_app(svc_settings(fuzz_index)).openapi()
     for route in ("/v1/videos/{video_id}/thumbnail", "/v1/videos/{video_id}/file"):
@@ -908,7 +908,7 @@ def test_openapi_states_the_id_bounds_of_media_routes(fuzz_index):
 # is declared without `responses=ERRORS`: its OpenAPI document lists only 200 (schemathesis ST103 on 401).
 # Fix: add responses=ERRORS (or {401, 403}) to the route decorator.
 def test_index_route_documents_its_auth_errors(fuzz_index):
-    from service.app import create_app
+    from gare_serve.app import create_app
 
     app = create_app(svc_settings(fuzz_index, api_keys=KEY, require_key_for_search=True))
 
@@ -922,13 +922,13 @@ def test_index_route_documents_its_auth_errors(fuzz_index):
     assert "401" in doc["paths"]["/v1/index"]["get"]["responses"]
 
 
-# Fixed (found by this suite): service/cli.py `gare-serve --check` ("verify settings, checkpoint hash and index, then exit") never
+# Fixed (found by this suite): gare_serve/cli.py `gare-serve --check` ("verify settings, checkpoint hash and index, then exit") never
 # opens the index version nor loads the checkpoint: it prints "ok" and exits 0 for an index whose
 # frames.npy is truncated and for a checkpoint that is not loadable (a pickle renamed .safetensors), both of
 # which make the real start fail. Reproduce: truncate INDEX/versions/v000001/frames.npy, then
 # `gare-serve --index INDEX --check; echo $?` -> "ok: ..." 0. Fix: open_index(...) and load_model(...) in --check.
 def test_serve_check_opens_the_index(robust_env, tmp_path):
-    from service.cli import main as serve_main
+    from gare_serve.cli import main as serve_main
 
     idx = copy_index(robust_env, tmp_path / "index")
     vdir = idx / "versions" / (idx / "CURRENT").read_text().strip()

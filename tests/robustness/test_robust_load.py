@@ -58,7 +58,7 @@ def test_load_burst_holds(server):
 
 def _reloader(idx, lib, base_url, period_s: float, results: list):
     """Write a new index version (remove one video, then build the library again) and reload, until stopped."""
-    from indexer.build import BuildOptions, build, remove
+    from gare_build.build import BuildOptions, build, remove
 
     victim = sorted(lib.glob("*.mp4"))[-1]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from indexer.store import META_FILE, IndexFormatError, open_index, verify_index
+from gare_index.store import META_FILE, IndexFormatError, open_index, verify_index
 from tests.robustness.test_robust_common import copy_index, index_cli, recording, running_app
 from tests.service.support import settings as svc_settings
 
@@ -87,7 +87,7 @@ KINDS = ("junk_same_size", "junk_rehashed", "truncated", "flipped_bytes", "row_m
 
 
 def _new_version(idx: Path) -> str:
-    from indexer.build import recompute_biases
+    from gare_build.build import recompute_biases
 
     return recompute_biases(str(idx)).version
 
@@ -96,8 +96,8 @@ def test_damaged_metadata_is_refused_everywhere(robust_env, tmp_path):
     """Every kind of damage: open/verify/--check refuse the version naming meta.sqlite, the service does not
     start on it, a running service refuses to reload it (503, still serving the previous version) and
     keeps answering 200; the repaired version is then taken."""
-    from service.app import StartupError, create_app
-    from service.cli import main as serve_main
+    from gare_serve.app import StartupError, create_app
+    from gare_serve.cli import main as serve_main
 
     with recording("metadata_damage", kinds=list(KINDS), rows=[]) as fig:
         for kind in KINDS:
@@ -154,7 +154,7 @@ def test_damaged_metadata_is_refused_everywhere(robust_env, tmp_path):
 def test_metadata_damaged_after_open_answers_503_not_500(robust_env, tmp_path, kind):
     """The check runs when a version is opened; a file damaged in place afterwards (same inode) reaches the
     request path: every route that reads it answers 503 with a message, never 500."""
-    from service.app import create_app
+    from gare_serve.app import create_app
 
     idx = copy_index(robust_env, tmp_path / "index")
     vdir = idx / "versions" / (idx / "CURRENT").read_text().strip()

@@ -2,7 +2,7 @@
 by id) returns the index to the same search results: the same ids, paths and biases, and the same two-stage
 scores (psi rerank + NCL biases) and ANN-only scores for every query, within float tolerance.
 
-This goes through the real commands (indexer.cli.main in this process) on a real small index; the biases are
+This goes through the real commands (gare_build.cli.main in this process) on a real small index; the biases are
 recomputed over the whole gallery by each command, so equal results also mean equal biases. Fast: 4
 examples; slow: 20.
 """
@@ -32,7 +32,7 @@ POOL = [f"video{i}.mp4" for i in range(N_BASE, N_CORPUS)]
 
 @pytest.fixture(scope="module")
 def world(robust_env, tmp_path_factory):
-    from training.checkpoint import load_model
+    from gare.checkpoint import load_model
 
     tmp = tmp_path_factory.mktemp("props")
     idx, lib = private_index(robust_env, tmp)
@@ -42,8 +42,8 @@ def world(robust_env, tmp_path_factory):
 
 def snapshot(model, idx) -> dict:
     """Everything a client could observe: entries, biases, and the results of QUERIES in both modes."""
-    from indexer import search as S
-    from indexer.store import open_index
+    from gare_index.store import open_index
+    from gare_search import search as S
 
     v = open_index(idx, use_gpu=False)
     try:

@@ -1,8 +1,8 @@
 """Shared helpers for the service tests (no tests here).
 
-Test indexes are made the real way: ``training.synth.generate_corpus`` writes H.264 mp4 files, a tiny
+Test indexes are made the real way: ``gare_train.synth.generate_corpus`` writes H.264 mp4 files, a tiny
 GARE checkpoint (psi with non-trivial weights and an NCL text queue) is saved with ``save_checkpoint``,
-and ``indexer.build.build`` (what ``gare-index build`` runs) indexes them: :func:`make_service_env`, built
+and ``gare_build.build.build`` (what ``gare-index build`` runs) indexes them: :func:`make_service_env`, built
 once per test run by the session fixture ``service_env`` (tests/conftest.py).
 """
 
@@ -30,9 +30,9 @@ REPO = Path(__file__).resolve().parents[2]
 def make_checkpoint(path: Path, seed: int = 0) -> Path:
     import torch
 
-    from training.checkpoint import save_checkpoint
-    from training.config import get_model_config
-    from training.model import GARE
+    from gare.checkpoint import save_checkpoint
+    from gare.config import get_model_config
+    from gare.model import GARE
 
     torch.manual_seed(seed)
     model = GARE.build(get_model_config("gare-test-tiny")).eval()
@@ -43,7 +43,7 @@ def make_checkpoint(path: Path, seed: int = 0) -> Path:
 
 
 def build_index(checkpoint: Path, videos: Path | str, out: Path, **opts: Any) -> Path:
-    from indexer.build import BuildOptions, build
+    from gare_build.build import BuildOptions, build
 
     build(str(checkpoint), str(videos), str(out), BuildOptions(workers=0, progress=False, **opts))
     return out
@@ -54,7 +54,7 @@ def make_service_env(root: Path) -> dict[str, Any]:
     tests (copy what you change). The session fixture ``service_env`` builds it once."""
     import json
 
-    from training.synth import SynthConfig, generate_corpus
+    from gare_train.synth import SynthConfig, generate_corpus
 
     info = generate_corpus(root / "corpus", SynthConfig(n_videos=16, seed=0, duration=2.0, captions_per_video=2), progress=False)
     ckpt = make_checkpoint(root / "tiny.safetensors")
@@ -72,7 +72,7 @@ def copy_index(src: Path, dst: Path) -> Path:
 
 
 def settings(index: Path, **kw: Any):
-    from service.settings import Settings
+    from gare_serve.settings import Settings
 
     kw.setdefault("batch_max_wait_ms", 1.0)
     # the model's own text tower, so that in-process results compare exactly with the offline search; the
@@ -103,13 +103,13 @@ def free_port() -> int:
 
 
 class UvicornProcess:
-    """`gare-serve` (service.cli) in a child process on 127.0.0.1:<free port>."""
+    """`gare-serve` (gare_serve.cli) in a child process on 127.0.0.1:<free port>."""
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None, ready_timeout_s: float = 240) -> None:
         self.ready_timeout_s = ready_timeout_s
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.args = [sys.executable, "-m", "service.cli", "--host", "127.0.0.1", "--port", str(self.port), *args]
+        self.args = [sys.executable, "-m", "gare_serve.cli", "--host", "127.0.0.1", "--port", str(self.port), *args]
         self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "GARE_TORCH_THREADS": "1", **(env or {})}
         self.proc: subprocess.Popen | None = None
         self.log = tempfile.NamedTemporaryFile(prefix="gare-serve-", suffix=".log", delete=False)

@@ -1,4 +1,4 @@
-"""The README demo (service.demo): every stage real (generated mp4 files, gare-cpu-demo trained here, a real
+"""The README demo (gare_demo.demo): every stage real (generated mp4 files, gare-cpu-demo trained here, a real
 index), its run record, the second run reusing everything, and (slow) the held-out quality it promises."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from service import demo
+from gare_demo import demo
 
 
 def test_demo_stages_then_a_second_run_reuses_them(tmp_path):

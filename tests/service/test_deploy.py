@@ -101,7 +101,7 @@ def test_secrets_are_required_and_services_are_complete():
         body = df.read_text()
         assert re.search(r"^USER 10001$", body, re.M) and "HEALTHCHECK" in body
         # dependency layers come before the code
-        assert body.index("pip install -r") < body.index("COPY training")
+        assert body.index("pip install -r") < body.index("COPY gare ")
 
 
 def test_dependency_extraction_used_by_the_images_runs():
@@ -113,7 +113,7 @@ def test_dependency_extraction_used_by_the_images_runs():
 
 def test_api_containers_run_several_workers(monkeypatch):
     """The CPU api uses gare-serve's workers (GARE_WORKERS, default: one per usable core); the GPU api one."""
-    from service.settings import Settings
+    from gare_serve.settings import Settings
 
     svcs = yaml.safe_load(COMPOSE.read_text())["services"]
     assert "GARE_WORKERS" in svcs["api"]["environment"] and "--workers" not in svcs["api"]["command"]
@@ -233,6 +233,6 @@ def test_a_wheel_carries_the_model_configs(tmp_path):
                     str(REPO)], check=True, capture_output=True)
     (whl,) = tmp_path.glob("gare_search-*.whl")
     names = set(zipfile.ZipFile(whl).namelist())
-    want = {f"training/model_configs/{p.name}" for p in (REPO / "training" / "model_configs").glob("*.json")}
+    want = {f"gare/model_configs/{p.name}" for p in (REPO / "gare" / "model_configs").glob("*.json")}
     assert want and want <= names, sorted(want - names)
-    assert "service/static/index.html" in names
+    assert "gare_serve/static/index.html" in names

@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
-from service.app import create_app
-from service.middleware import TrustedHostMiddleware, public_detail
-from service.settings import Settings
+from gare_serve.app import create_app
+from gare_serve.middleware import TrustedHostMiddleware, public_detail
+from gare_serve.settings import Settings
 from tests.service.support import copy_index, settings
 
 KEY = "surface-key"

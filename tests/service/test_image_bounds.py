@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from indexer import by_example as E
-from service.app import create_app
+from gare_search import by_example as E
+from gare_serve.app import create_app
 from tests.service.support import running_app, settings
 
 URL = "/v1/search/image"
@@ -355,7 +355,7 @@ def test_reduced_decode_matches_full_size(model_and_index, fmt):
     import torch
     from PIL import Image
 
-    from training.video import clip_transform
+    from gare.video import clip_transform
 
     model = model_and_index[0]
     data = encoded(natural(3000, 2000), fmt, **({"quality": 90} if fmt == "JPEG" else {}))

@@ -1,4 +1,4 @@
-"""Signed media URLs across processes: one secret per deployment, strict tokens, rotation (service.media)."""
+"""Signed media URLs across processes: one secret per deployment, strict tokens, rotation (gare_serve.media)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,14 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
-from service.app import StartupError, create_app
-from service.media import SECRET_FILE, MediaSecretError, MediaSigner, load_or_create_secret, resolve_secrets
+from gare_serve.app import StartupError, create_app
+from gare_serve.media import (
+    SECRET_FILE,
+    MediaSecretError,
+    MediaSigner,
+    load_or_create_secret,
+    resolve_secrets,
+)
 from tests.conftest import require
 from tests.service.support import copy_index, settings
 
@@ -186,7 +192,7 @@ def test_every_process_follows_a_new_build_under_load(two_servers, service_env):
 
     import httpx
 
-    from indexer.build import remove
+    from gare_build.build import remove
 
     a, b, idx = two_servers
     auth = {"X-API-Key": KEY}
@@ -237,7 +243,7 @@ def test_a_version_from_another_checkpoint_is_refused_by_the_follower(service_en
     """The poll never switches to a version built with another model: it keeps serving, logs once."""
     import asyncio
 
-    from indexer.build import BuildOptions, build
+    from gare_build.build import BuildOptions, build
     from tests.service.support import make_checkpoint, running_app
 
     idx = copy_index(service_env["index"], tmp_path / "index")

@@ -1,4 +1,4 @@
-"""gare-serve --workers N: accepted connections get TCP_NODELAY (service/nodelay.py).
+"""gare-serve --workers N: accepted connections get TCP_NODELAY (gare_serve/nodelay.py).
 
 Without it every keep-alive response after a connection's first waits ~40 ms for the client's delayed ACK.
 """
@@ -9,7 +9,7 @@ import asyncio
 import os
 import socket
 
-from service.nodelay import NodelayConfig
+from gare_serve.nodelay import NodelayConfig
 
 
 def _accepted_nodelay(listener: socket.socket) -> tuple[int, int]:
@@ -39,7 +39,7 @@ def _accepted_nodelay(listener: socket.socket) -> tuple[int, int]:
 
 
 def test_the_shared_socket_gives_accepted_connections_tcp_nodelay():
-    config = NodelayConfig("service.app:create_app", factory=True, host="127.0.0.1", port=0, workers=2)
+    config = NodelayConfig("gare_serve.app:create_app", factory=True, host="127.0.0.1", port=0, workers=2)
     sock = config.bind_socket()
     assert sock.proto == socket.IPPROTO_TCP and sock.get_inheritable()
     sock.listen(8)
@@ -50,8 +50,8 @@ def test_the_shared_socket_gives_accepted_connections_tcp_nodelay():
 def test_serve_workers_runs_uvicorns_supervisor_on_that_socket(monkeypatch, tmp_path):
     import uvicorn.supervisors
 
-    from service import cli
-    from service.settings import Settings
+    from gare_serve import cli
+    from gare_serve.settings import Settings
 
     got = {}
 
@@ -69,7 +69,7 @@ def test_serve_workers_runs_uvicorns_supervisor_on_that_socket(monkeypatch, tmp_
     try:
         assert cli.serve_workers(settings, 3) == 0
         assert got["ran"] and isinstance(got["config"], NodelayConfig) and got["config"].workers == 3
-        assert got["config"].factory and got["config"].app == "service.app:create_app"
+        assert got["config"].factory and got["config"].app == "gare_serve.app:create_app"
         (sock,) = got["sockets"]
         assert sock.proto == socket.IPPROTO_TCP
     finally:

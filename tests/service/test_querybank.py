@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from service.app import create_app
-from service.querybank import QueryBank
+from gare_serve.app import create_app
+from gare_serve.querybank import QueryBank
 from tests.service.support import settings
 
 
@@ -56,8 +56,8 @@ def test_service_banks_served_query_embeddings_only(service_env, tmp_path):
     assert bank.shape == (3, 64) and bank.dtype == np.float32
     np.testing.assert_allclose(np.linalg.norm(bank, axis=1), 1.0, atol=1e-5)
     # the newest three queries, as the model embeds them; and no text anywhere in the file
-    from indexer.search import encode_queries, unit_rows
-    from training.checkpoint import load_model
+    from gare.checkpoint import load_model
+    from gare_search.search import encode_queries, unit_rows
 
     model, _ = load_model(sh["checkpoint"])
     want = unit_rows(encode_queries(model, queries[1:]))

@@ -1,4 +1,4 @@
-"""The search result cache (service/result_cache.py): a repeat on the same version runs no stage and returns
+"""The search result cache (gare_serve/result_cache.py): a repeat on the same version runs no stage and returns
 exactly the first answer; anything that could change the answer (options, version, text) misses."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 from fastapi.testclient import TestClient
 
-from indexer import search as S
-from service.app import create_app
-from service.result_cache import ResultCache
+from gare_search import search as S
+from gare_serve.app import create_app
+from gare_serve.result_cache import ResultCache
 from tests.service.support import settings
 from tests.service.test_serve_scale import CountingEncoder
 
@@ -92,7 +92,7 @@ def test_service_repeat_runs_no_stage_and_equals_the_first_answer(service_env):
 
 
 def test_reload_never_serves_the_old_versions_results(service_env, tmp_path):
-    from indexer.build import remove
+    from gare_build.build import remove
     from tests.service.support import copy_index
 
     sh = service_env
@@ -130,7 +130,7 @@ def test_a_repeat_reads_no_metadata_and_the_byte_estimate_covers_rendered_hits(s
     thread hop); and the entry's byte estimate is at least what tracemalloc measures for those rendered hits."""
     import tracemalloc
 
-    from service.routes.search import _hit_models
+    from gare_serve.routes.search import _hit_models
 
     sh = service_env
     app = create_app(settings(sh["index"], result_cache_entries=100))

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from indexer import by_example as E
-from service.app import create_app
+from gare_search import by_example as E
+from gare_serve.app import create_app
 from tests.service.support import settings
 
 
@@ -113,7 +113,7 @@ def _png(size=(40, 30), color=(200, 30, 30)) -> bytes:
 def test_image_search_equals_exact_stage1(client, model_and_index):
     import torch
 
-    from training.video import clip_transform
+    from gare.video import clip_transform
 
     model, v, _ = model_and_index
     data = _png()

@@ -8,12 +8,12 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from indexer import search as S
-from service.app import StartupError, create_app
-from service.metrics import Metrics
-from service.state import Job, ServiceState
+from gare.checkpoint import load_model
+from gare_search import search as S
+from gare_serve.app import StartupError, create_app
+from gare_serve.metrics import Metrics
+from gare_serve.state import Job, ServiceState
 from tests.service.support import make_checkpoint, settings
-from training.checkpoint import load_model
 
 
 class CountingEncoder:
@@ -106,7 +106,7 @@ def test_another_checkpoint_never_gets_old_embeddings(service_env, tmp_path):
 
 def test_reload_keeps_results_and_cache_is_keyed_by_checkpoint(service_env, tmp_path):
     """A reload to a version of the same checkpoint keeps serving cached embeddings correctly."""
-    from indexer.build import remove
+    from gare_build.build import remove
     from tests.service.support import copy_index
 
     sh = service_env
@@ -146,8 +146,8 @@ def test_auto_text_encoder_is_the_measured_cpu_default(service_env):
     rule in its report) on the CPU at fp32, the model's own tower at another precision (no startup error)."""
     import json
 
-    from service.settings import Settings
-    from training.text_quant import DEFAULT_CPU_TEXT_ENCODER
+    from gare.text_quant import DEFAULT_CPU_TEXT_ENCODER
+    from gare_serve.settings import Settings
 
     report = json.loads((Path(__file__).resolve().parents[2] / "bench/results/text_encoder.json").read_text())
     assert DEFAULT_CPU_TEXT_ENCODER == report["choice"]["default"]
@@ -175,7 +175,7 @@ def test_text_encoder_needs_fp32_precision(service_env):
 
 
 def test_cli_text_encoder_and_workers_options():
-    from service.cli import build_parser, settings_from_args
+    from gare_serve.cli import build_parser, settings_from_args
 
     s = settings_from_args(build_parser().parse_args(["--index", "x", "--text-encoder", "onnx-int8", "--workers", "3"]))
     assert s.text_encoder == "onnx-int8" and s.workers == 3

@@ -2,7 +2,7 @@
 
 With one listening socket shared by the workers, the worker that wakes first accepts every queued connection:
 a burst of keep-alive clients could land whole on one worker and stay there. With a socket per worker
-(SO_REUSEPORT, ``service.nodelay.PortGroup``) the kernel hashes connections over the workers' sockets: the
+(SO_REUSEPORT, ``gare_serve.nodelay.PortGroup``) the kernel hashes connections over the workers' sockets: the
 chance that all 32 connections of a burst land on one of two sockets is 2 * 2^-32 per burst, and the splits
 of several bursts stay within what fair coins give (``IMBALANCE_LIMIT``).
 
@@ -164,7 +164,7 @@ def server(service_env, tmp_path_factory):
            "GARE_WORKER_HEALTHCHECK_S": "900"}
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     log = Path(tempfile.mkstemp(prefix="gare-serve-spread-", suffix=".log")[1])
-    args = [sys.executable, "-m", "service.cli", "--index", str(idx), "--workers", "2", "--host", "127.0.0.1",
+    args = [sys.executable, "-m", "gare_serve.cli", "--index", str(idx), "--workers", "2", "--host", "127.0.0.1",
             "--port", "0", "--batch-max-wait-ms", "2", "--log-level", "info"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -238,7 +238,7 @@ def test_nothing_else_can_take_or_join_the_port(server, service_env, tmp_path):
     # a second gare-serve on the port stops at once, before any worker starts loading a model
     idx = copy_index(service_env["index"], tmp_path / "index")
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "service.cli", "--index", str(idx), "--workers", "2", "--host", "127.0.0.1",
+    r = subprocess.run([sys.executable, "-m", "gare_serve.cli", "--index", str(idx), "--workers", "2", "--host", "127.0.0.1",
                         "--port", str(server.port)], cwd=REPO, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "HF_HUB_OFFLINE": "1", "GARE_TORCH_THREADS": "1"})
     print(f"second gare-serve on the port: exit {r.returncode} after {time.monotonic() - t0:.1f} s")
@@ -279,7 +279,7 @@ def _worker_socket(group) -> socket.socket:
 
 
 def test_port_group_keeps_the_port_from_anything_but_its_workers():
-    from service.nodelay import PortGroup
+    from gare_serve.nodelay import PortGroup
 
     group = PortGroup("127.0.0.1", 0)
     workers: list[socket.socket] = []
@@ -329,7 +329,7 @@ def test_port_group_keeps_the_port_from_anything_but_its_workers():
 
 
 def test_worker_sockets_keep_tcp_nodelay():
-    from service.nodelay import PortGroup
+    from gare_serve.nodelay import PortGroup
     from tests.service.test_nodelay import _accepted_nodelay
 
     group = PortGroup("127.0.0.1", 0)
@@ -367,9 +367,9 @@ def fake_supervisor(monkeypatch, tmp_path):
 
 
 def test_serve_workers_gives_the_supervisor_the_group_or_the_shared_socket(fake_supervisor, tmp_path):
-    from service import cli
-    from service.nodelay import PortGroupSocket, resolve_worker_sockets
-    from service.settings import Settings
+    from gare_serve import cli
+    from gare_serve.nodelay import PortGroupSocket, resolve_worker_sockets
+    from gare_serve.settings import Settings
 
     assert resolve_worker_sockets("auto") == ("reuseport" if sys.platform.startswith("linux") else "shared")
     assert resolve_worker_sockets("shared") == "shared"
@@ -390,8 +390,8 @@ def test_serve_workers_gives_the_supervisor_the_group_or_the_shared_socket(fake_
 
 
 def test_a_port_in_use_fails_the_start_before_any_worker(fake_supervisor, tmp_path, capsys):
-    from service import cli
-    from service.settings import Settings
+    from gare_serve import cli
+    from gare_serve.settings import Settings
 
     with socket.socket() as taken:
         taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -473,7 +473,7 @@ def _health_check_of_a_worker_killed_while_pinged(supervisor_class, timeout_s: f
 def test_the_supervisor_notices_a_worker_killed_while_pinged_at_once():
     from uvicorn.supervisors import Multiprocess
 
-    from service.nodelay import prompt_supervisor
+    from gare_serve.nodelay import prompt_supervisor
 
     alive, s = _health_check_of_a_worker_killed_while_pinged(prompt_supervisor(Multiprocess), 30)
     assert alive is False and s < 5, s

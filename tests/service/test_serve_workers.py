@@ -9,7 +9,7 @@ import re
 import httpx
 import pytest
 
-from service.workers import WorkerBoard
+from gare_serve.workers import WorkerBoard
 from tests.service.support import UvicornProcess, copy_index
 
 KEY = "workers-test-key"
@@ -74,7 +74,7 @@ def test_two_workers_ready_answer_and_metrics_sum(server):
 
 
 def test_reload_reaches_every_worker(server):
-    from indexer.build import remove
+    from gare_build.build import remove
 
     srv, idx, sh, _ = server
     remove(str(idx), ["4"])  # writes v000002

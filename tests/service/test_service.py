@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from indexer import search as S
-from service.app import StartupError, create_app, resolve_checkpoint
-from service.settings import Settings, SettingsError, load_api_key_hashes, load_settings
+from gare_search import search as S
+from gare_serve.app import StartupError, create_app, resolve_checkpoint
+from gare_serve.settings import Settings, SettingsError, load_api_key_hashes, load_settings
 from tests.service.support import copy_index, running_app, settings
 
 KEY = "test-admin-key-123"
@@ -372,7 +372,7 @@ def test_page_is_served(client):
 def test_reload_while_requests_are_in_flight(service_env, tmp_path, monkeypatch):
     import threading
 
-    from indexer.build import remove
+    from gare_build.build import remove
 
     idx = copy_index(service_env["index"], tmp_path / "index")
     app = create_app(settings(idx, api_keys=KEY, batch_max_wait_ms=5, batch_max_size=4))
@@ -425,7 +425,7 @@ def test_reload_while_requests_are_in_flight(service_env, tmp_path, monkeypatch)
 
 
 def test_reload_refuses_an_index_of_another_checkpoint(service_env, tmp_path):
-    from indexer.store import open_index, write_version
+    from gare_index.store import open_index, write_version
 
     idx = copy_index(service_env["index"], tmp_path / "index")
     with TestClient(create_app(settings(idx, api_keys=KEY))) as c:
@@ -510,7 +510,7 @@ def test_settings_sources(tmp_path, monkeypatch):
 
 
 def test_cli(service_env, tmp_path, capsys, monkeypatch):
-    from service.cli import main
+    from gare_serve.cli import main
     from tests.service.support import make_checkpoint
 
     assert main(["--index", str(service_env["index"]), "--check"]) == 0

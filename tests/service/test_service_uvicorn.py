@@ -45,7 +45,7 @@ def test_search_over_http(server):
 
 
 def test_concurrent_clients_and_reload(server):
-    from indexer.build import remove
+    from gare_build.build import remove
 
     srv, idx, sh = server
     texts = sh["captions"]
@@ -71,7 +71,7 @@ def test_refuses_to_start_with_another_checkpoint(service_env, tmp_path):
     sh = service_env
     other = make_checkpoint(tmp_path / "other.safetensors", seed=3)
     proc = subprocess.run(
-        [sys.executable, "-m", "service.cli", "--index", str(sh["index"]), "--checkpoint", str(other),
+        [sys.executable, "-m", "gare_serve.cli", "--index", str(sh["index"]), "--checkpoint", str(other),
          "--port", str(free_port())],
         cwd=REPO, capture_output=True, text=True, timeout=120, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"},
     )

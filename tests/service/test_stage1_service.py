@@ -8,8 +8,8 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from indexer.store import open_index
-from service.app import create_app
+from gare_index.store import open_index
+from gare_serve.app import create_app
 from tests.service.support import copy_index, settings
 
 

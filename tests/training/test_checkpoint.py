@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from training.checkpoint import (
+from gare.checkpoint import (
     CheckpointError,
     load_model,
     load_tree,
@@ -58,7 +58,7 @@ def test_pickle_payload_is_never_executed(tmp_path):
         read_checkpoint(bad)
     assert not marker.exists()
     # and a torch.save'd pickle given to the official importer is refused by weights_only loading
-    from training.official import load_official_state_dict
+    from gare_train.official import load_official_state_dict
 
     torch.save({"x": Evil()}, tmp_path / "evil.bin")
     with pytest.raises(pickle.UnpicklingError):
@@ -79,7 +79,7 @@ def test_failed_write_keeps_previous_file(tiny_model, tmp_path, monkeypatch):
     path = tmp_path / "ckpt.safetensors"
     save_checkpoint(path, tiny_model, info={"v": 1})
     before = path.read_bytes()
-    import training.checkpoint as ck
+    import gare.checkpoint as ck
 
     def boom(tensors, filename, metadata=None):
         with open(filename, "wb") as fh:

@@ -6,10 +6,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from training.deviation import delta_deviation
-from training.evaluate import EncodedSet, evaluate_encoded, write_report
-from training.metrics import retrieval_metrics
-from training.sinkhorn import sinkhorn_biases_naive
+from gare.deviation import delta_deviation
+from gare.encoded_set import EncodedSet
+from gare.metrics import retrieval_metrics
+from gare.sinkhorn import sinkhorn_biases_naive
+from gare_train.evaluate import evaluate_encoded, write_report
 
 
 def _encoded(model, n_texts=7, n_videos=5, seed=0):

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import torch
 
-from training.invgc import invgc, n_neighbours, select_r
+from gare.invgc import invgc, n_neighbours, select_r
 
 
 def naive_invgc(G, Gh, Qh, r_g, r_q, k_percent):

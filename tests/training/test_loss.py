@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from training.config import LossConfig
-from training.loss import dir_loss, eps_loss, gare_loss, ib_loss, info_nce
+from gare.config import LossConfig
+from gare_train.loss import dir_loss, eps_loss, gare_loss, ib_loss, info_nce
 
 
 def test_info_nce_hand_computed():

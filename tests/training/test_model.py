@@ -8,8 +8,8 @@ import open_clip
 import torch
 import torch.nn.functional as F
 
-from training.model import GARE, autocast
-from training.psi import masked_mean
+from gare.model import GARE, autocast
+from gare.psi import masked_mean
 
 
 @torch.no_grad()

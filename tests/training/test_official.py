@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import training.backbone  # noqa: F401  (registers the tiny open_clip config)
-from training.checkpoint import load_model
-from training.cli import main as train_cli
-from training.official import convert_official_state_dict
+import gare.backbone  # noqa: F401  (registers the tiny open_clip config)
+from gare.checkpoint import load_model
+from gare_train.cli import main as train_cli
+from gare_train.official import convert_official_state_dict
 
 D, FRAMES, WORDS, TEMP = 64, 6, 16, 3.0
 
@@ -209,7 +209,7 @@ def test_imported_model_scores_padded_clips_as_the_authors(tmp_path):
     torch.testing.assert_close(model.score(t, Fv, mask, vbar=vbar), ref, atol=1e-5, rtol=0)
 
     # The same weights with masked padding (what models trained here do) differ on the padded clips only.
-    from training.model import GARE
+    from gare.model import GARE
 
     masked = GARE.build(ckpt.config.replace(reference_padding=False), pretrained="none").eval()
     masked.load_state_dict(ckpt.state_dict)

@@ -1,4 +1,4 @@
-"""The authors' optimizer (training.optim.BertAdam) and schedule against hand-computed steps, and
+"""The authors' optimizer (gare_train.optim.BertAdam) and schedule against hand-computed steps, and
 `gare-train fit --optimizer bertadam` end to end (issue 28, must-have 6).
 
 The formulas the hand values follow (musicman217/GARE-text-video-retrieval, tvr/models/optimization.py), per
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from training.checkpoint import load_tree, read_checkpoint, save_tree
-from training.cli import main as train_cli
-from training.optim import BertAdam, bert_warmup_cosine, bert_warmup_cosine_lambda
+from gare.checkpoint import load_tree, read_checkpoint, save_tree
+from gare_train.cli import main as train_cli
+from gare_train.optim import BertAdam, bert_warmup_cosine, bert_warmup_cosine_lambda
 
 
 def _param(values, grad=None) -> torch.nn.Parameter:
@@ -140,7 +140,7 @@ def test_schedule_values_at_warmup_start_end_middle_and_end():
     assert used[50] == pytest.approx(1.0)
     assert used[99] == pytest.approx(2.0 * 0.5 * (1 + math.cos(0.99 * math.pi)))
     # the project's own warm-up cosine (AdamW) is another curve: (k + 1) / W, then cosine after the warm-up
-    from training.fit import warmup_cosine
+    from gare_train.fit import warmup_cosine
 
     ours = warmup_cosine(100, w)
     assert ours(0) == pytest.approx(0.1) and ours(10) == pytest.approx(1.0) and ours(55) == pytest.approx(0.5)
@@ -228,7 +228,7 @@ def test_state_dict_round_trip_and_resume_equal_an_uninterrupted_run(tmp_path):
 # ---------------------------------------------------------------- the trainer and the CLI
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
-    from training.synth import SynthConfig, generate_corpus
+    from gare_train.synth import SynthConfig, generate_corpus
 
     root = tmp_path_factory.mktemp("synth")
     generate_corpus(root, SynthConfig(n_videos=12, seed=5, width=64, height=64, duration=2.0, fps=6), progress=False)
@@ -236,14 +236,14 @@ def corpus(tmp_path_factory) -> Path:
 
 
 def _cfg(corpus: Path, out: Path, **kw):
-    from training.fit import TrainConfig
+    from gare_train.fit import TrainConfig
 
     return TrainConfig(model="gare-test-tiny", data={"kind": "synth", "root": str(corpus)}, out_dir=str(out),
                        epochs=2, batch_size=4, num_workers=0, lr=1e-3, **kw)
 
 
 def test_config_default_stays_adamw_and_bertadam_is_built_on_request(corpus, tmp_path):
-    from training.fit import TrainConfig, Trainer
+    from gare_train.fit import TrainConfig, Trainer
 
     assert TrainConfig().optimizer == "adamw"
     assert "optimizer" not in TrainConfig().fingerprint()  # states saved before the option still resume
@@ -284,13 +284,13 @@ def test_gare_train_fit_optimizer_bertadam_runs_real_steps(corpus, tmp_path):
     per_param = state["optimizer"]["state"]
     assert per_param and all(set(s) == {"step", "exp_avg", "exp_avg_sq"} and s["step"] == 3 for s in per_param.values())
     assert state["scheduler"]["last_epoch"] == 3
-    from training.fit import Trainer
+    from gare_train.fit import Trainer
 
     init = Trainer(_cfg(corpus, tmp_path / "init", optimizer="bertadam"), progress=False).model.state_dict()
     moved = [k for k, v in ck.state_dict.items() if not torch.equal(v, init[k])]
     assert moved, "three steps (the first at lr 0) left every weight where it started"
     # resuming the run with the other optimizer is refused (the fingerprint names it)
-    from training.checkpoint import CheckpointError
+    from gare.checkpoint import CheckpointError
 
     with pytest.raises(CheckpointError, match="different configuration.*optimizer"):
         Trainer(_cfg(corpus, out), resume=str(out / "last.safetensors"), progress=False)

@@ -7,8 +7,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from indexer.ann import AnnIndex, AnnParams, build_index, exact_search
-from training.sinkhorn import sinkhorn_biases, summed_retrieval_probabilities
+from gare.sinkhorn import sinkhorn_biases, summed_retrieval_probabilities
+from gare_index.ann import AnnIndex, AnnParams, build_index, exact_search
 
 _SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

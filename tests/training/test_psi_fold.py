@@ -1,4 +1,4 @@
-"""training.psi_fold: the folded psi equals training.psi.pair_scores / model.score (issue 12).
+"""gare.psi_fold: the folded psi equals gare.psi.pair_scores / model.score (issue 12).
 
 No __init__.py here on purpose: a package named `training` under tests/ would shadow the real one.
 """
@@ -10,9 +10,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gare import psi_fold as pf
+from gare.psi import Psi, pair_scores
 from tests.psi_weights import randomize_psi
-from training import psi_fold as pf
-from training.psi import Psi, pair_scores
 
 TOL = 1e-5
 
@@ -133,7 +133,7 @@ def test_fully_padded_video_scores_nan_like_pair_scores():
 
 def test_equals_model_score_and_fused(tiny_model):
     """Against model.score (block-wise, the training definition) and the service's fused path."""
-    from indexer.search import fused_pair_scores
+    from gare_search.search import fused_pair_scores
 
     torch.manual_seed(3)
     d, f = tiny_model.cfg.embed_dim, tiny_model.cfg.max_frames

@@ -1,5 +1,5 @@
-"""The compiled CPU kernel of the folded psi (training/psi_fold_cpu.py) against the torch fold and the float64
-reference (training.psi.pair_scores), on the layouts the index stores: float16/float32 frames and constants,
+"""The compiled CPU kernel of the folded psi (gare/psi_fold_cpu.py) against the torch fold and the float64
+reference (gare.psi.pair_scores), on the layouts the index stores: float16/float32 frames and constants,
 memory-mapped arrays, v̄ given as unit rows times norms."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gare import psi_fold as pf
+from gare import psi_fold_cpu as pc
 from tests.training.test_psi_fold import FAST, TOL, problems, random_psi, reference
-from training import psi_fold as pf
-from training import psi_fold_cpu as pc
 
 
 def test_numba_is_available():

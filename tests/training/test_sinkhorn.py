@@ -1,4 +1,4 @@
-"""training.sinkhorn: the log-domain chunked NCL biases against the float64 formula, overflow safety,
+"""gare.sinkhorn: the log-domain chunked NCL biases against the float64 formula, overflow safety,
 shift invariance, NCL eq. 13 (uniform summed retrieval probabilities) and eq. 5 (normalisation error)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from training.sinkhorn import (
+from gare.sinkhorn import (
     normalization_error,
     sinkhorn_biases,
     sinkhorn_biases_naive,
@@ -207,7 +207,7 @@ def test_naive_agrees_with_fig4_pseudocode_shape():
 
 
 def test_bias_fold_makes_inner_product_equal_cos_plus_bias():
-    from training.sinkhorn import fold_biases, fold_query
+    from gare.sinkhorn import fold_biases, fold_query
 
     rng = np.random.default_rng(0)
     units = rng.normal(size=(50, 8)).astype(np.float32)

@@ -1,4 +1,4 @@
-"""training.sinkhorn, biases of the served score (issue 17): the dense form against NCL Fig. 4 in float64,
+"""gare.sinkhorn, biases of the served score (issue 17): the dense form against NCL Fig. 4 in float64,
 the sparse forms against the same formula on the matrix they stand for, hand-computed values, stage-1
 candidates against a full sort, and the normalisation error of an explicit score matrix."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from training.sinkhorn import (
+from gare.sinkhorn import (
     normalization_error,
     normalization_error_scores,
     score_candidates,
@@ -213,7 +213,7 @@ def test_pair_scorer_from_matrix_scores_each_pair():
         calls.append(len(qi))
         return S[torch.as_tensor(qi)][:, torch.as_tensor(rows)]
 
-    from training.sinkhorn import pair_scorer_from_matrix
+    from gare.sinkhorn import pair_scorer_from_matrix
 
     qi, rows = np.array([2, 0, 2, 3, 0]), np.array([4, 1, 0, 3, 1])
     out = pair_scorer_from_matrix(matrix)(qi, rows)
@@ -222,7 +222,7 @@ def test_pair_scorer_from_matrix_scores_each_pair():
 
 
 def _encoded(model, n_videos: int, seed: int):
-    from training.evaluate import EncodedSet
+    from gare.encoded_set import EncodedSet
 
     g = torch.Generator().manual_seed(seed)
     f, d = model.cfg.max_frames, model.cfg.embed_dim
@@ -235,7 +235,7 @@ def _encoded(model, n_videos: int, seed: int):
 
 
 def test_eval_served_biases_are_fig4_on_the_psi_matrix(tiny_model):
-    from training.evaluate import served_biases_encoded
+    from gare_train.evaluate import served_biases_encoded
 
     enc = _encoded(tiny_model, 12, 20)
     queue = torch.randn(40, tiny_model.cfg.embed_dim, generator=torch.Generator().manual_seed(21))
@@ -258,7 +258,7 @@ def test_eval_served_biases_are_fig4_on_the_psi_matrix(tiny_model):
 
 
 def test_eval_reports_three_psi_rows_with_their_normalisation_errors(tiny_model):
-    from training.evaluate import evaluate_encoded
+    from gare_train.evaluate import evaluate_encoded
 
     enc = _encoded(tiny_model, 10, 22)
     queue = torch.randn(30, tiny_model.cfg.embed_dim, generator=torch.Generator().manual_seed(23))

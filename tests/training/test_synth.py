@@ -1,4 +1,4 @@
-"""training.synth: a deterministic corpus of real mp4 files with consistent captions and hard cases."""
+"""gare_train.synth: a deterministic corpus of real mp4 files with consistent captions and hard cases."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from training import synth
-from training.synth import SynthConfig, generate_corpus, write_video
-from training.video import probe_video
+from gare.video import probe_video
+from gare_train import synth
+from gare_train.synth import SynthConfig, generate_corpus, write_video
 
 CFG = SynthConfig(
     n_videos=20,

@@ -1,5 +1,5 @@
 """Issue 24: a query's embedding is the same bits alone and inside any batch, on every text tower, and the
-service's encoder gives the offline path's bits (training.text_quant's docstring has the scheme).
+service's encoder gives the offline path's bits (gare.text_quant's docstring has the scheme).
 
 Before the fix the int8 tower quantised activations with one scale per batch, and every tower saw the batch's
 padding and row count: run on that code, the model's own encoder and the fp32, int8 and onnx-int8 towers gave
@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from indexer import search as S
-from service.metrics import Metrics
-from service.state import Job, ServiceState
+from gare.model import GARE
+from gare.text_quant import CUDA_TEXT_ENCODERS, QMAX, TEXT_ENCODERS, build_text_encoder, encode_each
+from gare_search import search as S
+from gare_serve.metrics import Metrics
+from gare_serve.state import Job, ServiceState
 from tests.conftest import require
 from tests.service.support import settings
 from tests.training.test_text_quant import trained_tiny
-from training.model import GARE
-from training.text_quant import CUDA_TEXT_ENCODERS, QMAX, TEXT_ENCODERS, build_text_encoder, encode_each
 
 # the 1k-A test captions of MSR-VTT, next to the repository (../shared/data/msrvtt)
 CAPTIONS_CSV = Path(__file__).resolve().parents[3] / "shared" / "data" / "msrvtt" / "MSRVTT_JSFUSION_test.csv"

@@ -1,4 +1,4 @@
-"""training.text_quant: the stand-alone tower equals the model's encoder; int8 / ONNX agree with fp32."""
+"""gare.text_quant: the stand-alone tower equals the model's encoder; int8 / ONNX agree with fp32."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from training.config import get_model_config
-from training.model import GARE
-from training.text_quant import (
+from gare.config import get_model_config
+from gare.model import GARE
+from gare.text_quant import (
     CUDA_TEXT_ENCODERS,
     QMAX,
     TEXT_ENCODERS,

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from training.checkpoint import CheckpointError, read_checkpoint
-from training.cli import main as train_cli
-from training.data import carve_validation, load_dataset, load_manifest, load_msrvtt
+from gare.annotations import carve_validation, load_dataset, load_manifest, load_msrvtt
+from gare.checkpoint import CheckpointError, read_checkpoint
+from gare_train.cli import main as train_cli
 
 REPO = Path(__file__).resolve().parents[2]
 # The real annotation files ship in shared/ beside the checkout (CI lays a copy there too).
@@ -25,7 +25,7 @@ MSRVTT = Path(os.environ.get("GARE_MSRVTT_ANNO", REPO.parent / "shared" / "data"
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
-    from training.synth import SynthConfig, generate_corpus
+    from gare_train.synth import SynthConfig, generate_corpus
 
     root = tmp_path_factory.mktemp("synth")
     generate_corpus(root, SynthConfig(n_videos=30, seed=3, width=64, height=64, duration=2.0, fps=6), progress=False)
@@ -122,7 +122,7 @@ def test_resume_refuses_a_different_configuration(corpus, tmp_path):
     out = tmp_path / "r"
     assert _fit(out, corpus, "--max-steps", "2", "--save-every", "2") == 0
     with pytest.raises(CheckpointError, match="different configuration.*lr"):
-        from training.fit import TrainConfig, Trainer
+        from gare_train.fit import TrainConfig, Trainer
 
         cfg = TrainConfig(model="gare-test-tiny", data={"kind": "synth", "root": str(corpus)}, out_dir=str(out),
                           epochs=2, batch_size=4, num_workers=0, lr=5e-4)
@@ -160,7 +160,7 @@ def test_two_process_gloo_scores_the_global_batch(corpus, tmp_path):
     assert _fit(single, corpus, "--max-steps", "2") == 0
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), "-m", "training.cli", "fit", "--model", "gare-test-tiny", "--synth", str(corpus),
+           "--master_port", str(_free_port()), "-m", "gare_train.cli", "fit", "--model", "gare-test-tiny", "--synth", str(corpus),
            "--out", str(multi), "--epochs", "2", "--batch-size", "4", "--num-workers", "0", "--lr", "1e-3",
            "--no-progress", "--max-steps", "2", "--device", "cpu"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=REPO)
@@ -204,7 +204,7 @@ def test_cached_frames_train_exactly_like_decoding_every_epoch(corpus, tmp_path)
 
 
 def test_cache_frames_refuses_augmentation(corpus, tmp_path):
-    from training.fit import TrainConfig
+    from gare_train.fit import TrainConfig
 
     with pytest.raises(ValueError, match="cache_frames needs augment 'none'.*randaugment"):
         TrainConfig(model="gare-test-tiny", data={"kind": "synth", "root": str(corpus)}, cache_frames=True)
@@ -215,7 +215,7 @@ def test_cache_frames_refuses_augmentation(corpus, tmp_path):
 def test_early_stopping_stops_after_patience_epochs_without_improvement(corpus, tmp_path, monkeypatch):
     """Validation R@1 scripted as 10, 30, 20, 30, 5, ...: best at epoch 2, no improvement in epochs 3-4 (30 is not
     better than 30), so patience 2 stops after epoch 4; best.safetensors is epoch 2's, last is epoch 4's."""
-    from training.fit import TrainConfig, Trainer
+    from gare_train.fit import TrainConfig, Trainer
 
     scripted = iter([10.0, 30.0, 20.0, 30.0, 5.0, 99.0, 99.0, 99.0])
 

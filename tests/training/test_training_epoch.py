@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from training.data import ClipRandAugment, PairDataset, load_manifest
-from training.fit import TrainConfig, Trainer, build_optimizer, freeze_patch_embedding
+from gare.annotations import load_manifest
+from gare_train.data import ClipRandAugment, PairDataset
+from gare_train.fit import TrainConfig, Trainer, build_optimizer, freeze_patch_embedding
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
-    from training.synth import SynthConfig, generate_corpus
+    from gare_train.synth import SynthConfig, generate_corpus
 
     root = tmp_path_factory.mktemp("synth-epoch")
     generate_corpus(root, SynthConfig(n_videos=24, seed=5, width=64, height=64, duration=2.0, fps=6,
@@ -121,10 +122,10 @@ def test_presets_and_the_random_init_warning(corpus, tmp_path, caplog):
     assert TrainConfig.from_sources(None, {"preset": "reference"}) == TrainConfig(preset="reference")
     with pytest.raises(ValueError, match="unknown preset"):
         TrainConfig.from_sources(None, {"preset": "fast"})
-    with caplog.at_level(logging.WARNING, logger="training.fit"):
+    with caplog.at_level(logging.WARNING, logger="gare_train.fit"):
         Trainer(_cfg(corpus, tmp_path, coef_lr=1e-3), progress=False)
     assert "random initialisation" in caplog.text and "--preset scratch" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="training.fit"):
+    with caplog.at_level(logging.WARNING, logger="gare_train.fit"):
         Trainer(_cfg(corpus, tmp_path, coef_lr=1.0), progress=False)
     assert "random initialisation" not in caplog.text

@@ -1,4 +1,4 @@
-"""training.video: reference frame sampling, decoding + CLIP preprocessing, and fault-tolerant batches."""
+"""gare.video: reference frame sampling, decoding + CLIP preprocessing, and fault-tolerant batches."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
+from gare import video as V
+from gare_train.synth import write_video
 from tests.badfiles import write_bad_videos
-from training import video as V
-from training.synth import write_video
 
 FPS = 10.0
 N_FRAMES = 47
@@ -143,8 +143,8 @@ def test_sample_positions_rejects_bad_arguments():
 
 def test_import_is_light():
     code = (
-        "import sys, training.video; "
-        "bad = [m for m in ('decord', 'av', 'torchvision', 'training.fit', 'fastapi') if m in sys.modules]; "
+        "import sys, gare.video; "
+        "bad = [m for m in ('decord', 'av', 'torchvision', 'gare_train.fit', 'fastapi') if m in sys.modules]; "
         "assert not bad, bad"
     )
     import subprocess

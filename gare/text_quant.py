@@ -1,0 +1,393 @@
+"""Faster CPU text towers for serving: int8 dynamic quantisation and ONNX Runtime, as explicit options.
+
+The query path needs only CLIP's text tower (token embedding, causal transformer, ln_final, projection at
+the EOT token; :func:`gare.backbone.encode_text_tokens`). :class:`TextTower` is a stand-alone copy of
+it whose attention projections are plain ``nn.Linear`` layers (PyTorch's ``nn.MultiheadAttention`` keeps
+them as a raw ``in_proj_weight`` and a ``NonDynamicallyQuantizableLinear``, which dynamic quantisation
+skips), so that every matrix product of the blocks can be quantised and the graph exports cleanly.
+
+Encoders (:func:`build_text_encoder`, ``kind``):
+- ``"fp32"``: :class:`TextTower` in float32 (numerically the model's own encoder, up to summation order);
+- ``"int8"``: :class:`Int8TextTower`, the same tower with every block Linear (q/k/v, out, c_fc, c_proj) an
+  :class:`Int8Linear`: weights 7-bit int8 per output channel, activations quantised per token at run time,
+  the products summed exactly in int32 (``torch._int_mm``) and rescaled in float32;
+- ``"onnx"`` / ``"onnx-int8"``: the fp32 tower exported with ``torch.onnx.export`` and run by ONNX Runtime
+  (optionally with ORT's own dynamic int8 quantisation of the MatMuls). Needs the ``onnx`` extra.
+
+Those four are CPU-only: asking for int8/onnx on a CUDA model raises :class:`ValueError`. For CUDA:
+- ``"fp16"`` / ``"bf16"``: :class:`TextTower` with its weights stored in half precision on the model's GPU
+  (no autocast casts per layer: at the service's batch sizes the tower is launch-bound, and autocast's casts
+  made fp16 slower than fp32 there; bench/results/gpu_bench.md measures both); the projection to t stays fp32.
+
+Every encoder is a callable ``tokens (a, L) int64 -> t (a, d) float32`` on the model's device (the CPU for
+the CPU kinds), L <= context length; the embedding is un-normalised like ``GARE.encode_text`` (psi needs |t|).
+
+Batch invariance (issue 24): a text's embedding is the same bits whatever else is in its batch and however far
+the batch is padded. A batched float GEMM's rounding may depend on the row count M (MKL/oneDNN/cuBLAS pick
+their blocking and kernels by shape), attention and activations see the padded length, and a dynamic int8
+scale taken over the batch depends on the other texts; so "alone" and "in a batch" are made the same
+computation by construction, not by measurement:
+- fp32 / fp16 / bf16 / onnx / onnx-int8 (and the model's own encoder, :func:`encode_each`): every text runs
+  alone at its own length (a batch of one, L = its EOT position + 1), the same shapes as when it is sent alone;
+- int8: the texts' tokens are packed back to back without padding (T rows); every op on the packed rows
+  computes each row on its own (LayerNorm's per-row kernel, the row max), or each element with one correctly
+  rounded float op (add, mul, div, round), or is exact (the int8 products summed in int32); what mixes rows or
+  calls a transcendental function (attention, the MLP activation, the final projection) runs per text on that
+  text's rows. This keeps the int8 tower's batching, which a batch of one would lose.
+Cost, measured against the earlier batched towers (ms per query, 1 thread, ViT-B/32, MSR-VTT test captions,
+micro-batches of 1 / 8 / 32): int8 x1.23 / x0.79 / x0.67 (no padding now; the earlier int8 with each text alone
+would have been x0.97 / x1.77 / x1.75); the per-text towers x1.0 at one query and x1.6-x3.2 at 8-32 (model fp32
+x3.1, onnx x1.6-2.0, onnx-int8 x1.1-1.4): the price of exactness where float GEMMs do the sums.
+The guarantee is per machine and thread count (a different CPU or ``torch.set_num_threads`` may round
+differently, for a text alone as in a batch).
+
+Fidelity and speed: ``bench/text_encoder.py`` -> ``bench/results/text_encoder.md``; the CPU default below
+is chosen from those numbers.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import tempfile
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+TEXT_ENCODERS = ("fp32", "int8", "onnx", "onnx-int8", "fp16", "bf16")
+CUDA_TEXT_ENCODERS = ("fp16", "bf16")  # half-precision weights on the GPU; the others run on the CPU
+# Chosen from bench/results/text_encoder.md (see the "Choice" section there; tests/service/test_serve_scale.py
+# checks that this constant is the committed report's choice). The service's `text_encoder: auto` uses it on
+# the CPU at fp32 precision and the model's own tower (fp32/fp16/bf16) everywhere else.
+DEFAULT_CPU_TEXT_ENCODER = "int8"
+# The same on CUDA, from bench/results/gpu_bench.md (tests/indexer/test_device_defaults.py checks it): the
+# fastest of the model's own tower at fp32 and the half-precision towers at one query and at 32.
+DEFAULT_CUDA_TEXT_ENCODER = "fp16"
+
+# Quantised values |q| <= 63 (7 bits) for weights and activations. CPUs without VNNI (AVX2, AVX512 without
+# VNNI) multiply u8 x s8 byte pairs into a saturating int16 (vpmaddubsw), and oneDNN feeds them s8 data shifted
+# by +128; with full-range int8 a pair sum can pass 32767 and the "exact" int32 sum is then wrong (measured with
+# ONEDNN_MAX_CPU_ISA=AVX2). With both operands <= 63 in magnitude a pair is at most 2 * (63 + 128) * 63 = 24066,
+# so every x86 kernel sums exactly, and float32 holds the int32 sums exactly up to K = 2^24 / 63^2 = 4227.
+QMAX = 63
+
+__all__ = ["TEXT_ENCODERS", "CUDA_TEXT_ENCODERS", "DEFAULT_CPU_TEXT_ENCODER", "DEFAULT_CUDA_TEXT_ENCODER", "QMAX", "half_tower", "TextTower",
+           "Int8Linear", "Int8TextTower", "token_lengths", "encode_each", "build_text_encoder", "quantize_int8", "OnnxTextEncoder"]
+
+
+def token_lengths(tokens: torch.Tensor) -> list[int]:
+    """Each text's own length in tokens (a, L) -> [L_i]: its EOT position + 1 (EOT has the largest id, as
+    ``encode_text_tokens`` reads it); nothing after EOT can change the text's embedding (causal mask)."""
+    return (tokens.argmax(dim=-1) + 1).tolist()
+
+
+def encode_each(encode: Callable[[torch.Tensor], torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+    """``encode`` run on every text alone at its own length: tokens (a, L) -> t (a, d).
+
+    Text i gets ``encode(tokens[i:i+1, :L_i])``, exactly the call it gets when it is sent alone, so its
+    embedding cannot depend on the rest of the batch (see the module docstring). ``a`` must be >= 1.
+    """
+    if tokens.shape[0] == 0:
+        raise ValueError("encode_each needs at least one text")
+    return torch.cat([encode(tokens[i : i + 1, :n]) for i, n in enumerate(token_lengths(tokens))])
+
+
+class _Attention(nn.Module):
+    """Causal multi-head self-attention with q/k/v and output as nn.Linear (quantisable, exportable)."""
+
+    def __init__(self, mha: nn.MultiheadAttention) -> None:
+        super().__init__()
+        if not mha._qkv_same_embed_dim or mha.in_proj_weight is None:
+            raise ValueError("only self-attention with a packed in_proj is supported")
+        w = mha.embed_dim
+        self.heads = mha.num_heads
+        self.qkv = nn.Linear(w, 3 * w, bias=mha.in_proj_bias is not None)
+        self.out = nn.Linear(w, w, bias=mha.out_proj.bias is not None)
+        with torch.no_grad():
+            self.qkv.weight.copy_(mha.in_proj_weight)
+            if mha.in_proj_bias is not None:
+                self.qkv.bias.copy_(mha.in_proj_bias)
+            self.out.weight.copy_(mha.out_proj.weight)
+            if mha.out_proj.bias is not None:
+                self.out.bias.copy_(mha.out_proj.bias)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x (a, L, w), mask (L, L) additive -> (a, L, w)."""
+        a, L, w = x.shape
+        q, k, v = self.qkv(x).view(a, L, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)  # 3 x (a, h, L, w/h)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (a, h, L, w/h)
+        return self.out(y.transpose(1, 2).reshape(a, L, w))
+
+
+class _Block(nn.Module):
+    def __init__(self, blk: nn.Module) -> None:
+        super().__init__()
+        if not isinstance(blk.attn, nn.MultiheadAttention) or hasattr(blk, "ln_1_kv"):
+            raise ValueError(f"unsupported text block {type(blk).__name__}")
+        self.ln_1 = copy.deepcopy(blk.ln_1)
+        self.attn = _Attention(blk.attn)
+        self.ls_1 = copy.deepcopy(blk.ls_1)
+        self.ln_2 = copy.deepcopy(blk.ln_2)
+        self.mlp = copy.deepcopy(blk.mlp)  # c_fc (Linear), gelu, c_proj (Linear)
+        self.ls_2 = copy.deepcopy(blk.ls_2)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.ls_1(self.attn(self.ln_1(x), mask))
+        return x + self.ls_2(self.mlp(self.ln_2(x)))
+
+
+class TextTower(nn.Module):
+    """CLIP's text tower alone, in float32 on the CPU: tokens (a, L) -> t (a, d), as encode_text_tokens."""
+
+    def __init__(self, clip: nn.Module) -> None:
+        super().__init__()
+        self.token_embedding = copy.deepcopy(clip.token_embedding).float().cpu()
+        self.register_buffer("positional_embedding", clip.positional_embedding.detach().float().cpu().clone())
+        self.register_buffer("attn_mask", clip.attn_mask.detach().float().cpu().clone())  # (ctx, ctx), -inf above
+        self.blocks = nn.ModuleList(_Block(b) for b in clip.transformer.resblocks).float().cpu()
+        self.ln_final = copy.deepcopy(clip.ln_final).float().cpu()
+        # kept as a plain fp32 matmul: one (w, d) product per query, negligible, and not worth its error
+        self.register_buffer("text_projection", clip.text_projection.detach().float().cpu().clone())
+        self.eval()
+
+    @classmethod
+    def from_model(cls, model: nn.Module) -> TextTower:
+        """From a GARE model (``model.clip``) or an open_clip CLIP model."""
+        return cls(getattr(model, "clip", model))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        L = tokens.shape[1]
+        x = self.token_embedding(tokens) + self.positional_embedding[:L]  # (a, L, w)
+        mask = self.attn_mask[:L, :L]
+        for blk in self.blocks:
+            x = blk(x, mask)
+        x = self.ln_final(x)
+        # EOT has the largest token id; gather its feature (a, w)
+        eot = tokens.argmax(dim=-1)
+        x = x[torch.arange(x.shape[0], device=x.device), eot]
+        return x.to(self.text_projection.dtype) @ self.text_projection  # (a, d), fp32 even for a half tower
+
+
+def _check_cpu(model: nn.Module, kind: str) -> None:
+    dev = getattr(model, "device", None)
+    if dev is None:
+        p = next(model.parameters(), None)
+        dev = p.device if p is not None else torch.device("cpu")
+    if torch.device(dev).type != "cpu":
+        raise ValueError(
+            f"text encoder {kind!r} is a CPU option (int8 / ONNX Runtime on CPU); the model is on {dev}. "
+            "On CUDA use precision fp16 or bf16 (autocast) instead"
+        )
+
+
+class Int8Linear(nn.Module):
+    """``nn.Linear`` on the CPU in int8, row by row: (T, K) float32 -> (T, N) float32.
+
+    Weights: symmetric int8 per output channel (|q| <= QMAX), fixed at build time. Activations: symmetric int8
+    per row (token), scale = the row's max |x| / QMAX, so a row's codes depend on that row alone. The int8
+    products are summed in int32 by ``torch._int_mm``, which is exact whatever order or blocking the kernel
+    uses; the rescale (row scale, channel scale, bias) is one correctly rounded float op at a time, the same
+    for an element wherever it sits. Row i of the output is therefore a function of row i of the input only.
+    """
+
+    def __init__(self, lin: nn.Linear) -> None:
+        super().__init__()
+        w = lin.weight.detach().float().cpu()  # (N, K)
+        scale = w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / QMAX  # (N,)
+        self.register_buffer("weight", torch.round(w / scale[:, None]).clamp(-QMAX, QMAX).to(torch.int8))  # (N, K)
+        self.register_buffer("weight_scale", scale)
+        bias = lin.bias.detach().float().cpu().clone() if lin.bias is not None else torch.zeros(w.shape[0])
+        self.register_buffer("bias", bias)  # (N,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # (T, 1): the row's max |x| (exact) / QMAX; a zero row gets a tiny scale and codes 0
+        scale = x.abs().amax(dim=1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny).div_(QMAX)
+        q = torch.round(x / scale).to(torch.int8)  # (T, K); |x / scale| <= QMAX up to rounding, so |q| <= QMAX
+        y = torch._int_mm(q, self.weight.t()).float()  # (T, N) exact int32 sums
+        y *= scale
+        y *= self.weight_scale
+        y += self.bias
+        return y
+
+
+class _Int8Block(nn.Module):
+    """A :class:`_Block` on packed rows (T, w): int8 Linears on all rows, attention and activation per text."""
+
+    def __init__(self, blk: _Block) -> None:
+        super().__init__()
+        self.ln_1, self.ls_1, self.ln_2, self.ls_2 = blk.ln_1, blk.ls_1, blk.ln_2, blk.ls_2
+        self.heads = blk.attn.heads
+        self.qkv, self.out = Int8Linear(blk.attn.qkv), Int8Linear(blk.attn.out)
+        self.c_fc, self.act, self.c_proj = Int8Linear(blk.mlp.c_fc), blk.mlp.gelu, Int8Linear(blk.mlp.c_proj)
+
+    def attend(self, qkv: torch.Tensor, lens: list[int], mask: torch.Tensor) -> torch.Tensor:
+        """qkv (T, 3w) packed -> (T, w): causal attention within each text, one text at a time (its own L)."""
+        w = qkv.shape[1] // 3
+        out = []
+        for part, n in zip(qkv.split(lens), lens, strict=True):
+            q, k, v = part.view(1, n, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)  # 3 x (1, h, n, w/h)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:n, :n])  # (1, h, n, w/h)
+            out.append(y.transpose(1, 2).reshape(n, w))
+        return torch.cat(out)
+
+    def forward(self, x: torch.Tensor, lens: list[int], mask: torch.Tensor) -> torch.Tensor:
+        """x (T, w) the texts' rows back to back, lens their lengths (sum T), mask (ctx, ctx) additive."""
+        x = x + self.ls_1(self.out(self.attend(self.qkv(self.ln_1(x)), lens, mask)))
+        # the activation per text: its vectorised and scalar-tail code paths may round differently, and which
+        # elements take the tail depends on the tensor's size (and the threads' split of it)
+        h = torch.cat([self.act(part) for part in self.c_fc(self.ln_2(x)).split(lens)])  # (T, 4w)
+        return x + self.ls_2(self.c_proj(h))
+
+
+class Int8TextTower(nn.Module):
+    """:class:`TextTower` with int8 block Linears, batch-invariant by construction (module docstring)."""
+
+    def __init__(self, tower: TextTower) -> None:
+        super().__init__()
+        tower = copy.deepcopy(tower)
+        self.token_embedding = tower.token_embedding
+        self.register_buffer("positional_embedding", tower.positional_embedding)
+        self.register_buffer("attn_mask", tower.attn_mask)
+        self.blocks = nn.ModuleList(_Int8Block(b) for b in tower.blocks)
+        self.ln_final = tower.ln_final
+        self.register_buffer("text_projection", tower.text_projection)
+        self.eval()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (a, L), any padding after each EOT -> t (a, d) float32."""
+        lens = token_lengths(tokens)
+        own = torch.arange(tokens.shape[1]) < torch.tensor(lens)[:, None]  # (a, L): each text's own tokens
+        pos = torch.arange(tokens.shape[1]).expand_as(tokens)[own]  # (T,) position within its text
+        x = self.token_embedding(tokens[own]) + self.positional_embedding[pos]  # (T, w), row-major: texts in order
+        for blk in self.blocks:
+            x = blk(x, lens, self.attn_mask)
+        x = self.ln_final(x[torch.tensor(lens).cumsum(0) - 1])  # (a, w): each text's EOT row
+        # the projection per text: a batched (a, w) @ (w, d) could round row i differently for another a
+        return torch.cat([row @ self.text_projection for row in x.split(1)])  # (a, d)
+
+
+def quantize_int8(tower: TextTower) -> Int8TextTower:
+    """``tower`` with every block Linear in int8 (:class:`Int8Linear`), as :class:`Int8TextTower`."""
+    return Int8TextTower(tower)
+
+
+class _TorchEncoder:
+    """A torch tower as an encoder. ``per_text``: run each text alone at its own length (:func:`encode_each`);
+    off only for a tower that is batch-invariant itself (:class:`Int8TextTower`)."""
+
+    def __init__(self, tower: nn.Module, kind: str, device: torch.device | str = "cpu", *, per_text: bool = True) -> None:
+        self.tower = tower
+        self.kind = kind
+        self.device = torch.device(device)
+        self.per_text = per_text
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        tokens = tokens.to(self.device)
+        with torch.inference_mode():
+            return (encode_each(self.tower, tokens) if self.per_text else self.tower(tokens)).float()
+
+
+def half_tower(model: nn.Module, kind: str) -> TextTower:
+    """A :class:`TextTower` on the model's GPU with every weight but the final projection in fp16 or bf16."""
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[kind]
+    dev = torch.device(getattr(model, "device", None) or next(model.parameters()).device)
+    if dev.type != "cuda":
+        raise ValueError(f"text encoder {kind!r} (half-precision weights) is a CUDA option; the "
+                         f"model is on {dev}. On the CPU use fp32, int8 or onnx")
+    tower = TextTower.from_model(model).to(dev)
+    for m in (tower.token_embedding, tower.blocks, tower.ln_final):
+        m.to(dtype)
+    tower.positional_embedding = tower.positional_embedding.to(dtype)
+    tower.attn_mask = tower.attn_mask.to(dtype)
+    return tower.eval()
+
+
+class OnnxTextEncoder:
+    """The fp32 :class:`TextTower` exported to ONNX and run by ONNX Runtime (optionally int8-quantised)."""
+
+    def __init__(self, tower: TextTower, *, int8: bool = False, threads: int | None = None, path: str | os.PathLike | None = None) -> None:
+        try:
+            import onnxruntime as ort
+        except ImportError as e:  # pragma: no cover - depends on the extra
+            raise ImportError("the onnx text encoder needs onnxruntime: pip install 'gare-search[onnx]'") from e
+        self.kind = "onnx-int8" if int8 else "onnx"
+        tmp = None
+        if path is None:
+            tmp = tempfile.TemporaryDirectory(prefix="gare-onnx-")
+            path = Path(tmp.name) / "text.onnx"
+        path = Path(path)
+        export_onnx(tower, path)
+        if int8:
+            from onnxruntime.quantization import QuantType, quantize_dynamic
+
+            qpath = path.with_name(path.stem + ".int8.onnx")
+            quantize_dynamic(str(path), str(qpath), weight_type=QuantType.QInt8)
+            path = qpath
+        so = ort.SessionOptions()
+        if threads is not None:
+            so.intra_op_num_threads = int(threads)
+            so.inter_op_num_threads = 1
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        self.session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        self.path = path
+        self._tmp = tmp  # keeps the files while the session lives
+
+    def _run(self, tokens: torch.Tensor) -> torch.Tensor:
+        out = self.session.run(None, {"tokens": tokens.cpu().numpy().astype("int64", copy=False)})[0]
+        return torch.from_numpy(out).float()
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        # each text alone: ORT's GEMMs are shaped by the batch, and onnx-int8's activation scale is per call
+        return encode_each(self._run, tokens)
+
+
+def export_onnx(tower: TextTower, path: str | os.PathLike) -> Path:
+    """Write ``tower`` as ONNX with dynamic batch and length (tokens (a, L) int64 -> t (a, d))."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    example = torch.ones(2, 8, dtype=torch.int64)
+    example[:, -1] = tower.token_embedding.num_embeddings - 1  # an EOT-like largest id
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            tower,
+            (example,),
+            str(path),
+            input_names=["tokens"],
+            output_names=["t"],
+            dynamic_axes={"tokens": {0: "a", 1: "L"}, "t": {0: "a"}},
+            dynamo=False,
+            opset_version=17,
+        )
+    return path
+
+
+def build_text_encoder(model: nn.Module, kind: str = DEFAULT_CPU_TEXT_ENCODER, *, threads: int | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A CPU text encoder ``tokens (a, L) -> t (a, d) float32`` of the given kind for a GARE model.
+
+    ``threads`` applies to ONNX Runtime sessions (torch uses ``torch.set_num_threads``).
+    """
+    if kind not in TEXT_ENCODERS:
+        raise ValueError(f"unknown text encoder {kind!r}; choose one of {', '.join(TEXT_ENCODERS)}")
+    if kind in CUDA_TEXT_ENCODERS:
+        tower = half_tower(model, kind)
+        return _TorchEncoder(tower, kind, tower.text_projection.device)
+    _check_cpu(model, kind)
+    tower = TextTower.from_model(model)
+    if kind == "fp32":
+        return _TorchEncoder(tower, kind)
+    if kind == "int8":
+        return _TorchEncoder(quantize_int8(tower), kind, per_text=False)
+    return OnnxTextEncoder(tower, int8=kind == "onnx-int8", threads=threads)
+
+
+def describe(encoder: Any) -> str:
+    return getattr(encoder, "kind", type(encoder).__name__)

@@ -1,0 +1,183 @@
+"""NCL video biases (SPEC §5) of a gallery: from the checkpoint's text queue, optionally mixed with a bank of
+served queries (`biases --from-traffic`). Used by the finish stage of build/add and by remove/biases."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gare.checkpoint import file_sha256
+from gare_build.pipeline.options import RunReport
+from gare_index.store import CheckpointRef, ExistingFile, IndexManifest, IndexMismatchError, IndexVersion
+
+log = logging.getLogger(__name__)
+
+
+def checkpoint_gamma_and_queue(ckpt: Any, *, raw: bool = False) -> tuple[float, np.ndarray | None]:
+    """gamma = 1 / exp(logit_scale) and the text query queue (float32; unit rows, or as stored with `raw`: psi
+    needs the un-normalised t) of a Checkpoint."""
+    ls = ckpt.state_dict.get("clip.logit_scale")
+    if ls is None:
+        raise ValueError(f"{ckpt.path}: no clip.logit_scale in the checkpoint")
+    gamma = float(1.0 / math.exp(float(ls.float().reshape(-1)[0])))
+    q = ckpt.queues.get("text")
+    if q is None or q.numel() == 0:
+        return gamma, None
+    q = q.float().reshape(q.shape[0], -1)
+    if not raw:
+        q = q / q.norm(dim=1, keepdim=True).clamp_min(1e-12)
+    return gamma, q.numpy().astype(np.float32)
+
+
+def compute_biases(units: np.ndarray, gamma: float, queue: np.ndarray | None, n_iters: int = 4,
+                   device: str | None = None, *, served: dict[str, Any] | None = None) -> tuple[np.ndarray, dict[str, Any]]:
+    """NCL video biases b (SPEC §5) of every indexed video against the checkpoint's text queue.
+
+    `served`: fit them to the psi score the search ranks by (gare_build.served_biases; `queue` then holds the
+    un-normalised t): a dict with model, norms, frames, masks, stage1 (optional) and k. Without it they are
+    fitted to the dual-tower cosine (the queue rows are normalised here)."""
+    n = units.shape[0]
+    if queue is None or n == 0:
+        info = {"gamma": gamma, "n_iters": n_iters, "n_queries": 0, "source": "none",
+                "score": "served" if served is not None else "dual"}
+        if queue is None:
+            log.warning("the checkpoint has no text query queue: video biases are zero (no NCL correction)")
+        return np.zeros(n, dtype=np.float32), info
+    import torch
+
+    from gare.sinkhorn import sinkhorn_biases
+
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if queue.shape[1] != units.shape[1]:
+        raise ValueError(f"the query queue has d={queue.shape[1]}, the index has d={units.shape[1]}")
+    info = {"gamma": gamma, "n_iters": n_iters, "n_queries": int(queue.shape[0]), "source": "checkpoint-queue"}
+    if served is not None:
+        from gare_build.served_biases import served_biases
+
+        model = served["model"]
+        with torch.no_grad():
+            b_np, sinfo = served_biases(model, queue, gamma, units=units, norms=served["norms"], frames=served["frames"],
+                                        masks=served["masks"], stage1=served.get("stage1"), n_iters=n_iters,
+                                        k=int(served.get("k", 256)), device=dev if model.device.type == dev else None,
+                                        consts=served.get("consts"))
+        return b_np, {**info, "score": "served", "served": sinfo}
+    unit_q = queue / np.maximum(np.linalg.norm(queue, axis=1, keepdims=True), 1e-12)
+    t0 = time.time()
+    _, b = sinkhorn_biases(torch.from_numpy(np.ascontiguousarray(unit_q, dtype=np.float32)), units, gamma,
+                           n_iters=n_iters, device=dev)
+    log.info("NCL biases for %d videos against %d queries in %.1fs", n, queue.shape[0], time.time() - t0)
+    return b.numpy().astype(np.float32), {**info, "score": "dual"}
+
+
+def bias_score_of(manifest: IndexManifest | Mapping[str, Any]) -> str:
+    """The score an index's biases were fitted to (indexes from before issue 17: the dual-tower cosine)."""
+    return str((manifest.get("biases") or {}).get("score") or "dual")
+
+
+def _served_inputs(model: Any, arrays: dict[str, Any], k: int, *, consts_valid: bool = False) -> dict[str, Any]:
+    """compute_biases(served=...) from a version's arrays (frames may be a staged file). ``consts_valid``: the
+    arrays' ``psi_consts`` (when present) belong to model.psi, so the psi scores read them instead of folding."""
+    def val(x: Any) -> Any:
+        return np.load(x.path, mmap_mode="r") if isinstance(x, ExistingFile) else x
+
+    st = val(arrays.get("ann_units"))
+    consts = val(arrays.get("psi_consts")) if consts_valid else None
+    return {"model": model, "norms": np.asarray(arrays["norms"]), "frames": val(arrays["frames"]),
+            "masks": np.asarray(arrays["masks"]), "stage1": None if st is None else np.asarray(st, dtype=np.float32),
+            "k": k, "consts": consts}
+
+
+def _traffic_binfo(binfo: dict[str, Any], tinfo: dict[str, Any]) -> dict[str, Any]:
+    out = dict(binfo)
+    if out.get("source") != "none":
+        out["source"] = "traffic" if tinfo.get("train_queries", 0) == 0 else "checkpoint-queue+traffic"
+    out["traffic"] = tinfo
+    return out
+
+
+def _mixed_queue(queue: np.ndarray | None, bank_path: str | os.PathLike, weight: float, d: int
+                 ) -> tuple[np.ndarray, dict[str, Any]]:
+    from gare_build.postprocess import load_query_bank, mix_queues
+
+    bank, info = load_query_bank(bank_path, d)
+    # the bank holds unit rows; psi needs |t|: scale them to the training queue's mean norm (no effect on the
+    # dual-tower biases, which normalise every row)
+    scale = float(np.linalg.norm(queue, axis=1).mean()) if queue is not None and len(queue) else 1.0
+    mixed, minfo = mix_queues(queue, bank * np.float32(scale), weight)
+    return mixed, {**info, **minfo, "bank_scale": round(scale, 6)}
+
+
+def _carried_traffic(queue: np.ndarray | None, prev_binfo: dict[str, Any], d: int, report: RunReport
+                     ) -> tuple[np.ndarray | None, dict[str, Any] | None]:
+    """add/remove after `biases --from-traffic`: recompute with the same bank file when it is still readable,
+    else fall back to the checkpoint's queue (and say so in the report)."""
+    t = prev_binfo["traffic"]
+    try:
+        mixed, info = _mixed_queue(queue, t["file"], float(t["traffic_weight"]), d)
+    except ValueError as e:
+        report.notes.append(f"the biases came from the query bank {t.get('file')}, which cannot be used any more ({e}); "
+                            "they were recomputed from the checkpoint's queue: run `gare-index biases --from-traffic` again")
+        return queue, None
+    if info["sha256"] != t.get("sha256"):
+        report.notes.append(f"the query bank {t['file']} changed since the last `biases --from-traffic`; its current content was used")
+    return mixed, info
+
+
+def _biases_for(prev: IndexVersion, arrays: dict[str, Any], checkpoint: str | os.PathLike | None, n_iters: int | None,
+                *, traffic: str | os.PathLike | None = None, traffic_weight: float = 0.5,
+                report: RunReport | None = None, carry_traffic: bool = False, score: str | None = None,
+                k: int | None = None) -> tuple[np.ndarray, dict[str, Any]]:
+    """Recompute the biases of a gallery (`arrays`: units, norms, frames, masks, optional ann_units) with the
+    index's checkpoint (its queue and logit scale), mixed with a bank of served queries when `traffic` is given
+    (or when the previous biases came from one: remove). `score`/`k`: default the previous version's."""
+    from gare.checkpoint import load_model, read_checkpoint
+
+    units = np.asarray(arrays["units"], dtype=np.float32)
+    score = score or bias_score_of(prev.manifest)
+    if score not in ("served", "dual"):
+        raise ValueError(f"--bias-score must be served or dual, got {score!r}")
+    pb = prev.manifest.biases  # the previous version's record (an open JSON object)
+    k = k or int((pb.get("served") or {}).get("k") or 256)
+
+    ck = prev.manifest.checkpoint or CheckpointRef()
+    iters = n_iters or int(pb.get("n_iters") or 4)
+    path = Path(checkpoint).expanduser().absolute() if checkpoint else Path(ck.path or "")
+    if traffic is not None:  # validate the bank before anything else: a bad file changes nothing
+        from gare_build.postprocess import load_query_bank
+
+        load_query_bank(traffic, prev.dim)
+    if not path.is_file():
+        if pb.get("source") == "none" and not checkpoint and traffic is None:
+            info = dict(pb, n_iters=iters)
+            return np.zeros(units.shape[0], np.float32), info
+        raise ValueError(f"cannot recompute the NCL biases: checkpoint {path} not found; pass --checkpoint")
+    sha = file_sha256(path)
+    if ck.sha256 and sha != ck.sha256:
+        raise IndexMismatchError(
+            f"index {prev.root} was built with checkpoint sha256 {ck.sha256} ({ck.path}); {path} has sha256 {sha}"
+        )
+    gamma, queue = checkpoint_gamma_and_queue(read_checkpoint(path), raw=True)
+    tinfo = None
+    if traffic is not None:
+        queue, tinfo = _mixed_queue(queue, traffic, traffic_weight, prev.dim)
+    elif carry_traffic and pb.get("traffic") and report is not None:
+        queue, tinfo = _carried_traffic(queue, pb, prev.dim, report)
+    served = None
+    if score == "served" and queue is not None and len(units):
+        import torch
+
+        from gare_index import psi_consts
+
+        model, _ = load_model(path, "cuda" if torch.cuda.is_available() else "cpu")
+        # the previous version's constants, when they belong to this checkpoint's psi (same sha checked above)
+        valid = arrays.get("psi_consts") is not None and psi_consts.fold_status(prev, psi_consts.fold_of(model)) is None
+        served = _served_inputs(model, arrays, k, consts_valid=valid)
+    b, info = compute_biases(units, gamma, queue, iters, served=served)
+    return b, (info if tinfo is None else _traffic_binfo(info, tinfo))

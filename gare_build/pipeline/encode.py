@@ -1,0 +1,167 @@
+"""Stage 2 of build/add, encoding: run the plan's jobs through the local or Dask engine (every finished batch
+goes to the work/ cache), then turn the plan into entries of the new version, dropping every window of a video
+that failed or changed while it was being indexed (nothing partial enters)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from gare_build.discover import Clip, seg_of
+from gare_build.pipeline.assemble import _Entry
+from gare_build.pipeline.options import BuildOptions, RunReport
+from gare_build.pipeline.plan import Job, Plan, _skip
+from gare_build.work import Shard, WorkCache
+from gare_index.store import test_pause
+
+
+def _kv_fn(model: Any) -> Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    import torch
+
+    @torch.no_grad()
+    def fn(frames16: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        fr = torch.from_numpy(np.asarray(frames16, dtype=np.float32)).to(model.device)
+        k, v = model.video_kv(fr)
+        return k.float().cpu().numpy().astype(np.float16), v.float().cpu().numpy().astype(np.float16)
+
+    return fn
+
+
+def _meta_row(c: Clip, frames_used: int) -> dict[str, Any]:
+    return {
+        "id": int(c.id), "path": c.path, "size": int(c.size), "mtime": float(c.mtime), "checksum": c.checksum,
+        "duration": c.duration, "fps": c.fps, "frames_used": int(frames_used), "start": c.start, "end": c.end,
+        "status": "ok",
+    }
+
+
+class _Encoder:
+    """Runs the jobs through the local or Dask engine; every finished batch goes to the work cache."""
+
+    def __init__(self, *, cache: WorkCache, report: RunReport, opts: BuildOptions, progress: bool) -> None:
+        self.cache, self.report, self.opts = cache, report, opts
+        self.failed: dict[str, str] = {}
+        self.progress = progress
+        self._pbar = None
+        self._t0 = 0.0
+
+    def _record(self, shard: Shard | None, failed: dict[str, str], frames_used: int, done: int) -> None:
+        self.failed.update(failed)
+        before = self.report.encoded
+        if shard is not None and shard.keys:
+            self.cache.put(shard)
+            self.report.encoded += len(shard.keys)
+            self.report.frames_encoded += frames_used
+        if self._pbar is not None:
+            self._pbar.update(done)
+            el = max(time.time() - self._t0, 1e-9)
+            self._pbar.set_postfix_str(f"{self.report.frames_encoded / el:.1f} frames/s, {len(self.failed)} failed")
+        for c in range(before + 1, self.report.encoded + 1):
+            test_pause(f"encoded:{c}")
+
+    def run(self, jobs: list[Job], *, model: Any, device: Any,
+            precision: str, checkpoint: str, sha256: str) -> None:
+        if not jobs:
+            return
+        from tqdm.auto import tqdm
+
+        self._t0 = time.time()
+        self._pbar = tqdm(total=len(jobs), unit="video", desc="encode", disable=not self.progress, dynamic_ncols=True,
+                          file=sys.stderr)
+        try:
+            if self.opts.engine == "dask":
+                from gare_build.distributed import run_dask
+
+                def on_result(res: dict[str, Any]) -> None:
+                    shard = Shard(res["keys"], res["frames"], res["vbar"], res["masks"]) if res["keys"] else None
+                    self._record(shard, res["failed"], res["frames_used"], len(res["keys"]) + len(res["failed"]))
+
+                run_dask(
+                    jobs, checkpoint=checkpoint, sha256=sha256, device=self.opts.device, precision=precision,
+                    batch_size=self.opts.batch_size, shard_size=self.opts.shard_size, scheduler=self.opts.scheduler,
+                    n_workers=self.opts.dask_workers, on_result=on_result, decode_timeout=self.opts.decode_timeout,
+                )
+            else:
+                from gare.video import iter_decoded
+                from gare_build.encode import encode_batch
+
+                cfg = model.cfg
+                for batch in iter_decoded(
+                    jobs, max_frames=cfg.max_frames, framerate=cfg.video_framerate, image_size=cfg.image_size,
+                    batch_size=self.opts.batch_size, num_workers=self.opts.workers, timeout=self.opts.decode_timeout,
+                ):
+                    failed = {k: r for k, r in batch["failed"]}
+                    shard, bad, nf = encode_batch(model, device, precision, batch)
+                    failed.update(bad)
+                    self._record(shard, failed, nf, len(batch["keys"]) + len(batch["failed"]))
+        finally:
+            self.report.encode_s = round(time.time() - self._t0, 3)
+            self._pbar.close()
+            self._pbar = None
+        el = max(self.report.encode_s, 1e-9)
+        self.report.videos_per_s = round(self.report.encoded / el, 3)
+        self.report.frames_per_s = round(self.report.frames_encoded / el, 3)
+
+
+def collect_entries(p: Plan, enc: _Encoder, report: RunReport) -> tuple[list[_Entry], np.ndarray, np.ndarray, int]:
+    """The entries of the new version, sorted by id, after encoding: (entries, ids of the new and changed clips,
+    ids kept from the current version, number of new and changed clips). Fills report's counters/skipped."""
+    todo, jobs, prev = p.todo, p.jobs, p.prev
+    # ---- drop failures (every window of a video with a failed window: nothing partial enters)
+    stat_changed: set[str] = set()
+    first_clip: dict[str, Clip] = {}
+    for c in todo:
+        first_clip.setdefault(c.path, c)
+    for path in {jobs[k][1] for k in jobs if k not in enc.failed}:
+        c0 = first_clip[path]
+        try:
+            st = os.stat(path)
+            if int(st.st_size) != c0.size or float(st.st_mtime) != c0.mtime:
+                stat_changed.add(path)
+        except OSError:
+            stat_changed.add(path)
+    bad_paths: dict[str, str] = {}
+    for c in todo:
+        if c.cache_key in enc.failed:
+            bad_paths.setdefault(c.path, enc.failed[c.cache_key])
+        elif c.path in stat_changed:
+            bad_paths.setdefault(c.path, "file changed while it was being indexed")
+    entries: list[_Entry] = []
+    cached = p.cache.index()
+    prev_ids_by_seg = {seg_of(r["path"], r["start"], r["end"]): int(r["id"]) for r in p.prev_rows}
+    n_from_todo = 0
+    for c in todo:
+        if c.path in bad_paths:
+            reason = bad_paths[c.path] if c.cache_key in enc.failed or c.path in stat_changed else (
+                f"another window of this video failed: {bad_paths[c.path]}")
+            if p.mode == "add" and c.seg in prev_ids_by_seg:
+                reason += " (its previous entry was removed)"
+            report.skipped.append(_skip(c, reason))
+            continue
+        k = c.cache_key
+        if k in p.prev_by_key:
+            src: tuple = ("prev", p.prev_by_key[k])
+            report.from_index += 1
+        else:
+            shard_path, row = cached[k]
+            src = ("shard", shard_path, row)
+            if k not in jobs:
+                report.from_cache += 1
+        entries.append(_Entry(_meta_row(c, 0), src))
+        n_from_todo += 1
+        if p.mode == "add" and c.seg in prev_ids_by_seg:
+            report.updated += 1
+        else:
+            report.added += 1
+    todo_ids = np.array(sorted(e.meta["id"] for e in entries), dtype=np.int64)
+    kept_ids = np.array([r["id"] for r in p.kept], dtype=np.int64)
+    kept_rows = prev.rows(kept_ids) if p.kept else []
+    for r, row in zip(p.kept, kept_rows, strict=True):
+        entries.append(_Entry(dict(r), ("prev", int(row))))
+    entries.sort(key=lambda e: e.meta["id"])
+    return entries, todo_ids, kept_ids, n_from_todo

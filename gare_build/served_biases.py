@@ -1,0 +1,172 @@
+"""NCL video biases fitted to the served score (SPEC §5, issue 17), for `gare-index build/add/remove/biases`.
+
+The search ranks each query's stage-1 candidates by the psi score s_tj (SPEC §4), so the biases it adds must
+normalise that score, not the dual-tower cosine. Computing psi for every (queue query, video) pair is
+Q x N pairs; because γ is small only each query's top entries carry weight, so the index uses the sparse
+form of :func:`gare.sinkhorn.sinkhorn_biases_sparse`: exact psi on each queue query's stage-1 top K
+(the exact top K of the stage-1 vectors, i.e. what the ANN approximates) and the stage-1 cosine elsewhere
+("dual" fill; "none" leaves the other entries out). With K >= N this is the dense, exact computation.
+
+The psi scores come from a pair scorer (``(query idx, gallery rows) -> scores``): by default the exact fold
+of psi (gare.psi_fold, equal to ``model.score`` to float32 rounding; tested against the fused scorer);
+any exact psi implementation with that signature plugs in.
+
+Queries: psi needs the un-normalised text embedding t (the gap v̄ - t and the pooling softmax(t·F / temp)
+depend on |t|). The checkpoint's queue stores t as trained; a bank of served queries stores unit rows only,
+so its rows are scaled to the training queue's mean |t| (recorded as ``bank_scale`` in the manifest).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+BIAS_SCORES = ("served", "dual")  # the score the biases are fitted to: psi (what the search ranks by) or the cosine
+DEFAULT_BIAS_SCORE = "served"
+DEFAULT_BIAS_K = 256  # the service's default number of candidates
+DEFAULT_BIAS_FILL = "dual"
+
+
+
+def _fused_pair_scores():
+    from gare_search.search import fused_pair_scores
+
+    return fused_pair_scores
+
+
+def psi_pair_scorer(model: Any, queries: np.ndarray, frames: Any, masks: Any, units: Any, norms: Any,
+                    *, chunk: int = 4096):
+    """Pair scorer over index arrays: (query idx (P,), rows (P,)) -> psi scores (P,) float32 (CPU tensor).
+
+    ``queries`` (Q, d) un-normalised t; ``frames`` (n, f, d) float16 (a memmap is fine), ``masks`` (n, f),
+    ``units``/``norms`` rebuild v̄ = norm * unit. Pairs are scored in row order (sequential memmap reads)."""
+    import torch
+
+    fused = _fused_pair_scores()
+    dev = model.device
+    q_all = torch.as_tensor(np.asarray(queries, dtype=np.float32)).to(dev)
+
+    def score(qi: np.ndarray, rows: np.ndarray):
+        qi, rows = np.asarray(qi, dtype=np.int64).reshape(-1), np.asarray(rows, dtype=np.int64).reshape(-1)
+        order = np.argsort(rows, kind="stable")
+        out = np.empty(rows.shape[0], dtype=np.float32)
+        with torch.inference_mode():
+            for s in range(0, rows.shape[0], chunk):
+                sel = order[s:s + chunk]
+                r = rows[sel]
+                uniq, inv = np.unique(r, return_inverse=True)
+                fr = torch.from_numpy(np.asarray(frames[uniq], dtype=np.float32)).to(dev)[torch.from_numpy(inv).to(dev)]
+                mk = torch.from_numpy(np.asarray(masks[uniq])).to(dev)[torch.from_numpy(inv).to(dev)]
+                vb = np.asarray(units[uniq], dtype=np.float32) * np.asarray(norms[uniq], dtype=np.float32)[:, None]
+                vb_t = torch.from_numpy(vb).to(dev)[torch.from_numpy(inv).to(dev)]
+                tq = q_all[torch.from_numpy(qi[sel]).to(dev)]
+                out[sel] = fused(model, tq, fr, mk, vb_t).float().cpu().numpy()
+        return torch.from_numpy(out)
+
+    return score
+
+
+def fold_pair_scorer(model: Any, queries: np.ndarray, frames: Any, masks: Any, units: Any, norms: Any,
+                     *, consts: Any = None, chunk: int = 1024):
+    """The same pair scorer as :func:`psi_pair_scorer`, through the exact fold of psi (gare.psi_fold):
+    the queue is folded once and a pair costs a few dot products instead of psi's d x d products (issue 12).
+
+    ``consts`` (n, W): the index's stored per-video constants (``psi_consts.npy``, a memmap is fine), which the
+    caller has checked are valid for ``model.psi`` (``gare_index.psi_consts.fold_status``): each chunk's rows
+    are then read. Without them each chunk's distinct rows are folded here (three d x d products per frame,
+    with the served v̄ = norm * unit), again in every chunk that meets them: Q x K pairs over a large gallery
+    fold each video many times, so the build passes the constants it has just computed. Pairs come in chunks
+    of ``chunk``; in queue order (~4 queries of 256 candidates per chunk) each chunk is one product of its
+    queries' vectors with its videos' frames."""
+    import dataclasses
+
+    import torch
+
+    from gare import psi_fold as pf
+
+    dev = model.device
+    fw = pf.fold_weights(model.psi).to(dev)
+    ref_pad = bool(getattr(model.cfg, "reference_padding", False))
+    q_all = pf.fold_queries(torch.as_tensor(np.asarray(queries, dtype=np.float32)).to(dev), fw, model.cfg.temp)
+    if consts is not None:
+        want = (int(np.asarray(norms).shape[0]), pf.packed_width(int(frames.shape[1])))
+        if tuple(consts.shape) != want:
+            raise ValueError(f"psi constants have shape {tuple(consts.shape)}, expected {want}")
+
+    def score(qi: np.ndarray, rows: np.ndarray):
+        qi, rows = np.asarray(qi, dtype=np.int64).reshape(-1), np.asarray(rows, dtype=np.int64).reshape(-1)
+        out = torch.empty(rows.shape[0], dtype=torch.float32)
+        with torch.inference_mode():
+            for s in range(0, rows.shape[0], chunk):
+                r, qc = rows[s:s + chunk], qi[s:s + chunk]
+                uniq, inv = np.unique(r, return_inverse=True)
+                vb = np.asarray(units[uniq], dtype=np.float32) * np.asarray(norms[uniq], dtype=np.float32)[:, None]
+                if consts is not None:  # stored frames (float16) and constants: nothing folded per chunk
+                    v = pf.VideoConstants(frames=torch.from_numpy(np.asarray(frames[uniq])).to(dev),
+                                          packed=torch.from_numpy(np.asarray(consts[uniq], dtype=np.float32)).to(dev),
+                                          fingerprint=fw.fingerprint, vbar=torch.from_numpy(vb).to(dev))
+                else:
+                    fr = torch.from_numpy(np.asarray(frames[uniq], dtype=np.float32)).to(dev)
+                    mk = torch.from_numpy(np.asarray(masks[uniq]).astype(bool)).to(dev)
+                    v = pf.fold_videos(fr, mk, fw, vbar=torch.from_numpy(vb).to(dev), reference_padding=ref_pad)
+                uq, qinv = np.unique(qc, return_inverse=True)
+                if qc.size >= 8 * uq.size:
+                    # queue order (each query's candidates together, as score_candidates passes them): every
+                    # query of the chunk against the chunk's videos in one product (pf.pair_scores), then each
+                    # pair's entry; cheaper than gathering the frames pair by pair
+                    counts = np.bincount(qinv)
+                    pos = np.empty_like(qinv)
+                    pos[np.argsort(qinv, kind="stable")] = np.arange(qinv.size) - np.repeat(np.cumsum(counts) - counts, counts)
+                    idx = np.zeros((uq.size, int(counts.max())), dtype=np.int64)
+                    idx[qinv, pos] = inv
+                    uq_t = torch.from_numpy(uq).to(dev)
+                    qs = dataclasses.replace(q_all, u=q_all.u[uq_t], sc=q_all.sc[uq_t])
+                    sc = pf.pair_scores(qs, v, torch.from_numpy(idx).to(dev))  # (queries, most candidates)
+                    out[s:s + r.shape[0]] = sc[torch.from_numpy(qinv).to(dev), torch.from_numpy(pos).to(dev)].float().cpu()
+                else:  # scattered pairs: one (query, video) at a time
+                    q = torch.from_numpy(qc).to(dev)
+                    qs = dataclasses.replace(q_all, u=q_all.u[q], sc=q_all.sc[q])
+                    out[s:s + r.shape[0]] = pf._diag(qs, v.select(torch.from_numpy(inv).to(dev))).float().cpu()
+        return out
+
+    return score
+
+
+def served_biases(model: Any, queries: np.ndarray, gamma: float, *, units: Any, norms: Any, frames: Any, masks: Any,
+                  stage1: Any | None = None, n_iters: int = 4, k: int = DEFAULT_BIAS_K, fill: str = DEFAULT_BIAS_FILL,
+                  scorer: Any = None, device: Any = None, consts: Any = None) -> tuple[np.ndarray, dict[str, Any]]:
+    """Video biases (n,) float32 fitted to the psi score of the queue ``queries`` (un-normalised t) and a description.
+
+    ``stage1``: the stage-1 vectors (InvGC-corrected ones when the index has them; default ``units``): the
+    candidates are their exact top ``k`` and the fill is their cosine, as the search's stage 1. ``consts``: the
+    index's psi constants, valid for model.psi (see :func:`fold_pair_scorer`)."""
+    import torch
+    import torch.nn.functional as F
+
+    from gare.sinkhorn import score_candidates, sinkhorn_biases_sparse, stage1_candidates
+
+    n = int(np.asarray(norms).shape[0])
+    t0 = time.time()
+    q_raw = np.asarray(queries, dtype=np.float32)
+    dev = torch.device(device) if device is not None else model.device
+    qn = F.normalize(torch.from_numpy(q_raw), dim=-1)
+    g = np.asarray(stage1 if stage1 is not None else units, dtype=np.float32)
+    _, rows = stage1_candidates(qn, g, k)
+    pair = scorer if scorer is not None else fold_pair_scorer(model, q_raw, frames, masks, units, norms, consts=consts)
+    sc = score_candidates(pair, rows)
+    _, b, sinfo = sinkhorn_biases_sparse(rows, sc, n, gamma, n_iters, fill=fill, queries=qn.to(dev),
+                                         gallery=g, device=dev)
+    seconds = time.time() - t0
+    log.info("served-score NCL biases for %d videos against %d queries (K=%d, %s fill) in %.1fs", n, q_raw.shape[0],
+             int(rows.shape[1]), fill, seconds)
+    info = {"score": "served", "scorer": "psi", "form": "dense" if int(rows.shape[1]) >= n else "sparse",
+            "k": int(k), "k_used": int(rows.shape[1]), "fill": fill, "n_uncovered": sinfo["n_uncovered"], "psi_pairs": sinfo["n_entries"],
+            "seconds": round(seconds, 3)}
+    return b.numpy().astype(np.float32), info
+
+

@@ -1,0 +1,316 @@
+"""Stage-1 tuning of an index version (issue 13): recall target, psi coverage and the default K.
+
+One entry for ``gare-index build`` / ``add`` (after the ANN is built or grown) and ``gare-index tune`` (on an
+existing version, nothing re-encoded): :func:`tune_version_ann`
+
+1. samples queries (:func:`gare_build.tune.sample_queries`: the checkpoint's NCL text queue when present, else
+   caption embeddings of a manifest when given, else perturbed gallery vectors; or, with
+   ``Stage1Options.bank`` (``gare-index tune --from-bank``), the served queries of a query bank,
+   :func:`bank_queries`; the source is recorded);
+2. meets the recall target (recall@K of the exact cosine top-10, K = the service's default candidates) within
+   a latency budget with :func:`gare_build.tune.tune_ann` (RecallTargetError, with the tuner's message, when it
+   cannot);
+3. measures, on the same queries, the share of the *exhaustive psi top-10 with the index's NCL biases* inside
+   the ANN top-K for several K (:func:`gare_build.tune.coverage_at_k` with :func:`psi_fold_scorer`, the exact
+   folded psi of :mod:`gare.psi_fold` over the stored frames), and chooses the index's default K as the
+   smallest K reaching the coverage target (99.5%).
+
+The result is the manifest's ``stage1`` entry (docs/index-format.md); the service uses its
+``default_candidates`` when a request gives no ``candidates`` (:func:`gare_index.describe.index_default_candidates`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from gare_index.ann import AnnIndex, AnnParams
+
+if TYPE_CHECKING:
+    pass
+from gare_build.tune import (
+    RecallTargetError,
+    Scorer,
+    TuneConfig,
+    auto_ladder,
+    coverage_at_k,
+    describe_params,
+    sample_queries,
+    tune_ann,
+)
+
+log = logging.getLogger(__name__)
+
+COVERAGE_KS = (16, 32, 64, 128, 256, 512, 1024)  # as gare_train.evaluate.COVERAGE_KS (the offline figure)
+
+__all__ = ["Stage1Options", "COVERAGE_KS", "RecallTargetError", "encode_captions", "psi_fold_scorer",
+           "bank_queries", "tune_version_ann"]
+
+
+@dataclass
+class Stage1Options:
+    enabled: bool = True  # False (--no-tune): keep the built ANN and its knobs as they are, record nothing
+    recall_target: float = 0.995  # recall@candidates of the exact cosine top-10
+    candidates: int = 256  # K the recall target is measured at (the service's default candidates)
+    latency_budget_ms: float = 5.0  # single-query p50 on one thread
+    n_queries: int = 1000  # sample queries (half tune, half held out; all of them for the coverage)
+    coverage_target: float = 0.995  # the default K is the smallest K with this share of the psi top-10
+    coverage_ks: tuple[int, ...] = COVERAGE_KS
+    seed: int = 0
+    # served-query bank (gare_serve.querybank: float32 (n, d) .npy of unit query embeddings): when given, its distinct
+    # rows are the sample queries instead of the queue / captions / perturbed gallery (`gare-index tune --from-bank`)
+    bank: str | os.PathLike | None = None
+
+    def validate(self) -> None:
+        if not 0.0 < self.recall_target <= 1.0:
+            raise ValueError(f"--recall-target must be in (0, 1], got {self.recall_target}")
+        if not self.latency_budget_ms > 0:
+            raise ValueError(f"--latency-budget-ms must be > 0, got {self.latency_budget_ms}")
+        if not 0.0 < self.coverage_target <= 1.0:
+            raise ValueError(f"coverage target must be in (0, 1], got {self.coverage_target}")
+        if self.n_queries < 2:
+            raise ValueError(f"--tune-queries must be >= 2, got {self.n_queries}")
+
+
+def encode_captions(model: Any, texts: Sequence[str], *, batch: int = 256) -> np.ndarray:
+    """Caption texts -> raw text embeddings t (a, d) float32, encoded as ``gare-train eval`` encodes its test
+    captions (fp32, batches of 256), so both measure on the same vectors."""
+    import torch
+
+    from gare.model import autocast
+
+    out = []
+    with torch.inference_mode():
+        for s in range(0, len(texts), batch):
+            with autocast(model.device, "fp32"):
+                out.append(model.encode_text(model.tokenize(list(texts[s : s + batch]))).float().cpu())
+    if not out:
+        return np.zeros((0, model.cfg.embed_dim), np.float32)
+    return torch.cat(out).numpy().astype(np.float32)
+
+
+def psi_fold_scorer(model: Any, frames: np.ndarray, masks: np.ndarray, biases: np.ndarray, ids: np.ndarray,
+                    unit_queries: np.ndarray, raw_queries: np.ndarray) -> Scorer:
+    """Exhaustive ``psi(t, video) + b_video`` over gallery ids, with the exact fold of gare.psi_fold.
+
+    frames (n, f, d) float16 (a memmap is fine), masks (n, f), biases (n,), ids (n,) in row order: the index's
+    stored arrays. ``unit_queries`` (a, d) are what coverage_at_k passes (and the ANN searches);
+    ``raw_queries`` (a, d) the matching rows psi scores (un-normalised caption embeddings; queue rows and
+    perturbed gallery vectors are unit already). Each call folds its block of videos once (three d x d
+    products per frame) and scores every given query against it: O(a · m · f · d)."""
+    import torch
+
+    from gare.psi_fold import exhaustive, fold_queries, fold_videos, fold_weights
+
+    ref_pad = bool(getattr(model.cfg, "reference_padding", False))  # the authors' padding: v̄ and psi over all rows
+    fold = fold_weights(model.psi).to("cpu")  # the scoring runs on the CPU next to the memmapped frames
+    qv = fold_queries(torch.from_numpy(np.ascontiguousarray(raw_queries, dtype=np.float32)), fold, model.cfg.temp)
+    where = {np.ascontiguousarray(unit_queries[i], dtype=np.float32).tobytes(): i for i in range(unit_queries.shape[0])}
+    ids = np.asarray(ids, dtype=np.int64)
+    order = np.argsort(ids, kind="stable")
+    sorted_ids = ids[order]
+    b = np.asarray(biases, dtype=np.float32)
+
+    def score(q: np.ndarray, gids: np.ndarray) -> np.ndarray:
+        try:
+            qi = np.array([where[np.ascontiguousarray(r, dtype=np.float32).tobytes()] for r in q], dtype=np.int64)
+        except KeyError:
+            raise ValueError("psi_fold_scorer: called with a query that is not one of its sample queries") from None
+        rows = order[np.searchsorted(sorted_ids, np.asarray(gids, dtype=np.int64))]
+        srt = np.argsort(rows, kind="stable")  # sorted reads from the memmap
+        fr = torch.from_numpy(np.asarray(frames[rows[srt]], dtype=np.float16))
+        mk = torch.from_numpy(np.asarray(masks[rows[srt]]))
+        vc = fold_videos(fr, mk, fold, reference_padding=ref_pad)
+        sub = dataclasses.replace(qv, u=qv.u[torch.from_numpy(qi)], sc=qv.sc[torch.from_numpy(qi)])
+        s = np.empty((q.shape[0], rows.shape[0]), dtype=np.float32)
+        s[:, srt] = exhaustive(sub, vc).numpy()
+        return s + b[rows][None, :]
+
+    return score
+
+
+def _pick_rows(n_rows: int, n: int, seed: int) -> np.ndarray | None:
+    """The rows sample_queries keeps of an (n_rows, d) source (None: all)."""
+    if n_rows <= n:
+        return None
+    return np.sort(np.random.default_rng(seed).choice(n_rows, size=n, replace=False))
+
+
+def _build_sample(units: np.ndarray, queue: np.ndarray | None, captions: np.ndarray | None, opt: Stage1Options
+                  ) -> tuple[np.ndarray, str, np.ndarray]:
+    """(unit queries, source, the matching raw rows psi scores): the queue, else the captions, else perturbed
+    gallery vectors (:func:`gare_build.tune.sample_queries`)."""
+    raw = None
+    for arr in (queue, captions):  # sample_queries' order: the queue, then the captions
+        if arr is not None and len(arr):
+            arr = np.asarray(arr, dtype=np.float32).reshape(len(arr), -1)
+            keep = _pick_rows(arr.shape[0], opt.n_queries, opt.seed)
+            raw = arr if keep is None else arr[keep]
+            break
+    if raw is not None:
+        is_queue = queue is not None and len(queue) > 0
+        unit_q, source = sample_queries(units, queue=raw if is_queue else None, captions=None if is_queue else raw,
+                                        n=opt.n_queries, seed=opt.seed)
+    else:
+        unit_q, source = sample_queries(units, n=opt.n_queries, seed=opt.seed)
+        raw = unit_q
+    return unit_q, source, raw
+
+
+def tune_version_ann(
+    units: np.ndarray,
+    ids: np.ndarray,
+    *,
+    frames: np.ndarray,
+    masks: np.ndarray,
+    biases: np.ndarray,
+    model: Any,
+    queue: np.ndarray | None,
+    captions: np.ndarray | None = None,
+    ann: AnnIndex | None = None,
+    build_s: float = 0.0,
+    requested_type: str = "auto",
+    options: Stage1Options | None = None,
+    progress: bool = False,
+) -> tuple[AnnIndex, dict[str, Any]]:
+    """Tune stage 1 of a version and measure its psi coverage: (the AnnIndex to save, manifest["stage1"]).
+
+    units (n, d): the stage-1 vectors (InvGC-corrected when the index has them), ids (n,) in row order; frames,
+    masks, biases: the version's arrays (the exhaustive psi + b reference). ``queue``: the checkpoint's text
+    queue rows, ``captions``: raw caption embeddings (:func:`encode_captions`) or None. ``ann``: the index
+    just built or grown (tuned first, kept when it meets the target); ``requested_type`` other than "auto"
+    keeps the tuner to that index type. Raises :class:`gare_build.tune.RecallTargetError` (its message says what
+    was reached and what to change) when the target cannot be met within the latency budget."""
+    opt = options or Stage1Options()
+    opt.validate()
+    n = units.shape[0]
+    bank_info = None
+    if opt.bank is not None:  # served queries replace the build's sample (they are unit rows: raw = unit)
+        unit_q, source, bank_info = bank_queries(opt.bank, units.shape[1], n=opt.n_queries, seed=opt.seed)
+        raw = unit_q
+    else:
+        unit_q, source, raw = _build_sample(units, queue, captions, opt)
+    types = None
+    if requested_type not in (None, "auto"):
+        types = (requested_type,)
+    elif ann is not None and ann.params.index_type not in auto_ladder(n):
+        types = (ann.params.index_type,)
+    cfg = TuneConfig(target=opt.recall_target, k=10, candidates=max(10, int(opt.candidates)),
+                     latency_budget_ms=opt.latency_budget_ms, n_queries=opt.n_queries, index_types=types,
+                     seed=opt.seed, strict=True)
+    t0 = time.perf_counter()
+    tuned, res = tune_ann(units, unit_q, ids=ids, query_source=source, config=cfg, ann=ann, build_s=build_s,
+                          progress=progress)
+    t1 = time.perf_counter()
+    scorer = psi_fold_scorer(model, frames, masks, biases, ids, unit_q, raw)
+    ks = tuple(k for k in sorted(set(opt.coverage_ks)) if k >= 1)
+    cov = coverage_at_k(tuned, unit_q, scorer, ids, ks, top=10, block=4096, query_batch=max(1, unit_q.shape[0]),
+                        query_source=source, target=opt.coverage_target)
+    t2 = time.perf_counter()
+    deviation = build_deviation(model, raw, frames, masks, seed=opt.seed)
+    chosen = cov.chosen_K
+    if chosen is None:
+        log.warning("no measured K (up to %d) holds %.1f%% of the exhaustive psi top-10: the service keeps its own "
+                    "default candidates", max(ks), 100 * opt.coverage_target)
+    entry = {
+        "recall": res.recall,
+        "recall_tune": res.recall_tune,
+        "recall_target": res.target,
+        "recall_k": res.k,
+        "recall_at": res.candidates,
+        "met": res.met,
+        "index_type": res.index_type,
+        "params": res.params,
+        "setting": describe_params(AnnParams.from_dict(res.params)),
+        "p50_ms": res.p50_ms,
+        "latency_budget_ms": res.latency_budget_ms,
+        "device": res.device,
+        "query_source": source,
+        **({"query_bank": bank_info} if bank_info is not None else {}),
+        "n_queries": int(unit_q.shape[0]),
+        "n_tune_queries": res.n_tune_queries,
+        "n_holdout_queries": res.n_holdout_queries,
+        "coverage": {str(k): v for k, v in cov.coverage.items()},
+        "coverage_top": cov.top,
+        "coverage_target": opt.coverage_target,
+        "coverage_scorer": "exhaustive psi (gare.psi_fold over the stored frames) + the index's NCL biases",
+        "default_candidates": chosen,
+        "deviation": deviation,
+        "tuning_s": round(t1 - t0, 3),
+        "coverage_s": round(t2 - t1, 3),
+        "build_s": round(res.build_s, 3),
+        "message": res.message,
+        "trials": [dataclasses.asdict(t) for t in res.trials],
+    }
+    log.info("stage 1: %s; psi coverage %s -> default candidates %s", res.message,
+             {k: round(v, 4) for k, v in cov.coverage.items()}, chosen)
+    return tuned, entry
+
+
+def bank_queries(path: str | os.PathLike, d: int, *, n: int = 1000, seed: int = 0
+                 ) -> tuple[np.ndarray, str, dict[str, Any]]:
+    """(unit queries (m, d) float32, query source, the manifest's ``query_bank`` record) from a served-query bank.
+
+    The bank is read as ``gare-index biases --from-traffic`` reads it (:func:`gare_build.postprocess.load_query_bank`:
+    no pickle, float32 (rows, d), finite, non-zero rows, re-normalised). Repeated queries (the same text gives the
+    same embedding) are kept once, so that the tuner's held-out half holds no query of its tuning half; at most
+    ``n`` distinct rows are used (a seeded sample, as the other sources). Bank rows are unit vectors: the psi
+    coverage and the deviation figure score them with |t| = 1, as they do perturbed-gallery queries."""
+    from gare_build.postprocess import load_query_bank
+
+    try:
+        x, info = load_query_bank(path, d)
+    except ValueError as e:
+        raise ValueError(str(e).replace("--from-traffic", "--from-bank", 1)) from None
+    _, first = np.unique(x, axis=0, return_index=True)
+    x = x[np.sort(first)]  # distinct rows, first occurrences in bank order (oldest first)
+    distinct = int(x.shape[0])
+    if distinct < 2:
+        raise ValueError(f"--from-bank {info['file']}: {distinct} distinct queries; the tuner needs at least 2 (half tune, "
+                         "half held out)")
+    keep = _pick_rows(distinct, n, seed)
+    q = np.ascontiguousarray(x if keep is None else x[keep], dtype=np.float32)
+    m = int(q.shape[0])
+    if m < 100:
+        log.warning("--from-bank: only %d distinct served queries; the held-out recall (%d queries) is a coarse estimate",
+                    m, m - m // 2)
+    record = {"file": info["file"], "sha256": info["sha256"], "rows": info["rows"], "distinct": distinct, "used": m,
+              "non_unit_rows": info["non_unit_rows"],
+              "note": "unit query embeddings served by gare-serve (gare_serve.querybank); psi coverage scores them with |t| = 1"}
+    source = f"query-bank ({m} queries; {distinct} distinct of {info['rows']} served)"
+    return q, source, record
+
+
+def build_deviation(model: Any, raw_queries: np.ndarray, frames: Any, masks: Any, *, seed: int = 0,
+                    n_queries: int = 64, n_videos: int = 256) -> dict[str, Any]:
+    """SPEC §4's deviation figure (gare.deviation, the rebuttal's definition) on a sample: up to
+    ``n_queries`` of the stage-1 sample queries (un-normalised) x up to ``n_videos`` indexed videos (seeded),
+    v̄ as the model defines it (masked mean; all rows for reference_padding checkpoints)."""
+    import torch
+
+    from gare.deviation import delta_deviation, deviation_summary
+    from gare.psi import masked_mean
+
+    n = int(np.asarray(masks).shape[0])
+    rng = np.random.default_rng(seed)
+    rows = np.sort(rng.choice(n, size=min(n, n_videos), replace=False))
+    q = np.asarray(raw_queries, dtype=np.float32)
+    q = q[np.sort(rng.choice(q.shape[0], size=min(q.shape[0], n_queries), replace=False))]
+    dev = model.device
+    fr = torch.from_numpy(np.asarray(frames[rows], dtype=np.float32)).to(dev)
+    mk = torch.from_numpy(np.asarray(masks[rows]).astype(bool)).to(dev)
+    vb = fr.mean(dim=1) if getattr(model.cfg, "reference_padding", False) else masked_mean(fr, mk)
+    out = deviation_summary(delta_deviation(model, torch.from_numpy(q).to(dev), fr, mk, vb))
+    out["note"] = "|cos(t+Δ, v̄) - cos(t, v̄)| (the rebuttal's figure) on the stage-1 sample queries x sampled videos"
+    return out
+
+
+
+

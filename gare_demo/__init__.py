@@ -1,0 +1,1 @@
+"""The README demo: generate a library, train a small model, index it and serve it (`python -m gare_demo`)."""

@@ -1,0 +1,37 @@
+"""``GET /v1/index`` (the served version) and ``POST /v1/admin/reload`` (switch to CURRENT atomically)."""
+
+from fastapi import APIRouter, Depends
+
+from gare_index.describe import describe_biases, index_default_candidates
+from gare_serve.schemas import INDEX_ERRORS, ErrorResponse, IndexInfo, ReloadResponse
+from gare_serve.security import StateDep, require_admin, require_search
+from gare_serve.state import API_VERSION
+
+router = APIRouter()
+
+
+@router.get(f"/{API_VERSION}/index", response_model=IndexInfo, tags=["index"], summary="the served index version",
+            dependencies=[Depends(require_search)], responses=INDEX_ERRORS)
+async def index_info(state: StateDep) -> IndexInfo:
+    with state.use_version() as v:
+        m = v.manifest
+        return IndexInfo(
+            version=v.name, n=v.n, dim=v.dim, max_frames=v.max_frames, index_type=m.index_type,
+            created=m.created,
+            checkpoint={
+                "name": state.checkpoint_path.name if state.checkpoint_path else None,
+                "sha256": state.checkpoint_sha, "model_config": None if m.checkpoint is None else m.checkpoint.model_cfg,
+            },
+            biases=m.biases, biases_description=describe_biases(m.biases),
+            device=str(state.device), precision=state.precision,
+            rerank_impl=state.rerank_impl,
+            default_candidates=index_default_candidates(m) or state.settings.default_candidates,
+            stage1=None if not m.stage1 else {k: x for k, x in m.stage1.items() if k != "trials"},
+        )
+
+
+@router.post(f"/{API_VERSION}/admin/reload", response_model=ReloadResponse, tags=["admin"],
+             responses={**INDEX_ERRORS, 409: {"model": ErrorResponse, "description": "new version built with another checkpoint"}},
+             dependencies=[Depends(require_admin)], summary="switch to the index's CURRENT version atomically")
+async def admin_reload(state: StateDep) -> ReloadResponse:
+    return ReloadResponse(**(await state.reload()))

@@ -1,0 +1,250 @@
+"""The HTTP API's request and response bodies (pydantic), with the examples the OpenAPI document shows.
+
+Request bodies are built per deployment (:func:`make_request_models`) so that the published bounds (k, K,
+query length, batch size) are the configured ones.
+"""
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+
+from gare_search import search as S
+from gare_search.search import NCL_DEFAULT, NCL_DEFAULT_REASON
+from gare_serve.settings import Settings
+
+EXAMPLE_HIT = {
+    "rank": 1,
+    "id": 17,
+    "score": 0.4132,
+    "ann_score": 0.3011,
+    "psi_score": 0.4087,
+    "bias": 0.0045,
+    "start": None,
+    "end": None,
+    "metadata": {
+        "id": 17, "path": "animals/dog_frisbee.mp4", "name": "dog_frisbee.mp4", "size": 1048576, "mtime": 1718000000.0,
+        "checksum": "9f2c...", "duration": 12.0, "fps": 25.0, "frames_used": 12, "start": None, "end": None, "status": "ok",
+    },
+    "thumbnail_url": "/v1/videos/17/thumbnail",
+    "video_url": "/v1/videos/17/file",
+}
+EXAMPLE_TIMINGS = {"queue": 0.4, "encode": 21.3, "ann": 0.9, "rerank": 4.8, "rank": 0.1, "total": 28.2}
+
+
+class Timings(BaseModel):
+    queue: float = Field(description="ms waiting for the micro-batch to start")
+    encode: float = Field(description="ms in the text encoder (for the whole micro-batch)")
+    ann: float = Field(description="ms in the ANN search (whole micro-batch)")
+    rerank: float = Field(description="ms in the psi rerank (whole micro-batch; 0 when rerank is off)")
+    rank: float = Field(0.0, description="ms adding biases and sorting")
+    total: float = Field(description="ms from request arrival to response (server side)")
+    cache: str = Field("miss", description="result: the whole result came from the result cache (no stage ran); hit: "
+                       "the query embedding came from the embedding cache (encode skipped); miss: neither")
+
+
+class Hit(BaseModel):
+    rank: int
+    id: int = Field(description="index entry id (a video, or a segment of one)")
+    score: float = Field(description="the ranking score: psi score (or cosine when rerank=false) + bias when ncl=true")
+    ann_score: float = Field(description="dual-tower cosine from the ANN stage")
+    psi_score: float | None = Field(description="GARE pair score s(t, v); null when rerank=false")
+    bias: float = Field(description="NCL Sinkhorn video bias b_j (added only when ncl=true)")
+    start: float | None = Field(description="segment start in seconds; null for a whole video")
+    end: float | None = Field(description="segment end in seconds; null for a whole video")
+    metadata: dict[str, Any]
+    thumbnail_url: str
+    video_url: str
+
+
+class SearchResponse(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "query": "a dog catches a frisbee", "index_version": "v000003", "k": 10, "candidates": 256, "rerank": True,
+        "ncl": True, "results": [EXAMPLE_HIT], "timings_ms": EXAMPLE_TIMINGS, "batch_size": 1,
+    }]})
+    query: str | None = Field(description="the text query; null for a search by example")
+    example: dict[str, Any] | None = Field(None, description="search by example: {kind: videos, ids} or {kind: image, "
+                                           "content_type, bytes}; the score is then s_vv or the cosine (no psi, no NCL)")
+    index_version: str
+    k: int
+    candidates: int
+    rerank: bool
+    ncl: bool
+    results: list[Hit]
+    timings_ms: Timings
+    batch_size: int = Field(description="queries that shared this micro-batch (0: answered from the result cache)")
+
+
+class BatchSearchResponse(BaseModel):
+    index_version: str
+    results: list[SearchResponse]
+    timings_ms: dict[str, float] = Field(description="total: ms for the whole request")
+
+
+class VideoInfo(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "id": 17, "index_version": "v000003", "metadata": EXAMPLE_HIT["metadata"],
+        "thumbnail_url": "/v1/videos/17/thumbnail", "video_url": "/v1/videos/17/file",
+    }]})
+    id: int
+    index_version: str
+    metadata: dict[str, Any]
+    thumbnail_url: str
+    video_url: str
+
+
+class IndexInfo(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "version": "v000003", "n": 1000, "dim": 512, "max_frames": 12, "index_type": "flat", "created": "2025-06-01T12:00:00+00:00",
+        "checkpoint": {"name": "gare-msrvtt.safetensors", "sha256": "ab12...", "model_config": {"backbone": "ViT-B-32"}},
+        "biases": {"gamma": 0.01, "n_iters": 4, "n_queries": 16384, "source": "checkpoint queue"},
+        "device": "cpu", "precision": "fp32", "rerank_impl": "fold", "default_candidates": 64,
+        "stage1": {"recall": 1.0, "recall_target": 0.995, "recall_at": 256, "index_type": "flat", "p50_ms": 0.4,
+                   "coverage": {"32": 0.99, "64": 0.997}, "default_candidates": 64, "query_source": "ncl-queue (1000 queries)"},
+    }]})
+    version: str
+    n: int
+    dim: int
+    max_frames: int
+    index_type: str | None
+    created: str | None = None
+    checkpoint: dict[str, Any]
+    biases: dict[str, Any] | None = None
+    biases_description: str | None = Field(None, description="how the NCL biases of this version were computed")
+    ncl_default: bool = Field(NCL_DEFAULT, description="the search's default for ncl")
+    ncl_default_reason: str = Field(NCL_DEFAULT_REASON, description="why ncl defaults to what it does")
+    device: str
+    precision: str
+    rerank_impl: str
+    default_candidates: int = Field(description="K a search uses when it gives no candidates: the index's chosen K "
+                                    "(smallest K holding >= 99.5% of the exhaustive psi top-10), else the setting")
+    stage1: dict[str, Any] | None = Field(None, description="the index's stage-1 tuning: recall vs exact search, "
+                                          "psi coverage per K, query source, parameters and latency (manifest stage1)")
+
+
+class ReloadResponse(BaseModel):
+    reloaded: bool = Field(description="false when CURRENT already named the served version")
+    version: str
+    previous: str
+    n: int
+    workers: int | None = Field(None, description="live worker processes (gare-serve --workers N > 1)")
+    workers_on_version: int | None = Field(
+        None, description="how many of them serve `version` when the response was sent (all, unless one failed)"
+    )
+
+
+class ErrorResponse(BaseModel):
+    detail: str
+
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "the body could not be decoded (not UTF-8 JSON, too deeply nested)"},
+    401: {"model": ErrorResponse, "description": "missing API key"},
+    409: {"model": ErrorResponse, "description": "the index cannot do what was asked (e.g. ncl_stage1 without --ncl-stage1)"},
+    403: {"model": ErrorResponse, "description": "invalid API key"},
+    404: {"model": ErrorResponse, "description": "unknown id or file gone"},
+    413: {"model": ErrorResponse, "description": "request body too large"},
+    415: {"model": ErrorResponse, "description": "unsupported image type (JPEG, PNG, WebP or GIF)"},
+    422: {"model": ErrorResponse, "description": "invalid input; `detail` says what"},
+    503: {"model": ErrorResponse, "description": "busy or not ready"},
+}
+
+
+def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """The ERRORS a route can answer (tests/robustness/test_robust_hostile.py produces each one on each route)."""
+    return {c: ERRORS[c] for c in codes}
+
+
+SEARCH_ERRORS = errors(400, 401, 403, 409, 413, 422, 503)  # 409: ncl_stage1 on an index without it
+SEARCH_ONE_ERRORS = errors(400, 401, 403, 404, 409, 413, 422, 503)  # + 404: an unknown video_id (more like this)
+IMAGE_ERRORS = errors(400, 401, 403, 413, 415, 422, 503)  # 415: not JPEG/PNG/WebP/GIF; no ncl_stage1 here
+MEDIA_ERRORS = errors(400, 401, 403, 404, 413, 422, 503)  # 404: unknown id or file gone; 422: bad id
+INDEX_ERRORS = errors(400, 401, 403, 413, 503)  # 400/413: bad or oversized Content-Length (any route)
+
+
+def _not_blank(v: str) -> str:
+    if not v.strip():
+        raise ValueError("must not be empty or blank")
+    return v
+
+
+def make_request_models(settings: Settings) -> tuple[type[BaseModel], type[BaseModel]]:
+    """Request bodies with this deployment's limits, so the OpenAPI document states the real bounds."""
+    max_k, max_K, default_K = settings.max_k, settings.max_candidates, settings.default_candidates
+    max_q, max_batch = settings.max_query_chars, settings.max_batch_queries
+    QueryStr = Annotated[str, StringConstraints(min_length=1, max_length=max_q)]
+
+    class _Options(BaseModel):
+        model_config = ConfigDict(extra="forbid", strict=True)
+        k: int = Field(10, ge=1, le=max_k, description="results to return")
+        candidates: int | None = Field(
+            None, ge=1, le=max_K,
+            description=f"K, the ANN shortlist the rerank scores (>= k; default: the index's chosen K (GET /v1/index "
+            f"default_candidates), else {default_K}; k when k is larger)",
+        )
+        rerank: bool = Field(True, description="score the K candidates with psi (false: dual-tower cosine only)")
+        ncl: bool = Field(NCL_DEFAULT, description="add the NCL Sinkhorn video biases (default: "
+                          + ("on" if NCL_DEFAULT else "off") + "; " + NCL_DEFAULT_REASON + ")")
+        ncl_stage1: bool = Field(
+            False, description="choose the K candidates with the biases too (cos + b folded into the ANN; needs an "
+            "index built with --ncl-stage1; implies ncl)",
+        )
+
+        @model_validator(mode="after")
+        def _k_le_K(self):
+            # candidates None: resolved in options() against the served index's own default K
+            if self.candidates is not None and self.candidates < self.k:
+                raise ValueError(f"candidates ({self.candidates}) must be >= k ({self.k})")
+            return self
+
+        def options(self, index_default: int | None = None) -> S.SearchOptions:
+            """``index_default``: the served index's chosen K (manifest stage1), used when no candidates are given."""
+            K = self.candidates
+            if K is None:
+                K = min(max_K, max(index_default or default_K, self.k))
+            return S.SearchOptions(k=self.k, candidates=int(K), rerank=self.rerank,
+                                   ncl=self.ncl or self.ncl_stage1, ncl_stage1=self.ncl_stage1)
+
+    class SearchRequest(_Options):
+        model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [
+            {"query": "a dog catches a frisbee", "k": 10},
+            {"query": "a red circle rises, then two blue squares slide to the left", "k": 20, "candidates": 512, "rerank": True, "ncl": False},
+        ]})
+        query: QueryStr | None = Field(None, description=f"the text to search for (1..{max_q} characters, not blank)")
+        # ids are int64 in the index (as the path parameter VideoId): a larger number is a 422, not a 500
+        video_id: int | None = Field(None, ge=0, le=2**63 - 1, description="instead of query: more like this indexed video")
+        video_ids: list[Annotated[int, Field(ge=0, le=2**63 - 1)]] | None = Field(
+            None, min_length=1, max_length=max_batch,
+            description=f"instead of query: more like these 1..{max_batch} videos (their mean unit vector)")
+
+        @field_validator("query")
+        @classmethod
+        def _blank(cls, v: str | None) -> str | None:
+            return v if v is None else _not_blank(v)
+
+        @model_validator(mode="after")
+        def _one_kind(self):
+            given = [n for n in ("query", "video_id", "video_ids") if getattr(self, n) is not None]
+            if len(given) != 1:
+                raise ValueError(f"give exactly one of query, video_id, video_ids (got {given or 'none'})")
+            return self
+
+        def example_ids(self) -> list[int] | None:
+            if self.video_id is not None:
+                return [self.video_id]
+            return list(self.video_ids) if self.video_ids is not None else None
+
+    class BatchSearchRequest(_Options):
+        model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [
+            {"queries": ["a dog catches a frisbee", "a man is cooking"], "k": 5},
+        ]})
+        queries: list[QueryStr] = Field(min_length=1, max_length=max_batch, description=f"1..{max_batch} query texts")
+
+        @field_validator("queries")
+        @classmethod
+        def _blank(cls, v: list[str]) -> list[str]:
+            for i, q in enumerate(v):
+                if not q.strip():
+                    raise ValueError(f"query {i} must not be empty or blank")
+            return v
+
+    return SearchRequest, BatchSearchRequest
