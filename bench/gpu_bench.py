@@ -198,6 +198,9 @@ def section_fidelity(ctx: dict[str, Any]) -> dict[str, Any]:
 
 def section_psi(ctx: dict[str, Any]) -> dict[str, Any]:
     from gare import psi_fold as pf
+    from gare import psi_fold_queries as pfq
+    from gare import psi_fold_videos as pfv
+    from gare import psi_fold_weights as pfw
     from gare.psi import masked_mean
     from gare_search.search import fused_pair_scores
 
@@ -205,13 +208,13 @@ def section_psi(ctx: dict[str, Any]) -> dict[str, Any]:
     temp = model.cfg.temp
     out: dict[str, Any] = {"d": D, "f": FR, "K": K}
     with torch.inference_mode():
-        fw = pf.fold_weights(model.psi).to(dev)
+        fw = pfw.fold_weights(model.psi).to(dev)
         frames, mask = make_gallery(args.distinct, 1, dev)
         vbar = masked_mean(frames.float(), mask)
         # build time: fold the distinct videos on this device, and a slice of them on the CPU (one thread)
-        r = timed_ms(lambda: pf.fold_videos(frames, mask, fw, chunk=4096), dev, iters=1, reps=args.reps, warm=1)
+        r = timed_ms(lambda: pfv.fold_videos(frames, mask, fw, chunk=4096), dev, iters=1, reps=args.reps, warm=1)
         out["fold_videos_per_s"] = args.distinct / r["ms"] * 1e3
-        consts = pf.fold_videos(frames, mask, fw, chunk=4096)
+        consts = pfv.fold_videos(frames, mask, fw, chunk=4096)
         if dev.type == "cuda":
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
@@ -219,14 +222,14 @@ def section_psi(ctx: dict[str, Any]) -> dict[str, Any]:
                 n_cpu = 256
                 fw_cpu = fw.to("cpu")
                 fr_c, mk_c = frames[:n_cpu].cpu(), mask[:n_cpu].cpu()
-                rc = timed_ms(lambda: pf.fold_videos(fr_c, mk_c, fw_cpu), torch.device("cpu"), iters=1, reps=args.reps, warm=1)
+                rc = timed_ms(lambda: pfv.fold_videos(fr_c, mk_c, fw_cpu), torch.device("cpu"), iters=1, reps=args.reps, warm=1)
                 out["fold_videos_per_s_cpu_1thread"] = n_cpu / rc["ms"] * 1e3
-                c_cpu = pf.fold_videos(fr_c, mk_c, fw_cpu)
+                c_cpu = pfv.fold_videos(fr_c, mk_c, fw_cpu)
             finally:
                 torch.set_num_threads(threads)
             tq = torch.randn(4, D, generator=torch.Generator().manual_seed(9)) * 3.0
-            s_gpu = pf.pair_scores(pf.fold_queries(tq.to(dev), fw, temp), consts.slice(0, n_cpu)).cpu()
-            s_cpu = pf.pair_scores(pf.fold_queries(tq, fw_cpu, temp), c_cpu)
+            s_gpu = pf.pair_scores(pfq.fold_queries(tq.to(dev), fw, temp), consts.slice(0, n_cpu)).cpu()
+            s_cpu = pf.pair_scores(pfq.fold_queries(tq, fw_cpu, temp), c_cpu)
             out["max_abs_diff_gpu_vs_cpu_constants_scores"] = float((s_gpu - s_cpu).abs().max())
         # rerank of K candidates for Q queries (each its own candidates), every implementation on this device
         g = torch.Generator().manual_seed(2)
@@ -238,7 +241,7 @@ def section_psi(ctx: dict[str, Any]) -> dict[str, Any]:
             flat = idx.reshape(-1)
 
             def fold(t=t, idx=idx):
-                q = pf.fold_queries(t, fw, temp)
+                q = pfq.fold_queries(t, fw, temp)
                 return pf.pair_scores(q, consts, idx)
 
             def fused(t=t, flat=flat, nq=nq):
@@ -263,10 +266,10 @@ def section_psi(ctx: dict[str, Any]) -> dict[str, Any]:
         n_big = args.exhaustive_entries
         reps_tile = -(-n_big // args.distinct)
         try:
-            big = pf.VideoConstants.cat([consts] * reps_tile).slice(0, n_big)
+            big = pfv.VideoConstants.cat([consts] * reps_tile).slice(0, n_big)
             ex = []
             for nq in args.exhaustive_queries:
-                q = pf.fold_queries(t_all[:nq], fw, temp)
+                q = pfq.fold_queries(t_all[:nq], fw, temp)
                 r = timed_ms(lambda q=q, big=big, nq=nq: pf.exhaustive(q, big, chunk=args.exhaustive_chunk, query_chunk=nq), dev, iters=1,
                              reps=args.reps, warm=1)
                 ex.append({"queries": nq, "entries": n_big, "ms": r["ms"], "ms_per_query": r["ms"] / nq,
@@ -298,7 +301,8 @@ def section_sinkhorn(ctx: dict[str, Any]) -> dict[str, Any]:
 
 def section_served_biases(ctx: dict[str, Any]) -> dict[str, Any]:
     """The served-score pair scorer (psi over the queue's stage-1 candidates, through stored constants)."""
-    from gare import psi_fold as pf
+    from gare import psi_fold_videos as pfv
+    from gare import psi_fold_weights as pfw
     from gare.psi import masked_mean
     from gare_build.served_biases import fold_pair_scorer
 
@@ -308,7 +312,7 @@ def section_served_biases(ctx: dict[str, Any]) -> dict[str, Any]:
     vbar = masked_mean(frames.float(), mask)
     norms = vbar.norm(dim=-1)
     units = (vbar / norms[:, None]).numpy()
-    consts = pf.fold_videos(frames.to(dev), mask.to(dev), pf.fold_weights(model.psi).to(dev)).packed.cpu().numpy()
+    consts = pfv.fold_videos(frames.to(dev), mask.to(dev), pfw.fold_weights(model.psi).to(dev)).packed.cpu().numpy()
     n_q = args.served_queries
     queue = np.random.default_rng(0).standard_normal((n_q, D)).astype(np.float32) * 3.0
     qi = np.repeat(np.arange(n_q), K)  # queue order, as score_candidates passes the pairs
@@ -334,7 +338,7 @@ def section_search(ctx: dict[str, Any]) -> dict[str, Any]:
     from serve_bench import make_queries, write_gallery
 
     from gare.checkpoint import file_sha256, save_checkpoint
-    from gare.psi_fold import fold_weights
+    from gare.psi_fold_weights import fold_weights
     from gare_index.store import open_index
     from gare_search.search import (
         SearchOptions,

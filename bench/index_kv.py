@@ -46,9 +46,12 @@ def main() -> None:
     keys = np.lib.format.open_memmap(tmp / "keys.npy", mode="w+", dtype=np.float16, shape=(n, f, d))
     values = np.lib.format.open_memmap(tmp / "values.npy", mode="w+", dtype=np.float16, shape=(n, f, d))
     from gare import psi_fold as pf
-    from gare.psi_fold import packed_width
+    from gare import psi_fold_queries as pfq
+    from gare import psi_fold_videos as pfv
+    from gare import psi_fold_weights as pfw
+    from gare.psi_fold_videos import packed_width
 
-    fw = pf.fold_weights(model.psi)
+    fw = pfw.fold_weights(model.psi)
     consts = np.lib.format.open_memmap(tmp / "psi_consts.npy", mode="w+", dtype=np.float32, shape=(n, packed_width(f)))
     vbars = np.empty((n, d), np.float32)
     masks = np.ones((n, f), dtype=np.uint8)
@@ -61,7 +64,7 @@ def main() -> None:
             values[s : s + len(fr)] = v.numpy().astype(np.float16)
             vb = fr.mean(1)  # the index's v̄ (float32 features), not the mean of the float16 frames
             vbars[s : s + len(fr)] = vb.numpy()
-            consts[s : s + len(fr)] = pf.fold_videos(fr.half(), None, fw, vbar=vb).packed.numpy()
+            consts[s : s + len(fr)] = pfv.fold_videos(fr.half(), None, fw, vbar=vb).packed.numpy()
     for a in (frames, keys, values, consts):
         a.flush()
     del frames, keys, values, consts
@@ -85,11 +88,11 @@ def main() -> None:
                     rows = np.sort(rng.choice(n, size=kc, replace=False))
                     t0 = time.perf_counter()
                     if mode == "fold":  # what gare_search.search does: gather rows once, fold the queries, pair scores
-                        v = pf.VideoConstants(frames=torch.from_numpy(frames[rows]), packed=torch.from_numpy(consts[rows]),
+                        v = pfv.VideoConstants(frames=torch.from_numpy(frames[rows]), packed=torch.from_numpy(consts[rows]),
                                               fingerprint=fw.fingerprint, vbar=torch.from_numpy(vbars[rows]))
                         t1 = time.perf_counter()
                         with torch.no_grad():
-                            q = pf.fold_queries(t, fw, cfg.temp)
+                            q = pfq.fold_queries(t, fw, cfg.temp)
                             pf.pair_scores(q, v, torch.arange(kc).expand(nq, kc))
                         t2 = time.perf_counter()
                         if r:

@@ -200,6 +200,9 @@ def explain(args: argparse.Namespace) -> None:
     import torch
 
     from gare import psi_fold as pf
+    from gare import psi_fold_queries as pfq
+    from gare import psi_fold_videos as pfv
+    from gare import psi_fold_weights as pfw
     from gare.metrics import retrieval_metrics
     from gare.sinkhorn import normalization_error_scores, sinkhorn_biases_dense
 
@@ -208,11 +211,11 @@ def explain(args: argparse.Namespace) -> None:
     queue = queue.float()
     gamma_model = float(1.0 / model.clip.logit_scale.detach().exp())
     t, cc = enc.t.float(), np.asarray(enc.caption_clip)
-    fw = pf.fold_weights(model.psi)
-    v = pf.fold_videos(enc.frames, enc.mask, fw, vbar=enc.vbar.float())
+    fw = pfw.fold_weights(model.psi)
+    v = pfv.fold_videos(enc.frames, enc.mask, fw, vbar=enc.vbar.float())
 
     def psi(x: torch.Tensor) -> torch.Tensor:  # (a, n) served scores of queries x against the test gallery
-        return pf.exhaustive(pf.fold_queries(x, fw, model.cfg.temp), v)
+        return pf.exhaustive(pfq.fold_queries(x, fw, model.cfg.temp), v)
 
     with torch.inference_mode():
         S_test, S_queue = psi(t), psi(queue)

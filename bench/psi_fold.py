@@ -101,6 +101,9 @@ def main() -> None:
     torch.manual_seed(0)
     from gare import psi_fold as pf
     from gare import psi_fold_cpu as pc
+    from gare import psi_fold_queries as pfq
+    from gare import psi_fold_videos as pfv
+    from gare import psi_fold_weights as pfw
     from gare.config import get_model_config
     from gare.model import GARE
     from gare.psi import masked_mean
@@ -125,10 +128,10 @@ def main() -> None:
     frames, mask = make_gallery(args.distinct, 1)
     t = t + 0.0  # plain tensor (encode_text ran under inference_mode)
     t0 = time.perf_counter()
-    fw = pf.fold_weights(model.psi)
+    fw = pfw.fold_weights(model.psi)
     t_fold_w = time.perf_counter() - t0
     t0 = time.perf_counter()
-    consts = pf.fold_videos(frames, mask, fw, chunk=256)
+    consts = pfv.fold_videos(frames, mask, fw, chunk=256)
     t_fold_v = (time.perf_counter() - t0) / args.distinct
     results["fold_weights_s"] = t_fold_w
     results["fold_videos_s_per_video"] = t_fold_v
@@ -137,7 +140,7 @@ def main() -> None:
 
     # ---------------------------------------------------------------- the gallery: distinct videos tiled (real copies)
     reps_tile = -(-args.gallery // args.distinct)
-    big = pf.VideoConstants.cat([consts] * reps_tile).slice(0, args.gallery)
+    big = pfv.VideoConstants.cat([consts] * reps_tile).slice(0, args.gallery)
     big_mask = mask.repeat(reps_tile, 1)[: args.gallery]
     vbar_all = masked_mean(frames.float(), mask)
     norms_all = vbar_all.norm(dim=-1)
@@ -157,13 +160,13 @@ def main() -> None:
 
     def rr_kernel(pk: np.ndarray) -> Callable[[], torch.Tensor]:
         def run() -> torch.Tensor:  # as gare_search.search on the CPU: the kernel reads the rows from the arrays
-            q = pf.fold_queries(t, fw, cfg.temp)
+            q = pfq.fold_queries(t, fw, cfg.temp)
             return torch.from_numpy(pc.pair_scores(q, frames_np, pk, idx_np, vrows=units_np, vscale=norms_np)[0])
         return run
 
     def rr_fold_torch() -> torch.Tensor:  # the torch ops (CUDA's path; the CPU default before the kernel)
-        q = pf.fold_queries(t, fw, cfg.temp)
-        vs = pf.VideoConstants(frames=big.frames[idx], packed=big.packed[idx], fingerprint=big.fingerprint,
+        q = pfq.fold_queries(t, fw, cfg.temp)
+        vs = pfv.VideoConstants(frames=big.frames[idx], packed=big.packed[idx], fingerprint=big.fingerprint,
                                vbar=units_big[idx] * norms_big[idx, None])
         return pf.pair_scores(q, vs, ar, kernel=False)[0]
 
@@ -204,7 +207,7 @@ def main() -> None:
     print(diffs, flush=True)
 
     # ---------------------------------------------------------------- exhaustive over the gallery, one query
-    q1 = pf.fold_queries(t, fw, cfg.temp)
+    q1 = pfq.fold_queries(t, fw, cfg.temp)
     with torch.inference_mode():
         ex_fold, per = median_time(lambda: pf.exhaustive(q1, big), 1, reps)  # one query: the CPU kernel
         s_fold = pf.exhaustive(q1, big)

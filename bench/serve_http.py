@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
             with open_index(index) as v:
                 data["n"] = v.n
         else:
-            from gare.psi_fold import fold_weights
+            from gare.psi_fold_weights import fold_weights
 
             torch.manual_seed(0)
             cfg = get_model_config("gare-vit-b-32", pretrained="none")

@@ -200,7 +200,7 @@ def make_index(work: Path, n: int) -> Path:
     from gare.checkpoint import file_sha256, save_checkpoint
     from gare.config import get_model_config
     from gare.model import GARE
-    from gare.psi_fold import fold_weights
+    from gare.psi_fold_weights import fold_weights
 
     torch.manual_seed(0)
     cfg = get_model_config("gare-vit-b-32", pretrained="none")

@@ -1,4 +1,4 @@
-"""psi folded exactly into per-video constants and per-query vectors (issue 12).
+"""psi folded exactly: the pair scores from per-video constants and per-query vectors (issue 12).
 
 `gare.psi.pair_scores` costs ~4 d x d products per (text, video) pair. Every piece of psi is a linear
 map or a LayerNorm, so each linear map can be moved to the query side (once per query) or the video side
@@ -49,403 +49,37 @@ Per video this stores 5 f x f matrices (G1, G2, G3, P, H) and 10 f-vectors (1/σ
 float32 (`VideoConstants.bytes_per_video`; 1,684 in float16, which costs ~3e-5 in the score), on top of the frames the index already stores (the pair stage needs
 them for the 3f dots). The constants cost three d x d products per frame once, at index time.
 
-Public API (a queries, b videos, K candidates per query, f frames, d width):
-- ``fold_weights(psi) -> PsiFold``: the weight products, once per checkpoint (``fingerprint`` ties stored
-  constants to the weights);
-- ``fold_videos(frames (b, f, d), mask (b, f) | None, psi_or_fold) -> VideoConstants`` (frames kept by
-  reference; constants float32 on the frames' device);
-- ``fold_queries(t (a, d), psi_or_fold, temp) -> QueryVectors``;
-- ``pair_scores(q, v, idx=None) -> (a, b)`` scores, or ``(a, K)`` for candidate ids ``idx`` (a, K);
-- ``exhaustive(q, v, chunk=...) -> (a, b)`` in bounded memory for whole galleries;
-- ``rerank_scores(impl, ...)``: one switch over "fold" / "model" (gare_search.search.rerank_scores adds "fused").
+Public API (a queries, b videos, K candidates per query, f frames, d width), by module:
+- :mod:`gare.psi_fold_weights`: ``fold_weights(psi) -> PsiFold``, the weight products, once per checkpoint
+  (``fingerprint`` ties stored constants to the weights);
+- :mod:`gare.psi_fold_videos`: ``fold_videos(frames (b, f, d), mask (b, f) | None, psi_or_fold) ->
+  VideoConstants`` (frames kept by reference; constants float32 on the frames' device);
+- :mod:`gare.psi_fold_queries`: ``fold_queries(t (a, d), psi_or_fold, temp) -> QueryVectors``;
+- here: ``pair_scores(q, v, idx=None) -> (a, b)`` scores, or ``(a, K)`` for candidate ids ``idx`` (a, K);
+  ``exhaustive(q, v, chunk=...) -> (a, b)`` in bounded memory for whole galleries; ``rerank_scores(impl, ...)``:
+  one switch over "fold" / "model" (gare_search.search.rerank_scores adds "fused"); the compiled CPU form of
+  ``pair_scores`` is :mod:`gare.psi_fold_cpu`.
 Inputs may be float16/bfloat16 (stored features); everything is computed in float32 on the inputs' device.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import math
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from gare import psi_fold_cpu
-from gare.psi import Psi
+from gare.psi_fold_queries import QueryVectors, fold_queries
+from gare.psi_fold_videos import MAT_FIELDS, VEC_FIELDS, VideoConstants, fold_videos
+from gare.psi_fold_weights import PsiFold, fold_weights
 
 log = logging.getLogger(__name__)
 
 _COS_EPS = 1e-8  # F.cosine_similarity's eps in gare.psi.pair_scores
-
-
-# ------------------------------------------------------------------------------------------ weights
-@dataclass(frozen=True)
-class PsiFold:
-    """psi's weights multiplied out (computed in float64, kept in float32). d = psi.dim.
-
-    Names follow the module docstring.
-    """
-
-    dim: int
-    eps: tuple[float, float, float]  # ε1, ε2, ε3 of LN1..LN3
-    gamma1: torch.Tensor  # (d,)
-    beta1: torch.Tensor  # (d,)
-    a_e: torch.Tensor  # (d, d) A Γ1 C: v̄ -> the vector dotted with c_f for e_f
-    k1: torch.Tensor  # (d,) A β1 + W_kᵀ b_q: dotted with c_f for g_f
-    r: torch.Tensor  # (d, d) u1 = R t
-    s: torch.Tensor  # (d, d) u2 = S t
-    k2: torch.Tensor  # (d,) t·M_f = u2·F_f / σ_f + t·k2
-    w_y: torch.Tensor  # (d, d) W_o W_v
-    c0: torch.Tensor  # (d,)
-    gamma2: torch.Tensor  # (d,)
-    w_z: torch.Tensor  # (d, d) I + W_1
-    cz0: torch.Tensor  # (d,) C z0
-    gamma3: torch.Tensor  # (d,)
-    w_mu: torch.Tensor  # (d, d)
-    m0: torch.Tensor  # (d,)
-    m1: torch.Tensor  # (d,)
-    scalars: torch.Tensor  # (4,) |Cz0|², |m0|², m0·m1, |m1|²
-    fingerprint: str  # sha256 of psi's parameters and eps: stored constants are only valid for it
-
-    @property
-    def device(self) -> torch.device:
-        return self.r.device
-
-    def to(self, device: torch.device | str) -> PsiFold:
-        kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        for k, v in kw.items():
-            if isinstance(v, torch.Tensor):
-                kw[k] = v.to(device)
-        return PsiFold(**kw)
-
-
-def psi_fingerprint(psi: Psi) -> str:
-    h = hashlib.sha256()
-    for name, p in sorted(psi.state_dict().items()):
-        if name.startswith("log_sigma"):  # unused by the score
-            continue
-        h.update(name.encode())
-        h.update(p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
-    h.update(repr((psi.ln1.eps, psi.ln2.eps, psi.ln3.eps)).encode())
-    return h.hexdigest()
-
-
-def _ln_affine(ln: torch.nn.LayerNorm, d: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = ln.weight if ln.weight is not None else torch.ones(d)
-    b = ln.bias if ln.bias is not None else torch.zeros(d)
-    return g.detach().double().cpu(), b.detach().double().cpu()
-
-
-def fold_weights(psi: Psi) -> PsiFold:
-    """The per-checkpoint products (float64 on the CPU, returned as float32 on psi's device)."""
-    if not isinstance(psi, Psi):
-        raise TypeError(f"fold_weights needs a gare.psi.Psi, got {type(psi).__name__}")
-    if psi.heads != 1:
-        raise ValueError(f"psi_fold supports single-head psi only; this psi has heads={psi.heads}")
-    d = psi.dim
-    dev = psi.q.weight.device
-
-    def lin(m: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
-        b = m.bias if m.bias is not None else torch.zeros(d)
-        return m.weight.detach().double().cpu(), b.detach().double().cpu()
-
-    with torch.no_grad():
-        wq, bq = lin(psi.q)
-        wk, _ = lin(psi.k)  # b_k only shifts every logit of a pair equally
-        wv, bv = lin(psi.v)
-        wo, bo = lin(psi.o)
-        w1, b1 = lin(psi.ffn)
-        wmu, bmu = lin(psi.mu)
-        g1, be1 = _ln_affine(psi.ln1, d)
-        g2, be2 = _ln_affine(psi.ln2, d)
-        g3, be3 = _ln_affine(psi.ln3, d)
-        eye = torch.eye(d, dtype=torch.float64)
-        cm = eye - 1.0 / d  # centring operator C (d, d)
-        a = wk.t() @ wq  # (d, d)
-        a_e = a @ (g1[:, None] * cm)  # A Γ1 C
-        k1 = a @ be1 + wk.t() @ bq
-        r = cm @ (g1[:, None] * a_e)  # C Γ1 A Γ1 C
-        w_y = wo @ wv
-        c0 = wo @ bv + bo
-        w_z = eye + w1
-        z0 = w_z @ be2 + b1
-        cz0 = cm @ z0
-        m0 = wmu @ (g3 * cz0)
-        m1 = wmu @ be3 + bmu
-        bmat = wmu @ (g3[:, None] * cm) @ w_z @ (g2[:, None] * cm)  # W_μ Γ3 C (I+W_1) Γ2 C
-        lmat = bmat @ w_y
-        l0 = bmat @ c0
-        s = cm @ (g1[:, None] * lmat.t())  # C Γ1 Lᵀ
-        k2 = lmat @ be1 + l0
-        scalars = torch.stack([cz0 @ cz0, m0 @ m0, m0 @ m1, m1 @ m1])
-
-    def f32(x: torch.Tensor) -> torch.Tensor:
-        return x.to(dev, torch.float32).contiguous()
-
-    return PsiFold(
-        dim=d,
-        eps=(float(psi.ln1.eps), float(psi.ln2.eps), float(psi.ln3.eps)),
-        gamma1=f32(g1), beta1=f32(be1), a_e=f32(a_e), k1=f32(k1), r=f32(r), s=f32(s), k2=f32(k2),
-        w_y=f32(w_y), c0=f32(c0), gamma2=f32(g2), w_z=f32(w_z), cz0=f32(cz0), gamma3=f32(g3), w_mu=f32(wmu),
-        m0=f32(m0), m1=f32(m1), scalars=f32(scalars), fingerprint=psi_fingerprint(psi),
-    )
-
-
-def _as_fold(psi: Psi | PsiFold) -> PsiFold:
-    return psi if isinstance(psi, PsiFold) else fold_weights(psi)
-
-
-# ------------------------------------------------------------------------------------------ videos
-# Layout of one video's packed constants (one float row of width 10f + 5f² + 2), in this order.
-VEC_FIELDS = ("rs", "bias", "le", "lg", "omega", "g2", "mu0", "mu1", "pi0", "pi1")  # (f,) each
-MAT_FIELDS = ("g1", "g2m", "g3", "p", "h")  # (f, f) each
-SCALAR_FIELDS = ("cvv", "vsum")  # scalars
-CONST_FIELDS = (*VEC_FIELDS, *MAT_FIELDS, *SCALAR_FIELDS)
-
-
-def packed_width(f: int) -> int:
-    """Floats per video in `VideoConstants.packed` for f frames: 10f + 5f² + 2 (842 at f = 12)."""
-    return len(VEC_FIELDS) * f + len(MAT_FIELDS) * f * f + len(SCALAR_FIELDS)
-
-
-@dataclass(frozen=True)
-class VideoConstants:
-    """Per-video constants of the fold for b videos of f frames (see the module docstring).
-
-    - ``frames`` (b, f, d): the stored frame features themselves (any float dtype, not copied): the pair
-      stage dots them with the query vectors;
-    - ``packed`` (b, 10f + 5f² + 2): every constant of a video in one row (float32 from `fold_videos`;
-      it may be stored lower, e.g. float16, and is upcast on use). One row per video is what the index
-      stores and what a rerank gathers (one index_select instead of 17);
-    - ``fingerprint``: the psi weights the constants belong to (`PsiFold.fingerprint`).
-    Named views (leading shape S = (b,) or whatever `select` was given): rs 1/σ_f, bias 0 or -inf (a frame the
-    pooling skips; psi skips the frames with ω_f = 0), le e_f/√d, lg g_f/√d, omega ω_f, g2 g2_f, mu0 μ0_f, mu1 μ1_f, pi0 π0_f, pi1 π1_f: (*S, f);
-    g1 G1, g2m G2, g3 G3, p P, h H: (*S, f, f); cvv |Cv̄|², vsum Σv̄: S.
-    - ``vbar`` (b, d) or None: an explicit v̄ (kept by reference) when the caller's v̄ is not the masked mean
-      of ``frames`` (the index rebuilds v̄ = norm * unit from float32 features while ``frames`` are stored
-      float16). The pair stage then computes t·v̄ with one more dot per pair instead of Σ ω_f t·F_f;
-      le, cvv and vsum in ``packed`` must have been folded from the same v̄ (``fold_videos(..., vbar=)``).
-    """
-
-    frames: torch.Tensor
-    packed: torch.Tensor
-    fingerprint: str
-    vbar: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        f = self.frames.shape[-2]
-        if self.packed.shape[:-1] != self.frames.shape[:-2] or self.packed.shape[-1] != packed_width(f):
-            raise ValueError(f"packed constants {tuple(self.packed.shape)} do not match frames {tuple(self.frames.shape)}: "
-                             f"expected {(*self.frames.shape[:-2], packed_width(f))}")
-        if self.vbar is not None and tuple(self.vbar.shape) != (*self.frames.shape[:-2], self.frames.shape[-1]):
-            raise ValueError(f"vbar {tuple(self.vbar.shape)} does not match frames {tuple(self.frames.shape)}")
-
-    @property
-    def n(self) -> int:
-        return self.frames.shape[0]
-
-    @property
-    def num_frames(self) -> int:
-        return self.frames.shape[-2]
-
-    @property
-    def device(self) -> torch.device:
-        return self.packed.device
-
-    def field(self, name: str, packed: torch.Tensor | None = None) -> torch.Tensor:
-        """A named view into `packed` (or into the given upcast copy of it)."""
-        pk = self.packed if packed is None else packed
-        f = self.num_frames
-        if name in VEC_FIELDS:
-            i = VEC_FIELDS.index(name) * f
-            return pk[..., i : i + f]
-        if name in MAT_FIELDS:
-            i = len(VEC_FIELDS) * f + MAT_FIELDS.index(name) * f * f
-            return pk[..., i : i + f * f].unflatten(-1, (f, f))
-        if name in SCALAR_FIELDS:
-            return pk[..., packed_width(f) - len(SCALAR_FIELDS) + SCALAR_FIELDS.index(name)]
-        raise AttributeError(f"VideoConstants has no field {name!r}")
-
-    def __getattr__(self, name: str) -> torch.Tensor:
-        if name in CONST_FIELDS:
-            return self.field(name)
-        raise AttributeError(name)
-
-    def select(self, idx: torch.Tensor) -> VideoConstants:
-        """Rows idx (any shape S, int64) -> constants with leading shape S (frames gathered too)."""
-        idx = torch.as_tensor(idx, dtype=torch.long)
-        flat = idx.reshape(-1)
-
-        def take(x: torch.Tensor) -> torch.Tensor:
-            # index_select: several times faster than advanced indexing (x[idx]) on the CPU
-            return x.index_select(0, flat.to(x.device)).view(*idx.shape, *x.shape[1:])
-
-        return VideoConstants(frames=take(self.frames), packed=take(self.packed), fingerprint=self.fingerprint,
-                              vbar=None if self.vbar is None else take(self.vbar))
-
-    def slice(self, s0: int, s1: int) -> VideoConstants:
-        return VideoConstants(frames=self.frames[s0:s1], packed=self.packed[s0:s1], fingerprint=self.fingerprint,
-                              vbar=None if self.vbar is None else self.vbar[s0:s1])
-
-    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> VideoConstants:
-        """Move everything to `device`; `dtype` (e.g. float16 for storage) applies to `packed` only."""
-        fr, pk, vb = self.frames, self.packed, self.vbar
-        if device is not None:
-            fr, pk = fr.to(device), pk.to(device)
-            vb = None if vb is None else vb.to(device)
-        if dtype is not None:
-            pk = pk.to(dtype)
-        return VideoConstants(frames=fr, packed=pk, fingerprint=self.fingerprint, vbar=vb)
-
-    @classmethod
-    def cat(cls, parts: list[VideoConstants]) -> VideoConstants:
-        if not parts:
-            raise ValueError("cat needs at least one VideoConstants")
-        fps = {p.fingerprint for p in parts}
-        if len(fps) != 1:
-            raise ValueError(f"cannot concatenate constants of different psi weights: {sorted(fps)}")
-        if len({p.vbar is None for p in parts}) != 1:
-            raise ValueError("cannot concatenate constants with and without an explicit vbar")
-        vb = None if parts[0].vbar is None else torch.cat([p.vbar for p in parts])
-        return cls(frames=torch.cat([p.frames for p in parts]), packed=torch.cat([p.packed for p in parts]),
-                   fingerprint=parts[0].fingerprint, vbar=vb)
-
-    def bytes_per_video(self) -> int:
-        """Added bytes per video: one packed row at its current dtype (the frames are not counted)."""
-        return self.packed.shape[-1] * self.packed.element_size()
-
-
-def fold_videos(
-    frames: torch.Tensor,
-    mask: torch.Tensor | None,
-    psi: Psi | PsiFold,
-    *,
-    chunk: int = 1024,
-    reference_padding: bool = False,
-    vbar: torch.Tensor | None = None,
-) -> VideoConstants:
-    """frames F (b, f, d) (any float dtype), mask (b, f) (bool/0-1; None = every row is real, the same as an
-    all-ones mask) -> VideoConstants on the frames' device, float32.
-
-    `reference_padding` (the model's ``cfg.reference_padding``): v̄ is the mean over all f rows and psi
-    attends to every row (ω_f = 1/f marks them), while the pooling still skips the padded rows (bias -inf),
-    as ``gare.psi.pair_scores(..., reference_padding=True)``; `frames` must hold the padded rows'
-    features then.
-
-    v̄ is the masked mean of the (upcast) frames, as `pair_scores(..., vbar=None)` computes it, unless `vbar`
-    (b, d) is given (e.g. the index's norm * unit): then the constants use it and keep it by reference, and
-    the pair stage adds one dot per pair (t·v̄). Work runs in
-    chunks of `chunk` videos: three (chunk·f, d) x (d, d) products each.
-    """
-    fold = _as_fold(psi)
-    if frames.ndim != 3 or frames.shape[-1] != fold.dim:
-        raise ValueError(f"frames must be (b, f, {fold.dim}), got {tuple(frames.shape)}")
-    b, f, d = frames.shape
-    if mask is not None and tuple(mask.shape) != (b, f):
-        raise ValueError(f"mask must be ({b}, {f}), got {tuple(mask.shape)}")
-    if vbar is not None and tuple(vbar.shape) != (b, d):
-        raise ValueError(f"vbar must be ({b}, {d}), got {tuple(vbar.shape)}")
-    dev = frames.device
-    fw = fold.to(dev) if fold.device != dev else fold
-    if chunk < 1:
-        raise ValueError(f"chunk must be >= 1, got {chunk}")
-    parts: list[torch.Tensor] = []
-    sqd = math.sqrt(d)
-    eps1 = fold.eps[0]
-    with torch.no_grad():
-        for s0 in range(0, b, chunk):
-            fr = frames[s0 : s0 + chunk].to(torch.float32)  # (n, f, d)
-            n = fr.shape[0]
-            m = torch.ones(n, f, dtype=torch.bool, device=dev) if mask is None else mask[s0 : s0 + chunk].to(dev).bool()
-            mf = m.to(torch.float32)
-            if reference_padding:  # the plain mean over all rows; psi attends to every row with ω_f > 0
-                omega = torch.full_like(mf, 1.0 / f)
-            else:
-                omega = mf / mf.sum(1, keepdim=True).clamp_min(1.0)  # masked_mean's weights
-            vb = (torch.einsum("nf,nfd->nd", omega, fr) if vbar is None
-                  else vbar[s0 : s0 + chunk].to(dev, torch.float32))  # (n, d)
-            cf_raw = fr - fr.mean(-1, keepdim=True)
-            rs = torch.rsqrt(cf_raw.pow(2).mean(-1) + eps1)  # (n, f) 1/σ_f
-            c = F.layer_norm(fr, (d,), fw.gamma1, fw.beta1, eps1)  # (n, f, d) LN1(F)
-            vc = vb - vb.mean(-1, keepdim=True)
-            le = torch.einsum("nd,nfd->nf", vb @ fw.a_e.t(), c) / sqd
-            lg = (c @ fw.k1) / sqd
-            y = torch.addmm(fw.c0, c.reshape(-1, d), fw.w_y.t())  # (n·f, d)
-            cy = y - y.mean(-1, keepdim=True)
-            z = (cy * fw.gamma2) @ fw.w_z.t()  # (n·f, d): Z_f without z0
-            cz = z - z.mean(-1, keepdim=True)
-            mm = (cz * fw.gamma3) @ fw.w_mu.t()  # (n·f, d): M_f
-            cy, cz, mm = cy.view(n, f, d), cz.view(n, f, d), mm.view(n, f, d)
-            fields = dict(
-                    rs=rs,
-                    bias=torch.zeros(n, f, device=dev).masked_fill(~m, float("-inf")),
-                    le=le,
-                    lg=lg,
-                    omega=omega,
-                    g2=cz @ fw.cz0,
-                    mu0=mm @ fw.m0,
-                    mu1=mm @ fw.m1,
-                    pi0=fr @ fw.m0,
-                    pi1=fr @ fw.m1,
-                    g1=cy @ cy.transpose(1, 2),
-                    g2m=cz @ cz.transpose(1, 2),
-                    g3=mm @ mm.transpose(1, 2),
-                    p=mm @ fr.transpose(1, 2),
-                    h=fr @ fr.transpose(1, 2),
-                    cvv=vc.pow(2).sum(-1),
-                    vsum=vb.sum(-1),
-            )
-            parts.append(torch.cat([fields[k].reshape(n, -1) for k in CONST_FIELDS], dim=1))  # (n, packed_width)
-    packed = torch.cat(parts) if parts else torch.empty(0, packed_width(f), device=dev)
-    return VideoConstants(frames=frames, packed=packed, fingerprint=fold.fingerprint, vbar=vbar)
-
-
-# ------------------------------------------------------------------------------------------ queries
-@dataclass(frozen=True)
-class QueryVectors:
-    """Per-query vectors for a queries: u (a, 3, d) = [t, u1, u2] (dotted with every frame), and per-query
-    scalars sc (a, 7) = [|t|², |Ct|², Σt, t·k2, t·m0, t·m1, unused 0]; plus the weight scalars and eps."""
-
-    u: torch.Tensor
-    sc: torch.Tensor
-    wsc: torch.Tensor  # (4,) |Cz0|², |m0|², m0·m1, |m1|²
-    eps: tuple[float, float, float]
-    inv_temp: float
-    fingerprint: str
-
-    @property
-    def n(self) -> int:
-        return self.u.shape[0]
-
-    @property
-    def device(self) -> torch.device:
-        return self.u.device
-
-
-def fold_queries(t: torch.Tensor, psi: Psi | PsiFold, temp: float) -> QueryVectors:
-    """t (a, d) text embeddings (any float dtype) -> QueryVectors (float32 on t's device); temp = the model's
-    pooling temperature (cfg.temp)."""
-    fold = _as_fold(psi)
-    if t.ndim != 2 or t.shape[1] != fold.dim:
-        raise ValueError(f"t must be (a, {fold.dim}), got {tuple(t.shape)}")
-    if not temp > 0:
-        raise ValueError(f"temp must be > 0, got {temp}")
-    dev = t.device
-    fw = fold.to(dev) if fold.device != dev else fold
-    with torch.no_grad():
-        t = t.to(torch.float32)
-        ct = t - t.mean(-1, keepdim=True)
-        u = torch.stack([t, t @ fw.r.t(), t @ fw.s.t()], dim=1)  # (a, 3, d)
-        sc = torch.stack(
-            [t.pow(2).sum(-1), ct.pow(2).sum(-1), t.sum(-1), t @ fw.k2, t @ fw.m0, t @ fw.m1, torch.zeros_like(t[:, 0])],
-            dim=1,
-        )
-    return QueryVectors(u=u.contiguous(), sc=sc, wsc=fw.scalars, eps=fold.eps, inv_temp=1.0 / float(temp),
-                        fingerprint=fold.fingerprint)
 
 
 # ------------------------------------------------------------------------------------------ pairs
@@ -609,7 +243,7 @@ def _all_pairs(q: QueryVectors, v: VideoConstants, buf: torch.Tensor | None) -> 
 
 
 # Below this many queries the CPU kernel scores a whole gallery faster than the torch ops (1 query: 4.5x; at 16
-# queries the torch path's shared frame upcast wins by 1.2-1.5x; measured with bench/psi_fold.py's sizes).
+# queries the torch path's shared frame upcast wins by 1.2-1.5x; measured at K = 256, f = 12, d = 512).
 _KERNEL_MAX_QUERIES = 8
 
 
@@ -696,7 +330,7 @@ def rerank_scores(
             if v.n != P:
                 raise ValueError(f"consts has {v.n} rows for {P} pairs")
             q = fold_queries(t, fw, model.cfg.temp)
-            return _diag(q, v.to(dev))
+            return diagonal_scores(q, v.to(dev))
         fr = frames.to(dev, torch.float32)
         mk = None if mask is None else mask.to(dev)
         out = torch.empty(P, device=dev)
@@ -705,7 +339,7 @@ def rerank_scores(
         return out
 
 
-def _diag(q: QueryVectors, v: VideoConstants) -> torch.Tensor:
+def diagonal_scores(q: QueryVectors, v: VideoConstants) -> torch.Tensor:
     """Scores of the pairs (query i, video i): q with P queries, v with P videos -> (P,)."""
     P = q.u.shape[0]
     fr = v.frames.to(v.device, torch.float32)

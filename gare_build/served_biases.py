@@ -88,13 +88,16 @@ def fold_pair_scorer(model: Any, queries: np.ndarray, frames: Any, masks: Any, u
     import torch
 
     from gare import psi_fold as pf
+    from gare import psi_fold_queries as pfq
+    from gare import psi_fold_videos as pfv
+    from gare import psi_fold_weights as pfw
 
     dev = model.device
-    fw = pf.fold_weights(model.psi).to(dev)
+    fw = pfw.fold_weights(model.psi).to(dev)
     ref_pad = bool(getattr(model.cfg, "reference_padding", False))
-    q_all = pf.fold_queries(torch.as_tensor(np.asarray(queries, dtype=np.float32)).to(dev), fw, model.cfg.temp)
+    q_all = pfq.fold_queries(torch.as_tensor(np.asarray(queries, dtype=np.float32)).to(dev), fw, model.cfg.temp)
     if consts is not None:
-        want = (int(np.asarray(norms).shape[0]), pf.packed_width(int(frames.shape[1])))
+        want = (int(np.asarray(norms).shape[0]), pfv.packed_width(int(frames.shape[1])))
         if tuple(consts.shape) != want:
             raise ValueError(f"psi constants have shape {tuple(consts.shape)}, expected {want}")
 
@@ -107,13 +110,13 @@ def fold_pair_scorer(model: Any, queries: np.ndarray, frames: Any, masks: Any, u
                 uniq, inv = np.unique(r, return_inverse=True)
                 vb = np.asarray(units[uniq], dtype=np.float32) * np.asarray(norms[uniq], dtype=np.float32)[:, None]
                 if consts is not None:  # stored frames (float16) and constants: nothing folded per chunk
-                    v = pf.VideoConstants(frames=torch.from_numpy(np.asarray(frames[uniq])).to(dev),
+                    v = pfv.VideoConstants(frames=torch.from_numpy(np.asarray(frames[uniq])).to(dev),
                                           packed=torch.from_numpy(np.asarray(consts[uniq], dtype=np.float32)).to(dev),
                                           fingerprint=fw.fingerprint, vbar=torch.from_numpy(vb).to(dev))
                 else:
                     fr = torch.from_numpy(np.asarray(frames[uniq], dtype=np.float32)).to(dev)
                     mk = torch.from_numpy(np.asarray(masks[uniq]).astype(bool)).to(dev)
-                    v = pf.fold_videos(fr, mk, fw, vbar=torch.from_numpy(vb).to(dev), reference_padding=ref_pad)
+                    v = pfv.fold_videos(fr, mk, fw, vbar=torch.from_numpy(vb).to(dev), reference_padding=ref_pad)
                 uq, qinv = np.unique(qc, return_inverse=True)
                 if qc.size >= 8 * uq.size:
                     # queue order (each query's candidates together, as score_candidates passes them): every
@@ -131,7 +134,7 @@ def fold_pair_scorer(model: Any, queries: np.ndarray, frames: Any, masks: Any, u
                 else:  # scattered pairs: one (query, video) at a time
                     q = torch.from_numpy(qc).to(dev)
                     qs = dataclasses.replace(q_all, u=q_all.u[q], sc=q_all.sc[q])
-                    out[s:s + r.shape[0]] = pf._diag(qs, v.select(torch.from_numpy(inv).to(dev))).float().cpu()
+                    out[s:s + r.shape[0]] = pf.diagonal_scores(qs, v.select(torch.from_numpy(inv).to(dev))).float().cpu()
         return out
 
     return score

@@ -107,7 +107,10 @@ def psi_fold_scorer(model: Any, frames: np.ndarray, masks: np.ndarray, biases: n
     products per frame) and scores every given query against it: O(a · m · f · d)."""
     import torch
 
-    from gare.psi_fold import exhaustive, fold_queries, fold_videos, fold_weights
+    from gare.psi_fold import exhaustive
+    from gare.psi_fold_queries import fold_queries
+    from gare.psi_fold_videos import fold_videos
+    from gare.psi_fold_weights import fold_weights
 
     ref_pad = bool(getattr(model.cfg, "reference_padding", False))  # the authors' padding: v̄ and psi over all rows
     fold = fold_weights(model.psi).to("cpu")  # the scoring runs on the CPU next to the memmapped frames

@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from gare.psi_fold import PsiFold, VideoConstants, fold_videos, fold_weights, packed_width
+from gare.psi_fold_videos import VideoConstants, fold_videos, packed_width
+from gare.psi_fold_weights import PsiFold, fold_weights
 from gare_index.store.format import PSI_CONSTS_ARRAY
 
 log = logging.getLogger(__name__)

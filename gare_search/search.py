@@ -48,6 +48,7 @@ import torch.nn.functional as F
 
 from gare import psi_fold as pf
 from gare import psi_fold_cpu
+from gare import psi_fold_queries as pfq
 from gare.model import autocast
 from gare.text_quant import encode_each
 from gare_index import psi_consts
@@ -361,7 +362,7 @@ def _psi_scores_fold(model: Any, version: Any, t: torch.Tensor, rows: np.ndarray
     query shares; each query's candidates are ids into it. Either way K is padded to the batch's largest."""
     dev = t.device
     fold = psi_consts.fold_of(model)
-    q = pf.fold_queries(t, fold, model.cfg.temp)
+    q = pfq.fold_queries(t, fold, model.cfg.temp)
     if dev.type == "cpu" and _kernel_reads(version):
         s = psi_fold_cpu.pair_scores(q, version.frames, version.psi_consts, _padded(rows, sizes), vrows=version.units,
                                      vscale=version.norms)
@@ -452,7 +453,7 @@ def exhaustive_psi(model: Any, version: Any, t: torch.Tensor, *, block: int = 81
         why = psi_consts.fold_status(version, fold)
         if why is not None:
             log.info("exhaustive psi: %s; folding the constants block by block instead", why)
-        q = pf.fold_queries(t, fold, model.cfg.temp)
+        q = pfq.fold_queries(t, fold, model.cfg.temp)
         starts = range(0, n, block)
         if progress:
             from tqdm import tqdm

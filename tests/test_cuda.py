@@ -41,6 +41,9 @@ def _gallery(n: int, f: int, d: int, seed: int = 1) -> tuple[torch.Tensor, torch
 
 def test_psi_fold_on_cuda_equals_cpu_and_the_model():
     from gare import psi_fold as pf
+    from gare import psi_fold_queries as pfq
+    from gare import psi_fold_videos as pfv
+    from gare import psi_fold_weights as pfw
     from gare.psi import pair_scores
 
     model = _tiny_model()
@@ -48,11 +51,11 @@ def test_psi_fold_on_cuda_equals_cpu_and_the_model():
     frames, mask = _gallery(300, f, d)
     t = torch.randn(5, d, generator=torch.Generator().manual_seed(3)) * 3.0
     temp = model.cfg.temp
-    fw = pf.fold_weights(model.psi)
-    cpu = pf.pair_scores(pf.fold_queries(t, fw, temp), pf.fold_videos(frames, mask, fw))
+    fw = pfw.fold_weights(model.psi)
+    cpu = pf.pair_scores(pfq.fold_queries(t, fw, temp), pfv.fold_videos(frames, mask, fw))
     fwc = fw.to(CUDA)
-    vc = pf.fold_videos(frames.to(CUDA), mask.to(CUDA), fwc)
-    gpu = pf.pair_scores(pf.fold_queries(t.to(CUDA), fwc, temp), vc)
+    vc = pfv.fold_videos(frames.to(CUDA), mask.to(CUDA), fwc)
+    gpu = pf.pair_scores(pfq.fold_queries(t.to(CUDA), fwc, temp), vc)
     assert gpu.device.type == "cuda"
     torch.testing.assert_close(gpu.cpu(), cpu, atol=2e-5, rtol=0)
     # and the training definition, on the GPU (TF32 off: the reference must be fp32 exact)
@@ -63,14 +66,15 @@ def test_psi_fold_on_cuda_equals_cpu_and_the_model():
     torch.testing.assert_close(gpu, ref, atol=2e-5, rtol=0)
     # candidates (rerank) and exhaustive (chunked, constants on the CPU moved chunk by chunk)
     idx = torch.randint(0, 300, (5, 17), generator=torch.Generator().manual_seed(4)).to(CUDA)
-    torch.testing.assert_close(pf.pair_scores(pf.fold_queries(t.to(CUDA), fwc, temp), vc, idx),
+    torch.testing.assert_close(pf.pair_scores(pfq.fold_queries(t.to(CUDA), fwc, temp), vc, idx),
                                gpu.gather(1, idx), atol=1e-6, rtol=0)
-    ex = pf.exhaustive(pf.fold_queries(t.to(CUDA), fwc, temp), vc.to("cpu"), chunk=64, device=CUDA)
+    ex = pf.exhaustive(pfq.fold_queries(t.to(CUDA), fwc, temp), vc.to("cpu"), chunk=64, device=CUDA)
     torch.testing.assert_close(ex, cpu, atol=2e-5, rtol=0)
 
 
 def test_build_time_psi_constants_on_cuda_equal_cpu():
-    from gare import psi_fold as pf
+    from gare import psi_fold_videos as pfv
+    from gare import psi_fold_weights as pfw
     from gare_index.psi_consts import compute_rows
 
     model = _tiny_model(1)
@@ -79,8 +83,8 @@ def test_build_time_psi_constants_on_cuda_equal_cpu():
     vbar = (frames.float() * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
     norms = vbar.norm(dim=-1)
     units = vbar / norms[:, None]
-    fw = pf.fold_weights(model.psi)
-    w = pf.packed_width(f)
+    fw = pfw.fold_weights(model.psi)
+    w = pfv.packed_width(f)
     out_cpu, out_gpu = np.zeros((n, w), np.float32), np.zeros((n, w), np.float32)
     args = (frames.numpy(), mask.numpy().astype(np.uint8), units.numpy(), norms.numpy())
     compute_rows(fw, *args, out_cpu, device="cpu")

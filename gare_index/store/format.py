@@ -59,7 +59,7 @@ PSI_CONSTS_ARRAY = "psi_consts"
 
 def expected_shape(name: str, n: int, d: int, f: int) -> tuple[int, ...]:
     """The shape an array of the format must have for n videos of f frames of width d."""
-    from gare.psi_fold import packed_width
+    from gare.psi_fold_videos import packed_width
 
     ndim = (ARRAY_SPECS.get(name) or OPTIONAL_ARRAYS[name])[1]
     if name == PSI_CONSTS_ARRAY:

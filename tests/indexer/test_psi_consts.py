@@ -9,7 +9,7 @@ import logging
 import numpy as np
 import torch
 
-from gare.psi_fold import packed_width
+from gare.psi_fold_videos import packed_width
 from gare_index import psi_consts
 from gare_search import search as S
 from tests.service.support import build_index, copy_index

@@ -97,6 +97,9 @@ def test_stage2_paths_equal_the_authors_on_the_stored_features(imported):
     """Given what the index stores (float16 F, float32 v̄), every psi path equals the authors' psi and pooling
     within 1e-5; the authors' restatement is fed the same stored numbers."""
     from gare import psi_fold as pf
+    from gare import psi_fold_queries as pfq
+    from gare import psi_fold_videos as pfv
+    from gare import psi_fold_weights as pfw
 
     model, v, sd = imported["model"], imported["version"], imported["sd"]
     frames, masks, vbar = _stored(v)
@@ -111,14 +114,14 @@ def test_stage2_paths_equal_the_authors_on_the_stored_features(imported):
     np.testing.assert_allclose(S.exhaustive_psi(model, v, t), ref.numpy(), atol=1e-5, rtol=0)
     # the exact fold in its all-rows mode (what an index of psi constants must be folded with)
     a, b = len(CAPTIONS), v.n
-    fold = pf.fold_weights(model.psi)
-    consts = pf.fold_videos(frames, masks, fold, reference_padding=True)
-    got = pf.pair_scores(pf.fold_queries(t, fold, model.cfg.temp), consts)
+    fold = pfw.fold_weights(model.psi)
+    consts = pfv.fold_videos(frames, masks, fold, reference_padding=True)
+    got = pf.pair_scores(pfq.fold_queries(t, fold, model.cfg.temp), consts)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
     pairs = pf.rerank_scores("fold", model, t.repeat_interleave(b, 0), frames.repeat(a, 1, 1), masks.repeat(a, 1))
     torch.testing.assert_close(pairs.view(a, b), ref, atol=1e-5, rtol=0)
     # mask=None is not the authors' padding: it would pool over the padded rows too
-    wrong = pf.pair_scores(pf.fold_queries(t, fold, model.cfg.temp), pf.fold_videos(frames, None, fold))
+    wrong = pf.pair_scores(pfq.fold_queries(t, fold, model.cfg.temp), pfv.fold_videos(frames, None, fold))
     assert (wrong - ref)[:, masks.sum(1) < FRAMES].abs().max() > 1e-3
 
 

@@ -11,6 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gare import psi_fold as pf
+from gare import psi_fold_queries as pfq
+from gare import psi_fold_videos as pfv
+from gare import psi_fold_weights as pfw
 from gare.psi import Psi, pair_scores
 from tests.psi_weights import randomize_psi
 
@@ -62,7 +65,7 @@ FAST = settings(max_examples=20, deadline=None, derandomize=True, suppress_healt
 @given(problems())
 def test_fold_equals_pair_scores(problem):
     psi, t, frames, mask, temp = problem
-    s = pf.pair_scores(pf.fold_queries(t, psi, temp), pf.fold_videos(frames, mask, psi))
+    s = pf.pair_scores(pfq.fold_queries(t, psi, temp), pfv.fold_videos(frames, mask, psi))
     assert s.dtype == torch.float32 and s.shape == (t.shape[0], frames.shape[0])
     torch.testing.assert_close(s.double(), reference(psi, t, frames, mask, temp), atol=TOL, rtol=0)
     torch.testing.assert_close(s, reference(psi, t, frames, mask, temp, torch.float32), atol=TOL, rtol=0)
@@ -74,9 +77,9 @@ def test_low_precision_stored_frames(problem, dtype):
     """fp16/bf16-stored frames: the fold accumulates in fp32 and matches psi on the upcast frames."""
     psi, t, frames, mask, temp = problem
     stored = frames.to(dtype)
-    v = pf.fold_videos(stored, mask, psi)
+    v = pfv.fold_videos(stored, mask, psi)
     assert v.frames.dtype == dtype and v.rs.dtype == torch.float32
-    s = pf.pair_scores(pf.fold_queries(t.to(dtype), psi, temp), v)
+    s = pf.pair_scores(pfq.fold_queries(t.to(dtype), psi, temp), v)
     torch.testing.assert_close(s.double(), reference(psi, t.to(dtype).float(), stored.float(), mask, temp), atol=TOL, rtol=0)
 
 
@@ -84,7 +87,7 @@ def test_low_precision_stored_frames(problem, dtype):
 @given(problems(), st.integers(1, 9), st.integers(0, 2**31 - 1))
 def test_subset_equals_full_gathered(problem, k, seed):
     psi, t, frames, mask, temp = problem
-    q, v = pf.fold_queries(t, psi, temp), pf.fold_videos(frames, mask, psi)
+    q, v = pfq.fold_queries(t, psi, temp), pfv.fold_videos(frames, mask, psi)
     idx = torch.randint(0, frames.shape[0], (t.shape[0], k), generator=torch.Generator().manual_seed(seed))
     full = pf.pair_scores(q, v)
     torch.testing.assert_close(pf.pair_scores(q, v, idx), full.gather(1, idx), atol=1e-6, rtol=0)
@@ -95,10 +98,10 @@ def test_subset_equals_full_gathered(problem, k, seed):
 def test_all_rows_mode(problem):
     """mask=None / all-ones mask: psi attends over every row (padded ones too) and v̄ is the plain mean."""
     psi, t, frames, mask, temp = problem
-    q = pf.fold_queries(t, psi, temp)
+    q = pfq.fold_queries(t, psi, temp)
     ref = reference(psi, t, frames, None, temp)
-    s_none = pf.pair_scores(q, pf.fold_videos(frames, None, psi))
-    s_ones = pf.pair_scores(q, pf.fold_videos(frames, torch.ones_like(mask), psi))
+    s_none = pf.pair_scores(q, pfv.fold_videos(frames, None, psi))
+    s_ones = pf.pair_scores(q, pfv.fold_videos(frames, torch.ones_like(mask), psi))
     torch.testing.assert_close(s_none.double(), ref, atol=TOL, rtol=0)
     torch.testing.assert_close(s_ones, s_none, atol=0, rtol=0)
 
@@ -110,9 +113,9 @@ def test_all_rows_mode_differs_from_masked():
     mask = torch.ones(2, 6, dtype=torch.bool)
     mask[:, 3:] = False
     frames = frames * mask[..., None]
-    q = pf.fold_queries(t, psi, 3.0)
-    masked = pf.pair_scores(q, pf.fold_videos(frames, mask, psi))
-    rows = pf.pair_scores(q, pf.fold_videos(frames, None, psi))
+    q = pfq.fold_queries(t, psi, 3.0)
+    masked = pf.pair_scores(q, pfv.fold_videos(frames, mask, psi))
+    rows = pf.pair_scores(q, pfv.fold_videos(frames, None, psi))
     torch.testing.assert_close(masked.double(), reference(psi, t, frames, mask, 3.0), atol=TOL, rtol=0)
     assert (masked - rows).abs().max() > 1e-3
 
@@ -124,7 +127,7 @@ def test_fully_padded_video_scores_nan_like_pair_scores():
     mask[1] = False
     frames[1] = 0
     ref = reference(psi, t, frames, mask, 3.0)
-    q, v = pf.fold_queries(t, psi, 3.0), pf.fold_videos(frames, mask, psi)
+    q, v = pfq.fold_queries(t, psi, 3.0), pfv.fold_videos(frames, mask, psi)
     # all pairs (torch ops) and the candidates path (the CPU kernel): the same NaN, the other videos untouched
     for s in (pf.pair_scores(q, v), pf.pair_scores(q, v, torch.arange(3).repeat(2, 1))):
         assert torch.isnan(ref[:, 1]).all() and torch.isnan(s[:, 1]).all()
@@ -144,9 +147,9 @@ def test_equals_model_score_and_fused(tiny_model):
     frames = frames * mask[..., None]
     with torch.no_grad():
         ref = tiny_model.score(t, frames.half(), mask, block_videos=3, block_texts=2)
-    fw = pf.fold_weights(tiny_model.psi)
-    v = pf.fold_videos(frames.half(), mask, fw)
-    s = pf.pair_scores(pf.fold_queries(t, fw, tiny_model.cfg.temp), v)
+    fw = pfw.fold_weights(tiny_model.psi)
+    v = pfv.fold_videos(frames.half(), mask, fw)
+    s = pf.pair_scores(pfq.fold_queries(t, fw, tiny_model.cfg.temp), v)
     torch.testing.assert_close(s, ref, atol=TOL, rtol=0)
     # one switch over the three implementations, pair by pair
     P = torch.arange(7)
@@ -174,14 +177,14 @@ def test_explicit_vbar_equals_model_score(tiny_model):
     vbar = (frames * mask[..., None]).sum(1) / mask.sum(1, keepdim=True) + 0.05 * torch.randn(9, d)
     with torch.no_grad():
         ref = tiny_model.score(t, frames.half(), mask, vbar=vbar)
-    fw = pf.fold_weights(tiny_model.psi)
-    v = pf.fold_videos(frames.half(), mask, fw, vbar=vbar)
-    q = pf.fold_queries(t, fw, tiny_model.cfg.temp)
+    fw = pfw.fold_weights(tiny_model.psi)
+    v = pfv.fold_videos(frames.half(), mask, fw, vbar=vbar)
+    q = pfq.fold_queries(t, fw, tiny_model.cfg.temp)
     torch.testing.assert_close(pf.pair_scores(q, v), ref, atol=TOL, rtol=0)
     idx = torch.randint(0, 9, (4, 5))
     torch.testing.assert_close(pf.pair_scores(q, v, idx), ref.gather(1, idx), atol=TOL, rtol=0)
     torch.testing.assert_close(pf.exhaustive(q, v, chunk=4, query_chunk=3), ref, atol=TOL, rtol=0)
-    assert (pf.pair_scores(q, pf.fold_videos(frames.half(), mask, fw)) - ref).abs().max() > 1e-3  # v̄ matters
+    assert (pf.pair_scores(q, pfv.fold_videos(frames.half(), mask, fw)) - ref).abs().max() > 1e-3  # v̄ matters
 
 
 def test_exhaustive_chunks_equal_pair_scores():
@@ -190,9 +193,9 @@ def test_exhaustive_chunks_equal_pair_scores():
     t, frames = torch.randn(5, 24, generator=g), torch.randn(23, 4, 24, generator=g).half()
     mask = torch.rand(23, 4, generator=g) > 0.3
     mask[:, 0] = True
-    fw = pf.fold_weights(psi)
-    v, q = pf.fold_videos(frames, mask, fw, chunk=4), pf.fold_queries(t, fw, 3.0)
-    full = pf.pair_scores(q, pf.fold_videos(frames, mask, fw))
+    fw = pfw.fold_weights(psi)
+    v, q = pfv.fold_videos(frames, mask, fw, chunk=4), pfq.fold_queries(t, fw, 3.0)
+    full = pf.pair_scores(q, pfv.fold_videos(frames, mask, fw))
     torch.testing.assert_close(pf.pair_scores(q, v), full, atol=1e-6, rtol=0)  # fold chunking changes nothing
     ex = pf.exhaustive(q, v, chunk=5, query_chunk=2)
     assert ex.shape == (5, 23) and ex.device.type == "cpu"
@@ -202,17 +205,17 @@ def test_exhaustive_chunks_equal_pair_scores():
 def test_packed_round_trip_select_cat_and_fp16_constants():
     psi = random_psi(16, 2)
     frames, mask = torch.randn(6, 3, 16), torch.ones(6, 3, dtype=torch.bool)
-    fw = pf.fold_weights(psi)
-    v, q = pf.fold_videos(frames, mask, fw), pf.fold_queries(torch.randn(2, 16), fw, 3.0)
+    fw = pfw.fold_weights(psi)
+    v, q = pfv.fold_videos(frames, mask, fw), pfq.fold_queries(torch.randn(2, 16), fw, 3.0)
     full = pf.pair_scores(q, v)
-    assert v.packed.shape == (6, pf.packed_width(3)) and v.packed.dtype == torch.float32
-    back = pf.VideoConstants(frames=frames, packed=v.packed.clone(), fingerprint=fw.fingerprint)  # as stored
+    assert v.packed.shape == (6, pfv.packed_width(3)) and v.packed.dtype == torch.float32
+    back = pfv.VideoConstants(frames=frames, packed=v.packed.clone(), fingerprint=fw.fingerprint)  # as stored
     torch.testing.assert_close(pf.pair_scores(q, back), full, atol=0, rtol=0)
     # the named views are the documented quantities
     torch.testing.assert_close(v.h, frames @ frames.transpose(1, 2), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(v.omega, torch.full((6, 3), 1 / 3))
     assert v.g1.shape == (6, 3, 3) and v.cvv.shape == (6,)
-    both = pf.VideoConstants.cat([v.slice(0, 2), v.slice(2, 6)])
+    both = pfv.VideoConstants.cat([v.slice(0, 2), v.slice(2, 6)])
     torch.testing.assert_close(pf.pair_scores(q, both), full, atol=0, rtol=0)
     sel = v.select(torch.tensor([4, 1]))
     torch.testing.assert_close(pf.pair_scores(q, sel), full[:, [4, 1]], atol=1e-6, rtol=0)
@@ -221,51 +224,51 @@ def test_packed_round_trip_select_cat_and_fp16_constants():
     assert half.bytes_per_video() * 2 == v.bytes_per_video()
     assert (pf.pair_scores(q, half) - full).abs().max() < 5e-2  # lossy but still computed in fp32
     with pytest.raises(ValueError, match="do not match frames"):
-        pf.VideoConstants(frames=frames, packed=v.packed[:, :-1], fingerprint=fw.fingerprint)
+        pfv.VideoConstants(frames=frames, packed=v.packed[:, :-1], fingerprint=fw.fingerprint)
 
 
 def test_bytes_per_video_at_f12_d512():
-    v = pf.fold_videos(torch.randn(2, 12, 512).half(), None, Psi(512).eval())
-    assert v.bytes_per_video() == pf.packed_width(12) * 4 == (5 * 12 * 12 + 10 * 12 + 2) * 4 == 3368 <= 4096
+    v = pfv.fold_videos(torch.randn(2, 12, 512).half(), None, Psi(512).eval())
+    assert v.bytes_per_video() == pfv.packed_width(12) * 4 == (5 * 12 * 12 + 10 * 12 + 2) * 4 == 3368 <= 4096
 
 
 def test_refuses_other_head_counts_and_mismatches():
     with pytest.raises(ValueError, match="heads=2"):
-        pf.fold_weights(Psi(16, heads=2))
+        pfw.fold_weights(Psi(16, heads=2))
     with pytest.raises(ValueError, match="heads=4"):
-        pf.fold_videos(torch.randn(1, 2, 16), None, Psi(16, heads=4))
+        pfv.fold_videos(torch.randn(1, 2, 16), None, Psi(16, heads=4))
     a, b = random_psi(16, 1), random_psi(16, 2)
-    v, q = pf.fold_videos(torch.randn(2, 3, 16), None, a), pf.fold_queries(torch.randn(1, 16), b, 3.0)
-    assert pf.fold_weights(a).fingerprint == v.fingerprint != q.fingerprint
+    v, q = pfv.fold_videos(torch.randn(2, 3, 16), None, a), pfq.fold_queries(torch.randn(1, 16), b, 3.0)
+    assert pfw.fold_weights(a).fingerprint == v.fingerprint != q.fingerprint
     with pytest.raises(ValueError, match="different psi weights"):
         pf.pair_scores(q, v)
-    qa = pf.fold_queries(torch.randn(1, 16), a, 3.0)
+    qa = pfq.fold_queries(torch.randn(1, 16), a, 3.0)
     with pytest.raises(ValueError, match=r"\[0, 2\)"):
         pf.pair_scores(qa, v, torch.tensor([[0, 2]]))
     with pytest.raises(ValueError, match=r"\(b, f, 16\)"):
-        pf.fold_videos(torch.randn(2, 16), None, a)
+        pfv.fold_videos(torch.randn(2, 16), None, a)
     with pytest.raises(ValueError, match="temp must be > 0, got 0"):
-        pf.fold_queries(torch.randn(1, 16), a, 0.0)
+        pfq.fold_queries(torch.randn(1, 16), a, 0.0)
 
 
 def test_docstring_byte_figure_is_the_packed_width():
     """The figure the module docstring quotes for f = 12 is what the code stores."""
-    assert f"{pf.packed_width(12)} floats, {pf.packed_width(12) * 4:,} bytes" in " ".join(pf.__doc__.split())
+    assert f"{pfv.packed_width(12)} floats, {pfv.packed_width(12) * 4:,} bytes" in " ".join(pf.__doc__.split())
 
 
 def test_candidate_paths_agree():
     """pair_scores(idx) dots the frames of a small v once (v.n <= a·K) or gathers them (v.n > a·K): same scores,
     with and without an explicit vbar, repeats allowed."""
     psi = random_psi(16, seed=5)
-    fw = pf.fold_weights(psi)
+    fw = pfw.fold_weights(psi)
     g = torch.Generator().manual_seed(5)
     frames = torch.randn(6, 4, 16, generator=g)
     mask = torch.ones(6, 4, dtype=torch.bool)
     mask[2, 1:] = False
     frames = frames * mask[..., None]
-    q = pf.fold_queries(torch.randn(3, 16, generator=g), fw, 0.05)
+    q = pfq.fold_queries(torch.randn(3, 16, generator=g), fw, 0.05)
     for vbar in (None, torch.randn(6, 16, generator=g)):
-        v = pf.fold_videos(frames, mask, fw, vbar=vbar)
+        v = pfv.fold_videos(frames, mask, fw, vbar=vbar)
         full = pf.pair_scores(q, v)
         small = torch.tensor([[0, 1, 2, 2], [5, 4, 3, 0], [1, 1, 1, 1]])  # 12 >= 6 rows: one matmul over v
         big = torch.tensor([[0], [5], [2]])  # 3 < 6 rows: gathered frames
@@ -280,22 +283,22 @@ def test_chunked_upcast_and_in_order_candidates(dtype):
     equal the float64 reference on the same (rounded) frames, with an explicit vbar too."""
     n, f, d = 2 * pf._CHUNK_VIDEOS + 9, 5, 16
     psi = random_psi(d, seed=11)
-    fw = pf.fold_weights(psi)
+    fw = pfw.fold_weights(psi)
     g = torch.Generator().manual_seed(11)
     mask = torch.arange(f)[None, :] < torch.randint(1, f + 1, (n,), generator=g)[:, None]
     frames = (torch.randn(n, f, d, generator=g) * mask[..., None]).to(dtype)
     t = torch.randn(3, d, generator=g)
     ref = reference(psi, t, frames.float(), mask, 0.5).float()  # (3, n)
-    v = pf.fold_videos(frames, mask, fw)
-    q = pf.fold_queries(t, fw, 0.5)
+    v = pfv.fold_videos(frames, mask, fw)
+    q = pfq.fold_queries(t, fw, 0.5)
     torch.testing.assert_close(pf.pair_scores(q, v), ref, atol=TOL, rtol=0)
     in_order = torch.arange(n)[None]
-    q1 = pf.fold_queries(t[:1], fw, 0.5)
+    q1 = pfq.fold_queries(t[:1], fw, 0.5)
     torch.testing.assert_close(pf.pair_scores(q1, v, in_order), ref[:1], atol=TOL, rtol=0)
     shuffled = torch.stack([torch.randperm(n, generator=g) for _ in range(3)])
     torch.testing.assert_close(pf.pair_scores(q, v, shuffled), ref.gather(1, shuffled), atol=TOL, rtol=0)
     vb = torch.randn(n, d, generator=g)
-    vv = pf.fold_videos(frames, mask, fw, vbar=vb)
+    vv = pfv.fold_videos(frames, mask, fw, vbar=vb)
     full = pf.pair_scores(q1, vv)
     torch.testing.assert_close(pf.pair_scores(q1, vv, in_order), full, atol=TOL, rtol=0)
     torch.testing.assert_close(pf.pair_scores(q1, vv, shuffled[:1]), full.gather(1, shuffled[:1]), atol=TOL, rtol=0)

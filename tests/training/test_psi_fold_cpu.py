@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 
 from gare import psi_fold as pf
 from gare import psi_fold_cpu as pc
+from gare import psi_fold_queries as pfq
+from gare import psi_fold_videos as pfv
 from tests.training.test_psi_fold import FAST, TOL, problems, random_psi, reference
 
 
@@ -23,8 +25,8 @@ def test_numba_is_available():
 def test_kernel_layout_constants_are_the_folds():
     """The kernel hard-codes the packed row's layout (it imports nothing of the project): the counts and the cosine
     eps must be psi_fold's (the field order itself is held by the equality tests below)."""
-    assert (pc._N_VEC, pc._N_MAT, pc._COS_EPS) == (len(pf.VEC_FIELDS), len(pf.MAT_FIELDS), pf._COS_EPS)
-    assert pf.SCALAR_FIELDS == ("cvv", "vsum") and pf.VEC_FIELDS[:5] == ("rs", "bias", "le", "lg", "omega")
+    assert (pc._N_VEC, pc._N_MAT, pc._COS_EPS) == (len(pfv.VEC_FIELDS), len(pfv.MAT_FIELDS), pf._COS_EPS)
+    assert pfv.SCALAR_FIELDS == ("cvv", "vsum") and pfv.VEC_FIELDS[:5] == ("rs", "bias", "le", "lg", "omega")
 
 
 def test_half_widening_is_exact_for_every_bit_pattern():
@@ -45,9 +47,9 @@ def test_kernel_equals_torch_fold_and_reference(problem, frame_dtype, const_dtyp
     g = torch.Generator().manual_seed(seed)
     fr = frames.to(getattr(torch, frame_dtype))
     vbar = torch.randn(frames.shape[0], frames.shape[-1], generator=g) * frames.abs().mean() if with_vbar else None
-    v = pf.fold_videos(fr, mask, psi, vbar=vbar)
+    v = pfv.fold_videos(fr, mask, psi, vbar=vbar)
     v = v.to(dtype=getattr(torch, const_dtype))
-    q = pf.fold_queries(t, psi, temp)
+    q = pfq.fold_queries(t, psi, temp)
     k = int(torch.randint(1, 9, (1,), generator=g))
     idx = torch.randint(0, frames.shape[0], (t.shape[0], k), generator=g)  # repeats allowed
     got = pf.pair_scores(q, v, idx)  # the kernel (auto on the CPU)
@@ -68,8 +70,8 @@ def test_kernel_equals_torch_fold_and_reference(problem, frame_dtype, const_dtyp
 def test_kernel_all_rows_mode(problem):
     """Constants folded with reference_padding (psi attends to padded rows): the kernel follows the constants."""
     psi, t, frames, _, temp = problem
-    v = pf.fold_videos(frames, torch.ones(frames.shape[:2], dtype=torch.bool), psi, reference_padding=True)
-    q = pf.fold_queries(t, psi, temp)
+    v = pfv.fold_videos(frames, torch.ones(frames.shape[:2], dtype=torch.bool), psi, reference_padding=True)
+    q = pfq.fold_queries(t, psi, temp)
     idx = torch.arange(frames.shape[0]).repeat(t.shape[0], 1)
     torch.testing.assert_close(pf.pair_scores(q, v, idx), pf.pair_scores(q, v, idx, kernel=False), atol=TOL, rtol=0)
 
@@ -83,14 +85,14 @@ def test_real_sizes_from_memory_mapped_arrays(tmp_path):
     mask = torch.arange(f)[None, :] < torch.randint(1, f + 1, (n,), generator=g)[:, None]
     frames = (torch.randn(n, f, d, generator=g) * 0.05 * mask[..., None]).half()
     vbar = torch.randn(n, d, generator=g) * 0.05
-    v = pf.fold_videos(frames, mask, psi, vbar=vbar)
+    v = pfv.fold_videos(frames, mask, psi, vbar=vbar)
     norms = vbar.norm(dim=1)
     np.save(tmp_path / "frames.npy", frames.numpy())
     np.save(tmp_path / "consts.npy", v.packed.numpy())
     np.save(tmp_path / "units.npy", (vbar / norms[:, None]).numpy())
     mm = {k: np.load(tmp_path / f"{k}.npy", mmap_mode="r") for k in ("frames", "consts", "units")}
     assert isinstance(mm["frames"], np.memmap)
-    q = pf.fold_queries(torch.randn(2, d, generator=g), psi, 0.05)
+    q = pfq.fold_queries(torch.randn(2, d, generator=g), psi, 0.05)
     idx = torch.stack([torch.randperm(n, generator=g)[:256] for _ in range(2)])
     got = pc.pair_scores(q, mm["frames"], mm["consts"], idx.numpy(), vrows=mm["units"], vscale=norms.numpy())
     want = pf.pair_scores(q, v, idx, kernel=False)
@@ -100,8 +102,8 @@ def test_real_sizes_from_memory_mapped_arrays(tmp_path):
 def test_bad_inputs_are_refused_with_the_value():
     psi = random_psi(8, 2)
     frames = torch.randn(3, 2, 8)
-    v = pf.fold_videos(frames, None, psi)
-    q = pf.fold_queries(torch.randn(1, 8), psi, 1.0)
+    v = pfv.fold_videos(frames, None, psi)
+    q = pfq.fold_queries(torch.randn(1, 8), psi, 1.0)
     with pytest.raises(ValueError, match="float16 or float32.*float64"):
         pc.pair_scores(q, frames.double().numpy(), v.packed, np.zeros((1, 1), np.int64))
     with pytest.raises(ValueError, match=r"candidate rows must lie in \[0, 3\), got \[0, 3\]"):
@@ -112,7 +114,7 @@ def test_bad_inputs_are_refused_with_the_value():
         pc.pair_scores(q, frames, v.packed[:, :-1], np.zeros((1, 1), np.int64))
     with pytest.raises(ValueError, match="vscale must be float32"):
         pc.pair_scores(q, frames, v.packed, np.zeros((1, 1), np.int64), vscale=np.ones(3, np.float32))
-    bf = pf.VideoConstants(frames=frames.bfloat16(), packed=v.packed, fingerprint=v.fingerprint)
+    bf = pfv.VideoConstants(frames=frames.bfloat16(), packed=v.packed, fingerprint=v.fingerprint)
     assert not pf.cpu_kernel_usable(bf)  # bfloat16 frames: the torch path, same answer
     idx = torch.tensor([[2, 0]])
     torch.testing.assert_close(pf.pair_scores(q, bf, idx), pf.pair_scores(q, bf, idx, kernel=False))
@@ -128,8 +130,8 @@ def test_warm_up_compiles_every_layout_a_search_meets(tmp_path):
     n_sigs = len(kernel.signatures)
     assert n_sigs == 4  # float16/float32 frames x float16/float32 constants
     psi = random_psi(8, 3)
-    v = pf.fold_videos(torch.randn(4, 3, 8), None, psi)
-    q = pf.fold_queries(torch.randn(2, 8), psi, 1.0)
+    v = pfv.fold_videos(torch.randn(4, 3, 8), None, psi)
+    q = pfq.fold_queries(torch.randn(2, 8), psi, 1.0)
     for fr_dt in (torch.float16, torch.float32):
         for pk_dt in (torch.float16, torch.float32):
             np.save(tmp_path / "f.npy", v.frames.to(fr_dt).numpy())
@@ -147,8 +149,8 @@ def test_exhaustive_agrees_on_both_sides_of_the_kernel_threshold(a):
     both equal the torch pair scores."""
     psi = random_psi(16, 9)
     g = torch.Generator().manual_seed(9)
-    v = pf.fold_videos((torch.randn(40, 5, 16, generator=g)).half(), None, psi)
-    q = pf.fold_queries(torch.randn(a, 16, generator=g), psi, 0.5)
+    v = pfv.fold_videos((torch.randn(40, 5, 16, generator=g)).half(), None, psi)
+    q = pfq.fold_queries(torch.randn(a, 16, generator=g), psi, 0.5)
     want = pf.pair_scores(q, v)
     torch.testing.assert_close(pf.exhaustive(q, v, chunk=16), want, atol=TOL, rtol=0)
     for forced in (True, False):
