@@ -38,6 +38,8 @@ for p in (str(REPO), str(REPO / "bench")):
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from psi_reference import FoldedAttention, fused_pair_scores  # noqa: E402
+from support import git_commit  # noqa: E402
 
 D, FR, K = 512, 12, 256
 
@@ -119,7 +121,7 @@ def _text_encoders(model, dev: torch.device) -> list[tuple[str, str, Callable[[l
     gare_search.search.encode_queries (autocast for fp16/bf16), and on CUDA the half-precision towers of
     gare.text_quant (what `text_encoder` fp16/bf16 serves); both tokenise and trim as the service does."""
     from gare.text_quant import build_text_encoder
-    from gare_search.search import encode_queries, trim_tokens
+    from gare_search.query import encode_queries, trim_tokens
 
     out: list[tuple[str, str, Callable[[list[str]], torch.Tensor]]] = []
     for prec in (["fp32", "fp16", "bf16"] if dev.type == "cuda" else ["fp32", "bf16"]):
@@ -134,7 +136,7 @@ def _text_encoders(model, dev: torch.device) -> list[tuple[str, str, Callable[[l
 def section_text_encoder(ctx: dict[str, Any]) -> dict[str, Any]:
     from serve_bench import make_queries
 
-    from gare_search.search import encode_queries
+    from gare_search.query import encode_queries
 
     dev, model, args = ctx["dev"], ctx["model"], ctx["args"]
     rows = []
@@ -202,13 +204,13 @@ def section_psi(ctx: dict[str, Any]) -> dict[str, Any]:
     from gare import psi_fold_videos as pfv
     from gare import psi_fold_weights as pfw
     from gare.psi import masked_mean
-    from gare_search.search import fused_pair_scores
 
     dev, model, args = ctx["dev"], ctx["model"], ctx["args"]
     temp = model.cfg.temp
     out: dict[str, Any] = {"d": D, "f": FR, "K": K}
     with torch.inference_mode():
         fw = pfw.fold_weights(model.psi).to(dev)
+        folded = FoldedAttention(model.psi)  # the fused reference's folded attention, on psi's device
         frames, mask = make_gallery(args.distinct, 1, dev)
         vbar = masked_mean(frames.float(), mask)
         # build time: fold the distinct videos on this device, and a slice of them on the CPU (one thread)
@@ -245,7 +247,8 @@ def section_psi(ctx: dict[str, Any]) -> dict[str, Any]:
                 return pf.pair_scores(q, consts, idx)
 
             def fused(t=t, flat=flat, nq=nq):
-                return fused_pair_scores(model, t.repeat_interleave(K, 0), frames[flat].float(), mask[flat], vbar[flat]).view(nq, K)
+                return fused_pair_scores(model, t.repeat_interleave(K, 0), frames[flat].float(), mask[flat], vbar[flat],
+                                         folded).view(nq, K)
 
             def model_score(t=t, idx=idx, nq=nq):
                 return torch.stack([model.score(t[i:i + 1], frames[idx[i]], mask[idx[i]], vbar=vbar[idx[i]])[0] for i in range(nq)])
@@ -340,13 +343,8 @@ def section_search(ctx: dict[str, Any]) -> dict[str, Any]:
     from gare.checkpoint import file_sha256, save_checkpoint
     from gare.psi_fold_weights import fold_weights
     from gare_index.store import open_index
-    from gare_search.search import (
-        SearchOptions,
-        encode_queries,
-        resolve_precision,
-        resolve_rerank_impl,
-        search_batch,
-    )
+    from gare_search.query import encode_queries, resolve_precision
+    from gare_search.search import SearchOptions, search_batch
 
     dev, model, args = ctx["dev"], ctx["model"], ctx["args"]
     work = Path(tempfile.mkdtemp(prefix="gare-gpu-bench-"))
@@ -364,22 +362,20 @@ def section_search(ctx: dict[str, Any]) -> dict[str, Any]:
         opts = SearchOptions()
         out["candidates"] = opts.candidates
         out["precision"] = prec
-        for impl in args.search_impls:
-            for nq in args.search_batches:
-                texts = make_queries(nq, seed=100 + nq)
-                stages: list[dict[str, float]] = []
+        for nq in args.search_batches:  # the rerank the service serves: the fold
+            texts = make_queries(nq, seed=100 + nq)
+            stages: list[dict[str, float]] = []
 
-                def run(texts=texts, stages=stages, impl=impl):
-                    res = search_batch(model, version, texts, opts, precision=prec, rerank_impl=impl)
-                    stages.append(res[0].timings)
+            def run(texts=texts, stages=stages):
+                res = search_batch(model, version, texts, opts, precision=prec)
+                stages.append(res[0].timings)
 
-                enc = timed_ms(lambda texts=texts: encode_queries(model, texts, prec), dev, iters=5, reps=args.reps)
-                tot = timed_ms(run, dev, iters=5, reps=args.reps)
-                st = {k: 1e3 * statistics.median(s[k] for s in stages[2:]) for k in ("encode", "ann", "rerank", "rank", "total")}
-                out["rows"].append({"rerank_impl": impl, "resolved": resolve_rerank_impl(impl, dev), "queries": nq,
-                                    "encoder_alone_ms": enc["ms"], "search_ms": tot["ms"],
-                                    "search_over_encoder": tot["ms"] / enc["ms"], "stage_ms": st})
-                print(f"search {impl} Q={nq}: {tot['ms']:.2f} ms (encoder alone {enc['ms']:.2f} ms), stages {st}", flush=True)
+            enc = timed_ms(lambda texts=texts: encode_queries(model, texts, prec), dev, iters=5, reps=args.reps)
+            tot = timed_ms(run, dev, iters=5, reps=args.reps)
+            st = {k: 1e3 * statistics.median(s[k] for s in stages[2:]) for k in ("encode", "ann", "rerank", "rank", "total")}
+            out["rows"].append({"rerank_impl": "fold", "queries": nq, "encoder_alone_ms": enc["ms"], "search_ms": tot["ms"],
+                                "search_over_encoder": tot["ms"] / enc["ms"], "stage_ms": st})
+            print(f"search Q={nq}: {tot['ms']:.2f} ms (encoder alone {enc['ms']:.2f} ms), stages {st}", flush=True)
     finally:
         version.close()
         import shutil
@@ -403,7 +399,7 @@ def prepare(assets: Path, checkpoint: Path, corpus: Path, split: str) -> None:
     from gare.checkpoint import file_sha256, load_model, save_checkpoint
     from gare.encoded_set import encode_set
     from gare.metrics import retrieval_metrics
-    from gare_search.search import encode_queries
+    from gare_search.query import encode_queries
 
     assets.mkdir(parents=True, exist_ok=True)
     model, _ = load_model(checkpoint, "cpu")
@@ -544,9 +540,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--served-chunk", type=int, default=65536)
     ap.add_argument("--search-entries", type=int, default=100_000)
     ap.add_argument("--search-batches", type=int, nargs="+", default=[1, 32])
-    ap.add_argument("--search-impls", nargs="+", default=["auto", "fold", "fused"])
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--commit", default=os.environ.get("GARE_COMMIT", "unknown"), help="the commit the tree is at")
+    ap.add_argument("--commit", default=git_commit(), help="the commit the tree is at (default: git, or GARE_COMMIT)")
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke run)")
     ap.add_argument("--prepare", type=Path, metavar="ASSETS", help="write the fidelity inputs and exit (CPU)")
     ap.add_argument("--checkpoint", type=Path)

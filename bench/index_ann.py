@@ -31,28 +31,15 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
-from index_common import REPO, table, write_results
+from index_common import table, write_results
+from support import git_commit
 
 TARGETS = {1_000_000: 0.995, 100_000: 0.999}
 
-
-def _commit() -> str:
-    if os.environ.get("GARE_COMMIT"):  # a copy of the tree without .git (benchmark host): the caller says
-        return os.environ["GARE_COMMIT"]
-    try:
-        sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                             text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return sha + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def real_embeddings(index: Path, captions: Path | None, seed: int) -> tuple[Any, Any, str]:
@@ -62,7 +49,7 @@ def real_embeddings(index: Path, captions: Path | None, seed: int) -> tuple[Any,
 
     from gare.checkpoint import load_model
     from gare_index.store.reader import open_index
-    from gare_search.search import encode_queries, unit_rows
+    from gare_search.query import encode_queries, unit_rows
 
     if captions is None:
         raise SystemExit("--real-index needs --real-captions (a jsonl with a 'captions' list per line)")
@@ -98,7 +85,7 @@ def main() -> None:
     from gare_build.tune import TuneConfig, describe_params, exact_topk, recall_of_topk, tune_ann
     from gare_index.ann import AnnIndex, AnnParams, default_nprobe
 
-    commit = _commit()
+    commit = git_commit()
     cfg = TuneConfig()
     K, k = cfg.candidates, cfg.k
     rows, data, checks, notes = [], [], [], []

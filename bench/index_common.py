@@ -6,7 +6,6 @@ import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,6 +16,8 @@ RESULTS = REPO / "bench" / "results"
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from support import git_commit  # noqa: E402 - bench/ is on sys.path when a bench script runs
 
 
 def cpu_name() -> str:
@@ -63,27 +64,6 @@ def rss_bytes() -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     return 0
-
-
-def git_commit() -> str:
-    """The code this process runs: HEAD's short hash when the process started (the tree may move on while a
-    long benchmark runs), with "+uncommitted changes" when tracked files outside bench/results differed from
-    it then (the result files themselves are what a run rewrites)."""
-    return _COMMIT_AT_START
-
-
-def _git_commit_now() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results"],
-                               cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + (" +uncommitted changes" if dirty else "")
-
-
-_COMMIT_AT_START = _git_commit_now()
 
 
 def write_results(name: str, title: str, markdown_body: str, data: dict[str, Any], started: float) -> Path:

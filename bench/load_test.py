@@ -38,7 +38,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
 
 QUERIES: tuple[str, ...] = tuple(
     f"{n} {c} {s} {m}{tail}"
@@ -341,18 +342,20 @@ def spawned_server(workdir: Path, n_videos: int = 24, extra_args: Sequence[str] 
     """A tiny checkpoint + corpus + index under `workdir` and `gare-serve` on 127.0.0.1:<free port>.
 
     Yields (base_url, pid, index_dir)."""
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
+    for p in (str(REPO), str(BENCH)):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    # here, not at the top: the robustness tests load this module for run_load alone, without bench/ on sys.path
+    from support import ServeProcess, tiny_checkpoint, tiny_corpus
+
     from gare_build.build import BuildOptions, build
-    from tests.indexer.support import make_checkpoint, make_corpus
-    from tests.service.support import UvicornProcess
 
     workdir.mkdir(parents=True, exist_ok=True)
-    ckpt = make_checkpoint(workdir / "tiny.safetensors")
-    videos = make_corpus(workdir / "corpus", n=n_videos)
+    ckpt = tiny_checkpoint(workdir / "tiny.safetensors")
+    videos = tiny_corpus(workdir / "corpus", n=n_videos)
     index = workdir / "index"
     build(str(ckpt), str(videos), str(index), BuildOptions(workers=0, progress=False))
-    with UvicornProcess(["--index", str(index), "--log-level", "warning", *extra_args], env=env) as srv:
+    with ServeProcess(["--index", str(index), "--log-level", "warning", *extra_args], env=env) as srv:
         yield srv.base_url, srv.proc.pid, index
 
 

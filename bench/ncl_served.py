@@ -31,15 +31,16 @@ from typing import Any
 
 import numpy as np
 from index_common import RESULTS, table, write_results
+from psi_reference import fused_pair_scorer, fused_pair_scores
+from support import git_commit
 
 N_ITERS = 4
 
 
 def _psi_scorers(model: Any, t, frames, mask, vbar, pair_chunk: int = 8192):
-    """(matrix scorer, pair scorer) over encoded features: model.score and the search's fused pair scorer."""
+    """(matrix scorer, pair scorer) over encoded features: model.score and the fused pair scorer (the search's
+    rerank before the fold; bench/psi_reference.py)."""
     import torch
-
-    from gare_search.search import fused_pair_scores
 
     def matrix(qi, rows):
         qi, rows = torch.as_tensor(qi), torch.as_tensor(rows)
@@ -82,12 +83,10 @@ def accuracy(args: argparse.Namespace) -> None:
     import torch.nn.functional as F
 
     from gare.metrics import retrieval_metrics
-    from gare.sinkhorn import (
+    from gare.sinkhorn import served_score_matrix, sinkhorn_biases, sinkhorn_biases_dense
+    from gare.sinkhorn_sparse import (
         normalization_error_scores,
         score_candidates,
-        served_score_matrix,
-        sinkhorn_biases,
-        sinkhorn_biases_dense,
         sinkhorn_biases_sparse,
         stage1_candidates,
     )
@@ -179,7 +178,7 @@ def accuracy(args: argparse.Namespace) -> None:
     write_results(f"ncl_served/{args.name}", f"NCL biases of the served score: {args.name}", body,
                   {"corpus": args.synth, "checkpoint": args.checkpoint, "gamma": gamma, "n_queue": n_q,
                    "n_test_captions": int(t.shape[0]), "n_videos": n, "rows": data_rows, "timing_s": timing,
-                   "dual_tower_t2v": dual_row, "served_dense_ge_psi": verdict, "commit": _commit()},
+                   "dual_tower_t2v": dual_row, "served_dense_ge_psi": verdict, "commit": git_commit()},
                   started)
 
 
@@ -204,7 +203,8 @@ def explain(args: argparse.Namespace) -> None:
     from gare import psi_fold_videos as pfv
     from gare import psi_fold_weights as pfw
     from gare.metrics import retrieval_metrics
-    from gare.sinkhorn import normalization_error_scores, sinkhorn_biases_dense
+    from gare.sinkhorn import sinkhorn_biases_dense
+    from gare.sinkhorn_sparse import normalization_error_scores
 
     started = time.time()
     model, enc, queue = _load(args)
@@ -288,7 +288,7 @@ def explain(args: argparse.Namespace) -> None:
     write_results(f"ncl_served/explain_{args.name}", f"Why NCL(served) helps or hurts: {args.name}", body,
                   {"corpus": args.synth, "checkpoint": args.checkpoint, "gamma_model": gamma_model,
                    "n_queue": int(queue.shape[0]), "n_test_captions": n_t, "rows": data, "fold_vs_model_max_abs": fold_err,
-                   "commit": _commit()}, started)
+                   "commit": git_commit()}, started)
 
 
 def cost(args: argparse.Namespace) -> None:
@@ -296,7 +296,8 @@ def cost(args: argparse.Namespace) -> None:
     import torch.nn.functional as F
 
     from gare.checkpoint import load_model
-    from gare.sinkhorn import sinkhorn_biases, sinkhorn_biases_sparse, stage1_candidates
+    from gare.sinkhorn import sinkhorn_biases
+    from gare.sinkhorn_sparse import sinkhorn_biases_sparse, stage1_candidates
 
     started = time.time()
     torch.set_num_threads(args.threads)
@@ -341,21 +342,21 @@ def cost(args: argparse.Namespace) -> None:
         print(measured[-1], flush=True)
 
     meta = {"queries": Q, "k": K, "d": d, "frames": f, "psi_seconds_per_pair": psi_s_per_pair, "n_pairs": args.pairs,
-            "checkpoint": args.checkpoint, "gamma": gamma, "measured": measured, "commit": _commit(),
+            "checkpoint": args.checkpoint, "gamma": gamma, "measured": measured, "commit": git_commit(),
             "throughput": throughput, "threads": args.threads}
     _cost_report(args.name, meta, started)
 
 
 def _psi_throughput(model: Any, n_pairs: int, seed: int, n_feat: int = 4096, n_queries: int = 1024) -> dict[str, Any]:
     """Pairs per second of gare_build.served_biases' scorers on n_pairs random (queue query, video) pairs in queue
-    order (each query's candidates together, as score_candidates passes them): "fused" (the search's fused psi),
-    "fold_per_chunk" (the fold, each chunk's videos folded on the fly) and "fold_stored" (the fold reading the
+    order (each query's candidates together, as score_candidates passes them): "fused" (the fused psi reference,
+    bench/psi_reference.py), "fold_per_chunk" (the fold, each chunk's videos folded on the fly) and "fold_stored" (the fold reading the
     index's stored constants: what build/add/remove/biases run). The constants' one-off cost per video (paid
     by the build anyway, for the rerank) is "fold_videos_s_per_video". Scores agree (max |diff| reported)."""
     import numpy as np
     import torch
 
-    from gare_build.served_biases import fold_pair_scorer, psi_pair_scorer
+    from gare_build.served_biases import fold_pair_scorer
     from gare_index import psi_consts
 
     d, f = model.cfg.embed_dim, model.cfg.max_frames
@@ -381,7 +382,7 @@ def _psi_throughput(model: Any, n_pairs: int, seed: int, n_feat: int = 4096, n_q
     for name, scorer, n in (
         ("fold_stored", fold_pair_scorer(model, queries, frames, masks, units, norms, consts=consts), qi.size),
         ("fold_per_chunk", fold_pair_scorer(model, queries, frames, masks, units, norms), min(qi.size, 16384)),
-        ("fused", psi_pair_scorer(model, queries, frames, masks, units, norms), min(qi.size, 8192)),
+        ("fused", fused_pair_scorer(model, queries, frames, masks, units, norms), min(qi.size, 8192)),
     ):
         t0 = time.perf_counter()
         scores[name] = scorer(qi[:n], rows[:n]).numpy()
@@ -475,16 +476,6 @@ def cost_render(args: argparse.Namespace) -> None:
     meta.update(n_pairs=int(data.get("n_pairs") or opt.get("pairs", 65536)), gamma=data.get("gamma", 0.01),
                 checkpoint=data.get("checkpoint") or opt.get("checkpoint", "?"), measured_by=cmd)
     _cost_report(args.name, meta, time.time(), source=args.json)
-
-
-def _commit() -> str:
-    import subprocess
-
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).resolve().parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> None:

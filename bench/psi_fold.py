@@ -1,4 +1,4 @@
-"""psi folded into per-video constants (gare/psi_fold.py) against today's fused and model paths.
+"""psi folded into per-video constants (gare/psi_fold.py, what the search serves) against the fused and model paths.
 
     python bench/psi_fold.py            # ~5-10 min on one core; ~2.5 GiB peak
     python bench/psi_fold.py --quick    # smoke run (small gallery, 1 repeat each)
@@ -7,11 +7,11 @@ One run, one CPU thread (torch.set_num_threads(1)), median of 5 rounds (the rera
 - psi rerank of K = 256 random rows of the gallery for one query: the fold's CPU kernel
   (`gare/psi_fold_cpu.py`, the default: per-query vectors + the kernel reading the candidates' fp16
   frames and constants straight from the gallery arrays), the fold in torch ops (CUDA's path),
-  `gare_search.search.fused_pair_scores` (the default before the fold) and `model.score` (the training
+  the fused scorer (bench/psi_reference.py: the search's default before the fold) and `model.score` (the training
   definition), the last three including the gather of the candidates' rows;
 - the ViT-B/32 text tower for one query (open_clip ViT-B-32 with random weights: timing only);
 - exhaustive psi over a 100k-entry gallery for one query: `psi_fold.exhaustive` (the kernel), the torch ops
-  in one pass, and `gare_search.search.exhaustive_psi` fused, measured on a 10k slice and extrapolated x10 (labelled);
+  in one pass, and the fused reference (bench/psi_reference.py), measured on a 10k slice and extrapolated x10 (labelled);
 - added bytes per video, index-time cost of folding, and the score differences fold vs fused / model
   (float32 constants, and float16-stored constants).
 The 100k gallery is `--distinct` distinct videos (fp16 frames, some padded) tiled to 100k rows (real
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -32,7 +31,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from index_common import REPO, rss_bytes, table, write_results  # bench/ is on sys.path
+from index_common import rss_bytes, table, write_results  # bench/ is on sys.path
+from psi_reference import fused_exhaustive, fused_pair_scores
+from support import git_commit
 
 D, F_FRAMES, K = 512, 12, 256
 
@@ -53,15 +54,6 @@ def median_time(fn: Callable[[], Any], iters: int, repeats: int) -> tuple[float,
             "wall_repeats": wall}
     return info["median"], info
 
-
-def commit() -> str:
-    try:
-        rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return rev + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def make_gallery(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,13 +99,12 @@ def main() -> None:
     from gare.config import get_model_config
     from gare.model import GARE
     from gare.psi import masked_mean
-    from gare_search.search import exhaustive_psi, fused_pair_scores
 
     cfg = get_model_config("gare-vit-b-32", pretrained="none")
     model = GARE.build(cfg).eval()
     nontrivial_psi(model.psi)
     reps = args.repeats
-    results: dict[str, Any] = {"load_average_start": os.getloadavg(), "commit": commit(), "threads": torch.get_num_threads(), "repeats": reps,
+    results: dict[str, Any] = {"load_average_start": os.getloadavg(), "commit": git_commit(), "threads": torch.get_num_threads(), "repeats": reps,
                                "d": D, "f": F_FRAMES, "K": K}
 
     # ---------------------------------------------------------------- text tower, one query
@@ -216,7 +207,7 @@ def main() -> None:
     results["exhaustive_fold_torch_s"] = {**per_t, "entries": args.gallery}
     print(f"exhaustive fold {args.gallery}: {ex_fold:.3f} s, torch ops {ex_torch:.3f} s (rss {rss_bytes() / 2**30:.2f} GiB)", flush=True)
 
-    class Slice:  # the attributes exhaustive_psi reads from an index version
+    class Slice:  # the attributes fused_exhaustive reads from an index version
         def __init__(self, n: int) -> None:
             fr = big.frames[:n]
             self.n = n
@@ -229,8 +220,8 @@ def main() -> None:
 
     sl = Slice(args.fused_slice)
     with torch.inference_mode():
-        ex_fused, per = median_time(lambda: exhaustive_psi(model, sl, t, impl="fused"), 1, reps)
-        s_fused = exhaustive_psi(model, sl, t, impl="fused")
+        ex_fused, per = median_time(lambda: fused_exhaustive(model, sl, t), 1, reps)
+        s_fused = fused_exhaustive(model, sl, t)
     results["exhaustive_fused_slice_s"] = {**per, "entries": args.fused_slice}
     scale = args.gallery / args.fused_slice
     results["exhaustive_fused_extrapolated_s"] = ex_fused * scale
@@ -268,7 +259,7 @@ def main() -> None:
           wall("fold_fp16_consts"), diffs["fold_fp16_consts_vs_model"]],
          ["fold, torch ops (CUDA's path; the CPU default before the kernel)", rr["fold_torch"]["median_s"] * ms,
           rr["fold_torch"]["median_s"] / fold_rr, wall("fold_torch"), diffs["fold_torch_vs_model"]],
-         ["fused (gare_search.search, the previous default)", fused_rr * ms, fused_rr / fold_rr, wall("fused"), diffs["fused_vs_model"]],
+         ["fused (bench/psi_reference.py, the previous default)", fused_rr * ms, fused_rr / fold_rr, wall("fused"), diffs["fused_vs_model"]],
          ["model.score", rr["model"]["median_s"] * ms, rr["model"]["median_s"] / fold_rr, wall("model"), 0.0],
          ["text encoder ViT-B/32, one query", t_text * ms, t_text / fold_rr, results["text_encoder_s"]["wall_median"] * ms, "-"]],
     )
@@ -281,7 +272,7 @@ def main() -> None:
         ["path", "entries measured", "CPU s", f"CPU s for {args.gallery:,}", f"wall s for {args.gallery:,}"],
         [["fold (psi_fold.exhaustive: the CPU kernel for one query)", args.gallery, ex_fold, ex_fold, wf],
          ["fold, torch ops (psi_fold.exhaustive(kernel=False), in chunks)", args.gallery, ex_torch, ex_torch, results["exhaustive_fold_torch_s"]["wall_median"]],
-         [f"fused (gare_search.search.exhaustive_psi), EXTRAPOLATED x{scale:g} from a {args.fused_slice:,} slice",
+         [f"fused (bench/psi_reference.py), EXTRAPOLATED x{scale:g} from a {args.fused_slice:,} slice",
           args.fused_slice, ex_fused, ex_fused * scale, wu * scale]],
     )
     body += (f"\nmax |fold - fused| over the measured slice: {results['max_abs_score_diff']['exhaustive_fold_vs_fused']:.2e}. "

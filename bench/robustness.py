@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from index_common import cpu_name  # bench/ is on sys.path when a bench script runs
+from support import git_commit
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_JSON = REPO / "bench" / "results" / "robustness.json"
@@ -375,6 +376,13 @@ def _header(data: dict) -> str:
             f"({m.get('cores')} cores, {m.get('cpu')}); do not edit: rerun the command -->\n")
 
 
+def results_md(data: dict) -> str:
+    """bench/results/robustness.md: the header, a pointer to the page and the table, all from `data`."""
+    return (_header(data) + "# Robustness results\n\nCommand (from the repository root): `python bench/robustness.py "
+            "[--full]`; what each check does: [docs/robustness.md](../../docs/robustness.md); raw figures: robustness.json "
+            "(every cell is computed from them).\n\n" + render(data))
+
+
 def write_docs(data: dict) -> None:
     table = render(data)
     text = DOC.read_text(encoding="utf-8") if DOC.exists() else f"# Robustness\n\n{START}\n{END}\n"
@@ -383,23 +391,8 @@ def write_docs(data: dict) -> None:
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
     DOC.write_text(f"{head}{START}\n{_header(data)}{table}{END}{tail}", encoding="utf-8")
-    RESULTS_MD.write_text(
-        _header(data) + "# Robustness results\n\nCommand (from the repository root): `python bench/robustness.py "
-        "[--full]`; what each check does: [docs/robustness.md](../../docs/robustness.md); raw figures: robustness.json "
-        "(every cell is computed from them).\n\n" + table, encoding="utf-8")
+    RESULTS_MD.write_text(results_md(data), encoding="utf-8")
 
-
-def git_commit() -> str:
-    """HEAD's short hash, with "+uncommitted changes" when the tree differs from it."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
-                                ":!bench/results", ":!docs/robustness.md"], cwd=REPO, capture_output=True,
-                               text=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + (" +uncommitted changes" if dirty else "")
 
 
 REPORT_FORMAT = 2  # figures recorded as observations (rows); sections in an older format are not rendered

@@ -12,11 +12,12 @@ saved as a real checkpoint that the index names, so the service starts exactly a
 
 Measured in one run, per size:
 - components (pure functions, one query): text encoder (fp32, bf16), ANN top-256, psi rerank of 256
-  (fused and model.score), exhaustive psi over the whole gallery;
+  (the fold, as served), exhaustive psi over the whole gallery;
 - the service end to end (the FastAPI app with its lifespan, micro-batcher and metadata lookups, driven
   in process through httpx.ASGITransport): ANN-only and two-stage, 1 client and 32 concurrent clients
   (closed loop), fp32 and bf16 text encoder; p50/p95/p99 latency, throughput, and the share of each stage.
-Results go to bench/results/serve_bench.{json,md} with the command line.
+Results go to bench/results/serve_bench.{json,md} with the command line and the commit;
+``--render bench/results/serve_bench.json`` rewrites the .md from a saved JSON without running anything.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from index_common import cpu_name  # bench/ is on sys.path when a bench script runs
+from support import UNKNOWN_COMMIT, git_commit
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -47,6 +49,10 @@ if str(REPO) not in sys.path:
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
+from gare_search.query import encode_queries, unit_rows  # noqa: E402
+from gare_search.rerank import exhaustive_psi, fold_usable, psi_scores  # noqa: E402
+from gare_search.stage1 import ann_stage  # noqa: E402
 
 D, F = 512, 12
 
@@ -198,33 +204,30 @@ def timed(fn, reps: int) -> list[float]:
 
 
 def components(model, version, queries: list[str], reps: int) -> tuple[dict[str, Any], Any, list[np.ndarray]]:
-    from gare_search import search as S
-
     res: dict[str, Any] = {}
     qs = queries[:reps]
     for prec in ("fp32", "bf16"):
         for q in qs[:3]:
-            S.encode_queries(model, [q], prec)
+            encode_queries(model, [q], prec)
         it = iter(qs * 2)
-        res[f"encode_1q_{prec}"] = summary_ms(timed(lambda it=it, prec=prec: S.encode_queries(model, [next(it)], prec), reps))
-    t = S.encode_queries(model, qs, "fp32")
-    units = S.unit_rows(t)
+        res[f"encode_1q_{prec}"] = summary_ms(timed(lambda it=it, prec=prec: encode_queries(model, [next(it)], prec), reps))
+    t = encode_queries(model, qs, "fp32")
+    units = unit_rows(t)
     for i in range(3):
-        S.ann_stage(version, units[i : i + 1], 256)
+        ann_stage(version, units[i : i + 1], 256)
     it = iter(range(10**9))
-    res["ann_1q_K256"] = summary_ms(timed(lambda: S.ann_stage(version, units[next(it) % len(qs)][None], 256), reps))
-    cands = [S.ann_stage(version, units[i : i + 1], 256)[1][0] for i in range(len(qs))]
+    res["ann_1q_K256"] = summary_ms(timed(lambda: ann_stage(version, units[next(it) % len(qs)][None], 256), reps))
+    cands = [ann_stage(version, units[i : i + 1], 256)[1][0] for i in range(len(qs))]
     cands = [c[c >= 0] for c in cands]
-    assert S.fold_usable(model, version), "the gallery has no valid psi constants: the fold would not be measured"
-    for impl in ("fold", "fused", "model"):
-        S.psi_scores(model, version, t[0:1], [cands[0]], impl=impl)
-        it = iter(range(10**9))
+    assert fold_usable(model, version), "the gallery has no valid psi constants: the fold would not be measured"
+    psi_scores(model, version, t[0:1], [cands[0]])  # the served rerank (the fold); warm-up, not counted
+    it = iter(range(10**9))
 
-        def one(impl=impl, it=it):
-            i = next(it) % len(qs)
-            S.psi_scores(model, version, t[i : i + 1], [cands[i]], impl=impl)
+    def one() -> None:
+        i = next(it) % len(qs)
+        psi_scores(model, version, t[i : i + 1], [cands[i]])
 
-        res[f"rerank_1q_K256_{impl}"] = summary_ms(timed(one, reps if impl != "model" else max(5, reps // 4)))
+    res["rerank_1q_K256_fold"] = summary_ms(timed(one, reps))
     return res, t, cands
 
 
@@ -232,15 +235,13 @@ def exhaustive(model, version, t, cands, n_queries: int) -> dict[str, Any]:
     """Exhaustive psi over the whole gallery (the fold over the stored constants) for a few queries."""
     import mmap
 
-    from gare_search import search as S
-
     mm = getattr(version.frames, "_mmap", None)
     if mm is not None and hasattr(mmap, "MADV_SEQUENTIAL"):
         mm.madvise(mmap.MADV_SEQUENTIAL)  # the service advised random access; this pass reads it all in order
     ex_times, found = [], []
     for i in range(n_queries):
         t0 = time.perf_counter()
-        s = S.exhaustive_psi(model, version, t[i : i + 1], block=4096)[0] + np.asarray(version.biases)
+        s = exhaustive_psi(model, version, t[i : i + 1], block=4096)[0] + np.asarray(version.biases)
         ex_times.append(time.perf_counter() - t0)
         top10 = np.asarray(version.ids)[np.argsort(-s, kind="stable")[:10]]
         found.append(np.isin(top10, cands[i]).mean())
@@ -343,10 +344,7 @@ async def size_bench(app, queries: list[str], args, n_exhaustive: int, cold: boo
                 state.precision = prec
                 await drive(c, queries, {"k": 10}, 4, 2)  # warm the shapes of this precision
                 modes = [("ann_only", {"k": 10, "rerank": False}), ("two_stage", {"k": 10, "candidates": 256})]
-                if prec == "fp32":
-                    modes.append(("two_stage_fused", {"k": 10, "candidates": 256}))
                 for mode, body in modes:
-                    state.rerank_impl = "fused" if mode == "two_stage_fused" else "fold"
                     single = await drive(c, queries, body, 1, args.single_requests)
                     conc = await drive(c, queries, body, args.clients, args.concurrent_per_client)
                     svc[f"{prec}/{mode}"] = {
@@ -357,7 +355,6 @@ async def size_bench(app, queries: list[str], args, n_exhaustive: int, cold: boo
                           f"{args.clients} clients p50 {conc['p50']:7.1f} ms {conc['throughput_qps']:6.1f} q/s "
                           f"(x{svc[f'{prec}/{mode}']['throughput_gain']}, mean batch {conc['mean_batch']})", flush=True)
             state.precision = "fp32"
-            state.rerank_impl = "fold"
             out["page_cache"]["frames_resident_after_service"] = resident_fraction(frames_path)
             if n_exhaustive:
                 comp.update(await asyncio.to_thread(exhaustive, state.model, version, t, cands, n_exhaustive))
@@ -395,42 +392,43 @@ def machine() -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------ report
-NOTES = """
-## Notes (how to read these numbers)
-
-- **Shared machine.** Other jobs ran on the same 2-core VM during the run (load averages above). Run-to-run
-  variance is large: repeat the command before trusting a difference of less than ~20%.
-- **One thread.** torch and faiss use 1 thread here. With 2 OpenMP threads, every operator stalled for up to
-  ~200 ms whenever the other core was taken by another process (text encoder, one query: 23 ms with 1 thread,
-  650 ms with 2, measured on this VM). On a shared host set `GARE_TORCH_THREADS=1` for the service too.
-- **Why the CPU misses the two targets.** The text encoder is already compute-bound at batch 1 on a CPU core
-  (~1 GFLOP for a 13-token query); batching only halves its per-query cost (fp32: ~21 ms alone, ~10.5 ms per
-  query in batches of >= 8). The psi rerank is per (query, video) pair: 256 pairs x 4 d x d products = 0.54
-  GFLOP per query (~5 ms at ~110 GFLOP/s per core, ~8-9 ms in practice) and no batching can share it. So
-  two-stage >= encoder + ~9 ms (about 1.4-1.5 x the encoder with zero overhead) and 32 clients gain about
-  (21 + 9) / (10.5 + 9) ~ 1.5-2 x. On a GPU the rerank of 256 pairs takes well under a millisecond and batching
-  scales the encoder much further; this task had no GPU to measure that.
-- **fold (default since issue 12).** psi folded into per-video constants stored in the index: ~3f + 1 dots per
-  pair instead of ~4 d x d products; rows "fused rerank / fold rerank" and "two-stage (fold/fused) / text encoder"
-  compare them in this run. Galleries carry the real constants (folded while they are generated: "fold_constants_s").
-- **fused vs model.score.** Same scores (tests check 1e-5); the fused form projects the K query-side rows
-  instead of the K x f frames by psi's W_k and W_v, 4-5 x faster on CPU (row "model.score / fused rerank").
-- **bf16.** oneDNN's bf16 kernels on this CPU are fast at batch 1 and >= 16 but 3-10 x slower per query at
-  batches of 2-8 (measured separately), which hurts the concurrent bf16 rows; the CPU default is fp32.
-- **1M entries** use the real ViT-B/32 sizes (11.4 GiB of fp16 frames). The "page cache" line says how much
-  of frames.npy stayed in RAM next to the other tenants; reranks of non-resident rows read the disk (the
-  cold-cache rows show the fully cold case). IVF uses nlist 1024 / nprobe 32 instead of the default 4000 cells
-  so that training fits the time budget.
-- **Exhaustive psi** scores every gallery entry with the fold over the stored constants (issue 12); the
-  "top-10 in the ANN top-256" figure is meaningless with random psi weights (the GARE authors report >= 99%
-  for their trained model, SPEC section 4); measure it with a trained checkpoint.
-"""
+def notes(data: dict[str, Any]) -> str:
+    """How to read the tables: every figure here is one this run measured (nothing typed in by hand)."""
+    m = data["machine"]
+    L = ["", "## Notes (how to read these numbers)", "",
+         f"- **Shared machine.** Other jobs may run on the same {m['cores']}-core machine (load averages above): "
+         "repeat the command before trusting a small difference.",
+         f"- **Threads.** torch/faiss used {m['torch_threads']}/{m['faiss_threads']} threads (`--threads`); on a "
+         "shared host set `GARE_TORCH_THREADS` for the service the same way."]
+    sizes = data["sizes"]
+    if sizes:
+        size, r = max(sizes.items(), key=lambda kv: int(kv[0]))
+        c = r["components"]
+        enc, fold = c.get("encode_1q_fp32"), c.get("rerank_1q_K256_fold")
+        if enc and fold:
+            L.append(f"- **Where the time goes ({int(size):,} entries, one query, p50).** The text encoder (fp32) took "
+                     f"{enc['p50']:.1f} ms and the psi rerank of 256 candidates (fold) {fold['p50']:.1f} ms; the "
+                     "rerank is per (query, video) pair, so batching queries does not share it. The stage shares "
+                     "and the ratios above are this run's.")
+        g = r["gallery"]
+        ap = g["ann_params"]
+        L.append(f"- **{int(size):,} entries** use {g['frames_bytes'] / 2**30:.1f} GiB of float16 frames "
+                 f"({g['index_type']}" + (f", nlist {ap['nlist']} / nprobe {ap['nprobe']}" if ap.get("nlist") else "")
+                 + "). The \"page cache\" line says how much of frames.npy stayed in RAM; reranks of non-resident rows "
+                 "read the disk (the cold-cache rows, when present, show the fully cold case).")
+    L += ["- **The rerank** is the fold: psi folded into per-video constants stored in the index (what the service "
+          "serves). Rows for other forms appear only in reports of runs that measured them.",
+          "- **Exhaustive psi** scores every gallery entry with the fold over the stored constants; the \"top-10 in "
+          "the ANN top-256\" figure is meaningless with random psi weights: measure it with a trained checkpoint.",
+          "- **GPU.** " + (f"This run had {m['gpu']}." if m.get("gpu") else
+                           "This run had no GPU; bench/gpu_bench.py measures the CUDA path."), ""]
+    return "\n".join(L)
 
 
 def markdown(data: dict[str, Any]) -> str:
     L = []
     L.append("# Serving benchmark: GARE two-stage search on CPU\n")
-    L.append(f"Command (from the repository root): `{data['command']}`\n")
+    L.append(f"Command (from the repository root): `{data['command']}`; commit {data.get('commit', UNKNOWN_COMMIT)}\n")
     m = data["machine"]
     L.append(f"Machine: {m['cpu']}, {m['cores']} cores, GPU: {m['gpu'] or 'none'}; torch {m['torch']}, faiss {m['faiss']}; "
              f"torch/faiss threads {m['torch_threads']}/{m['faiss_threads']}. Date {data['date']}, wall time {data['wall_s']:.0f} s. "
@@ -477,7 +475,7 @@ def markdown(data: dict[str, Any]) -> str:
     L.append("\n## Targets\n")
     for line in data["targets"]:
         L.append(f"- {line}")
-    L.append(NOTES)
+    L.append(notes(data))
     return "\n".join(L)
 
 
@@ -496,7 +494,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="few requests (smoke test)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch indexes")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "serve_bench"))
+    ap.add_argument("--render", type=Path, help="rewrite the .md beside this saved JSON from it; run nothing")
     args = ap.parse_args(argv)
+    if args.render:
+        args.render.with_suffix(".md").write_text(markdown(json.loads(args.render.read_text())))
+        print(f"wrote {args.render.with_suffix('.md')}")
+        return 0
     args.precisions = [p for p in args.precisions.split(",") if p]
     if args.quick:
         args.single_requests, args.concurrent_per_client, args.component_reps, args.cold_requests = 10, 2, 8, 5
@@ -510,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     faiss.omp_set_num_threads(args.threads)
     started = time.time()
     data: dict[str, Any] = {"command": "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], REPO), *(argv if argv is not None else sys.argv[1:])]),
-                            "date": time.strftime("%Y-%m-%d"), "machine": machine(), "load_start": loadavg(), "sizes": {}}
+                            "commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "machine": machine(), "load_start": loadavg(), "sizes": {}}
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -561,11 +564,8 @@ def main(argv: list[str] | None = None) -> int:
             enc = comp["encode_1q_fp32"]["p50"]
             ratios = {
                 "two-stage / ANN-only (service)": round(two["p50"] / ann["p50"], 2),
-                "fused rerank / fold rerank": round(comp["rerank_1q_K256_fused"]["p50"] / comp["rerank_1q_K256_fold"]["p50"], 2),
-                "model.score / fold rerank": round(comp["rerank_1q_K256_model"]["p50"] / comp["rerank_1q_K256_fold"]["p50"], 2),
                 "fold rerank / text encoder": round(comp["rerank_1q_K256_fold"]["p50"] / enc, 3),
                 "two-stage (fold) p50 / text encoder p50": round(two["p50"] / enc, 2),
-                "two-stage (fused) p50 / text encoder p50": round(svc["fp32/two_stage_fused"]["1_client"]["p50"] / enc, 2),
             }
             if "exhaustive_psi_1q" in comp:
                 ratios["exhaustive psi / two-stage rerank (components, fold)"] = round(comp["exhaustive_psi_1q"]["p50"] / comp["rerank_1q_K256_fold"]["p50"], 1)

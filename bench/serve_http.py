@@ -12,7 +12,7 @@ used by each worker process (/proc/PID/stat utime+stime) and each worker's RSS a
 
 Configurations: workers x {cache off with distinct queries (every request runs the encoder), cache on with
 a Zipf(1.0) stream over 2,000 distinct queries (``bench/zipf_queries.py``)}. Plus an in-process component
-table (one query): fp32 / int8 text tower, a cache hit, ANN top-256, psi rerank of 256 (fold, fused).
+table (one query): fp32 / int8 text tower, a cache hit, ANN top-256, psi rerank of 256 (the fold, as served).
 The gallery carries psi's folded constants (as `gare-index build` writes them), so the servers rerank with the
 fold; ``--index DIR`` serves an existing index instead (e.g. one kept by ``bench/serve_bench.py --keep``).
 
@@ -46,6 +46,7 @@ for p in (str(REPO), str(BENCH)):
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from serve_bench import loadavg, machine, make_queries, resident_fraction, summary_ms, timed, write_gallery  # noqa: E402
+from support import free_port, git_commit  # noqa: E402
 from zipf_queries import zipf_stream  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -125,8 +126,6 @@ def closed_loop(url: str, stream: list[str], clients: int, duration: float) -> d
 
 def serve(index: Path, workers: int, cache: bool, threads: int | None,
           text_encoder: str = "auto") -> tuple[subprocess.Popen, str, Path]:
-    from tests.service.support import free_port
-
     port = free_port()
     log = Path(f"/tmp/gare-serve-http-{port}.log")
     args = [sys.executable, "-m", "gare_serve.cli", "--index", str(index), "--port", str(port), "--workers", str(workers),
@@ -158,36 +157,37 @@ def components(index: Path, reps: int) -> dict[str, Any]:
     from gare.checkpoint import load_model
     from gare.text_quant import build_text_encoder
     from gare_index.store import open_index
+    from gare_search import query as Q
+    from gare_search import rerank as R
     from gare_search import search as S
+    from gare_search import stage1
     from gare_serve.query_cache import QueryCache
 
     torch.set_num_threads(1)
     faiss.omp_set_num_threads(1)  # one thread for every stage, as a worker with --torch-threads 1 runs them
-    S.warm_up_rerank("fold", "cpu")  # compile the CPU kernel first, as the service's lifespan does
+    R.warm_up("cpu")  # compile the CPU kernel first, as the service's lifespan does
     v = open_index(index)
     model, _ = load_model(Path(v.manifest["checkpoint"]["path"]), "cpu")
     qs = make_queries(reps, seed=5)
-    tok = [S.trim_tokens(model.tokenize([q])) for q in qs]
+    tok = [Q.trim_tokens(model.tokenize([q])) for q in qs]
     int8 = build_text_encoder(model, "int8")
     it = iter(range(10**9))
     int8(tok[0])
-    S.encode_queries(model, [qs[0]])
+    Q.encode_queries(model, [qs[0]])
     out = {
-        "text encoder fp32 (model)": summary_ms(timed(lambda: S.encode_queries(model, [qs[next(it) % reps]]), reps)),
+        "text encoder fp32 (model)": summary_ms(timed(lambda: Q.encode_queries(model, [qs[next(it) % reps]]), reps)),
         "text encoder int8 (torch.ao dynamic)": summary_ms(timed(lambda: int8(tok[next(it) % reps]), reps)),
     }
     cache = QueryCache(1000, 1 << 26)
-    cache.encode([qs[0]], "sha", lambda m: S.encode_queries(model, m))
-    out["cache hit (lookup, no encoder)"] = summary_ms(timed(lambda: cache.encode([qs[0]], "sha", lambda m: S.encode_queries(model, m)), reps))
-    t = S.encode_queries(model, [qs[0]])
-    units = S.unit_rows(t)
-    _, ids = S.ann_stage(v, units, 256)
-    out["ANN top-256"] = summary_ms(timed(lambda: S.ann_stage(v, units, 256), reps))
-    assert S.fold_usable(model, v), "the index has no valid psi constants: the service would not rerank with the fold"
-    for impl in ("fold", "fused"):  # the candidates' rows into RAM first, as for every repeat below
-        S.psi_scores(model, v, t, [ids[0][ids[0] >= 0]], impl=impl)
-    out["psi rerank 256 (fold, the default)"] = summary_ms(timed(lambda: S.psi_scores(model, v, t, [ids[0][ids[0] >= 0]], impl="fold"), reps))
-    out["psi rerank 256 (fused)"] = summary_ms(timed(lambda: S.psi_scores(model, v, t, [ids[0][ids[0] >= 0]], impl="fused"), reps))
+    cache.encode([qs[0]], "sha", lambda m: Q.encode_queries(model, m))
+    out["cache hit (lookup, no encoder)"] = summary_ms(timed(lambda: cache.encode([qs[0]], "sha", lambda m: Q.encode_queries(model, m)), reps))
+    t = Q.encode_queries(model, [qs[0]])
+    units = Q.unit_rows(t)
+    _, ids = stage1.ann_stage(v, units, 256)
+    out["ANN top-256"] = summary_ms(timed(lambda: stage1.ann_stage(v, units, 256), reps))
+    assert R.fold_usable(model, v), "the index has no valid psi constants: the service would not rerank with the fold"
+    R.psi_scores(model, v, t, [ids[0][ids[0] >= 0]])  # the candidates' rows into RAM first, as for every repeat below
+    out["psi rerank 256 (fold, as served)"] = summary_ms(timed(lambda: R.psi_scores(model, v, t, [ids[0][ids[0] >= 0]]), reps))
     out["two-stage search, cache hit (encoder skipped)"] = summary_ms(timed(
         lambda: S.search_batch(model, v, [qs[0]], S.SearchOptions(k=10), encoder=lambda m: t), reps))
     # The whole search with each text tower on queries of its own: first each query's first search (its candidates'
@@ -195,10 +195,10 @@ def components(index: Path, reps: int) -> dict[str, Any]:
     # query by query, the encoder alone and the search again (rows in RAM), so the ratio the targets use compares
     # the two under the same machine state (this VM's speed drifts by tens of percent within minutes).
     def int8_enc(m: list[str]) -> torch.Tensor:
-        return int8(S.trim_tokens(model.tokenize(list(m))))
+        return int8(Q.trim_tokens(model.tokenize(list(m))))
 
     def fp32_enc(m: list[str]) -> torch.Tensor:
-        return S.encode_queries(model, list(m))
+        return Q.encode_queries(model, list(m))
 
     ratios: dict[str, Any] = {}
     for name, enc, seed in (("fp32", fp32_enc, 6), ("int8", int8_enc, 7)):
@@ -222,13 +222,6 @@ def components(index: Path, reps: int) -> dict[str, Any]:
     out["two-stage / encoder alone, median of the per-query ratios"] = ratios
     v.close()
     return out
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "?"
 
 
 def markdown(d: dict[str, Any]) -> str:

@@ -26,7 +26,6 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,6 +42,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from index_common import cpu_name  # noqa: E402
+from support import git_commit  # noqa: E402
 from zipf_queries import hit_rates, vocabulary, zipf_stream  # noqa: E402
 
 KINDS = ("fp32", "int8", "onnx", "onnx-int8")
@@ -50,14 +50,6 @@ KINDS = ("fp32", "int8", "onnx", "onnx-int8")
 # thread AND with all threads, and t2v R@1 (+psi) within 0.5 point on every evaluated split.
 SPEEDUP_MIN, R1_MAX_DROP = 1.7, 0.5
 
-
-def git_commit() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-        return sha + ("+dirty" if dirty else "")
-    except Exception:  # noqa: BLE001
-        return "unknown"
 
 
 def make_queries(n: int, seed: int = 0) -> list[str]:
@@ -99,7 +91,7 @@ def time_side_by_side(encs: dict[str, Any], tokens: torch.Tensor, rounds: int, p
 def speed_section(args) -> dict[str, Any]:
     from gare.config import get_model_config
     from gare.model import GARE
-    from gare_search.search import trim_tokens
+    from gare_search.query import trim_tokens
 
     torch.manual_seed(0)
     model = GARE.build(get_model_config("gare-vit-b-32"), pretrained="none").eval()
@@ -146,7 +138,7 @@ def fidelity_section(args) -> dict[str, Any]:
     from gare.annotations import load_dataset
     from gare.checkpoint import file_sha256, load_model
     from gare.encoded_set import encode_set
-    from gare_search.search import trim_tokens
+    from gare_search.query import trim_tokens
 
     torch.set_num_threads(torch.get_num_threads())
     model, _ = load_model(args.checkpoint, "cpu")

@@ -23,19 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 from index_common import REPO, table, write_results
-
-
-def _commit() -> str:
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
-                           text=True).stdout.strip()
-    return sha + ("-dirty" if dirty else "")
+from support import git_commit
 
 
 def subset_corpus(root: Path, out: str, train_clips: int, test_videos: int) -> Path:
@@ -92,7 +85,7 @@ def main() -> None:
     from gare_train.fit import TrainConfig, Trainer
 
     started = time.time()
-    commit = _commit()
+    commit = git_commit()
     test = load_dataset({"kind": "synth", "root": str(corpus)}, "test")
     specs = [(u, int(e)) for u, e in (kv.split(":") for kv in args.runs.split(",") if kv)] or \
         [("captions", args.epochs), ("clips", args.epochs)]
