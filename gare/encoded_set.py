@@ -14,7 +14,7 @@ import torch
 
 from gare.annotations import RetrievalSet
 from gare.model import GARE, autocast
-from gare.video import iter_decoded
+from gare.video_loader import iter_decoded
 
 log = logging.getLogger(__name__)
 

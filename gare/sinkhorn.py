@@ -1,4 +1,5 @@
-"""NCL-style Sinkhorn-Knopp instance biases (SPEC section 5) and the NCL normalisation diagnostics.
+"""NCL-style Sinkhorn-Knopp instance biases in dense form (SPEC section 5), the NCL normalisation diagnostics
+and the bias fold of stage 1. The sparse form over stage-1 candidates is :mod:`gare.sinkhorn_sparse`.
 
 Light module: numpy + torch only.
 
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import numpy as np
 import torch
@@ -45,19 +45,13 @@ __all__ = [
     "sinkhorn_biases",
     "summed_retrieval_probabilities",
     "normalization_error",
-    "normalization_error_scores",
     "served_score_matrix",
     "sinkhorn_biases_dense",
-    "sinkhorn_biases_sparse",
-    "stage1_candidates",
-    "score_candidates",
-    "pair_scorer_from_matrix",
-    "SPARSE_FILLS",
 ]
 
 # Cap on the elements of one (Q x chunk) float32 block: ~1 GiB per temporary.  The effective chunk is
 # min(chunk, block_elems // Q) so a 16k-query queue does not allocate 4 GiB blocks on a CPU host.
-_DEFAULT_BLOCK_ELEMS = 1 << 28
+DEFAULT_BLOCK_ELEMS = 1 << 28
 
 
 def sinkhorn_biases_naive(S: Tensor, gamma: float, n_iters: int = 4) -> tuple[Tensor, Tensor]:
@@ -80,7 +74,7 @@ def sinkhorn_biases_naive(S: Tensor, gamma: float, n_iters: int = 4) -> tuple[Te
     return gamma * torch.log(alpha), gamma * torch.log(beta)
 
 
-def _as_tensor(x, device: torch.device | None = None) -> Tensor:
+def as_tensor(x, device: torch.device | None = None) -> Tensor:
     # numpy (possibly a read-only memmap slice): copy, which also avoids the non-writable-array warning
     t = x if isinstance(x, Tensor) else torch.tensor(x)
     if device is not None and t.device != device:
@@ -88,12 +82,12 @@ def _as_tensor(x, device: torch.device | None = None) -> Tensor:
     return t
 
 
-def _chunks(n: int, chunk: int) -> Iterator[tuple[int, int]]:
+def chunk_ranges(n: int, chunk: int) -> Iterator[tuple[int, int]]:
     for s in range(0, n, chunk):
         yield s, min(n, s + chunk)
 
 
-def _effective_chunk(chunk: int, n_queries: int, block_elems: int | None) -> int:
+def effective_chunk(chunk: int, n_queries: int, block_elems: int | None) -> int:
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")
     if block_elems is not None and n_queries > 0:
@@ -101,7 +95,7 @@ def _effective_chunk(chunk: int, n_queries: int, block_elems: int | None) -> int
     return chunk
 
 
-def _check_inputs(queries, gallery, gamma: float) -> None:
+def check_inputs(queries, gallery, gamma: float) -> None:
     if gamma <= 0:
         raise ValueError(f"gamma must be > 0, got {gamma}")
     if queries.ndim != 2 or gallery.ndim != 2:
@@ -114,7 +108,7 @@ def _check_inputs(queries, gallery, gamma: float) -> None:
         raise ValueError("at least one query is needed")
 
 
-def _progress(it, enabled: bool, total: int, desc: str):
+def with_progress(it, enabled: bool, total: int, desc: str):
     if not enabled:
         return it
     try:
@@ -134,7 +128,7 @@ def sinkhorn_biases(
     chunk: int = 65536,
     device: torch.device | str | None = None,
     progress: bool = False,
-    block_elems: int | None = _DEFAULT_BLOCK_ELEMS,
+    block_elems: int | None = DEFAULT_BLOCK_ELEMS,
 ) -> tuple[Tensor, Tensor]:
     """Log-domain, gallery-chunked Sinkhorn-Knopp biases of NCL (same iterates as the naive Fig. 4).
 
@@ -146,24 +140,24 @@ def sinkhorn_biases(
     """
     if n_iters < 1:
         raise ValueError(f"n_iters must be >= 1, got {n_iters}")
-    _check_inputs(queries, gallery, gamma)
-    q_t = _as_tensor(queries)
+    check_inputs(queries, gallery, gamma)
+    q_t = as_tensor(queries)
     dev = torch.device(device) if device is not None else q_t.device
     q = q_t.to(dev, torch.float32)
     n_q, n = q.shape[0], gallery.shape[0]
     if n == 0:
         return torch.zeros(n_q, dtype=torch.float32), torch.zeros(0, dtype=torch.float32)
-    ch = _effective_chunk(chunk, n_q, block_elems)
+    ch = effective_chunk(chunk, n_q, block_elems)
     inv_g = 1.0 / gamma
 
     def block(s: int, e: int) -> Tensor:  # (Q, e - s) float32 logits S / gamma
-        g = _as_tensor(gallery[s:e], dev).to(torch.float32)
+        g = as_tensor(gallery[s:e], dev).to(torch.float32)
         return (q @ g.T) * inv_g
 
-    return _sinkhorn_blocks(block, n_q, n, gamma, n_iters, ch, dev, progress)
+    return sinkhorn_blocks(block, n_q, n, gamma, n_iters, ch, dev, progress)
 
 
-def _sinkhorn_blocks(
+def sinkhorn_blocks(
     block: Callable[[int, int], Tensor], n_q: int, n: int, gamma: float, n_iters: int, ch: int,
     dev: torch.device, progress: bool = False,
 ) -> tuple[Tensor, Tensor]:
@@ -171,7 +165,7 @@ def _sinkhorn_blocks(
 
     ``block(s, e)`` returns the float32 logits of columns s..e (n_q, e - s); entries of -inf are absent
     (M_ij = 0).  A column with no finite entry has ``beta = 1 / 0``: its log beta is +inf here and the
-    caller decides what it means (see :func:`sinkhorn_biases_sparse`).  ``n_iters + 1`` passes over the
+    caller decides what it means (see :func:`gare.sinkhorn_sparse.sinkhorn_biases_sparse`).  ``n_iters + 1`` passes over the
     blocks; returns ``(a (n_q,), b (n,))`` float32 on CPU (un-normalised when a column is empty).
     """
     log_beta = torch.empty(n, dtype=torch.float64, device=dev)
@@ -179,7 +173,7 @@ def _sinkhorn_blocks(
     # Pass 0: beta = 1 / M.sum(0); also accumulate the row logsumexp for the first alpha.
     acc = neg_inf.clone()
     n_chunks = (n + ch - 1) // ch
-    for s, e in _progress(_chunks(n, ch), progress, n_chunks, "sinkhorn init"):
+    for s, e in with_progress(chunk_ranges(n, ch), progress, n_chunks, "sinkhorn init"):
         L = block(s, e)
         lb = -torch.logsumexp(L, dim=0)
         log_beta[s:e] = lb.double()
@@ -187,9 +181,9 @@ def _sinkhorn_blocks(
     log_alpha = -acc
     for it in range(n_iters):
         last = it == n_iters - 1
-        la32 = _drop_empty(log_alpha).float()  # a query with no entry (alpha = 1 / 0) weighs nothing
+        la32 = drop_empty(log_alpha).float()  # a query with no entry (alpha = 1 / 0) weighs nothing
         acc = neg_inf.clone()
-        for s, e in _progress(_chunks(n, ch), progress, n_chunks, f"sinkhorn {it + 1}/{n_iters}"):
+        for s, e in with_progress(chunk_ranges(n, ch), progress, n_chunks, f"sinkhorn {it + 1}/{n_iters}"):
             L = block(s, e)
             # beta = 1 / (alpha^T M) on this chunk's columns
             lb = -torch.logsumexp(L + la32[:, None], dim=0)
@@ -198,20 +192,20 @@ def _sinkhorn_blocks(
                 acc = torch.logaddexp(acc, _row_lse(L, lb))
         if not last:
             log_alpha = -acc
-    return _finish(log_alpha, log_beta, gamma)
+    return biases_from_logs(log_alpha, log_beta, gamma)
 
 
-def _drop_empty(x: Tensor) -> Tensor:
+def drop_empty(x: Tensor) -> Tensor:
     """+inf (1 / an empty sum) -> -inf, so that the entry drops out of the next logsumexp instead of giving nan."""
     return torch.where(torch.isinf(x) & (x > 0), torch.full_like(x, -math.inf), x)
 
 
 def _row_lse(L: Tensor, lb: Tensor) -> Tensor:
     """Row logsumexp of L + lb (float64); empty columns (lb = +inf, every entry -inf) contribute nothing."""
-    return torch.logsumexp(L + _drop_empty(lb)[None, :], dim=1).double()
+    return torch.logsumexp(L + drop_empty(lb)[None, :], dim=1).double()
 
 
-def _finish(log_alpha: Tensor, log_beta: Tensor, gamma: float) -> tuple[Tensor, Tensor]:
+def biases_from_logs(log_alpha: Tensor, log_beta: Tensor, gamma: float) -> tuple[Tensor, Tensor]:
     ok_a, ok_b = torch.isfinite(log_alpha), torch.isfinite(log_beta)
     if bool(ok_a.any()):
         log_alpha = log_alpha - torch.logsumexp(log_alpha[ok_a], dim=0)
@@ -223,32 +217,32 @@ def _finish(log_alpha: Tensor, log_beta: Tensor, gamma: float) -> tuple[Tensor, 
 @torch.no_grad()
 def _summed_probs_raw(queries, gallery, gamma: float, b, chunk: int, block_elems: int | None) -> Tensor:
     """sum_i softmax_j((S_ij + b_j) / gamma) per gallery item j, float64 on CPU (two chunked passes)."""
-    _check_inputs(queries, gallery, gamma)
-    q = _as_tensor(queries).to(torch.float32)
+    check_inputs(queries, gallery, gamma)
+    q = as_tensor(queries).to(torch.float32)
     dev = q.device
     n_q, n = q.shape[0], gallery.shape[0]
     if n == 0:
         return torch.zeros(0, dtype=torch.float64)
     if b is not None:
-        b = _as_tensor(b, dev).to(torch.float32).reshape(-1)
+        b = as_tensor(b, dev).to(torch.float32).reshape(-1)
         if b.shape[0] != n:
             raise ValueError(f"b has {b.shape[0]} entries for a gallery of {n}")
-    ch = _effective_chunk(chunk, n_q, block_elems)
+    ch = effective_chunk(chunk, n_q, block_elems)
     inv_g = 1.0 / gamma
 
     def block(s: int, e: int) -> Tensor:
-        g = _as_tensor(gallery[s:e], dev).to(torch.float32)
+        g = as_tensor(gallery[s:e], dev).to(torch.float32)
         L = q @ g.T
         if b is not None:
             L = L + b[s:e][None, :]
         return L * inv_g
 
     log_z = torch.full((n_q,), -math.inf, dtype=torch.float64, device=dev)
-    for s, e in _chunks(n, ch):
+    for s, e in chunk_ranges(n, ch):
         log_z = torch.logaddexp(log_z, torch.logsumexp(block(s, e), dim=1).double())
     lz32 = log_z.float()
     out = torch.empty(n, dtype=torch.float64)
-    for s, e in _chunks(n, ch):
+    for s, e in chunk_ranges(n, ch):
         out[s:e] = torch.exp(block(s, e) - lz32[:, None]).double().sum(0).cpu()
     return out
 
@@ -261,7 +255,7 @@ def summed_retrieval_probabilities(
     *,
     chunk: int = 65536,
     rescale: bool = True,
-    block_elems: int | None = _DEFAULT_BLOCK_ELEMS,
+    block_elems: int | None = DEFAULT_BLOCK_ELEMS,
 ) -> Tensor:
     """Per gallery video, the text-to-video retrieval probabilities summed over the queries (NCL eq. 13).
 
@@ -283,7 +277,7 @@ def normalization_error(
     b: Tensor | None = None,
     *,
     chunk: int = 65536,
-    block_elems: int | None = _DEFAULT_BLOCK_ELEMS,
+    block_elems: int | None = DEFAULT_BLOCK_ELEMS,
 ) -> float:
     """NCL eq. 5 text-to-video normalisation error ``mean_j |1 - r_j|``.
 
@@ -306,10 +300,7 @@ def normalization_error(
 
 MatrixScorer = Callable[[np.ndarray, np.ndarray], Tensor]
 """``scorer(query_idx (a,), gallery_rows (b,)) -> (a, b)`` served scores (float; any device)."""
-PairScorer = Callable[[np.ndarray, np.ndarray], Tensor]
-"""``scorer(query_idx (P,), gallery_rows (P,)) -> (P,)`` served scores of P (query, video) pairs."""
 
-SPARSE_FILLS = ("dual", "none")
 _DEFAULT_DENSE_ELEMS = 1 << 28  # a dense (Q, N) float32 served matrix of at most 1 GiB
 
 
@@ -318,14 +309,14 @@ def served_score_matrix(scorer: MatrixScorer, n_queries: int, n_gallery: int, *,
                         max_elems: int | None = _DEFAULT_DENSE_ELEMS, progress: bool = False) -> Tensor:
     """The dense (Q, N) float32 CPU matrix of served scores, scored gallery block by gallery block.
 
-    Refuses (ValueError) when Q x N exceeds ``max_elems``: use :func:`sinkhorn_biases_sparse` there."""
+    Refuses (ValueError) when Q x N exceeds ``max_elems``: use :func:`gare.sinkhorn_sparse.sinkhorn_biases_sparse` there."""
     if max_elems is not None and n_queries * n_gallery > max_elems:
         raise ValueError(f"a dense {n_queries} x {n_gallery} served-score matrix exceeds max_elems={max_elems}; "
-                         "use the sparse form (sinkhorn_biases_sparse)")
+                         "use the sparse form (gare.sinkhorn_sparse.sinkhorn_biases_sparse)")
     S = torch.empty(n_queries, n_gallery, dtype=torch.float32)
     qi = np.arange(n_queries)
     n_chunks = (n_gallery + chunk - 1) // max(chunk, 1)
-    for s, e in _progress(_chunks(n_gallery, chunk), progress, n_chunks, "served scores"):
+    for s, e in with_progress(chunk_ranges(n_gallery, chunk), progress, n_chunks, "served scores"):
         blk = torch.as_tensor(scorer(qi, np.arange(s, e))).float().cpu()
         if blk.shape != (n_queries, e - s):
             raise ValueError(f"scorer returned shape {tuple(blk.shape)} for a ({n_queries}, {e - s}) block")
@@ -349,190 +340,8 @@ def sinkhorn_biases_dense(S: Tensor, gamma: float, n_iters: int = 4, *, chunk: i
     if n == 0:
         return torch.zeros(n_q, dtype=torch.float32), torch.zeros(0, dtype=torch.float32)
     inv_g = 1.0 / gamma
-    ch = _effective_chunk(chunk, n_q, _DEFAULT_BLOCK_ELEMS)
-    return _sinkhorn_blocks(lambda s, e: S[:, s:e].float() * inv_g, n_q, n, gamma, n_iters, ch, S.device)
-
-
-@torch.no_grad()
-def stage1_candidates(queries: Tensor | np.ndarray, gallery: Tensor | np.ndarray, k: int, *, chunk: int = 65536,
-                      block_elems: int | None = _DEFAULT_BLOCK_ELEMS) -> tuple[Tensor, Tensor]:
-    """Exact stage 1: each query's top-k gallery rows by inner product (cosine for unit rows), chunked.
-
-    Returns ``(scores (Q, k') float32, rows (Q, k') int64)`` sorted by score desc, ``k' = min(k, N)``.  An ANN
-    answer (the service's stage 1) may be passed to :func:`sinkhorn_biases_sparse` instead."""
-    _check_inputs(queries, gallery, 1.0)
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    q = _as_tensor(queries).float()
-    n_q, n = q.shape[0], gallery.shape[0]
-    kk = min(k, n)
-    best_s = torch.full((n_q, 0), -math.inf)
-    best_r = torch.zeros((n_q, 0), dtype=torch.int64)
-    for s, e in _chunks(n, _effective_chunk(chunk, n_q, block_elems)):
-        blk = q @ _as_tensor(gallery[s:e], q.device).float().T
-        cat_s = torch.cat([best_s, blk], dim=1)
-        cat_r = torch.cat([best_r, torch.arange(s, e).expand(n_q, -1)], dim=1)
-        top = cat_s.topk(min(kk, cat_s.shape[1]), dim=1)
-        best_s, best_r = top.values, cat_r.gather(1, top.indices)
-    return best_s.cpu(), best_r.cpu()
-
-
-@torch.no_grad()
-def score_candidates(scorer: PairScorer, rows: Tensor | np.ndarray, *, chunk: int = 65536,
-                     progress: bool = False) -> Tensor:
-    """Served scores of every query's candidates: rows (Q, K) int64 (-1 = no candidate) -> (Q, K) float32 CPU,
-    nan where there is no candidate.  ``scorer`` receives the valid pairs in chunks of ``chunk``."""
-    r = torch.as_tensor(np.asarray(rows)).long()
-    out = torch.full(r.shape, math.nan, dtype=torch.float32)
-    qi, kj = torch.nonzero(r >= 0, as_tuple=True)
-    n_chunks = (qi.numel() + chunk - 1) // chunk
-    for s, e in _progress(_chunks(qi.numel(), chunk), progress, n_chunks, "served scores (candidates)"):
-        v = torch.as_tensor(scorer(qi[s:e].numpy(), r[qi[s:e], kj[s:e]].numpy())).float().cpu().reshape(-1)
-        if v.numel() != e - s:
-            raise ValueError(f"scorer returned {v.numel()} scores for {e - s} pairs")
-        out[qi[s:e], kj[s:e]] = v
-    return out
-
-
-def pair_scorer_from_matrix(scorer: MatrixScorer) -> PairScorer:
-    """A pair scorer from a matrix scorer: the pairs of each query are scored by one (1, k) matrix call."""
-
-    def pairs(qi: np.ndarray, rows: np.ndarray) -> Tensor:
-        qi, rows = np.asarray(qi).reshape(-1), np.asarray(rows).reshape(-1)
-        out = torch.empty(qi.shape[0], dtype=torch.float32)
-        order = np.argsort(qi, kind="stable")
-        uq, start = np.unique(qi[order], return_index=True)
-        ends = np.append(start[1:], order.size)
-        for q, s, e in zip(uq, start, ends, strict=True):
-            sel = order[s:e]
-            out[torch.from_numpy(sel)] = torch.as_tensor(scorer(np.array([q]), rows[sel])).float().cpu().reshape(-1)
-        return out
-
-    return pairs
-
-
-def _segment_lse(vals: Tensor, idx: Tensor, size: int) -> Tensor:
-    """logsumexp of vals grouped by idx -> (size,) float64; -inf for an empty group."""
-    m = torch.full((size,), -math.inf, dtype=torch.float64).scatter_reduce(0, idx, vals, "amax", include_self=True)
-    mf = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    tot = torch.zeros(size, dtype=torch.float64).index_add_(0, idx, torch.exp(vals - mf[idx]))
-    return mf + torch.log(tot)
-
-
-@torch.no_grad()
-def sinkhorn_biases_sparse(
-    rows: Tensor | np.ndarray,
-    scores: Tensor | np.ndarray,
-    n_gallery: int,
-    gamma: float,
-    n_iters: int = 4,
-    *,
-    fill: str = "dual",
-    queries: Tensor | np.ndarray | None = None,
-    gallery: Tensor | np.ndarray | None = None,
-    chunk: int = 65536,
-    block_elems: int | None = _DEFAULT_BLOCK_ELEMS,
-    device: torch.device | str | None = None,
-    progress: bool = False,
-) -> tuple[Tensor, Tensor, dict[str, Any]]:
-    """Fig. 4 on a sparse served-score matrix: exact scores on each queue query's stage-1 candidates.
-
-    ``rows`` (Q, K) int64 gallery rows of each query's candidates (-1 = none; no repeats within a row),
-    ``scores`` (Q, K) their served scores (e.g. :func:`score_candidates`).  Every other entry is
-    * ``fill="dual"``: the dual-tower score ``queries @ gallery.T`` (unit rows; chunked like
-      :func:`sinkhorn_biases`; a candidate's exact score replaces its cosine).  Equals the dense served
-      matrix wherever the scorer's value is known, and exactly it when every row is a candidate.
-    * ``fill="none"``: absent (M_ij = 0).  Costs nothing beyond the candidates' scores.  A video that is no
-      queue query's candidate has an empty column (beta = 1 / 0): it gets the largest finite bias (it is
-      the most under-represented kind of video, which is also what ``fill="dual"`` gives such a column).
-    Returns ``(a (Q,), b (N,), info)``; ``info`` has ``fill``, ``n_entries`` and ``n_uncovered``.
-    """
-    if fill not in SPARSE_FILLS:
-        raise ValueError(f"fill must be one of {SPARSE_FILLS}, got {fill!r}")
-    if gamma <= 0:
-        raise ValueError(f"gamma must be > 0, got {gamma}")
-    if n_iters < 1:
-        raise ValueError(f"n_iters must be >= 1, got {n_iters}")
-    r = torch.as_tensor(np.asarray(rows)).long().cpu()
-    v = torch.as_tensor(np.asarray(scores)).double().cpu()
-    if r.ndim != 2 or r.shape != v.shape:
-        raise ValueError(f"rows and scores must both be (Q, K), got {tuple(r.shape)} and {tuple(v.shape)}")
-    if r.shape[0] == 0:
-        raise ValueError("at least one query is needed")
-    if bool((r >= n_gallery).any()) or bool((r < -1).any()):
-        raise ValueError(f"candidate rows must be in [-1, {n_gallery}), got {int(r.min())}..{int(r.max())}")
-    ok = r >= 0
-    if bool(torch.isnan(v[ok]).any()):
-        raise ValueError("a candidate has no score (nan)")
-    srt = torch.sort(torch.where(ok, r, torch.full_like(r, -1)), dim=1).values
-    if bool(((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any()):
-        raise ValueError("a query lists the same candidate twice")
-    n_q = r.shape[0]
-    qi, kj = torch.nonzero(ok, as_tuple=True)
-    ci = r[qi, kj]
-    inv_g = 1.0 / gamma
-    info: dict[str, Any] = {"fill": fill, "n_entries": int(qi.numel()), "n_queries": n_q, "k": int(r.shape[1])}
-    covered = torch.zeros(n_gallery, dtype=torch.bool)
-    covered[ci] = True
-    info["n_uncovered"] = int((~covered).sum())
-    if n_gallery == 0:
-        return torch.zeros(n_q, dtype=torch.float32), torch.zeros(0, dtype=torch.float32), info
-    if fill == "none":
-        L = v[qi, kj] * inv_g  # (E,) float64 logits of the present entries
-        log_beta = -_segment_lse(L, ci, n_gallery)
-        log_alpha = torch.zeros(n_q, dtype=torch.float64)
-        for _ in range(n_iters):
-            log_alpha = -_segment_lse(L + _drop_empty(log_beta)[ci], qi, n_q)
-            log_beta = -_segment_lse(L + _drop_empty(log_alpha)[qi], ci, n_gallery)
-        a, b = _finish(log_alpha, log_beta, gamma)
-    else:
-        if queries is None or gallery is None:
-            raise ValueError('fill="dual" needs the unit queries and gallery rows (queries=, gallery=)')
-        _check_inputs(queries, gallery, gamma)
-        if queries.shape[0] != n_q or gallery.shape[0] != n_gallery:
-            raise ValueError(f"queries/gallery have {queries.shape[0]}/{gallery.shape[0]} rows for a "
-                             f"({n_q}, {n_gallery}) problem")
-        q_t = _as_tensor(queries)
-        dev = torch.device(device) if device is not None else q_t.device
-        q = q_t.to(dev, torch.float32)
-        # the exact entries sorted by column, so a gallery chunk's entries are one contiguous slice
-        order = torch.argsort(ci, stable=True)
-        e_q, e_c, e_v = qi[order].to(dev), ci[order], v[qi, kj][order].float().to(dev)
-        bounds = e_c.contiguous()
-        e_c = e_c.to(dev)
-
-        def block(s: int, e: int) -> Tensor:
-            g = _as_tensor(gallery[s:e], dev).to(torch.float32)
-            L = q @ g.T
-            lo, hi = (int(x) for x in torch.searchsorted(bounds, torch.tensor([s, e])))
-            L[e_q[lo:hi], e_c[lo:hi] - s] = e_v[lo:hi]
-            return L * inv_g
-
-        ch = _effective_chunk(chunk, n_q, block_elems)
-        a, b = _sinkhorn_blocks(block, n_q, n_gallery, gamma, n_iters, ch, dev, progress)
-    bad = ~torch.isfinite(b)
-    if bool(bad.any()):
-        fin = b[~bad]
-        b[bad] = fin.max() if fin.numel() else 0.0
-    return a, b, info
-
-
-def normalization_error_scores(S: Tensor, gamma: float, b: Tensor | None = None) -> float:
-    """NCL eq. 5 (same convention as :func:`normalization_error`) of an explicit (Q, N) score matrix,
-    e.g. the psi scores of the test captions: ``mean_j |1 - (N / Q) sum_i softmax_j((S_ij + b_j) / gamma)|``."""
-    S = torch.as_tensor(S).double()
-    if S.ndim != 2 or S.shape[0] == 0:
-        raise ValueError(f"S must be a non-empty 2-D matrix, got shape {tuple(S.shape)}")
-    if S.shape[1] == 0:
-        return 0.0
-    if b is not None:
-        b = torch.as_tensor(b).double().reshape(-1).to(S.device)
-        if b.shape[0] != S.shape[1]:
-            raise ValueError(f"b has {b.shape[0]} entries for a gallery of {S.shape[1]}")
-        S = S + b[None, :]
-    P = torch.softmax(S / gamma, dim=1)
-    r = P.sum(0) * (S.shape[1] / S.shape[0])
-    return float(torch.mean(torch.abs(1.0 - r)))
+    ch = effective_chunk(chunk, n_q, DEFAULT_BLOCK_ELEMS)
+    return sinkhorn_blocks(lambda s, e: S[:, s:e].float() * inv_g, n_q, n, gamma, n_iters, ch, S.device)
 
 
 # ---------------------------------------------------------------- NCL biases inside stage 1

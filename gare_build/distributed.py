@@ -33,7 +33,7 @@ def encode_shard(
     """Runs on a worker: decode (in the worker process) and encode `items`; returns the features."""
     import numpy as np
 
-    from gare.video import iter_decoded
+    from gare.video_loader import iter_decoded
     from gare_build.encode import cached_model, encode_batch
 
     model, dev = cached_model(checkpoint, sha256, device)

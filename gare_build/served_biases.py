@@ -3,7 +3,7 @@
 The search ranks each query's stage-1 candidates by the psi score s_tj (SPEC §4), so the biases it adds must
 normalise that score, not the dual-tower cosine. Computing psi for every (queue query, video) pair is
 Q x N pairs; because γ is small only each query's top entries carry weight, so the index uses the sparse
-form of :func:`gare.sinkhorn.sinkhorn_biases_sparse`: exact psi on each queue query's stage-1 top K
+form of :func:`gare.sinkhorn_sparse.sinkhorn_biases_sparse`: exact psi on each queue query's stage-1 top K
 (the exact top K of the stage-1 vectors, i.e. what the ANN approximates) and the stage-1 cosine elsewhere
 ("dual" fill; "none" leaves the other entries out). With K >= N this is the dense, exact computation.
 
@@ -151,7 +151,7 @@ def served_biases(model: Any, queries: np.ndarray, gamma: float, *, units: Any, 
     import torch
     import torch.nn.functional as F
 
-    from gare.sinkhorn import score_candidates, sinkhorn_biases_sparse, stage1_candidates
+    from gare.sinkhorn_sparse import score_candidates, sinkhorn_biases_sparse, stage1_candidates
 
     n = int(np.asarray(norms).shape[0])
     t0 = time.time()

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from gare.annotations import RetrievalSet
-from gare.video import ClipDataset, DecodedClip, iter_decoded
+from gare.video_loader import ClipDataset, DecodedClip, iter_decoded
 
 log = logging.getLogger(__name__)
 

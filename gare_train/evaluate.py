@@ -28,14 +28,11 @@ from gare.deviation import REBUTTAL_DELTA, delta_deviation
 from gare.encoded_set import EncodedSet
 from gare.metrics import format_table, retrieval_metrics
 from gare.model import GARE
-from gare.sinkhorn import (
-    normalization_error,
+from gare.sinkhorn import normalization_error, served_score_matrix, sinkhorn_biases, sinkhorn_biases_dense
+from gare.sinkhorn_sparse import (
     normalization_error_scores,
     pair_scorer_from_matrix,
     score_candidates,
-    served_score_matrix,
-    sinkhorn_biases,
-    sinkhorn_biases_dense,
     sinkhorn_biases_sparse,
     stage1_candidates,
 )

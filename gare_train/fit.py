@@ -37,7 +37,7 @@ from gare.config import LossConfig, get_model_config
 from gare.model import GARE, autocast, resolve_device
 from gare.sinkhorn import sinkhorn_biases
 from gare.strict import strict_from_dict
-from gare.video import collate_clips
+from gare.video_loader import collate_clips
 from gare_train.data import REFERENCE_RANDAUGMENT, PairDataset, collate_pairs, decode_to_memory, epoch_order
 from gare_train.loss import gare_loss
 from gare_train.optim import BertAdam, bert_warmup_cosine_lambda

@@ -87,7 +87,7 @@ class _Encoder:
                     n_workers=self.opts.dask_workers, on_result=on_result, decode_timeout=self.opts.decode_timeout,
                 )
             else:
-                from gare.video import iter_decoded
+                from gare.video_loader import iter_decoded
                 from gare_build.encode import encode_batch
 
                 cfg = model.cfg

@@ -13,12 +13,14 @@ import torch.nn.functional as F
 
 from gare.sinkhorn import (
     normalization_error,
-    normalization_error_scores,
-    score_candidates,
     served_score_matrix,
     sinkhorn_biases,
     sinkhorn_biases_dense,
     sinkhorn_biases_naive,
+)
+from gare.sinkhorn_sparse import (
+    normalization_error_scores,
+    score_candidates,
     sinkhorn_biases_sparse,
     stage1_candidates,
 )
@@ -213,7 +215,7 @@ def test_pair_scorer_from_matrix_scores_each_pair():
         calls.append(len(qi))
         return S[torch.as_tensor(qi)][:, torch.as_tensor(rows)]
 
-    from gare.sinkhorn import pair_scorer_from_matrix
+    from gare.sinkhorn_sparse import pair_scorer_from_matrix
 
     qi, rows = np.array([2, 0, 2, 3, 0]), np.array([4, 1, 0, 3, 1])
     out = pair_scorer_from_matrix(matrix)(qi, rows)

@@ -1,4 +1,4 @@
-"""gare.video: reference frame sampling, decoding + CLIP preprocessing, and fault-tolerant batches."""
+"""gare.video and gare.video_loader: reference frame sampling, decoding + CLIP preprocessing, and fault-tolerant batches."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from gare import video as V
+from gare import video_loader as VL
 from gare_train.synth import write_video
 from tests.badfiles import write_bad_videos
 
@@ -143,7 +144,7 @@ def test_sample_positions_rejects_bad_arguments():
 
 def test_import_is_light():
     code = (
-        "import sys, gare.video; "
+        "import sys, gare.video, gare.video_loader; "
         "bad = [m for m in ('decord', 'av', 'torchvision', 'gare_train.fit', 'fastapi') if m in sys.modules]; "
         "assert not bad, bad"
     )
@@ -305,7 +306,7 @@ def test_bad_files_are_really_bad(bad_videos):
 
 
 def test_clip_dataset_never_raises(good_video, bad_videos, monkeypatch):
-    ds = V.ClipDataset(
+    ds = VL.ClipDataset(
         [("g", good_video, None, None), ("e", bad_videos["empty"], None, None), ("r", bad_videos["random"])],
         max_frames=4,
         framerate=1,
@@ -321,24 +322,24 @@ def test_clip_dataset_never_raises(good_video, bad_videos, monkeypatch):
     def boom(*a, **k):
         raise decord._ffi.base.DECORDError("synthetic decord failure")
 
-    monkeypatch.setattr(V, "load_frames", boom)
+    monkeypatch.setattr(VL, "load_frames", boom)  # the binding ClipDataset calls
     clip = ds[0]
     assert clip.frames is None and "DECORDError" in clip.error
 
-    batch = V.collate_clips([ok, empty, rnd])
+    batch = VL.collate_clips([ok, empty, rnd])
     assert (
         batch["keys"] == ["g"]
         and batch["frames"].shape == (1, 4, 3, 16, 16)
         and batch["mask"].shape == (1, 4)
     )
     assert [k for k, _ in batch["failed"]] == ["e", "r"]
-    none = V.collate_clips([empty])
+    none = VL.collate_clips([empty])
     assert none["frames"] is None and none["mask"] is None and none["keys"] == []
 
 
 def _run_all(items, **kw):
     kw = {"max_frames": 4, "framerate": 2, "image_size": 16, **kw}
-    return list(V.iter_decoded(items, **kw))
+    return list(VL.iter_decoded(items, **kw))
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -381,7 +382,7 @@ def test_iter_decoded_survives_worker_crash_and_hang(good_video, monkeypatch):
             time.sleep(120)
         return real(good_video, **kw)
 
-    monkeypatch.setattr(V, "load_frames", flaky)
+    monkeypatch.setattr(VL, "load_frames", flaky)  # the binding ClipDataset calls
     items = [(f"k{i}", f"/nowhere/ok{i}.mp4", None, None) for i in range(6)]
     items.insert(2, ("crash", "/nowhere/crash.mp4", None, None))
     items.insert(5, ("hang", "/nowhere/hang.mp4", None, None))
@@ -400,8 +401,8 @@ def test_iter_decoded_survives_worker_crash_and_hang(good_video, monkeypatch):
 
 def test_iter_decoded_early_break_and_empty(good_video):
     with deadline(60):
-        assert list(V.iter_decoded([], max_frames=2, framerate=1, image_size=16)) == []
-        it = V.iter_decoded(
+        assert list(VL.iter_decoded([], max_frames=2, framerate=1, image_size=16)) == []
+        it = VL.iter_decoded(
             [(i, good_video, None, None) for i in range(8)],
             max_frames=2,
             framerate=1,
