@@ -8,8 +8,8 @@ form of :func:`gare.sinkhorn_sparse.sinkhorn_biases_sparse`: exact psi on each q
 ("dual" fill; "none" leaves the other entries out). With K >= N this is the dense, exact computation.
 
 The psi scores come from a pair scorer (``(query idx, gallery rows) -> scores``): by default the exact fold
-of psi (gare.psi_fold, equal to ``model.score`` to float32 rounding; tested against the fused scorer);
-any exact psi implementation with that signature plugs in.
+of psi (gare.psi_fold, equal to ``model.score`` to float32 rounding; the tests check it against a fused
+reference); any exact psi implementation with that signature plugs in.
 
 Queries: psi needs the un-normalised text embedding t (the gap v̄ - t and the pooling softmax(t·F / temp)
 depend on |t|). The checkpoint's queue stores t as trained; a bank of served queries stores unit rows only,
@@ -18,11 +18,20 @@ so its rows are scaled to the training queue's mean |t| (recorded as ``bank_scal
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
 
 import numpy as np
+import torch
+import torch.nn.functional as F
+
+from gare import psi_fold as pf
+from gare import psi_fold_queries as pfq
+from gare import psi_fold_videos as pfv
+from gare import psi_fold_weights as pfw
+from gare.sinkhorn_sparse import score_candidates, sinkhorn_biases_sparse, stage1_candidates
 
 log = logging.getLogger(__name__)
 
@@ -32,48 +41,10 @@ DEFAULT_BIAS_K = 256  # the service's default number of candidates
 DEFAULT_BIAS_FILL = "dual"
 
 
-
-def _fused_pair_scores():
-    from gare_search.search import fused_pair_scores
-
-    return fused_pair_scores
-
-
-def psi_pair_scorer(model: Any, queries: np.ndarray, frames: Any, masks: Any, units: Any, norms: Any,
-                    *, chunk: int = 4096):
-    """Pair scorer over index arrays: (query idx (P,), rows (P,)) -> psi scores (P,) float32 (CPU tensor).
-
-    ``queries`` (Q, d) un-normalised t; ``frames`` (n, f, d) float16 (a memmap is fine), ``masks`` (n, f),
-    ``units``/``norms`` rebuild v̄ = norm * unit. Pairs are scored in row order (sequential memmap reads)."""
-    import torch
-
-    fused = _fused_pair_scores()
-    dev = model.device
-    q_all = torch.as_tensor(np.asarray(queries, dtype=np.float32)).to(dev)
-
-    def score(qi: np.ndarray, rows: np.ndarray):
-        qi, rows = np.asarray(qi, dtype=np.int64).reshape(-1), np.asarray(rows, dtype=np.int64).reshape(-1)
-        order = np.argsort(rows, kind="stable")
-        out = np.empty(rows.shape[0], dtype=np.float32)
-        with torch.inference_mode():
-            for s in range(0, rows.shape[0], chunk):
-                sel = order[s:s + chunk]
-                r = rows[sel]
-                uniq, inv = np.unique(r, return_inverse=True)
-                fr = torch.from_numpy(np.asarray(frames[uniq], dtype=np.float32)).to(dev)[torch.from_numpy(inv).to(dev)]
-                mk = torch.from_numpy(np.asarray(masks[uniq])).to(dev)[torch.from_numpy(inv).to(dev)]
-                vb = np.asarray(units[uniq], dtype=np.float32) * np.asarray(norms[uniq], dtype=np.float32)[:, None]
-                vb_t = torch.from_numpy(vb).to(dev)[torch.from_numpy(inv).to(dev)]
-                tq = q_all[torch.from_numpy(qi[sel]).to(dev)]
-                out[sel] = fused(model, tq, fr, mk, vb_t).float().cpu().numpy()
-        return torch.from_numpy(out)
-
-    return score
-
-
 def fold_pair_scorer(model: Any, queries: np.ndarray, frames: Any, masks: Any, units: Any, norms: Any,
                      *, consts: Any = None, chunk: int = 1024):
-    """The same pair scorer as :func:`psi_pair_scorer`, through the exact fold of psi (gare.psi_fold):
+    """Pair scorer over index arrays: (query idx (P,), rows (P,)) -> psi scores (P,) float32 (CPU tensor),
+    through the exact fold of psi (gare.psi_fold):
     the queue is folded once and a pair costs a few dot products instead of psi's d x d products (issue 12).
 
     ``consts`` (n, W): the index's stored per-video constants (``psi_consts.npy``, a memmap is fine), which the
@@ -83,15 +54,6 @@ def fold_pair_scorer(model: Any, queries: np.ndarray, frames: Any, masks: Any, u
     fold each video many times, so the build passes the constants it has just computed. Pairs come in chunks
     of ``chunk``; in queue order (~4 queries of 256 candidates per chunk) each chunk is one product of its
     queries' vectors with its videos' frames."""
-    import dataclasses
-
-    import torch
-
-    from gare import psi_fold as pf
-    from gare import psi_fold_queries as pfq
-    from gare import psi_fold_videos as pfv
-    from gare import psi_fold_weights as pfw
-
     dev = model.device
     fw = pfw.fold_weights(model.psi).to(dev)
     ref_pad = bool(getattr(model.cfg, "reference_padding", False))
@@ -148,11 +110,6 @@ def served_biases(model: Any, queries: np.ndarray, gamma: float, *, units: Any, 
     ``stage1``: the stage-1 vectors (InvGC-corrected ones when the index has them; default ``units``): the
     candidates are their exact top ``k`` and the fill is their cosine, as the search's stage 1. ``consts``: the
     index's psi constants, valid for model.psi (see :func:`fold_pair_scorer`)."""
-    import torch
-    import torch.nn.functional as F
-
-    from gare.sinkhorn_sparse import score_candidates, sinkhorn_biases_sparse, stage1_candidates
-
     n = int(np.asarray(norms).shape[0])
     t0 = time.time()
     q_raw = np.asarray(queries, dtype=np.float32)

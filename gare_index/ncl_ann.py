@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from gare.sinkhorn import fold_biases
-from gare_index.ann import AnnIndex, AnnParams, build_index, choose_index_type, default_nlist
+from gare_index.ann import AnnIndex, build_index
+from gare_index.ann_params import AnnParams, choose_index_type, default_nlist
 
 NCL_ANN_FILE = "ann_ncl.faiss"
 DEFAULT_FOLD_C = 1.0

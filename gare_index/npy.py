@@ -1,15 +1,31 @@
-"""Writable .npy memory maps whose space is reserved before anything is written (the index writers' staging)."""
+"""The index writers' .npy staging: memory maps whose space is reserved up front, and files to link in.
+
+:class:`ExistingFile` (an array already on disk) lives here, below :mod:`gare_index.store` and
+:mod:`gare_index.psi_consts`, so that both can name it without importing each other.
+"""
 
 from __future__ import annotations
 
 import errno
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["alloc_npy"]
+__all__ = ["ExistingFile", "alloc_npy"]
+
+
+@dataclass(frozen=True)
+class ExistingFile:
+    """An array already on disk (a staged .npy, or a file of a previous version) to link into a version.
+
+    `sha256` may be given when known (files of an immutable previous version) to skip re-hashing.
+    """
+
+    path: Path
+    sha256: str | None = None
 
 
 def alloc_npy(path: Path, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:

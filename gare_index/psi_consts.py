@@ -1,4 +1,4 @@
-"""psi's per-video constants in the index (issue 12): compute, carry, check and load them.
+"""psi's per-video constants in the index (issue 12) and the folded psi weights: compute, carry, check, serve.
 
 `gare.psi_fold` folds psi exactly into per-video constants and per-query vectors, so the rerank costs
 ~3f + 1 dot products per pair instead of ~4 d x d products. The index stores one float32 row per video,
@@ -10,9 +10,13 @@ frames, the masks and the served v̄ = norm * unit (SPEC §4), and the manifest 
      "dtype": "float32", "vbar": "norms*units", "file": "psi_consts.npy"}
 
 Constants are only valid for the psi weights they were folded with: :func:`fold_status` compares the
-fingerprint (and the checkpoint hash) with the served model's, and the search uses the fold only when they
-match; otherwise it logs one warning and uses the fused path (same scores, slower). `gare-index upgrade`
-(:mod:`gare_build.upgrade`) adds them to an index written before this change.
+fingerprint (and the checkpoint hash) with the served model's, and the search reads them only when they
+match; otherwise :func:`served` folds them in memory once per version (one WARNING naming `gare-index
+upgrade`, which adds them to an index written before this change). :func:`fold_of` is the one cache of the
+folded psi weights (keyed by psi's identity and parameter versions).
+
+This module depends on the core only (not on :mod:`gare_index.store`, which imports it for the array name and
+the checks of :func:`problems`).
 
 float32, not float16: float16 constants move the scores by ~3e-5, over the 1e-5 the implementations agree to.
 """
@@ -20,19 +24,24 @@ float32, not float16: float16 constants move the scores by ~3e-5, over the 1e-5 
 from __future__ import annotations
 
 import logging
+import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
+from gare.checkpoint import file_sha256, load_model
 from gare.psi_fold_videos import VideoConstants, fold_videos, packed_width
 from gare.psi_fold_weights import PsiFold, fold_weights
-from gare_index.store.format import PSI_CONSTS_ARRAY
+from gare_index.npy import ExistingFile, alloc_npy
 
 log = logging.getLogger(__name__)
 
 MANIFEST_KEY = "psi_fold"
+PSI_CONSTS_ARRAY = "psi_consts"  # the array's name in a version (psi_consts.npy)
 _BLOCK = 4096  # videos per fold_videos call: ~4096·12·512·4 B = 100 MB of float32 frames at a time
 
 
@@ -79,11 +88,7 @@ def compute_rows(fold: PsiFold, frames: Any, masks: Any, units: Any, norms: Any,
     dev = _default_device(device)
     fw = fold.to(dev)
     rows = np.arange(out.shape[0]) if rows is None else np.asarray(rows, dtype=np.int64)
-    starts = range(0, rows.size, _BLOCK)
-    if progress:
-        from tqdm import tqdm
-
-        starts = tqdm(starts, desc="psi constants", unit="block")
+    starts = tqdm(range(0, rows.size, _BLOCK), desc="psi constants", unit="block", disable=not progress)
     for s0 in starts:
         r = rows[s0 : s0 + _BLOCK]
         contiguous = r.size and int(r[-1]) - int(r[0]) + 1 == r.size
@@ -108,8 +113,6 @@ def attach(arrays: dict[str, Any], model: Any, prev: Any = None, *, checkpoint_s
     are folded (on the GPU when present). With `staging` the array is a .npy memmap there (an
     ExistingFile for write_version), so a 1M-video index never holds its 3.4 GB of constants in memory.
     """
-    from gare_index.store.writer import ExistingFile
-
     def val(x: Any) -> Any:
         return np.load(x.path, mmap_mode="r", allow_pickle=False) if isinstance(x, ExistingFile) else x
 
@@ -123,8 +126,6 @@ def attach(arrays: dict[str, Any], model: Any, prev: Any = None, *, checkpoint_s
         staging.mkdir(parents=True, exist_ok=True)
         path = staging / f"{PSI_CONSTS_ARRAY}.npy"
         # space reserved up front: writing a sparse memmap on a full disk would kill the process with SIGBUS
-        from gare_index.npy import alloc_npy
-
         out = alloc_npy(path, np.float32, (n, w))
     else:
         out = np.empty((n, w), np.float32)
@@ -177,11 +178,39 @@ def fold_status(version: Any, fold: PsiFold) -> str | None:
     return None
 
 
-def gather(version: Any, rows: np.ndarray, fold: PsiFold, device: Any) -> VideoConstants:
+_IN_MEMORY: weakref.WeakKeyDictionary[Any, tuple[str, np.ndarray]] = weakref.WeakKeyDictionary()
+_IN_MEMORY_LOCK = threading.Lock()  # one fold per version even when several request threads meet it first
+
+
+def served(model: Any, version: Any) -> np.ndarray:
+    """The psi constants the search reads for `version` (n, W) float32: the stored ones when they are valid for
+    model.psi, else constants folded in memory now, once per version and psi (one WARNING naming
+    `gare-index upgrade`, which stores them). The folded array lives as long as the version object."""
+    fold = fold_of(model)
+    why = fold_status(version, fold)
+    if why is None:
+        return version.psi_consts
+    with _IN_MEMORY_LOCK:
+        hit = _IN_MEMORY.get(version)
+        if hit is not None and hit[0] == fold.fingerprint:
+            return hit[1]
+        w = packed_width(version.max_frames)
+        log.warning("psi rerank: %s; folding the constants of its %d videos in memory (%.1f MB; "
+                    "`gare-index upgrade` stores them in the index)", why, version.n, 4 * w * version.n / 2**20)
+        out = np.empty((version.n, w), np.float32)
+        compute_rows(fold, version.frames, version.masks, version.units, version.norms, out,
+                     device=getattr(model, "device", None), progress=version.n > 4 * _BLOCK,
+                     reference_padding=reference_padding(model))
+        _IN_MEMORY[version] = (fold.fingerprint, out)
+        return out
+
+
+def gather(version: Any, rows: np.ndarray, fold: PsiFold, device: Any, *, consts: np.ndarray | None = None) -> VideoConstants:
     """Constants of index rows (ascending, unique: memmap friendly) as VideoConstants on `device`, with the
-    served v̄ = norm * unit (fold_status(version, fold) must be None)."""
+    served v̄ = norm * unit. `consts`: the version's served constants (:func:`served`); default the stored
+    ones (fold_status(version, fold) must then be None)."""
     fr = torch.from_numpy(np.ascontiguousarray(version.frames[rows]))
-    pk = torch.from_numpy(np.ascontiguousarray(version.psi_consts[rows]))
+    pk = torch.from_numpy(np.ascontiguousarray((version.psi_consts if consts is None else consts)[rows]))
     vb = torch.from_numpy(np.asarray(version.units[rows], dtype=np.float32) * np.asarray(version.norms[rows], dtype=np.float32)[:, None])
     return VideoConstants(frames=fr, packed=pk, fingerprint=fold.fingerprint, vbar=vb).to(device)
 
@@ -205,7 +234,7 @@ def problems(version: Any, *, sample: int = 64, seed: int = 0, model: Any = None
     info = version.manifest.psi_fold
     has = version.psi_consts is not None
     if not has and not info:
-        log.warning("index version %s has no psi constants: the search uses the fused psi path; "
+        log.warning("index version %s has no psi constants: the search folds them in memory when it loads it; "
                     "`gare-index upgrade --out %s` adds them", version.name, version.root)
         return []
     if has != bool(info):
@@ -230,8 +259,6 @@ def problems(version: Any, *, sample: int = 64, seed: int = 0, model: Any = None
         if not path or not Path(path).is_file():
             log.warning("verify: checkpoint %s not readable; psi constants not recomputed", path)
             return out
-        from gare.checkpoint import file_sha256, load_model
-
         if file_sha256(path) != ck:
             log.warning("verify: %s changed since the index was built; psi constants not recomputed", path)
             return out

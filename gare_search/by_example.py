@@ -25,7 +25,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from gare_search.search import Hit, QueryResult, SearchOptions, _sync, unit_rows
+from gare.video import clip_transform
+from gare_search.query import sync, unit_rows
+from gare_search.search import Hit, QueryResult, SearchOptions
 
 IMAGE_TYPES = {"image/jpeg": "JPEG", "image/png": "PNG", "image/webp": "WEBP", "image/gif": "GIF"}
 
@@ -34,12 +36,16 @@ class ExampleError(ValueError):
     """A bad example (unknown id, undecodable image): the service answers 4xx with this message."""
 
 
+class UnknownExample(ExampleError):
+    """An example id that is not in the index version (the service answers 404)."""
+
+
 def video_query_unit(version: Any, ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """(unit query vector (1, d): the mean of the videos' v̂ renormalised, their row positions)."""
     try:
         rows = version.rows(np.asarray(list(ids), dtype=np.int64))
     except KeyError as e:
-        raise ExampleError(str(e.args[0] if e.args else e)) from None
+        raise UnknownExample(str(e.args[0] if e.args else e)) from None
     u = np.asarray(version.units[rows], dtype=np.float32).mean(axis=0, keepdims=True)
     return unit_rows(u), rows
 
@@ -180,8 +186,6 @@ def decode_image(data: bytes, content_type: str | None, *, max_pixels: int, max_
 def encode_image(model: Any, image: Any) -> np.ndarray:
     """One PIL image -> unit vector (1, d): a one-frame clip through the video encoder (CLIP image tower,
     then the temporal transformer), so that it is comparable with the indexed v̂."""
-    from gare.video import clip_transform
-
     x = clip_transform(model.cfg.image_size)(image)[None, None]  # (1, 1, 3, H, W)
     _, vbar = model.encode_video(x, torch.ones(1, 1, dtype=torch.bool))
     return unit_rows(vbar)
@@ -191,7 +195,7 @@ def search_by_image(model: Any, version: Any, image: Any, opts: SearchOptions) -
     """Stage 1 only: cos(v̂_image, v̂_j) over the ANN (no psi: it needs a text query)."""
     t0 = time.perf_counter()
     u = encode_image(model, image)
-    _sync(model.device)
+    sync(model.device)
     t1 = time.perf_counter()
     sc, got = version.search(u, int(opts.candidates))
     ok = got[0] >= 0

@@ -123,7 +123,7 @@ def test_served_pair_scorer_on_cuda_equals_cpu():
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_text_encoder_under_autocast_on_cuda_stays_close_to_fp32(precision):
-    from gare_search.search import encode_queries
+    from gare_search.query import encode_queries
 
     model = _tiny_model(3)
     texts = ["a dog runs across a field", "a red car drives through a city at night", "someone is cooking"]
@@ -213,7 +213,7 @@ def test_sinkhorn_biases_on_cuda_equal_cpu_at_scale():
 def test_half_precision_text_tower_on_cuda_stays_close_to_fp32(kind):
     """gare.text_quant's CUDA towers (half-precision weights, fp32 projection) against the CPU fp32 encoder."""
     from gare.text_quant import build_text_encoder
-    from gare_search.search import encode_queries, trim_tokens
+    from gare_search.query import encode_queries, trim_tokens
 
     model = _tiny_model(5)
     texts = ["a dog runs across a field", "a red car drives through a city at night", "someone is cooking"]

@@ -33,6 +33,7 @@ Modules: :mod:`.format` (names, constants, errors, lock, file helpers), :mod:`.m
 the typed :class:`IndexManifest`, checked at read and at write), :mod:`.reader`, :mod:`.writer`, :mod:`.verify`. Import from ``gare_index.store``; the submodules are an implementation detail.
 """
 
+from gare_index.npy import ExistingFile
 from gare_index.store.format import (
     ANN_FILE,
     ANN_NCL_FILE,
@@ -72,7 +73,7 @@ from gare_index.store.reader import (
     read_manifest,
 )
 from gare_index.store.verify import verify_index
-from gare_index.store.writer import ExistingFile, gc, remove_stale_tmp, switch_current, write_version
+from gare_index.store.writer import gc, remove_stale_tmp, switch_current, write_version
 
 __all__ = [  # every name importable from gare_index.store
     "FORMAT",

@@ -18,7 +18,9 @@ from typing import Any
 import numpy as np
 
 from gare.atomic import atomic_write
+from gare.psi_fold_videos import packed_width
 from gare_index.ncl_ann import NCL_ANN_FILE
+from gare_index.psi_consts import PSI_CONSTS_ARRAY
 
 log = logging.getLogger("gare_index.store")
 
@@ -52,28 +54,25 @@ OPTIONAL_ARRAYS: dict[str, tuple[np.dtype, int]] = {
     "ann_units": (np.dtype(np.float32), 2),  # InvGC-corrected stage-1 vectors (n, d)
     "psi_consts": (np.dtype(np.float32), 2),  # psi folded per video (n, 10f + 5f² + 2), gare.psi_fold
 }
-_MMAP_ARRAYS = ("frames", "units", "keys", "values", "ann_units", "psi_consts")
-_ROW_DIM_ARRAYS = ("units", "ann_units")  # 2-D arrays of width d (the others are (n, f), psi_consts below)
-PSI_CONSTS_ARRAY = "psi_consts"
+MMAP_ARRAYS = ("frames", "units", "keys", "values", "ann_units", "psi_consts")
+ROW_DIM_ARRAYS = ("units", "ann_units")  # 2-D arrays of width d (the others are (n, f), psi_consts below)
 
 
 def expected_shape(name: str, n: int, d: int, f: int) -> tuple[int, ...]:
     """The shape an array of the format must have for n videos of f frames of width d."""
-    from gare.psi_fold_videos import packed_width
-
     ndim = (ARRAY_SPECS.get(name) or OPTIONAL_ARRAYS[name])[1]
     if name == PSI_CONSTS_ARRAY:
         return (n, packed_width(f))
-    return {1: (n,), 2: (n, d if name in _ROW_DIM_ARRAYS else f), 3: (n, f, d)}[ndim]
+    return {1: (n,), 2: (n, d if name in ROW_DIM_ARRAYS else f), 3: (n, f, d)}[ndim]
 META_COLUMNS: tuple[str, ...] = (
     "id", "path", "size", "mtime", "checksum", "duration", "fps", "frames_used", "start", "end", "status",
 )
-_META_SQL_TYPES = {
+META_SQL_TYPES = {
     "id": "INTEGER PRIMARY KEY", "path": "TEXT NOT NULL", "size": "INT", "mtime": "REAL", "checksum": "TEXT",
     "duration": "REAL", "fps": "REAL", "frames_used": "INT", "start": "REAL", "end": "REAL", "status": "TEXT",
 }
 _VERSION_RE = re.compile(r"^v(\d{6,})$")
-_TMP_PREFIX = ".tmp-"
+TMP_PREFIX = ".tmp-"
 
 
 
@@ -89,7 +88,7 @@ def version_name(number: int) -> str:
     return f"v{int(number):06d}"
 
 
-def _version_number(name: str) -> int | None:
+def version_number(name: str) -> int | None:
     m = _VERSION_RE.match(name)
     return int(m.group(1)) if m else None
 
@@ -116,7 +115,7 @@ def test_pause(stage: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------ fs helpers
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -129,7 +128,7 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
-class _HashingWriter:
+class HashingWriter:
     """File wrapper for np.save: hashes and counts what is written (numpy streams in ~16 MiB chunks)."""
 
     def __init__(self, fh: Any) -> None:

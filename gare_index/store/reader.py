@@ -18,11 +18,12 @@ import numpy as np
 
 from gare.checkpoint import file_sha256
 from gare.sinkhorn import fold_query
-from gare_index.ann import AnnIndex, AnnParams, GpuIndexError
+from gare_index.ann import AnnIndex
+from gare_index.ann_gpu import GpuIndexError
+from gare_index.ann_params import AnnParams
 from gare_index.metadb import check_meta_db
 from gare_index.ncl_ann import FoldedRows, Stage1Unavailable
 from gare_index.store.format import (
-    _MMAP_ARRAYS,
     ANN_FILE,
     ANN_NCL_FILE,
     ARRAY_SPECS,
@@ -32,12 +33,13 @@ from gare_index.store.format import (
     MANIFEST_FILE,
     META_COLUMNS,
     META_FILE,
+    MMAP_ARRAYS,
     OPTIONAL_ARRAYS,
     VERSIONS_DIR,
     IndexFormatError,
     IndexMismatchError,
-    _version_number,
     expected_shape,
+    version_number,
 )
 from gare_index.store.manifest import FileEntry, IndexManifest, parse_manifest
 
@@ -52,7 +54,7 @@ def current_version_name(root: str | os.PathLike) -> str:
         name = cur.read_text(encoding="utf-8").strip()
     except FileNotFoundError:
         raise IndexFormatError(f"{root}: no {CURRENT_FILE} file; not a gare index (create one with gare-index build)") from None
-    if _version_number(name) is None:
+    if version_number(name) is None:
         raise IndexFormatError(f"{cur}: {name!r} is not a version name (expected e.g. 'v000001')")
     return name
 
@@ -62,8 +64,8 @@ def list_versions(root: str | os.PathLike) -> list[str]:
     vdir = Path(root) / VERSIONS_DIR
     if not vdir.is_dir():
         return []
-    names = [p.name for p in vdir.iterdir() if p.is_dir() and _version_number(p.name) is not None]
-    return sorted(names, key=lambda n: _version_number(n) or 0)
+    names = [p.name for p in vdir.iterdir() if p.is_dir() and version_number(p.name) is not None]
+    return sorted(names, key=lambda n: version_number(n) or 0)
 
 
 def read_manifest(path: Path) -> IndexManifest:
@@ -304,7 +306,7 @@ class IndexVersion:
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
-        for name in _MMAP_ARRAYS:
+        for name in MMAP_ARRAYS:
             arr = getattr(self, name, None)
             mm = getattr(arr, "_mmap", None)
             if mm is not None:
@@ -349,7 +351,7 @@ def open_version(
     for aname, (dtype, _ndim) in {**ARRAY_SPECS, **OPTIONAL_ARRAYS}.items():
         if aname in OPTIONAL_ARRAYS and f"{aname}.npy" not in files:
             continue
-        arr = _load_array(path, aname, mmap=aname in _MMAP_ARRAYS)
+        arr = _load_array(path, aname, mmap=aname in MMAP_ARRAYS)
         expect = expected_shape(aname, n, d, f)
         if arr.shape != expect or arr.dtype != dtype:
             raise IndexFormatError(

@@ -12,6 +12,7 @@ import numpy as np
 
 from gare.sinkhorn import fold_biases
 from gare_index.ann import AnnIndex
+from gare_index.psi_consts import problems as psi_problems
 from gare_index.store.format import ANN_NCL_FILE, IndexFormatError
 from gare_index.store.reader import IndexVersion, current_version_name, open_version
 
@@ -99,10 +100,6 @@ def verify_index(
             problems.append(str(e))
         if v.ann_ncl is not None:
             problems += _ncl_problems(v)
-        from gare_index.psi_consts import (
-            problems as psi_problems,  # lazily: gare_index.psi_consts imports this package
-        )
-
         problems += psi_problems(v, sample=psi_sample)
         try:
             meta = v.all_metadata()

@@ -11,18 +11,17 @@ import os
 import shutil
 import sqlite3
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from gare.checkpoint import file_sha256
-from gare_index.ann import AnnIndex, AnnParams, build_index, choose_index_type
+from gare_index.ann import AnnIndex, build_index
+from gare_index.ann_params import AnnParams, choose_index_type
 from gare_index.ncl_ann import build_ncl_ann, ncl_ann_params
+from gare_index.npy import ExistingFile
 from gare_index.store.format import (
-    _META_SQL_TYPES,
-    _TMP_PREFIX,
     ANN_FILE,
     ANN_NCL_FILE,
     ARRAY_SPECS,
@@ -32,17 +31,19 @@ from gare_index.store.format import (
     MANIFEST_FILE,
     META_COLUMNS,
     META_FILE,
+    META_SQL_TYPES,
     OPTIONAL_ARRAYS,
+    TMP_PREFIX,
     VERSIONS_DIR,
+    HashingWriter,
     IndexFormatError,
-    _fsync_dir,
-    _HashingWriter,
-    _version_number,
     atomic_write_text,
     expected_shape,
+    fsync_dir,
     index_lock,
     test_pause,
     version_name,
+    version_number,
 )
 from gare_index.store.manifest import IndexManifest, parse_manifest
 from gare_index.store.reader import current_version_name, list_versions
@@ -51,19 +52,8 @@ log = logging.getLogger("gare_index.store")
 
 
 # ------------------------------------------------------------------------------------------ writing
-@dataclass(frozen=True)
-class ExistingFile:
-    """An array already on disk (a staged .npy, or a file of a previous version) to link into a version.
-
-    `sha256` may be given when known (files of an immutable previous version) to skip re-hashing.
-    """
-
-    path: Path
-    sha256: str | None = None
-
-
 def _create_meta_db(path: Path, rows: Iterable[Mapping[str, Any]]) -> int:
-    cols = ", ".join(f'"{c}" {_META_SQL_TYPES[c]}' for c in META_COLUMNS)
+    cols = ", ".join(f'"{c}" {META_SQL_TYPES[c]}' for c in META_COLUMNS)
     conn = sqlite3.connect(path)
     try:
         conn.execute("PRAGMA journal_mode=DELETE")
@@ -110,7 +100,7 @@ def _write_npy(dst: Path, value: Any, dtype: np.dtype) -> dict[str, Any]:
     if arr.dtype != dtype:
         arr = arr.astype(dtype)
     with open(dst, "wb") as raw:
-        w = _HashingWriter(raw)
+        w = HashingWriter(raw)
         np.save(w, arr, allow_pickle=False)
         raw.flush()
         os.fsync(raw.fileno())
@@ -173,8 +163,8 @@ def _next_version_number(root: Path) -> int:
     best = 0
     if vdir.is_dir():
         for p in vdir.iterdir():
-            name = p.name[len(_TMP_PREFIX):] if p.name.startswith(_TMP_PREFIX) else p.name
-            num = _version_number(name)
+            name = p.name[len(TMP_PREFIX):] if p.name.startswith(TMP_PREFIX) else p.name
+            num = version_number(name)
             if num is not None:
                 best = max(best, num)
     return best + 1
@@ -186,7 +176,7 @@ def remove_stale_tmp(root: str | os.PathLike) -> list[str]:
     removed = []
     if vdir.is_dir():
         for p in vdir.iterdir():
-            if p.name.startswith(_TMP_PREFIX):
+            if p.name.startswith(TMP_PREFIX):
                 shutil.rmtree(p, ignore_errors=True)
                 removed.append(p.name)
     if removed:
@@ -273,7 +263,7 @@ def write_version(
         name = version_name(number)
         vdir = root / VERSIONS_DIR
         vdir.mkdir(parents=True, exist_ok=True)
-        tmp = vdir / f"{_TMP_PREFIX}{name}"
+        tmp = vdir / f"{TMP_PREFIX}{name}"
         tmp.mkdir()
         try:
             files: dict[str, dict[str, Any]] = {}
@@ -331,10 +321,10 @@ def write_version(
             except ValueError as e:
                 raise ValueError(f"write_version: the manifest is not valid: {e}") from None
             atomic_write_text(tmp / MANIFEST_FILE, typed.to_json())
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             test_pause("write")
             os.rename(tmp, vdir / name)
-            _fsync_dir(vdir)
+            fsync_dir(vdir)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

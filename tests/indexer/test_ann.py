@@ -10,21 +10,17 @@ import faiss
 import numpy as np
 import pytest
 
-from gare_index.ann import (
+from gare_index.ann import AnnIndex, build_index
+from gare_index.ann_eval import clustered_vectors, exact_search, perturbed_queries, recall_at_k
+from gare_index.ann_params import (
     FLAT_MAX,
     INDEX_TYPES,
     IVFPQ_MIN,
-    AnnIndex,
     AnnParams,
-    build_index,
     choose_index_type,
-    clustered_vectors,
     default_nlist,
     default_nprobe,
     default_pq_m,
-    exact_search,
-    perturbed_queries,
-    recall_at_k,
 )
 
 N, D, N_CLUSTERS, N_QUERIES, K = 20_000, 64, 200, 300, 10

@@ -29,21 +29,11 @@ import faiss
 import numpy as np
 import pytest
 
-import gare_index.ann as ann_mod
-from gare_index.ann import (
-    COARSE_HNSW_MIN,
-    GPU_MAX_K,
-    AnnIndex,
-    AnnParams,
-    GpuIndexError,
-    build_index,
-    clustered_vectors,
-    coarse_kind,
-    exact_search,
-    gpu_plan,
-    perturbed_queries,
-    recall_at_k,
-)
+import gare_index.ann_gpu as ann_gpu
+from gare_index.ann import AnnIndex, build_index
+from gare_index.ann_eval import clustered_vectors, exact_search, perturbed_queries, recall_at_k
+from gare_index.ann_gpu import GPU_MAX_K, GpuIndexError, gpu_plan
+from gare_index.ann_params import COARSE_HNSW_MIN, AnnParams, coarse_kind, is_gpu
 
 REPO = Path(__file__).resolve().parents[2]
 HAS_GPU = faiss.get_num_gpus() > 0 and hasattr(faiss, "GpuMultipleClonerOptions")
@@ -152,7 +142,7 @@ def test_no_gpu_and_use_gpu_false(small):
 def test_the_limit_is_faiss_gpu_max_selection_k():
     # faiss/gpu/utils/DeviceDefs.cuh: GPU_MAX_SELECTION_K 2048 for CUDA > 9.0, faiss 1.8 to 1.15
     assert GPU_MAX_K == 2048
-    src = Path(ann_mod.__file__).read_text()
+    src = Path(ann_gpu.__file__).read_text()
     assert "GPU_MAX_SELECTION_K" in src and "DeviceDefs.cuh" in src
 
 
@@ -302,8 +292,8 @@ def test_open_index_fails_with_the_reason_so_the_service_fails_at_start(tmp_path
     from gare_index.store import IndexFormatError, open_index
 
     root = _store(tmp_path, "ivf", {"index_type": "ivf", "nlist": 8, "nprobe": 6, "coarse": "flat"})
-    monkeypatch.setattr(ann_mod, "_num_gpus", lambda: 1)  # "faiss sees one GPU"
-    monkeypatch.setattr(ann_mod, "GPU_MAX_K", 4)  # a limit this small index exceeds (nprobe 6)
+    monkeypatch.setattr(ann_gpu, "num_gpus", lambda: 1)  # "faiss sees one GPU"
+    monkeypatch.setattr(ann_gpu, "GPU_MAX_K", 4)  # a limit this small index exceeds (nprobe 6)
     with pytest.raises(IndexFormatError) as e:
         open_index(root, use_gpu=True, mmap_ann=True)
     msg = str(e.value)
@@ -320,7 +310,7 @@ def test_open_index_clones_eagerly(tmp_path, monkeypatch):
     from gare_index.store import IndexFormatError, open_index
 
     root = _store(tmp_path, "flat", {"index_type": "flat"})
-    monkeypatch.setattr(ann_mod, "_num_gpus", lambda: 1)
+    monkeypatch.setattr(ann_gpu, "num_gpus", lambda: 1)
     with pytest.raises(IndexFormatError, match="CPU-only build"):  # the clone was tried by open_index itself
         open_index(root, use_gpu=None)
 
@@ -350,10 +340,13 @@ def test_gpu_nprobe_errors_are_raised_not_swallowed(small, monkeypatch):
 def test_tuner_never_tries_an_nprobe_the_gpu_cannot_run(monkeypatch):
     """A GPU build (faiss "sees" a GPU; the clone is a CPU copy) with the limit scaled down to 8: every IVF
     setting tried stays <= 8 and the hard target moves on to flat, the next rung of the GPU ladder."""
-    from gare_build.tune import TuneConfig, _nprobe_cap, tune_ann
+    from gare_build.tuning import ladder
+    from gare_build.tuning.ladder import TuneConfig, nprobe_cap
+    from gare_build.tuning.recall import tune_ann
 
-    monkeypatch.setattr(ann_mod, "_num_gpus", lambda: 1)
-    monkeypatch.setattr(ann_mod, "GPU_MAX_K", 8)
+    monkeypatch.setattr(ann_gpu, "num_gpus", lambda: 1)
+    monkeypatch.setattr(ann_gpu, "GPU_MAX_K", 8)
+    monkeypatch.setattr(ladder, "GPU_MAX_K", 8, raising=False)  # the tuner's copy of the limit, if it keeps one
     clones = []
 
     def fake_to_gpu(cpu, plan):
@@ -361,7 +354,7 @@ def test_tuner_never_tries_an_nprobe_the_gpu_cannot_run(monkeypatch):
         clones.append(plan.nprobe)
         return faiss.clone_index(cpu)
 
-    monkeypatch.setattr(ann_mod, "_to_gpu", fake_to_gpu)
+    monkeypatch.setattr(ann_gpu, "to_gpu", fake_to_gpu)
     x = clustered_vectors(8000, 16, 40, seed=5, spread=1.0)
     q = perturbed_queries(x, 200, seed=6, noise=1.0)
     cfg = TuneConfig(target=0.999, candidates=20, latency_budget_ms=1e4, n_queries=200, latency_queries=3, nlist=64)
@@ -375,7 +368,7 @@ def test_tuner_never_tries_an_nprobe_the_gpu_cannot_run(monkeypatch):
     # the cap itself: max_nprobe_frac of the cells, and the GPU limit for an IVF index searched on the GPU
     cpu_ivf = AnnIndex(build_index(x, np.arange(8000), AnnParams("ivf", nlist=64, coarse="flat"), use_gpu=False),
                        AnnParams("ivf", nlist=64, coarse="flat"))
-    assert _nprobe_cap(cpu_ivf, cfg, gpu=False) == 32 and _nprobe_cap(cpu_ivf, cfg, gpu=True) == 8
+    assert nprobe_cap(cpu_ivf, cfg, gpu=False) == 32 and nprobe_cap(cpu_ivf, cfg, gpu=True) == 8
 
 
 # ------------------------------------------------------------------------------ 5. the install advice order
@@ -442,7 +435,7 @@ def test_gpu_flat_returns_the_cpu_ids(gpu_data):
     ids = np.arange(x.shape[0], dtype=np.int64) * 5 + 1
     cpu = AnnIndex(build_index(x, ids, AnnParams("flat"), use_gpu=False), AnnParams("flat"))
     gpu = AnnIndex(faiss.clone_index(cpu.cpu_index), AnnParams("flat"), use_gpu=True)
-    assert gpu.on_gpu and ann_mod._is_gpu(gpu._gpu)
+    assert gpu.on_gpu and is_gpu(gpu._gpu)
     s_c, i_c = cpu.search(q, 100)
     s_g, i_g = gpu.search(q, 100)
     np.testing.assert_allclose(s_g, s_c, atol=1e-5)
@@ -502,7 +495,7 @@ def test_gpu_ivf_flat_add_remove_save_load_and_recall(gpu_data, tmp_path):
     p = AnnParams("ivf", nlist=1024, nprobe=64, coarse="flat")
     ids = np.arange(x.shape[0], dtype=np.int64)
     built = build_index(x, ids, p, use_gpu=True)  # build_index returns the GPU copy
-    assert ann_mod._is_gpu(built)
+    assert is_gpu(built)
     gpu = AnnIndex(built, p, use_gpu=True)
     cpu = AnnIndex(faiss.clone_index(gpu.cpu_index), p)
     assert gpu.on_gpu and not cpu.on_gpu
@@ -519,7 +512,8 @@ def test_gpu_ivf_flat_add_remove_save_load_and_recall(gpu_data, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="needs a GPU and faiss-gpu")
 def test_gpu_tuner_choices_stay_within_the_limit(gpu_data):
-    from gare_build.tune import TuneConfig, tune_ann
+    from gare_build.tuning.ladder import TuneConfig
+    from gare_build.tuning.recall import tune_ann
 
     x, q, _ = gpu_data
     a, res = tune_ann(x, q, config=TuneConfig(n_queries=200, latency_queries=20))

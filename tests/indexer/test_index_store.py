@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gare_index.ann import INDEX_TYPES, exact_search, perturbed_queries, recall_at_k
+from gare_index.ann_eval import exact_search, perturbed_queries, recall_at_k
+from gare_index.ann_params import INDEX_TYPES
 from gare_index.store import (
     FORMAT_VERSION,
     ExistingFile,
@@ -203,7 +204,7 @@ def test_linked_files_are_shared_not_copied(tmp_path):
 
 @pytest.mark.parametrize("index_type", INDEX_TYPES)
 def test_recall_of_each_type_through_the_format(tmp_path, index_type):
-    from gare_index.ann import clustered_vectors
+    from gare_index.ann_eval import clustered_vectors
 
     n, d = 4000, 32
     x = clustered_vectors(n, d, 60, seed=0, spread=0.5)

@@ -1,5 +1,5 @@
 """psi's per-video constants in the index (issue 12): built, carried by add/remove, verified, upgraded, and
-the folded rerank equal to the fused and model paths on a real built index (tiny model, real mp4s)."""
+the folded rerank equal to the fused and model references on a real built index (tiny model, real mp4s)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ import torch
 
 from gare.psi_fold_videos import packed_width
 from gare_index import psi_consts
+from gare_search import query as Q
+from gare_search import rerank as R
 from gare_search import search as S
+from tests.psi_reference import REFERENCES, exhaustive_fused, psi_scores_fused
 from tests.service.support import build_index, copy_index
 
 
@@ -29,20 +32,21 @@ def test_built_index_stores_valid_constants(model_and_index):
     assert verify_index(sh["index"], psi_sample=version.n) == []
 
 
-def test_every_impl_equal_on_all_candidates(model_and_index):
+def test_fold_equals_the_references_on_all_candidates(model_and_index):
     """psi scores of every gallery entry for 4 queries: fold == fused == model within 1e-5; a batch shares the
     constants (ragged K per query)."""
     model, version, sh = model_and_index
-    t = S.encode_queries(model, sh["captions"][:4])
+    t = Q.encode_queries(model, sh["captions"][:4])
     ids = np.asarray(version.ids)
     cands = [ids, ids[::-1][:7], ids[3:9], ids[:1]]
-    got = {impl: S.psi_scores(model, version, t, cands, impl=impl) for impl in S.RERANK_IMPLS}
+    got = {"fold": R.psi_scores(model, version, t, cands)}
+    got.update({name: ref(model, version, t, cands) for name, ref in REFERENCES.items()})
     for i in range(4):
         assert np.std(got["fold"][0]) > 1e-3
         for impl in ("fused", "model"):
             np.testing.assert_allclose(got["fold"][i], got[impl][i], atol=1e-5, rtol=0, err_msg=impl)
-    ex = S.exhaustive_psi(model, version, t, block=5)
-    np.testing.assert_allclose(ex, S.exhaustive_psi(model, version, t, impl="fused"), atol=1e-5, rtol=0)
+    ex = R.exhaustive_psi(model, version, t, block=5)
+    np.testing.assert_allclose(ex, exhaustive_fused(model, version, t), atol=1e-5, rtol=0)
     np.testing.assert_allclose(ex[0], got["model"][0], atol=1e-5, rtol=0)
 
 
@@ -52,15 +56,15 @@ def test_cpu_kernel_reads_the_index_and_equals_the_torch_fold(model_and_index, m
     from gare import psi_fold_cpu
 
     model, version, sh = model_and_index
-    assert S._kernel_reads(version) and isinstance(version.frames, np.memmap)
-    t = S.encode_queries(model, sh["captions"][:3])
+    assert R.kernel_reads(version, version.psi_consts) and isinstance(version.frames, np.memmap)
+    t = Q.encode_queries(model, sh["captions"][:3])
     ids = np.asarray(version.ids)
     cands = [ids[::-1], ids[2:5], np.concatenate([ids[:2], ids[:2]])]
-    kernel = S.psi_scores(model, version, t, cands, impl="fold")
+    kernel = R.psi_scores(model, version, t, cands)
     monkeypatch.setattr(psi_fold_cpu, "_AVAILABLE", False)
-    assert not S._kernel_reads(version)
-    torch_fold = S.psi_scores(model, version, t, cands, impl="fold")
-    fused = S.psi_scores(model, version, t, cands, impl="fused")
+    assert not R.kernel_reads(version, version.psi_consts)
+    torch_fold = R.psi_scores(model, version, t, cands)
+    fused = psi_scores_fused(model, version, t, cands)
     for i in range(3):
         assert len(kernel[i]) == len(cands[i]) and np.std(kernel[0]) > 1e-3
         np.testing.assert_allclose(kernel[i], torch_fold[i], atol=1e-5, rtol=0)
@@ -81,7 +85,10 @@ def _strip_constants(index, tmp_path):
     return root
 
 
-def test_old_index_falls_back_with_a_log_line_then_upgrade(model_and_index, tmp_path, caplog):
+def test_old_index_is_folded_in_memory_with_a_log_line_then_upgrade(model_and_index, tmp_path, caplog):
+    """An index without psi constants is served by the fold all the same: its constants are folded in memory
+    when it is prepared (one WARNING naming `gare-index upgrade`, not repeated), and the answers equal the
+    upgraded index's."""
     from gare_build.cli import main
     from gare_index.store import open_index, verify_index
 
@@ -91,16 +98,19 @@ def test_old_index_falls_back_with_a_log_line_then_upgrade(model_and_index, tmp_
     with open_index(root) as old:
         assert old.psi_consts is None and "psi_fold" not in old.manifest
         assert verify_index(root) == []  # an old index is still a valid index (the search falls back)
-        with caplog.at_level(logging.WARNING, logger="gare_search.search"):
+        with caplog.at_level(logging.WARNING, logger="gare_index.psi_consts"):
+            R.prepare(model, old)
             a = S.search(model, old, text, S.SearchOptions(k=5, candidates=10))
-        assert "gare-index upgrade" in caplog.text and "fused" in caplog.text
+            S.search(model, old, text, S.SearchOptions(k=5, candidates=10))
+        warned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("psi rerank")]
+        assert len(warned) == 1 and "in memory" in warned[0] and "gare-index upgrade" in warned[0], caplog.text
         b = S.search(model, version, text, S.SearchOptions(k=5, candidates=10))
         assert [h.id for h in a.hits] == [h.id for h in b.hits]
         np.testing.assert_allclose([h.score for h in a.hits], [h.score for h in b.hits], atol=1e-5)
         name_before = old.name
     assert main(["upgrade", "--out", str(root)]) == 0
     with open_index(root) as new:
-        assert new.name != name_before and S.fold_usable(model, new)
+        assert new.name != name_before and R.fold_usable(model, new)
         np.testing.assert_array_equal(np.asarray(new.psi_consts), np.asarray(version.psi_consts))
         for k in ("frames.npy", "ann.faiss", "meta.sqlite"):  # hard-linked, unchanged
             assert new.manifest["files"][k]["sha256"] == version.manifest["files"][k]["sha256"]
@@ -121,7 +131,7 @@ def test_stale_or_corrupt_constants_are_refused_and_reported(model_and_index, tm
     man["psi_fold"]["fingerprint"] = "0" * 64  # constants of other psi weights
     (path / "manifest.json").write_text(json.dumps(man))
     with open_index(root) as v:
-        assert not S.fold_usable(model, v)
+        assert not R.fold_usable(model, v)
         assert "stale" in psi_consts.fold_status(v, psi_consts.fold_of(model))
         assert any("fingerprint" in p for p in verify_index(root, rehash=False))
     man["psi_fold"]["fingerprint"] = psi_consts.fold_of(model).fingerprint
@@ -157,9 +167,9 @@ def test_add_and_remove_keep_constants_aligned(model_and_index, tmp_path):
     remove(str(root), doomed)
     with open_index(root) as v:
         assert v.n == len(vids) - 3 and v.manifest.get("psi_fold")
-        t = S.encode_queries(model, sh["captions"][:2])
-        ex = S.exhaustive_psi(model, v, t)
-        np.testing.assert_allclose(ex, S.exhaustive_psi(model, v, t, impl="fused"), atol=1e-5, rtol=0)
+        t = Q.encode_queries(model, sh["captions"][:2])
+        ex = R.exhaustive_psi(model, v, t)
+        np.testing.assert_allclose(ex, exhaustive_fused(model, v, t), atol=1e-5, rtol=0)
     assert verify_index(root, psi_sample=len(vids)) == []
 
 

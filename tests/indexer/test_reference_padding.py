@@ -21,9 +21,12 @@ from gare.video import load_frames
 from gare_build.build import stats
 from gare_build.cli import main as index_cli
 from gare_index.store import open_index, verify_index
+from gare_search import query as Q
+from gare_search import rerank as R
 from gare_search import search as S
 from gare_train.cli import main as train_cli
 from tests.indexer.support import make_checkpoint, make_long_video
+from tests.psi_reference import REFERENCES
 from tests.training.test_official import (
     FRAMES,
     WORDS,
@@ -103,15 +106,16 @@ def test_stage2_paths_equal_the_authors_on_the_stored_features(imported):
 
     model, v, sd = imported["model"], imported["version"], imported["sd"]
     frames, masks, vbar = _stored(v)
-    t = S.encode_queries(model, CAPTIONS)
+    t = Q.encode_queries(model, CAPTIONS)
     torch.testing.assert_close(t, imported["t_ref"], atol=1e-5, rtol=0)
     ref = reference_pair_scores(sd, t, frames.float(), masks, vbar=vbar)
     assert (ref - ref.mean()).abs().max() > 1e-3
     ids = [np.asarray(v.ids)] * len(CAPTIONS)
-    for impl in S.RERANK_IMPLS:
-        got = np.stack(S.psi_scores(model, v, t, ids, impl=impl))
+    paths = {"fold": R.psi_scores, **REFERENCES}  # the served fold and the references it is checked against
+    for impl, scores in paths.items():
+        got = np.stack(scores(model, v, t, ids))
         np.testing.assert_allclose(got, ref.numpy(), atol=1e-5, rtol=0, err_msg=impl)
-    np.testing.assert_allclose(S.exhaustive_psi(model, v, t), ref.numpy(), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(R.exhaustive_psi(model, v, t), ref.numpy(), atol=1e-5, rtol=0)
     # the exact fold in its all-rows mode (what an index of psi constants must be folded with)
     a, b = len(CAPTIONS), v.n
     fold = pfw.fold_weights(model.psi)
@@ -132,18 +136,17 @@ def test_search_equals_the_authors_forward_pass_from_pixels(imported):
     model, v, sd, mask = imported["model"], imported["version"], imported["sd"], imported["mask"]
     ref = reference_pair_scores(sd, imported["t_ref"], imported["F_ref"], mask)  # (a, n) in row order
     opts = S.SearchOptions(k=v.n, candidates=v.n, ncl=False)
-    for impl in S.RERANK_IMPLS:
-        for i, r in enumerate(S.search_batch(model, v, CAPTIONS, opts, rerank_impl=impl)):
-            got = np.array([h.psi_score for h in r.hits])
-            want = ref[i, v.rows(np.array([h.id for h in r.hits]))].numpy()
-            np.testing.assert_allclose(got, want, atol=FP16_TOL, rtol=0, err_msg=impl)
+    for i, r in enumerate(S.search_batch(model, v, CAPTIONS, opts)):
+        got = np.array([h.psi_score for h in r.hits])
+        want = ref[i, v.rows(np.array([h.id for h in r.hits]))].numpy()
+        np.testing.assert_allclose(got, want, atol=FP16_TOL, rtol=0)
     # the same weights scored with masked padding (a model trained here) are off by more on the short clips
     from gare.model import GARE
 
     masked = GARE.build(model.cfg.replace(reference_padding=False), pretrained="none").eval()
     masked.load_state_dict(model.state_dict())
     frames, masks, vbar = _stored(v)
-    t = S.encode_queries(masked, CAPTIONS)
+    t = Q.encode_queries(masked, CAPTIONS)
     fm = frames.float() * masks[..., None]
     sm = masked.score(t, fm, masks)
     short = masks.sum(1) < FRAMES
@@ -185,9 +188,9 @@ def test_a_model_trained_here_still_masks(imported, tmp_path):
         assert (masks == 0).any() and frames[masks == 0].abs().max() == 0  # padded rows zeroed
         f32 = frames.float()
         torch.testing.assert_close(vbar, f32.sum(1) / masks.sum(1, keepdim=True), atol=2e-3, rtol=0)
-        t = S.encode_queries(model, CAPTIONS)
+        t = Q.encode_queries(model, CAPTIONS)
         want = model.score(t, frames, masks, vbar=vbar)
-        got = np.stack(S.psi_scores(model, v, t, [np.asarray(v.ids)] * len(CAPTIONS)))
+        got = np.stack(R.psi_scores(model, v, t, [np.asarray(v.ids)] * len(CAPTIONS)))
         np.testing.assert_allclose(got, want.numpy(), atol=1e-5, rtol=0)
         # and the masking matters: attending over the (zero) padded rows would change the short clips' scores
         allrows = GARE_all_rows(model)

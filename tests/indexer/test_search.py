@@ -1,4 +1,4 @@
-"""gare_search.search: the two-stage search as pure functions, against model.score and exhaustive psi."""
+"""gare_search: the two-stage search as pure functions, against model.score, exhaustive psi and the fused reference."""
 
 from __future__ import annotations
 
@@ -6,14 +6,19 @@ import numpy as np
 import pytest
 import torch
 
+from gare import psi_fold as pf
+from gare_index import psi_consts
+from gare_search import query as Q
+from gare_search import rerank as R
 from gare_search import search as S
+from tests.psi_reference import REFERENCES, fused_pair_scores
 from tests.psi_weights import randomize_psi
 from tests.service.support import build_index
 
 
 def _psi_model_score(model, version, text):
     """Reference: model.score over the whole gallery, + biases."""
-    t = S.encode_queries(model, [text])
+    t = Q.encode_queries(model, [text])
     rows = np.arange(version.n)
     with torch.inference_mode():
         s = model.score(
@@ -39,7 +44,7 @@ def test_fused_equals_model_score(tiny_cfg, heads):
     vbar = frames.sum(1) / mask.sum(1, keepdim=True)
     with torch.inference_mode():
         ref = model.score(t, frames.half(), mask, vbar=vbar)
-        got = S.fused_pair_scores(
+        got = fused_pair_scores(
             model, t.repeat_interleave(b, 0), frames.half().float().repeat(a, 1, 1), mask.repeat(a, 1), vbar.repeat(a, 1)
         ).view(a, b)
     assert ref.std() > 0.01  # psi is not trivial
@@ -65,8 +70,8 @@ def test_two_stage_with_full_shortlist_equals_exhaustive(model_and_index):
 def test_modes(model_and_index):
     model, version, sh = model_and_index
     text = sh["captions"][0]
-    t = S.encode_queries(model, [text])
-    unit = S.unit_rows(t)[0]
+    t = Q.encode_queries(model, [text])
+    unit = Q.unit_rows(t)[0]
     cos = np.asarray(version.units) @ unit
     biases = np.asarray(version.biases)
     ids = np.asarray(version.ids)
@@ -100,25 +105,29 @@ def test_shortlist_limits_the_candidates(model_and_index):
     assert len(big.hits) == version.n and len({h.id for h in big.hits}) == version.n
 
 
-def test_model_impl_equals_fused_and_batch_equals_single(model_and_index):
+def test_fold_equals_the_references_and_batch_equals_single(model_and_index):
     model, version, sh = model_and_index
     texts = sh["captions"][:5]
     opts = [S.SearchOptions(k=4, candidates=8), S.SearchOptions(k=3, candidates=16, ncl=False),
             S.SearchOptions(k=5, candidates=8, rerank=False), S.SearchOptions(k=2, candidates=2),
             S.SearchOptions(k=4, candidates=8)]
-    assert S.fold_usable(model, version)  # the built index stores valid psi constants: "fold" really folds
-    fused = S.search_batch(model, version, texts, opts, rerank_impl="fused")
-    viamodel = S.search_batch(model, version, texts, opts, rerank_impl="model")
-    folded = S.search_batch(model, version, texts, opts, rerank_impl="fold")
-    singles = [S.search(model, version, t, o) for t, o in zip(texts, opts, strict=True)]  # default impl: fold
-    for a, b, c, d in zip(fused, viamodel, singles, folded, strict=True):
-        assert [h.id for h in a.hits] == [h.id for h in b.hits] == [h.id for h in c.hits] == [h.id for h in d.hits]
-        for other in (b, c, d):
-            np.testing.assert_allclose([h.score for h in a.hits], [h.score for h in other.hits], atol=1e-5)
+    assert R.fold_usable(model, version)  # the built index stores valid psi constants: the fold reads them
+    folded = S.search_batch(model, version, texts, opts)
+    singles = [S.search(model, version, t, o) for t, o in zip(texts, opts, strict=True)]
+    t = Q.encode_queries(model, texts)
+    for i, (a, c) in enumerate(zip(folded, singles, strict=True)):
+        assert [h.id for h in a.hits] == [h.id for h in c.hits]
+        np.testing.assert_allclose([h.score for h in a.hits], [h.score for h in c.hits], atol=1e-5)
+        if not opts[i].rerank:
+            continue
+        ids = np.asarray([h.id for h in a.hits])
+        for name, ref in REFERENCES.items():  # the same hits scored by the fused and the model paths
+            want = ref(model, version, t[i : i + 1], [ids])[0]
+            np.testing.assert_allclose([h.psi_score for h in a.hits], want, atol=1e-5, err_msg=name)
 
 
 def test_stored_kv_index(model_and_index, tmp_path):
-    """An index built with --store-kv: the model path uses the stored K/V and still agrees."""
+    """An index built with --store-kv: the model reference uses the stored K/V and still agrees with the fold."""
     from gare_index.store import open_index
 
     model, version, sh = model_and_index
@@ -126,17 +135,17 @@ def test_stored_kv_index(model_and_index, tmp_path):
     with open_index(idx) as v2:
         assert v2.kv is not None
         for text in sh["captions"][:3]:
-            a = S.search(model, v2, text, S.SearchOptions(k=5, candidates=10), rerank_impl="model")
-            b = S.search(model, version, text, S.SearchOptions(k=5, candidates=10), rerank_impl="fused")
-            assert [h.id for h in a.hits] == [h.id for h in b.hits]
-            np.testing.assert_allclose([h.score for h in a.hits], [h.score for h in b.hits], atol=1e-3)  # K/V kept in fp16
+            b = S.search(model, version, text, S.SearchOptions(k=5, candidates=10))
+            ids = np.asarray([h.id for h in b.hits])
+            a = REFERENCES["model"](model, v2, Q.encode_queries(model, [text]), [ids])[0]
+            np.testing.assert_allclose(a, [h.psi_score for h in b.hits], atol=1e-3)  # K/V kept in fp16
 
 
 def test_exhaustive_psi_matches_model(model_and_index):
     model, version, sh = model_and_index
     text = sh["captions"][2]
     s, _ = _psi_model_score(model, version, text)
-    ex = S.exhaustive_psi(model, version, S.encode_queries(model, [text]), block=5)
+    ex = R.exhaustive_psi(model, version, Q.encode_queries(model, [text]), block=5)
     np.testing.assert_allclose(ex[0], s, atol=1e-5)
 
 
@@ -145,14 +154,10 @@ def test_options_validation_and_precision():
         S.SearchOptions(k=0)
     with pytest.raises(ValueError, match="candidates"):
         S.SearchOptions(k=10, candidates=5)
-    assert S.resolve_precision("auto", "cpu") == "fp32"
-    assert S.resolve_precision("auto", "cuda") == S.AUTO_PRECISION["cuda"]
-    assert S.resolve_rerank_impl("auto", "cpu") == "fold" and S.resolve_rerank_impl("auto", "cuda") == S.AUTO_RERANK_IMPL["cuda"]
-    assert S.resolve_rerank_impl("model", "cuda") == "model"
+    assert Q.resolve_precision("auto", "cpu") == "fp32"
+    assert Q.resolve_precision("auto", "cuda") == Q.AUTO_PRECISION["cuda"]
     with pytest.raises(ValueError, match="fp16"):
-        S.resolve_precision("fp16", "cpu")
-    with pytest.raises(ValueError, match="rerank impl"):
-        S.psi_scores(None, None, torch.zeros(1, 4), [np.zeros(1, np.int64)], impl="nope")
+        Q.resolve_precision("fp16", "cpu")
 
 
 def test_empty_batch(model_and_index):
@@ -164,25 +169,26 @@ def test_trimmed_tokens_give_the_same_embedding(model_and_index):
     model, _, sh = model_and_index
     texts = [sh["captions"][0], "a dog", "x"]
     tokens = model.tokenize(texts)
-    short = S.trim_tokens(model.tokenize(["a dog", "x"]))
+    short = Q.trim_tokens(model.tokenize(["a dog", "x"]))
     assert short.shape[1] == 4  # SOT a dog EOT
-    assert S.trim_tokens(tokens).shape[1] <= tokens.shape[1]
+    assert Q.trim_tokens(tokens).shape[1] <= tokens.shape[1]
     with torch.inference_mode():
         full = model.encode_text(tokens)
-    torch.testing.assert_close(S.encode_queries(model, texts), full, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(S.encode_queries(model, texts, trim=False), full)
+    torch.testing.assert_close(Q.encode_queries(model, texts), full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(Q.encode_queries(model, texts, trim=False), full)
 
 
 def test_folded_weights_follow_parameter_changes(tiny_model):
+    """The one cache of folded psi weights (gare_index.psi_consts.fold_of) refolds when psi's parameters change."""
     d, f = tiny_model.cfg.embed_dim, tiny_model.cfg.max_frames
     t, frames = torch.randn(4, d), torch.randn(4, f, d)
     vbar = frames.mean(1)
     with torch.inference_mode():
-        before = S.fused_pair_scores(tiny_model, t, frames, None, vbar)
+        before = pf.rerank_scores("fold", tiny_model, t, frames, None, fold=psi_consts.fold_of(tiny_model))
     with torch.no_grad():
         tiny_model.psi.q.weight.mul_(-1.5)
     with torch.inference_mode():
-        after = S.fused_pair_scores(tiny_model, t, frames, None, vbar)
+        after = pf.rerank_scores("fold", tiny_model, t, frames, None, fold=psi_consts.fold_of(tiny_model))
         ref = torch.diagonal(tiny_model.score(t, frames, None, vbar=vbar))
     assert not torch.allclose(before, after)
     torch.testing.assert_close(after, ref, atol=1e-5, rtol=1e-5)

@@ -4,7 +4,8 @@ pair scorer must give the fused psi scorer's values (which equal ``model.score``
 import numpy as np
 import torch
 
-from gare_build.served_biases import fold_pair_scorer, psi_pair_scorer, served_biases
+from gare_build.served_biases import fold_pair_scorer, served_biases
+from tests.psi_reference import fused_pair_scorer
 
 
 def _gallery(model, n=9, seed=0):
@@ -25,7 +26,7 @@ def test_fold_pair_scorer_equals_the_fused_scorer(tiny_model):
     q = torch.randn(5, tiny_model.cfg.embed_dim, generator=torch.Generator().manual_seed(1)).numpy()
     qi = np.repeat(np.arange(5), 9)
     rows = np.tile(np.arange(9), 5)
-    fused = psi_pair_scorer(tiny_model, q, frames, masks, units, norms)(qi, rows)
+    fused = fused_pair_scorer(tiny_model, q, frames, masks, units, norms)(qi, rows)
     fold = fold_pair_scorer(tiny_model, q, frames, masks, units, norms, chunk=7)(qi, rows)  # chunks split queries
     torch.testing.assert_close(fold, fused, atol=1e-5, rtol=0)
     # and both equal model.score on the same (served) numbers
@@ -39,7 +40,7 @@ def test_served_biases_default_scorer_is_the_fold(tiny_model):
     q = torch.randn(20, tiny_model.cfg.embed_dim, generator=torch.Generator().manual_seed(4)).numpy()
     kw = dict(units=units, norms=norms, frames=frames, masks=masks, k=12, device="cpu")
     b_default, info = served_biases(tiny_model, q, 0.05, **kw)
-    b_fused, _ = served_biases(tiny_model, q, 0.05, scorer=psi_pair_scorer(tiny_model, q, frames, masks, units, norms), **kw)
+    b_fused, _ = served_biases(tiny_model, q, 0.05, scorer=fused_pair_scorer(tiny_model, q, frames, masks, units, norms), **kw)
     assert info["form"] == "dense"
     np.testing.assert_allclose(b_default, b_fused, atol=1e-4)
 

@@ -135,8 +135,8 @@ def test_fully_padded_video_scores_nan_like_pair_scores():
 
 
 def test_equals_model_score_and_fused(tiny_model):
-    """Against model.score (block-wise, the training definition) and the service's fused path."""
-    from gare_search.search import fused_pair_scores
+    """Against model.score (block-wise, the training definition) and the fused reference (tests/psi_reference.py)."""
+    from tests.psi_reference import fused_pair_scores  # the fused reference only this test uses
 
     torch.manual_seed(3)
     d, f = tiny_model.cfg.embed_dim, tiny_model.cfg.max_frames

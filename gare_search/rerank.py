@@ -1,0 +1,127 @@
+"""Stage 2 of the search: psi scores of the stage-1 candidates, by the fold (the one served implementation).
+
+psi is folded exactly into per-video constants (stored in the index, :mod:`gare_index.psi_consts`) and
+per-query vectors (:mod:`gare.psi_fold`): ~3f + 1 dot products per pair plus O(f²) work, equal to
+``model.score`` to float32 rounding (the tests check it against the model and a fused reference to 1e-5).
+On the CPU one compiled kernel (:mod:`gare.psi_fold_cpu`, numba) reads each candidate's rows straight from the
+memory-mapped arrays; elsewhere (CUDA) the candidates of a whole batch are read once (unique rows) and share
+their constants in torch ops.
+
+An index version without valid constants (written before them, or folded for other psi weights) is served
+with constants folded in memory when it is first used (:func:`prepare`, at load in the service), with one
+WARNING naming ``gare-index upgrade`` (:func:`gare_index.psi_consts.served`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from gare import psi_fold as pf
+from gare import psi_fold_cpu
+from gare.psi_fold_queries import fold_queries
+from gare_index import psi_consts
+
+log = logging.getLogger(__name__)
+
+
+def fold_usable(model: Any, version: Any) -> bool:
+    """Whether `version` stores psi constants valid for model.psi (else the search folds them in memory)."""
+    return psi_consts.fold_status(version, psi_consts.fold_of(model)) is None
+
+
+def prepare(model: Any, version: Any) -> None:
+    """Get `version` ready for the rerank: fold its constants in memory now (one WARNING) when it stores no
+    valid ones, so that no request pays for it."""
+    psi_consts.served(model, version)
+
+
+def warm_up(device: torch.device | str) -> None:
+    """Compile the CPU kernel of the rerank (a few seconds, once per process) when `device` will use it, so
+    that no request pays for it."""
+    if torch.device(device).type == "cpu" and psi_fold_cpu.available():
+        psi_fold_cpu.warm_up()
+
+
+def kernel_reads(version: Any, consts: np.ndarray) -> bool:
+    """Whether the CPU kernel can read this version's arrays as stored (float16/float32 frames and
+    constants, float32 units and norms) and numba is importable."""
+    ok = (np.float16, np.float32)
+    return (version.frames.dtype in ok and consts.dtype in ok and version.units.dtype == np.float32
+            and np.asarray(version.norms).dtype == np.float32 and psi_fold_cpu.available())
+
+
+def padded(ids: np.ndarray, sizes: list[int]) -> np.ndarray:
+    """Flat per-query ids (the queries' runs of `sizes`) -> (len(sizes), max K) int64, each row padded with its
+    first id (a valid row; the pads' scores are dropped by :func:`unpad`)."""
+    out = np.zeros((len(sizes), max(sizes, default=0)), dtype=np.int64)
+    offs = np.cumsum([0] + sizes)
+    for i, (a, b) in enumerate(zip(offs[:-1], offs[1:], strict=True)):
+        out[i, : b - a] = ids[a:b]
+        out[i, b - a :] = ids[a] if b > a else 0
+    return out
+
+
+def unpad(s: np.ndarray, sizes: list[int]) -> np.ndarray:
+    """(queries, max K) scores -> the flat scores of the real candidates (inverse of :func:`padded`)."""
+    return np.concatenate([s[i, :k] for i, k in enumerate(sizes)]) if len(sizes) > 1 else s[0, : sizes[0]].copy()
+
+
+def psi_scores(model: Any, version: Any, t: torch.Tensor, cand_ids: np.ndarray | Sequence[np.ndarray]) -> list[np.ndarray]:
+    """psi scores s_tj for each query's candidates: t (a, d); cand_ids[i] (K_i,) valid ids -> list of (K_i,)."""
+    lists = [np.asarray(c, dtype=np.int64).reshape(-1) for c in cand_ids]
+    sizes = [c.size for c in lists]
+    offs = np.cumsum([0] + sizes)
+    if offs[-1] == 0:
+        return [np.zeros(0, np.float32) for _ in lists]
+    rows = version.rows(np.concatenate(lists))
+    with torch.inference_mode():
+        flat = _fold_pairs(model, version, t, rows, sizes)
+    return [flat[a:b] for a, b in zip(offs[:-1], offs[1:], strict=True)]
+
+
+def _fold_pairs(model: Any, version: Any, t: torch.Tensor, rows: np.ndarray, sizes: list[int]) -> np.ndarray:
+    """Folded psi for the pairs (query i, rows of its candidates), flat in the callers' order.
+
+    On the CPU the compiled kernel reads each candidate's rows straight from the memory-mapped arrays. Elsewhere
+    the batch's candidate rows are read once, ascending (memmap friendly), into one VideoConstants that every
+    query shares; each query's candidates are ids into it. Either way K is padded to the batch's largest."""
+    dev = t.device
+    fold = psi_consts.fold_of(model)
+    consts = psi_consts.served(model, version)
+    q = fold_queries(t, fold, model.cfg.temp)
+    if dev.type == "cpu" and kernel_reads(version, consts):
+        s = psi_fold_cpu.pair_scores(q, version.frames, consts, padded(rows, sizes), vrows=version.units,
+                                     vscale=version.norms)
+        return unpad(s, sizes)
+    uniq, inv = np.unique(rows, return_inverse=True)
+    v = psi_consts.gather(version, uniq, fold, dev, consts=consts)
+    s = pf.pair_scores(q, v, torch.from_numpy(padded(inv.reshape(-1), sizes)).to(dev)).cpu().numpy()
+    return unpad(s, sizes)
+
+
+def exhaustive_psi(model: Any, version: Any, t: torch.Tensor, *, block: int = 8192, progress: bool = False) -> np.ndarray:
+    """psi scores of every gallery entry for each query (a, n), block by block (coverage, benchmarks, compare).
+
+    The index's stored constants when valid, else the fold computed block by block (one log line): a whole
+    gallery is one large product per block."""
+    n = version.n
+    out = np.empty((t.shape[0], n), dtype=np.float32)
+    dev = t.device
+    fold = psi_consts.fold_of(model)
+    why = psi_consts.fold_status(version, fold)
+    if why is not None:
+        log.info("exhaustive psi: %s; folding the constants block by block instead", why)
+    q = fold_queries(t, fold, model.cfg.temp)
+    starts = tqdm(range(0, n, block), desc="exhaustive psi (fold)", unit="block", disable=not progress)
+    with torch.inference_mode():
+        for s0 in starts:
+            v = psi_consts.block(version, s0, min(n, s0 + block), fold, dev, stored=why is None,
+                                 reference_padding=psi_consts.reference_padding(model))
+            out[:, s0 : s0 + v.n] = pf.exhaustive(q, v, device=dev).numpy()
+    return out
