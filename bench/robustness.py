@@ -383,14 +383,18 @@ def results_md(data: dict) -> str:
             "(every cell is computed from them).\n\n" + render(data))
 
 
+def page_block(data: dict) -> str:
+    """The generated part of docs/robustness.md (between its START and END markers)."""
+    return f"\n{_header(data)}{render(data)}"
+
+
 def write_docs(data: dict) -> None:
-    table = render(data)
     text = DOC.read_text(encoding="utf-8") if DOC.exists() else f"# Robustness\n\n{START}\n{END}\n"
     if START not in text or END not in text:
         text = text.rstrip("\n") + f"\n\n{START}\n{END}\n"
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
-    DOC.write_text(f"{head}{START}\n{_header(data)}{table}{END}{tail}", encoding="utf-8")
+    DOC.write_text(f"{head}{START}{page_block(data)}{END}{tail}", encoding="utf-8")
     RESULTS_MD.write_text(results_md(data), encoding="utf-8")
 
 

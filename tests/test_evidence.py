@@ -1,0 +1,124 @@
+"""The evidence checks, the one test module that reads bench/ (tests/test_layers.py allows no other).
+
+Two kinds only:
+- each generated report equals what its script renders from the committed JSON (no hand edits; rerun the
+  script's --render / --render-only to refresh a report after changing its renderer);
+- each "auto" default of the product equals the winner of the committed measurement it follows (a rerun that
+  changes the winner fails here until the default follows it).
+A report's wording, a README phrase or a figure quoted in prose is never tested here.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "bench"
+RESULTS = BENCH / "results"
+# the scripts import their siblings by name (support, index_common), as they do when run as scripts
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+from bench import gpu_bench, quickstart, robustness, serve_bench, serve_http, worker_spread  # noqa: E402
+from gare.text_quant import DEFAULT_CPU_TEXT_ENCODER, DEFAULT_CUDA_TEXT_ENCODER  # noqa: E402
+from gare_search.query import resolve_precision  # noqa: E402
+from gare_search.search import NCL_DEFAULT  # noqa: E402
+
+
+def _json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        pytest.fail(f"{path.relative_to(REPO)} is missing: run the bench script that writes it", pytrace=False)
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+# ------------------------------------------------------------------------------ generated report == render(JSON)
+REPORTS: list[tuple[str, Callable[[dict], str], Path, Path]] = [
+    ("gpu_bench", gpu_bench.markdown, RESULTS / "gpu_bench.json", RESULTS / "gpu_bench.md"),
+    ("quickstart", quickstart.markdown, RESULTS / "quickstart.json", REPO / "docs" / "quickstart-times.md"),
+    ("serve_bench", serve_bench.markdown, RESULTS / "serve_bench.json", RESULTS / "serve_bench.md"),
+    ("serve_http", serve_http.markdown, RESULTS / "serve_http.json", RESULTS / "serve_http.md"),
+    ("worker_spread", worker_spread.markdown, RESULTS / "worker_spread.json", RESULTS / "worker_spread.md"),
+    ("robustness", robustness.results_md, RESULTS / "robustness.json", RESULTS / "robustness.md"),
+]
+
+
+@pytest.mark.parametrize(("name", "render", "src", "report"), REPORTS, ids=[r[0] for r in REPORTS])
+def test_generated_report_is_the_render_of_its_json(name, render, src, report):
+    assert report.read_text(encoding="utf-8") == render(_json(src)), (
+        f"{report.relative_to(REPO)} differs from what bench/{name}.py renders from {src.relative_to(REPO)}")
+
+
+def test_robustness_page_block_is_the_render_of_its_json():
+    """docs/robustness.md: the block between the generator's markers is what bench/robustness.py writes there."""
+    page = (REPO / "docs" / "robustness.md").read_text(encoding="utf-8")
+    block = page.split(robustness.START, 1)[1].split(robustness.END, 1)[0]
+    data = _json(RESULTS / "robustness.json")
+    assert block == robustness.page_block(data)
+
+
+# ------------------------------------------------------------------------------ auto default == measured winner
+def _gpu_sections() -> dict[str, Any]:
+    res = _json(RESULTS / "gpu_bench.json")
+    assert not res["quick"], "the committed GPU figures must come from a full run"
+    return res["sections"]
+
+
+def test_cpu_text_encoder_default_is_the_measured_choice():
+    """`text_encoder: auto` on the CPU serves DEFAULT_CPU_TEXT_ENCODER: the choice bench/text_encoder.py made by
+    the rule its report states."""
+    assert DEFAULT_CPU_TEXT_ENCODER == _json(RESULTS / "text_encoder.json")["choice"]["default"]
+
+
+@pytest.mark.parametrize("batch", [1, 32])
+def test_cuda_precision_default_is_the_faster_one_measured(batch):
+    te = _gpu_sections()["text_encoder"]
+    assert te["ok"], te.get("error")
+    ms = {r["precision"]: r["ms_per_call"] for r in te["result"]["rows"]
+          if r["batch"] == batch and r.get("impl", "model") == "model"}
+    assert set(ms) == {"fp32", "fp16", "bf16"}
+    assert resolve_precision("auto", "cuda") == min(ms, key=ms.get), ms
+
+
+def test_cuda_precision_default_kept_the_measured_accuracy():
+    """The precision chosen on CUDA kept R@1 (+psi) within 0.5 point of CPU fp32 on the benchmark model."""
+    fi = _gpu_sections()["fidelity"]
+    assert fi["ok"], fi.get("error")
+    got = fi["result"]["precisions"][resolve_precision("auto", "cuda")]["psi"]["R1"]
+    assert abs(got - fi["result"]["cpu_reference"]["psi"]["R1"]) <= 0.5
+
+
+def test_cuda_text_encoder_default_is_the_fastest_faithful_one_measured():
+    """DEFAULT_CUDA_TEXT_ENCODER (what `text_encoder: auto` serves on CUDA at fp32): of the model's own fp32 tower
+    and the half-precision towers, the least time at one query plus 32 among those whose R@1 (+psi) on the
+    benchmark model stayed within 0.5 point of CPU fp32."""
+    sec = _gpu_sections()
+    rows = sec["text_encoder"]["result"]["rows"]
+    fid = sec["fidelity"]["result"]
+    ref = fid["cpu_reference"]["psi"]["R1"]
+    names = {"fp32": ("model", "fp32", "fp32"), "fp16": ("tower", "fp16", "fp16 tower"),
+             "bf16": ("tower", "bf16", "bf16 tower")}
+    cost = {}
+    for kind, (impl, prec, fid_name) in names.items():
+        if abs(fid["precisions"][fid_name]["psi"]["R1"] - ref) > 0.5:
+            continue
+        cost[kind] = sum(r["ms_per_call"] for r in rows
+                         if r.get("impl", "model") == impl and r["precision"] == prec and r["batch"] in (1, 32))
+    assert DEFAULT_CUDA_TEXT_ENCODER == min(cost, key=cost.get), cost
+
+
+def test_ncl_default_follows_the_served_bias_measurements():
+    """`ncl` is on only if + psi + NCL(served dense) >= + psi in t2v R@1 and R@5 on both benchmark corpora
+    (bench/ncl_served.py accuracy)."""
+    verdicts = {}
+    for name in ("bench", "corpus2"):
+        data = _json(RESULTS / "ncl_served" / f"{name}.json")
+        psi, served = data["rows"]["+ psi"]["t2v"], data["rows"]["+ psi + NCL(served dense)"]["t2v"]
+        verdicts[name] = served["R1"] >= psi["R1"] and served["R5"] >= psi["R5"]
+        assert data["served_dense_ge_psi"] == verdicts[name], name  # the report's verdict is its rows'
+    assert NCL_DEFAULT == all(verdicts.values()), verdicts
