@@ -28,7 +28,7 @@ def main() -> None:
     import torch
 
     from gare_build.build import compute_biases
-    from gare_index.ann import clustered_vectors
+    from gare_index.ann_eval import clustered_vectors
 
     rng = np.random.default_rng(0)
     queue = rng.standard_normal((args.queries, args.dim)).astype(np.float32)

@@ -52,7 +52,7 @@ def ram_probe(path: str) -> None:
 def make_synthetic_index(path: Path, n: int, d: int, f: int, index_type: str) -> None:
     import numpy as np
 
-    from gare_index.ann import AnnParams
+    from gare_index.ann_params import AnnParams
     from gare_index.store import ExistingFile, write_version
 
     rng = np.random.default_rng(0)

@@ -108,7 +108,7 @@ def write_gallery(root: Path, n: int, ckpt: dict[str, Any], fold: Any = None, *,
     `fold` (the checkpoint's PsiFold): also fold psi's per-video constants (psi_consts.npy, what `gare-index build`
     writes), so the service reranks with the fold; ~19 MFLOP per video (minutes at 1M on one core), on `device`."""
     from gare.psi_fold_videos import fold_videos, packed_width
-    from gare_index.ann import AnnParams, choose_index_type
+    from gare_index.ann_params import AnnParams, choose_index_type
     from gare_index.psi_consts import manifest_entry
     from gare_index.store import ExistingFile, write_version
 
