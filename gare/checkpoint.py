@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 
 from gare.atomic import atomic_write
 from gare.config import ModelConfig
+from gare.model import GARE
 
 FORMAT = "gare-checkpoint"
 FORMAT_VERSION = 1
@@ -44,7 +45,9 @@ def _contiguous_cpu(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").contiguous()
 
 
-def _read_safetensors(path: str | os.PathLike) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+def _read_gare_file(path: str | os.PathLike, fmt: str, no_header: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The one reader of the project's safetensors files: (the GARE header, checked to be format `fmt`, and the
+    tensors). `no_header` is the error's text when the file has no GARE header."""
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             meta = f.metadata() or {}
@@ -53,7 +56,13 @@ def _read_safetensors(path: str | os.PathLike) -> tuple[dict[str, str], dict[str
         raise
     except Exception as e:  # safetensors raises its own error types for bad headers
         raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from e
-    return meta, tensors
+    try:
+        header = json.loads(meta["gare"])
+    except (KeyError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: {no_header}") from e
+    if header.get("format") != fmt:
+        raise CheckpointError(f"{path}: format {header.get('format')!r} is not {fmt!r}")
+    return header, tensors
 
 
 @dataclass
@@ -97,13 +106,7 @@ def save_checkpoint(
 
 
 def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    meta, tensors = _read_safetensors(path)
-    try:
-        header = json.loads(meta["gare"])
-    except (KeyError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: no GARE header; is this a GARE checkpoint? (try gare-train import-official)") from e
-    if header.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: format {header.get('format')!r} is not {FORMAT!r}")
+    header, tensors = _read_gare_file(path, FORMAT, "no GARE header; is this a GARE checkpoint? (try gare-train import-official)")
     if header.get("version") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: checkpoint format version {header.get('version')} is not supported (expected {FORMAT_VERSION})")
     cfg = ModelConfig.from_dict(header["model_config"])
@@ -114,8 +117,6 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
 
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", *, eval_mode: bool = True):
     """Rebuild the model from the checkpoint alone (no download: the backbone starts empty)."""
-    from gare.model import GARE  # model imports open_clip; keep checkpoint inspection free of it
-
     ckpt = read_checkpoint(path)
     model = GARE.build(ckpt.config, pretrained="none")
     missing, unexpected = model.load_state_dict(ckpt.state_dict, strict=False)
@@ -164,11 +165,5 @@ def save_tree(path: str | os.PathLike, tree: Any) -> None:
 
 
 def load_tree(path: str | os.PathLike) -> Any:
-    meta, tensors = _read_safetensors(path)
-    try:
-        header = json.loads(meta["gare"])
-    except (KeyError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: not a GARE state file") from e
-    if header.get("format") != TREE_FORMAT:
-        raise CheckpointError(f"{path}: format {header.get('format')!r} is not {TREE_FORMAT!r}")
+    header, tensors = _read_gare_file(path, TREE_FORMAT, "not a GARE state file")
     return _unflatten(header["tree"], tensors)

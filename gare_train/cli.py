@@ -3,20 +3,28 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
 from pathlib import Path
 
+from gare.annotations import carve_validation, load_dataset
+from gare.checkpoint import file_sha256, load_model, read_checkpoint
 from gare.cli_logging import setup_cli_logging
+from gare.config import get_model_config
 from gare.data_args import add_data_args, data_spec
+from gare.encoded_set import encode_set
+from gare.model import resolve_device
+from gare_train.evaluate import evaluate_encoded, write_report
+from gare_train.fit import TrainConfig, Trainer
+from gare_train.official import import_official
+from gare_train.synth import SynthConfig, generate_corpus, presets
 
 log = logging.getLogger(__name__)
 
 
 def _cmd_import_official(args: argparse.Namespace) -> int:
-    from gare_train.official import import_official
-
     report = import_official(
         args.src, args.out, max_frames=args.max_frames, max_words=args.max_words, temp=args.temp,
         video_framerate=args.video_framerate, backbone=args.backbone,
@@ -27,14 +35,12 @@ def _cmd_import_official(args: argparse.Namespace) -> int:
 
 
 def _require_file(path: str | None, what: str, fix: str) -> None:
-    """Fail before anything heavy is loaded when a named input file is missing."""
+    """Fail before any checkpoint or data is read when a named input file is missing."""
     if path is not None and not Path(path).is_file():
         raise FileNotFoundError(f"{what} {path!r} does not exist or is not a file; {fix}")
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    from gare.checkpoint import file_sha256, read_checkpoint
-
     _require_file(args.checkpoint, "checkpoint", "give a .safetensors written by `gare-train fit` or `import-official`")
     ckpt = read_checkpoint(args.checkpoint)
     out = {
@@ -63,10 +69,6 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 
 def _cmd_synth(args: argparse.Namespace) -> int:
-    import dataclasses
-
-    from gare_train.synth import SynthConfig, generate_corpus, presets
-
     base = presets[args.preset] if args.preset else SynthConfig()
     over = {k: v for k, v in {"n_videos": args.n_videos, "seed": args.seed, "width": args.size, "height": args.size,
                                "duration": args.duration, "hard_negative_rate": args.hard_negative_rate,
@@ -81,8 +83,6 @@ def _validate_fit(cfg, args: argparse.Namespace) -> None:
     """Everything that can be checked without building the model: the model name, the files named on the
     command line and the training data itself (read, not decoded), so that a typo costs a second, not the
     model build."""
-    from gare.annotations import carve_validation, load_dataset
-    from gare.config import get_model_config
 
     if not cfg.data:
         raise ValueError("no training data: give --synth, --msrvtt-anno/--videos, --train-manifest or data: in --config")
@@ -127,8 +127,6 @@ def _check_data_paths(data: dict) -> None:
 
 
 def _cmd_fit(args: argparse.Namespace) -> int:
-    from gare_train.fit import TrainConfig, Trainer
-
     over = {"model": args.model, "out_dir": args.out, "epochs": args.epochs, "max_steps": args.max_steps,
             "batch_size": args.batch_size, "lr": args.lr, "precision": args.precision, "device": args.device,
             "num_workers": args.num_workers, "seed": args.seed, "save_every": args.save_every,
@@ -149,12 +147,6 @@ def _cmd_fit(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from gare.annotations import load_dataset
-    from gare.checkpoint import load_model
-    from gare.encoded_set import encode_set
-    from gare.model import resolve_device
-    from gare_train.evaluate import evaluate_encoded, write_report
-
     data = data_spec(args)
     if not data:
         raise ValueError("no evaluation data: give --synth, --msrvtt-anno/--videos or --test-manifest")

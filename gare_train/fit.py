@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import random
 import time
@@ -34,13 +33,16 @@ import yaml
 from gare.annotations import carve_validation, load_dataset
 from gare.checkpoint import CheckpointError, load_tree, read_checkpoint, save_checkpoint, save_tree
 from gare.config import LossConfig, get_model_config
+from gare.encoded_set import encode_set
 from gare.model import GARE, autocast, resolve_device
 from gare.sinkhorn import sinkhorn_biases
 from gare.strict import strict_from_dict
 from gare.video_loader import collate_clips
 from gare_train.data import REFERENCE_RANDAUGMENT, PairDataset, collate_pairs, decode_to_memory, epoch_order
+from gare_train.distributed import average_gradients, gather
+from gare_train.evaluate import evaluate_encoded
 from gare_train.loss import gare_loss
-from gare_train.optim import BertAdam, bert_warmup_cosine_lambda
+from gare_train.optim import build_optimizer, build_scheduler
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +135,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # The TrainConfig defaults: the authors' MSR-VTT recipe, which assumes OpenAI CLIP weights.
     "reference": {},
     # From random initialisation (no CLIP weights): the whole network at one learning rate, no augmentation,
-    # patch embedding trainable. These are bench/train_synth.yaml's values, measured to learn on the
-    # benchmark corpus (bench/results/train_synth/); the reference lr x 1e-3 for the backbone barely moves
+    # patch embedding trainable. These values were measured to learn on the synthetic corpus of
+    # `gare-train synth`; the reference lr x 1e-3 for the backbone barely moves
     # a random backbone.
     "scratch": {"lr": 5e-4, "coef_lr": 1.0, "batch_size": 64, "warmup_proportion": 0.1,
                 "augment": "none", "freeze_patch_embed": False},
@@ -151,86 +153,6 @@ def freeze_patch_embedding(model: GARE) -> list[str]:
     for p in conv.parameters():
         p.requires_grad_(False)
     return [f"clip.visual.conv1.{n}" for n, _ in conv.named_parameters()]
-
-
-# ---------------------------------------------------------------- distributed helpers
-class _GatherWithLocalGrad(torch.autograd.Function):
-    """all_gather whose backward hands each rank the gradient of its own slice (the reference AllGather)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.rank, ctx.n = dist.get_rank(), x.shape[0]
-        out = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-        dist.all_gather(out, x.contiguous())
-        return torch.cat(out)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return grad[ctx.rank * ctx.n:(ctx.rank + 1) * ctx.n]
-
-
-def gather(x: torch.Tensor) -> torch.Tensor:
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return x
-    if x.requires_grad:
-        return _GatherWithLocalGrad.apply(x)
-    out = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, x.contiguous())
-    return torch.cat(out)
-
-
-def _average_gradients(params: list[torch.nn.Parameter]) -> None:
-    world = dist.get_world_size()
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat /= world
-    off = 0
-    for p, g in zip(params, grads, strict=True):
-        n = g.numel()
-        p.grad = flat[off:off + n].view_as(p).clone()
-        off += n
-
-
-# ---------------------------------------------------------------- optimisation
-def build_optimizer(model: GARE, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW, or BertAdam with cfg.optimizer "bertadam" (β .9/.98, eps 1e-6, each tensor's gradient clipped to
-    grad_clip); decay 0.2 except biases and norms (1-D); CLIP at lr * coef_lr."""
-    groups: dict[tuple[str, bool], list[torch.nn.Parameter]] = {}
-    for group, named in model.param_groups().items():
-        for _, p in named:
-            if p.requires_grad:
-                groups.setdefault((group, p.ndim >= 2), []).append(p)
-    param_groups = []
-    for (group, decay), params in sorted(groups.items()):
-        param_groups.append({
-            "params": params,
-            "lr": cfg.lr * (cfg.coef_lr if group == "clip" else 1.0),
-            "weight_decay": cfg.weight_decay if decay else 0.0,
-            "name": f"{group}-{'decay' if decay else 'no_decay'}",
-        })
-    if cfg.optimizer == "bertadam":
-        return BertAdam(param_groups, lr=cfg.lr, betas=(0.9, 0.98), eps=1e-6, max_grad_norm=cfg.grad_clip)
-    return torch.optim.AdamW(param_groups, betas=(0.9, 0.98), eps=1e-6)
-
-
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """The project's warm-up cosine for AdamW; the reference's warmup_cosine (gare_train.optim) for BertAdam."""
-    if cfg.optimizer == "bertadam":
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, bert_warmup_cosine_lambda(total_steps, cfg.warmup_proportion))
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(total_steps, cfg.warmup_proportion))
-
-
-def warmup_cosine(total_steps: int, warmup_proportion: float):
-    warm = max(1, int(total_steps * warmup_proportion))
-
-    def f(step: int) -> float:
-        if step < warm:
-            return (step + 1) / warm
-        progress = (step - warm) / max(1, total_steps - warm)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-    return f
 
 
 class FeatureQueue:
@@ -424,7 +346,7 @@ class Trainer:
         terms["total"].backward()
         params = [p for p in model.parameters() if p.requires_grad]
         if self.distributed:
-            _average_gradients(params)
+            average_gradients(params)
         gnorm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
@@ -438,9 +360,6 @@ class Trainer:
         return out
 
     def validate(self) -> dict[str, Any]:
-        from gare.encoded_set import encode_set
-        from gare_train.evaluate import evaluate_encoded
-
         enc = encode_set(self.model.eval(), self.val_set, batch_size=32, num_workers=self.cfg.num_workers,
                          decoded=self.val_decoded)
         return evaluate_encoded(self.model, enc, self.text_queue.tensor(), video_queue=self.video_queue.tensor())

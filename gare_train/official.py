@@ -19,7 +19,9 @@ import open_clip
 import torch
 
 from gare import backbone as _backbone  # noqa: F401  (registers our open_clip configs, which the matcher searches)
+from gare.checkpoint import save_checkpoint
 from gare.config import ModelConfig
+from gare.model import GARE
 
 log = logging.getLogger(__name__)
 
@@ -213,9 +215,6 @@ def convert_official_state_dict(
 
 def import_official(src: str | Path, out: str | Path, **kw) -> ImportReport:
     """Convert the authors' checkpoint at `src` into a GARE checkpoint at `out`."""
-    from gare.checkpoint import save_checkpoint
-    from gare.model import GARE
-
     sd = load_official_state_dict(src)
     new_sd, report = convert_official_state_dict(sd, **kw)
     model = GARE.build(report.config, pretrained="none")

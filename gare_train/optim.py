@@ -1,4 +1,7 @@
-"""The authors' optimizer and learning-rate schedule (BertAdam, their warmup_cosine), for exact reproduction.
+"""The trainer's optimizers and schedules: AdamW or the authors' BertAdam, their warmup_cosine or the project's.
+
+BertAdam and the authors' warmup_cosine are here for exact reproduction; :func:`build_optimizer` and
+:func:`build_scheduler` choose between them and AdamW with the project's warm-up cosine (:func:`warmup_cosine`).
 
 The reference training (musicman217/GARE-text-video-retrieval, ``tvr/models/optimization.py`` with
 ``main_retrieval.py``'s ``prep_optimizer``; the pytorch-pretrained-bert optimizer that CLIP4Clip uses too)
@@ -43,9 +46,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+
+from gare.model import GARE
 
 # torch.nn.utils.clip_grad_norm_ adds this to the norm before dividing
 CLIP_EPS = 1e-6
@@ -128,3 +133,54 @@ class BertAdam(torch.optim.Optimizer):
                 p.add_(update, alpha=-lr)
                 state["step"] += 1
         return loss
+
+
+class OptimOptions(Protocol):
+    """The training options the optimizer and the schedule read (gare_train.fit.TrainConfig has them)."""
+
+    lr: float
+    coef_lr: float
+    weight_decay: float
+    optimizer: str
+    grad_clip: float
+    warmup_proportion: float
+
+
+def build_optimizer(model: GARE, cfg: OptimOptions) -> torch.optim.Optimizer:
+    """AdamW, or BertAdam with cfg.optimizer "bertadam" (β .9/.98, eps 1e-6, each tensor's gradient clipped to
+    grad_clip); decay 0.2 except biases and norms (1-D); CLIP at lr * coef_lr."""
+    groups: dict[tuple[str, bool], list[torch.nn.Parameter]] = {}
+    for group, named in model.param_groups().items():
+        for _, p in named:
+            if p.requires_grad:
+                groups.setdefault((group, p.ndim >= 2), []).append(p)
+    param_groups = []
+    for (group, decay), params in sorted(groups.items()):
+        param_groups.append({
+            "params": params,
+            "lr": cfg.lr * (cfg.coef_lr if group == "clip" else 1.0),
+            "weight_decay": cfg.weight_decay if decay else 0.0,
+            "name": f"{group}-{'decay' if decay else 'no_decay'}",
+        })
+    if cfg.optimizer == "bertadam":
+        return BertAdam(param_groups, lr=cfg.lr, betas=(0.9, 0.98), eps=1e-6, max_grad_norm=cfg.grad_clip)
+    return torch.optim.AdamW(param_groups, betas=(0.9, 0.98), eps=1e-6)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimOptions, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """The project's warm-up cosine for AdamW; the reference's warmup_cosine (this module) for BertAdam."""
+    if cfg.optimizer == "bertadam":
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, bert_warmup_cosine_lambda(total_steps, cfg.warmup_proportion))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(total_steps, cfg.warmup_proportion))
+
+
+def warmup_cosine(total_steps: int, warmup_proportion: float):
+    warm = max(1, int(total_steps * warmup_proportion))
+
+    def f(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        progress = (step - warm) / max(1, total_steps - warm)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return f

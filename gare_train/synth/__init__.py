@@ -36,19 +36,7 @@ imports it.
 
 from __future__ import annotations
 
-from gare_train.synth.captions import (
-    _BG_PHRASES,
-    _BG_WORDS,
-    _COLOR_WORDS,
-    _COUNT_WORDS,
-    _MOTION_WORDS,
-    _SEQ_TEMPLATES,
-    _SHAPE_WORDS,
-    _SPEED_POST,
-    _SPEED_PRE,
-    make_caption,
-    make_captions,
-)
+from gare_train.synth.captions import make_caption, make_captions
 from gare_train.synth.config import (
     BACKGROUNDS,
     COLORS,
@@ -62,16 +50,13 @@ from gare_train.synth.config import (
     SynthConfig,
     presets,
 )
-from gare_train.synth.corpus import _attributes, _plan, generate_corpus
+from gare_train.synth.corpus import generate_corpus
 from gare_train.synth.mp4 import write_video
 from gare_train.synth.render import render_scene
-from gare_train.synth.scenes import _mutations, flatten_scene, mutate_scene, scene_key
+from gare_train.synth.scenes import flatten_scene, mutate_scene, scene_key
 
 __all__ = [
     "BACKGROUNDS", "COLORS", "CORPUS_VERSION", "COUNTS", "DECORD_UNREADABLE_WIDTHS", "EVENT_FIELDS", "MOTIONS",
     "SHAPES", "SPEEDS", "SynthConfig", "flatten_scene", "generate_corpus", "make_caption", "make_captions",
     "mutate_scene", "presets", "render_scene", "scene_key", "write_video",
-    # used by the tests of the generator
-    "_BG_PHRASES", "_BG_WORDS", "_COLOR_WORDS", "_COUNT_WORDS", "_MOTION_WORDS", "_SEQ_TEMPLATES", "_SHAPE_WORDS",
-    "_SPEED_POST", "_SPEED_PRE", "_attributes", "_mutations", "_plan",
 ]

@@ -7,21 +7,21 @@ from typing import Any
 import numpy as np
 
 from gare_train.synth.config import COLORS
-from gare_train.synth.scenes import _choice
+from gare_train.synth.scenes import rng_choice
 
 # ---- caption vocabulary --------------------------------------------------------------------------
 
-_BG_WORDS = {"black": ["black", "dark"], "white": ["white"], "gray": ["gray", "grey"]}
-_COLOR_WORDS = {c: [c] for c in COLORS} | {"purple": ["purple", "violet"]}
-_SHAPE_WORDS: dict[str, list[tuple[str, str]]] = {
+BG_WORDS = {"black": ["black", "dark"], "white": ["white"], "gray": ["gray", "grey"]}
+COLOR_WORDS = {c: [c] for c in COLORS} | {"purple": ["purple", "violet"]}
+SHAPE_WORDS: dict[str, list[tuple[str, str]]] = {
     "circle": [("circle", "circles"), ("disc", "discs"), ("ball", "balls")],
     "square": [("square", "squares"), ("box", "boxes")],
     "triangle": [("triangle", "triangles")],
     "diamond": [("diamond", "diamonds"), ("rhombus", "rhombuses")],
     "cross": [("cross", "crosses"), ("plus sign", "plus signs")],
 }
-_COUNT_WORDS = {1: ["a", "one", "a single"], 2: ["two", "a pair of"], 3: ["three"]}
-_MOTION_WORDS: dict[str, list[tuple[str, str]]] = {
+COUNT_WORDS = {1: ["a", "one", "a single"], 2: ["two", "a pair of"], 3: ["three"]}
+MOTION_WORDS: dict[str, list[tuple[str, str]]] = {
     "left_to_right": [
         ("moves from left to right", "move from left to right"),
         ("slides to the right", "slide to the right"),
@@ -41,15 +41,15 @@ _MOTION_WORDS: dict[str, list[tuple[str, str]]] = {
         ("sits motionless", "sit motionless"),
     ],
 }
-_SPEED_PRE = {"slow": ["slowly", "gently"], "fast": ["quickly", "rapidly"]}
-_SPEED_POST = {"slow": ["slowly", "at a slow pace"], "fast": ["quickly", "fast", "at high speed"]}
-_BG_PHRASES = [
+SPEED_PRE = {"slow": ["slowly", "gently"], "fast": ["quickly", "rapidly"]}
+SPEED_POST = {"slow": ["slowly", "at a slow pace"], "fast": ["quickly", "fast", "at high speed"]}
+BG_PHRASES = [
     "on a {bg} background",
     "against a {bg} backdrop",
     "in front of a {bg} background",
     "over a {bg} screen",
 ]
-_SEQ_TEMPLATES = [
+SEQ_TEMPLATES = [
     "{a}, then {b}",
     "first {a}, then {b}",
     "{a}, and after that {b}",
@@ -70,16 +70,16 @@ def _article(words: str) -> str:
 
 def _event_phrase(e: dict[str, Any], rng: np.random.Generator, sentence_start: bool = True) -> str:
     n = e["count"]
-    sing, plur = _choice(rng, _SHAPE_WORDS[e["shape"]])
-    verb_s, verb_p = _choice(rng, _MOTION_WORDS[e["motion"]])
+    sing, plur = rng_choice(rng, SHAPE_WORDS[e["shape"]])
+    verb_s, verb_p = rng_choice(rng, MOTION_WORDS[e["motion"]])
     noun, verb = (sing, verb_s) if n == 1 else (plur, verb_p)
-    np_ = _article(f"{_choice(rng, _COUNT_WORDS[n])} {_choice(rng, _COLOR_WORDS[e['color']])} {noun}")
+    np_ = _article(f"{rng_choice(rng, COUNT_WORDS[n])} {rng_choice(rng, COLOR_WORDS[e['color']])} {noun}")
     if e["motion"] == "still":
         vp = verb
     elif rng.random() < 0.5:
-        vp = f"{_choice(rng, _SPEED_PRE[e['speed']])} {verb}"
+        vp = f"{rng_choice(rng, SPEED_PRE[e['speed']])} {verb}"
     else:
-        vp = f"{verb} {_choice(rng, _SPEED_POST[e['speed']])}"
+        vp = f"{verb} {rng_choice(rng, SPEED_POST[e['speed']])}"
     if sentence_start and rng.random() < 0.2:
         return f"there {'is' if n == 1 else 'are'} {np_} that {vp}"
     return f"{np_} {vp}"
@@ -90,11 +90,11 @@ def make_caption(scene: dict[str, Any], rng: np.random.Generator) -> str:
     if len(scene["events"]) == 1:
         body = _event_phrase(scene["events"][0], rng)
     else:
-        template = _choice(rng, _SEQ_TEMPLATES)
+        template = rng_choice(rng, SEQ_TEMPLATES)
         a = _event_phrase(scene["events"][0], rng, sentence_start=template.startswith("{a}"))
         b = _event_phrase(scene["events"][1], rng, sentence_start=False)
         body = template.format(a=a, b=b)
-    bg = _choice(rng, _BG_PHRASES).format(bg=_choice(rng, _BG_WORDS[scene["background"]]))
+    bg = rng_choice(rng, BG_PHRASES).format(bg=rng_choice(rng, BG_WORDS[scene["background"]]))
     if rng.random() < 0.3:
         return f"{bg}, {body}"
     return f"{body} {bg}"

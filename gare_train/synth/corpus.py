@@ -16,11 +16,18 @@ from gare.atomic import atomic_write
 from gare_train.synth.captions import make_captions
 from gare_train.synth.config import CORPUS_VERSION, SynthConfig
 from gare_train.synth.mp4 import write_video
-from gare_train.synth.render import _near_duplicate_render, _random_render, render_scene
-from gare_train.synth.scenes import _choice, _mutations, _random_scene, _valid_scene, mutate_scene, scene_key
+from gare_train.synth.render import near_duplicate_render, random_render, render_scene
+from gare_train.synth.scenes import (
+    mutate_scene,
+    random_scene,
+    rng_choice,
+    scene_key,
+    scene_mutations,
+    valid_scene,
+)
 
 
-def _plan(cfg: SynthConfig) -> list[dict[str, Any]]:
+def corpus_plan(cfg: SynthConfig) -> list[dict[str, Any]]:
     """Scenes, captions and rendering parameters for every video (no pixels yet)."""
     rng = np.random.default_rng(np.random.SeedSequence([cfg.seed, 0x5EED]))
     n = cfg.n_videos
@@ -34,7 +41,7 @@ def _plan(cfg: SynthConfig) -> list[dict[str, Any]]:
     plans: list[dict[str, Any]] = []
     for _ in range(n_fresh):
         for _attempt in range(1000):
-            scene = _random_scene(rng, cfg)
+            scene = random_scene(rng, cfg)
             if scene_key(scene) not in seen:
                 break
         seen.add(scene_key(scene))
@@ -43,9 +50,9 @@ def _plan(cfg: SynthConfig) -> list[dict[str, Any]]:
     for _ in range(n_hard):
         for _attempt in range(1000):
             src = int(rng.integers(n_fresh))
-            what = _choice(rng, _mutations(plans[src]["scene"]))
+            what = rng_choice(rng, scene_mutations(plans[src]["scene"]))
             scene = mutate_scene(plans[src]["scene"], what, rng)
-            if _valid_scene(scene) and scene_key(scene) not in seen:
+            if valid_scene(scene) and scene_key(scene) not in seen:
                 break
         seen.add(scene_key(scene))
         plans.append({"scene": scene, "kind": "hard_negative", "source": src, "changed": what})
@@ -63,10 +70,10 @@ def _plan(cfg: SynthConfig) -> list[dict[str, Any]]:
 
     for p in plans:
         if p["kind"] != "near_duplicate":
-            p["render"] = _random_render(p["scene"], cfg, rng)
+            p["render"] = random_render(p["scene"], cfg, rng)
     for p in plans:
         if p["kind"] == "near_duplicate":
-            p["render"] = _near_duplicate_render(plans[p["source"]]["render"], rng)
+            p["render"] = near_duplicate_render(plans[p["source"]]["render"], rng)
     for p in plans:
         p["captions"] = make_captions(p["scene"], cfg.captions_per_video, rng)
 
@@ -96,7 +103,7 @@ def _plan(cfg: SynthConfig) -> list[dict[str, Any]]:
     return plans
 
 
-def _attributes(p: dict[str, Any]) -> dict[str, Any]:
+def video_attributes(p: dict[str, Any]) -> dict[str, Any]:
     return {
         "video_id": p["video_id"],
         "background": p["scene"]["background"],
@@ -132,7 +139,7 @@ def generate_corpus(
     out = Path(out_dir)
     videos_dir = out / "videos"
     videos_dir.mkdir(parents=True, exist_ok=True)
-    plans = _plan(cfg)
+    plans = corpus_plan(cfg)
     # Remove videos of an earlier, larger corpus written to the same place (our naming scheme only).
     current = {f"{p['video_id']}.mp4" for p in plans}
     for stale in videos_dir.glob("video*.mp4"):
@@ -150,7 +157,7 @@ def generate_corpus(
         {
             "video": f"videos/{p['video_id']}.mp4",
             "captions": list(p["captions"]),
-            "attributes": _attributes(p),
+            "attributes": video_attributes(p),
         }
         for p in plans
     ]
@@ -207,7 +214,7 @@ def generate_corpus(
                 "path": f"videos/{p['video_id']}.mp4",
                 "split": p["split"],
                 "captions": list(p["captions"]),
-                "attributes": _attributes(p),
+                "attributes": video_attributes(p),
                 "render": p["render"],
             }
             for p in ids_sorted

@@ -12,7 +12,7 @@ import numpy as np
 from gare_train.synth.config import BACKGROUNDS, COLORS, SynthConfig
 
 
-def _random_render(scene: dict[str, Any], cfg: SynthConfig, rng: np.random.Generator) -> dict[str, Any]:
+def random_render(scene: dict[str, Any], cfg: SynthConfig, rng: np.random.Generator) -> dict[str, Any]:
     """Per-video nuisance parameters (the jitter that makes the task not trivially solvable)."""
     pj, cj = cfg.position_jitter, cfg.color_jitter
     events = []
@@ -36,7 +36,7 @@ def _random_render(scene: dict[str, Any], cfg: SynthConfig, rng: np.random.Gener
     }
 
 
-def _near_duplicate_render(src: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
+def near_duplicate_render(src: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
     new = copy.deepcopy(src)
     for ev in new["events"]:
         ev["offset"] = [v + float(rng.uniform(-0.01, 0.01)) for v in ev["offset"]]

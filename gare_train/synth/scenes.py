@@ -41,35 +41,35 @@ def flatten_scene(scene: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
-def _choice(rng: np.random.Generator, options: Sequence[Any]) -> Any:
+def rng_choice(rng: np.random.Generator, options: Sequence[Any]) -> Any:
     return options[int(rng.integers(len(options)))]
 
 
 def _random_event(rng: np.random.Generator) -> dict[str, Any]:
     return {
-        "shape": _choice(rng, SHAPES),
-        "color": _choice(rng, sorted(COLORS)),
-        "count": int(_choice(rng, COUNTS)),
-        "motion": _choice(rng, MOTIONS),
-        "speed": _choice(rng, SPEEDS),
+        "shape": rng_choice(rng, SHAPES),
+        "color": rng_choice(rng, sorted(COLORS)),
+        "count": int(rng_choice(rng, COUNTS)),
+        "motion": rng_choice(rng, MOTIONS),
+        "speed": rng_choice(rng, SPEEDS),
     }
 
 
-def _valid_scene(scene: dict[str, Any]) -> bool:
+def valid_scene(scene: dict[str, Any]) -> bool:
     ev = scene["events"]
     return len(ev) == 1 or _visible(ev[0]) != _visible(ev[1])
 
 
-def _random_scene(rng: np.random.Generator, cfg: SynthConfig) -> dict[str, Any]:
+def random_scene(rng: np.random.Generator, cfg: SynthConfig) -> dict[str, Any]:
     while True:
-        bg = _choice(rng, sorted(BACKGROUNDS))
+        bg = rng_choice(rng, sorted(BACKGROUNDS))
         n_events = 2 if rng.random() < cfg.two_event_rate else 1
         scene = {"background": bg, "events": [_random_event(rng) for _ in range(n_events)]}
-        if _valid_scene(scene):
+        if valid_scene(scene):
             return scene
 
 
-def _mutations(scene: dict[str, Any]) -> list[str]:
+def scene_mutations(scene: dict[str, Any]) -> list[str]:
     out = ["background"]
     for i, e in enumerate(scene["events"]):
         out += [f"event{i}.{f}" for f in ("shape", "color", "count", "motion")]
@@ -84,7 +84,7 @@ def mutate_scene(scene: dict[str, Any], what: str, rng: np.random.Generator) -> 
     """A copy of ``scene`` with exactly one attribute (``what``) changed to a different value."""
     new = copy.deepcopy(scene)
     if what == "background":
-        new["background"] = _choice(rng, [b for b in sorted(BACKGROUNDS) if b != scene["background"]])
+        new["background"] = rng_choice(rng, [b for b in sorted(BACKGROUNDS) if b != scene["background"]])
     elif what == "order":
         new["events"] = new["events"][::-1]
     else:
@@ -97,5 +97,5 @@ def mutate_scene(scene: dict[str, Any], what: str, rng: np.random.Generator) -> 
             "motion": MOTIONS,
             "speed": SPEEDS,
         }[field]
-        e[field] = _choice(rng, [o for o in options if o != e[field]])
+        e[field] = rng_choice(rng, [o for o in options if o != e[field]])
     return new

@@ -140,7 +140,7 @@ def test_schedule_values_at_warmup_start_end_middle_and_end():
     assert used[50] == pytest.approx(1.0)
     assert used[99] == pytest.approx(2.0 * 0.5 * (1 + math.cos(0.99 * math.pi)))
     # the project's own warm-up cosine (AdamW) is another curve: (k + 1) / W, then cosine after the warm-up
-    from gare_train.fit import warmup_cosine
+    from gare_train.optim import warmup_cosine
 
     ours = warmup_cosine(100, w)
     assert ours(0) == pytest.approx(0.1) and ours(10) == pytest.approx(1.0) and ours(55) == pytest.approx(0.5)

@@ -12,7 +12,8 @@ import pytest
 
 from gare.video import probe_video
 from gare_train import synth
-from gare_train.synth import SynthConfig, generate_corpus, write_video
+from gare_train.synth import SynthConfig, captions, generate_corpus, scenes, write_video
+from gare_train.synth import corpus as synth_corpus
 
 CFG = SynthConfig(
     n_videos=20,
@@ -85,7 +86,7 @@ def test_deterministic(corpus, tmp_path):
         a, b = _decode_all(out / "videos" / f"{vid}.mp4"), _decode_all(again / "videos" / f"{vid}.mp4")
         assert np.array_equal(a, b), vid
     # and the scene generator itself is a pure function of the config
-    p1, p2 = synth._plan(CFG), synth._plan(CFG)
+    p1, p2 = synth_corpus.corpus_plan(CFG), synth_corpus.corpus_plan(CFG)
     assert np.array_equal(
         synth.render_scene(p1[3]["scene"], p1[3]["render"], CFG),
         synth.render_scene(p2[3]["scene"], p2[3]["render"], CFG),
@@ -93,14 +94,14 @@ def test_deterministic(corpus, tmp_path):
 
 
 def test_different_seed_differs():
-    a = synth._plan(CFG)
-    b = synth._plan(SynthConfig(**{**CFG.to_dict(), "seed": CFG.seed + 1}))
+    a = synth_corpus.corpus_plan(CFG)
+    b = synth_corpus.corpus_plan(SynthConfig(**{**CFG.to_dict(), "seed": CFG.seed + 1}))
     assert [p["captions"] for p in a] != [p["captions"] for p in b]
 
 
 def test_encoded_video_is_close_to_rendered(corpus):
     out, _, _ = corpus
-    plans = {p["video_id"]: p for p in synth._plan(CFG)}
+    plans = {p["video_id"]: p for p in synth_corpus.corpus_plan(CFG)}
     p = plans["video5"]
     rendered = synth.render_scene(p["scene"], p["render"], CFG).astype(np.float32)
     decoded = _decode_all(out / "videos" / "video5.mp4").astype(np.float32)
@@ -130,26 +131,26 @@ def test_captions_describe_attributes(corpus):
         assert a["background"] in synth.BACKGROUNDS and 1 <= len(events) <= 2
         for cap in r["captions"]:
             assert cap == cap.lower() and "  " not in cap
-            assert _has_any(cap, synth._BG_WORDS[a["background"]]), cap
+            assert _has_any(cap, captions.BG_WORDS[a["background"]]), cap
             for e in events:
                 assert set(e) == set(synth.EVENT_FIELDS)
-                assert _has_any(cap, synth._COLOR_WORDS[e["color"]]), (cap, e)
-                nouns = [s if e["count"] == 1 else p for s, p in synth._SHAPE_WORDS[e["shape"]]]
+                assert _has_any(cap, captions.COLOR_WORDS[e["color"]]), (cap, e)
+                nouns = [s if e["count"] == 1 else p for s, p in captions.SHAPE_WORDS[e["shape"]]]
                 assert _has_any(cap, nouns), (cap, e)
-                verbs = [s if e["count"] == 1 else p for s, p in synth._MOTION_WORDS[e["motion"]]]
+                verbs = [s if e["count"] == 1 else p for s, p in captions.MOTION_WORDS[e["motion"]]]
                 assert _has_any(cap, verbs), (cap, e)
                 if e["count"] > 1:
-                    assert _has_any(cap, synth._COUNT_WORDS[e["count"]]), (cap, e)
+                    assert _has_any(cap, captions.COUNT_WORDS[e["count"]]), (cap, e)
                 if e["motion"] != "still":
-                    assert _has_any(cap, synth._SPEED_PRE[e["speed"]] + synth._SPEED_POST[e["speed"]]), (
+                    assert _has_any(cap, captions.SPEED_PRE[e["speed"]] + captions.SPEED_POST[e["speed"]]), (
                         cap,
                         e,
                     )
             if len(events) == 2 and events[0]["color"] != events[1]["color"]:
                 # Time order is stated: "A, then B" / "A before B" / "after A, B" name A first; "B after A" not.
                 n_two += 1
-                first = _first_pos(cap, synth._COLOR_WORDS[events[0]["color"]])
-                second = _first_pos(cap, synth._COLOR_WORDS[events[1]["color"]])
+                first = _first_pos(cap, captions.COLOR_WORDS[events[0]["color"]])
+                second = _first_pos(cap, captions.COLOR_WORDS[events[1]["color"]])
                 reversed_text = re.search(r"\w after (?!that)", cap) is not None
                 assert (first < second) != reversed_text, cap
     assert n_two > 0
@@ -186,7 +187,7 @@ def test_mutations_cover_every_attribute():
             {"shape": "square", "color": "blue", "count": 2, "motion": "still", "speed": "fast"},
         ],
     }
-    whats = synth._mutations(scene)
+    whats = scenes.scene_mutations(scene)
     assert "order" in whats and "event1.speed" not in whats  # speed of a still event is invisible
     for what in whats:
         new = synth.mutate_scene(scene, what, rng)

@@ -14,7 +14,8 @@ import torch
 
 from gare.annotations import load_manifest
 from gare_train.data import ClipRandAugment, PairDataset
-from gare_train.fit import TrainConfig, Trainer, build_optimizer, freeze_patch_embedding
+from gare_train.fit import TrainConfig, Trainer, freeze_patch_embedding
+from gare_train.optim import build_optimizer
 
 
 @pytest.fixture(scope="module")
