@@ -22,7 +22,7 @@ from gare.psi_fold_videos import packed_width
 from gare_index.ncl_ann import NCL_ANN_FILE
 from gare_index.psi_consts import PSI_CONSTS_ARRAY
 
-log = logging.getLogger("gare_index.store")
+log = logging.getLogger(__name__)
 
 
 

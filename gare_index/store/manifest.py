@@ -130,7 +130,7 @@ class IndexManifest(_Closed):
     stage1: Record | None = None
     builder: Record | None = None
     psi_fold: Record | None = None
-    synthetic: bool | None = None  # a gallery written by a benchmark (bench/serve_bench.py), not from videos
+    synthetic: bool | None = None  # a gallery written by a benchmark script, not from videos
 
     @property
     def checkpoint_sha256(self) -> str | None:

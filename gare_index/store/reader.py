@@ -43,7 +43,7 @@ from gare_index.store.format import (
 )
 from gare_index.store.manifest import FileEntry, IndexManifest, parse_manifest
 
-log = logging.getLogger("gare_index.store")
+log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------------ reading

@@ -16,7 +16,7 @@ from gare_index.psi_consts import problems as psi_problems
 from gare_index.store.format import ANN_NCL_FILE, IndexFormatError
 from gare_index.store.reader import IndexVersion, current_version_name, open_version
 
-log = logging.getLogger("gare_index.store")
+log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------------ verify

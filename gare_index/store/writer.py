@@ -48,7 +48,7 @@ from gare_index.store.format import (
 from gare_index.store.manifest import IndexManifest, parse_manifest
 from gare_index.store.reader import current_version_name, list_versions
 
-log = logging.getLogger("gare_index.store")
+log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------------ writing
