@@ -31,7 +31,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 _COS_EPS = 1e-8  # as gare.psi_fold._COS_EPS (F.cosine_similarity's eps)
-_N_VEC, _N_MAT = 10, 5  # gare.psi_fold.VEC_FIELDS / MAT_FIELDS, in that order
+_N_VEC, _N_MAT = 10, 5  # gare.psi_fold_videos.VEC_FIELDS / MAT_FIELDS, in that order
 
 _KERNEL: Any = None
 _LOCK = threading.Lock()
@@ -241,7 +241,7 @@ def _as_kernel_array(x: Any, name: str, ndim: int) -> np.ndarray:
 def pair_scores(q: Any, frames: Any, packed: Any, idx: Any, *, vrows: Any = None, vscale: Any = None) -> np.ndarray:
     """Folded psi scores (a, K) float32 for the candidates idx (a, K) (rows into frames/packed, repeats allowed).
 
-    q: `gare.psi_fold.QueryVectors` (CPU); frames (N, f, d) and packed (N, 10f + 5f² + 2), float16 or
+    q: `gare.psi_fold_queries.QueryVectors` (CPU); frames (N, f, d) and packed (N, 10f + 5f² + 2), float16 or
     float32, numpy (memmaps welcome: only the candidates' rows are read) or CPU tensors; vrows (N, d) float32
     and vscale (N,) float32 give v̄ = vscale · vrows (the index's norm · unit; vscale None = 1), else v̄ is
     Σ ω_f F_f as the constants were folded. Equal to `gare.psi_fold.pair_scores` to float32 rounding."""
@@ -290,7 +290,7 @@ def warm_up() -> float:
 
     t0 = time.perf_counter()
     f, d = 2, 4
-    # the fields of gare.psi_fold.QueryVectors the kernel reads (this module imports nothing of the project)
+    # the fields of gare.psi_fold_queries.QueryVectors the kernel reads (this module imports nothing of the project)
     q = SimpleNamespace(u=torch.zeros(1, 3, d), sc=torch.zeros(1, 7), wsc=torch.zeros(4), eps=(1e-5, 1e-5, 1e-5),
                         inv_temp=1.0)
     w = _N_VEC * f + _N_MAT * f * f + 2
