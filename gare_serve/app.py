@@ -5,8 +5,8 @@ checkpoint the index names (or ``settings.checkpoint``) is hashed and checked ag
 loaded on the GPU when there is one, and the index's CURRENT version is opened (``gare_serve.state``).
 
 The HTTP layer only: routes (``gare_serve.routes``: search, videos, admin, ops) call the query-time search
-of ``gare_search.search``; request/response bodies are in ``gare_serve.schemas``, keys and signed media URLs in
-``gare_serve.security``, middleware and error handlers in ``gare_serve.middleware``.
+of ``gare_search.search``; request/response bodies are in ``gare_serve.schemas``, the routes' dependencies
+(state, key checks) in ``gare_serve.deps``, middleware and error handlers in ``gare_serve.middleware``.
 
 Run it with ``gare-serve --index INDEX [--workers N]`` (gare_serve/cli.py) or ``uvicorn --factory
 gare_serve.app:create_app`` (settings from ``GARE_*`` variables). With several workers each process builds
@@ -35,14 +35,16 @@ from gare_serve.middleware import (
     TrustedHostMiddleware,
     install_error_handlers,
 )
+from gare_serve.presentation import API_VERSION
 from gare_serve.recall_watch import start_recall_watch
+from gare_serve.reload import watch_reloads
 from gare_serve.routes import admin, ops, search, videos
 from gare_serve.routes.ops import DOCS_ASSET_DIR, DOCS_ASSETS, STATIC_DIR
 from gare_serve.settings import Settings, SettingsError, load_api_key_hashes, load_settings
-from gare_serve.state import API_VERSION, ServiceState, StartupError, VersionHandle, resolve_checkpoint
-from gare_serve.workers import watch_reloads
+from gare_serve.startup import StartupError
+from gare_serve.state import ServiceState
 
-log = logging.getLogger("gare.service")
+log = logging.getLogger(__name__)
 
 
 def create_app(settings: Settings | None = None, **overrides: Any) -> FastAPI:
@@ -141,4 +143,4 @@ def create_app(settings: Settings | None = None, **overrides: Any) -> FastAPI:
     return app
 
 
-__all__ = ["API_VERSION", "create_app", "StartupError", "resolve_checkpoint", "ServiceState", "VersionHandle"]
+__all__ = ["create_app"]

@@ -43,9 +43,20 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import uvicorn
+import uvicorn.supervisors
+
 from gare.cli_logging import setup_cli_logging
+from gare_serve.app import create_app
+from gare_serve.http_limits import LimitsConfig
+from gare_serve.metrics import Metrics
+from gare_serve.nodelay import NodelayConfig, PortGroup, prompt_supervisor, resolve_worker_sockets
 from gare_serve.settings import Settings, SettingsError, hash_key, load_settings
+from gare_serve.startup import StartupError, resolve_checkpoint
+from gare_serve.state import ServiceState
 from gare_serve.workers import usable_cores
+
+log = logging.getLogger(__name__)
 
 GRACEFUL_SHUTDOWN_S = 10  # uvicorn's timeout_graceful_shutdown: requests in flight at SIGTERM get this long
 
@@ -72,8 +83,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="port (default 8000; 0 = any free port)")
     p.add_argument("--device", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], help="text encoder precision")
-    p.add_argument("--rerank-impl", choices=["auto", "fold", "fused", "model"],
-                   help="psi rerank implementation (same scores; default auto = the fastest measured for the device, fold today; GARE_RERANK_IMPL)")
     p.add_argument("--torch-threads", type=int, help="torch/FAISS threads per worker (default: usable cores // workers)")
     p.add_argument("--workers", type=int, help="worker processes (default: the usable cores; 1 = serve in this process)")
     p.add_argument("--worker-sockets", choices=["auto", "reuseport", "shared"],
@@ -103,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     names = [
-        "index", "checkpoint", "host", "port", "device", "precision", "rerank_impl", "torch_threads", "library_root",
+        "index", "checkpoint", "host", "port", "device", "precision", "torch_threads", "library_root",
         "cors_origins", "require_key_for_search", "api_keys_file", "verify_index", "batch_max_size",
         "batch_max_wait_ms", "log_level", "workers", "text_encoder", "query_cache_entries", "result_cache_entries",
         "header_timeout_s", "body_timeout_s", "worker_sockets",
@@ -130,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_cli_logging(settings.log_level == "debug", level=settings.log_level)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Several workers with a socket each: take the port first, so that an address in use fails in a moment,
-    # not after the imports and checks below.
+    # not after the checks below.
     group = None
     if not args.check and (settings.workers or usable_cores()) > 1:
         group, status = open_port_group(settings)
@@ -144,8 +153,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace, settings: Settings, group: Any) -> int:
-    from gare_serve.app import StartupError, create_app, resolve_checkpoint
-
     try:
         # Fail fast with a clear message (the lifespan checks again; the hash is memoised).
         path, sha, manifest = resolve_checkpoint(settings)
@@ -155,9 +162,6 @@ def _serve(args: argparse.Namespace, settings: Settings, group: Any) -> int:
         return 2
     if args.check:
         # Do what the lifespan will do: load the model and open (and, with --verify-index, re-hash) the index.
-        from gare_serve.app import ServiceState
-        from gare_serve.metrics import Metrics
-
         state = ServiceState(settings, Metrics())
         try:
             state.load()
@@ -168,10 +172,6 @@ def _serve(args: argparse.Namespace, settings: Settings, group: Any) -> int:
             state.close()
         print(f"ok: index {settings.index} ({manifest.n} entries), checkpoint {path} sha256 {sha}")
         return 0
-
-    import uvicorn
-
-    from gare_serve.http_limits import LimitsConfig
 
     workers = settings.workers or usable_cores()
     if settings.torch_threads is None:
@@ -234,8 +234,6 @@ def open_port_group(settings: Settings) -> tuple[Any, int]:
     """(the bound port group, 0) when the workers listen on a socket each (``worker_sockets``), (None, 0) when
     they share one; (None, exit status) with a message on stderr when the setting cannot be honoured here (2)
     or the address is in use (1)."""
-    from gare_serve.nodelay import PortGroup, resolve_worker_sockets
-
     try:
         mode = resolve_worker_sockets(settings.worker_sockets)
     except ValueError as e:
@@ -253,10 +251,6 @@ def open_port_group(settings: Settings) -> tuple[Any, int]:
 def serve_workers(settings: Settings, workers: int, group: Any = None) -> int:
     """Run ``workers`` uvicorn worker processes behind one port (see the module docstring); ``group``: the port
     group ``main`` already bound (:func:`open_port_group`), closed here when the workers are done."""
-    from uvicorn.supervisors import Multiprocess
-
-    from gare_serve.nodelay import NodelayConfig, prompt_supervisor
-
     if group is None:
         group, status = open_port_group(settings)  # None again with worker_sockets=shared
         if status:
@@ -270,7 +264,7 @@ def serve_workers(settings: Settings, workers: int, group: Any = None) -> int:
     _empty_dir(prom_dir)  # stale series of an earlier run would be summed in
     os.environ.pop("GARE_CONFIG", None)  # the exported values already include the file's
     os.environ.update(worker_environment(settings, workers, run_dir, prom_dir))
-    logging.getLogger("gare.service").info(
+    log.info(
         "starting %d workers, %d torch threads each, %s listening socket%s (run dir %s)", workers,
         settings.torch_threads, "a" if mode == "reuseport" else "one shared", " each" if mode == "reuseport" else "",
         run_dir,
@@ -295,7 +289,7 @@ def serve_workers(settings: Settings, workers: int, group: Any = None) -> int:
                 f"Uvicorn running on {fmt} (Press CTRL+C to quit)", "http", settings.host, group.port)
         else:
             sockets = [config.bind_socket()]
-        supervisor = prompt_supervisor(Multiprocess)(config, sockets=sockets)
+        supervisor = prompt_supervisor(uvicorn.supervisors.Multiprocess)(config, sockets=sockets)
         # On SIGTERM/SIGINT the supervisor sends SIGTERM to every worker and joins them all (each drains its
         # requests for at most GRACEFUL_SHUTDOWN_S): this process exits after its workers.
         supervisor.run()

@@ -3,7 +3,7 @@
 ``gare-index build``/``add``/``remove`` end by replacing ``INDEX/CURRENT`` atomically. Each serving process
 (every worker of every ``gare-serve``, every compose replica) polls that file every ``index_poll_s`` seconds
 and, when it names another version, runs the same atomic switch as ``POST /v1/admin/reload`` (in-flight
-requests finish on the version they started on; ``gare_serve.state.ServiceState.reload``). So after a build
+requests finish on the version they started on; ``gare_serve.reload.reload``). So after a build
 finishes, every process answers from the new version within ``index_poll_s`` plus the time to open it,
 with nobody having to reach each replica behind a proxy. The admin route stays as the immediate path.
 
@@ -15,19 +15,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
-from fastapi import HTTPException
 from starlette.concurrency import run_in_threadpool
 
 from gare_index.store import IndexFormatError, current_version_name
+from gare_serve.reload import ReloadError, ReloadRefused, reload
+from gare_serve.state import ServiceState
 
 log = logging.getLogger(__name__)
 
 __all__ = ["follow_current"]
 
 
-async def follow_current(state: Any, poll_s: float) -> None:
+async def follow_current(state: ServiceState, poll_s: float) -> None:
     """Switch ``state`` to CURRENT whenever it changes (until cancelled); one poll every ``poll_s`` seconds."""
     refused: str | None = None
     unreadable = False
@@ -47,11 +47,13 @@ async def follow_current(state: Any, poll_s: float) -> None:
         if name == handle.version.name or name == refused:
             continue
         try:
-            res = await state.reload(broadcast=False)
-        except HTTPException as e:
-            if e.status_code == 409:  # built with another checkpoint: never served by this process
-                refused = name
-            log.error("following the index: %s", e.detail)
+            res = await reload(state, broadcast=False)
+        except ReloadRefused as e:  # built with another checkpoint: never served by this process
+            refused = name
+            log.error("following the index: %s", e)
+            continue
+        except ReloadError as e:
+            log.error("following the index: %s", e)
             continue
         except Exception:  # noqa: BLE001 - a failed switch keeps the old version; keep following
             log.exception("following the index: switching to %s failed", name)

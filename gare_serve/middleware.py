@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gare_serve.batcher import BatcherClosed, BatcherOverloaded
 
-log = logging.getLogger("gare.service")
+log = logging.getLogger(__name__)
 
 class BodyTooLarge(Exception):
     pass

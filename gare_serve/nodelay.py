@@ -5,7 +5,7 @@
 A socket per worker (``worker_sockets`` ``reuseport``, the default on Linux). With one listening socket shared
 by every worker, each worker's event loop waits on it and the first one awake accepts every connection queued
 there (asyncio accepts up to ``backlog`` per wake-up): a burst of keep-alive clients can land whole on one
-worker and stay there, the other idles (measured: ``bench/results/worker_spread.md``). With SO_REUSEPORT each
+worker and stay there while the other idles, as measured. With SO_REUSEPORT each
 worker listens on a socket of its own bound to the same address; Linux hashes each new connection over the
 listening sockets of the group (the connection's addresses and ports), so every worker gets its share
 whatever the clients' pattern, and a worker that is still loading (bound, not yet listening) or dead gets none.
@@ -74,7 +74,7 @@ from gare_serve.http_limits import LimitsConfig
 __all__ = ["NodelayConfig", "PortGroup", "PortGroupSocket", "bind_worker_socket", "die_with_parent",
            "prompt_supervisor", "resolve_worker_sockets"]
 
-log = logging.getLogger("gare.service")
+log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 # SO_REUSEPORT spreads TCP connections over a port group on Linux (3.9+); elsewhere it means other things

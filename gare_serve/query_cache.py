@@ -17,7 +17,7 @@ which the tokenizer keeps apart (different tokens, different embeddings); see
 tests/service/test_query_cache.py::test_key_never_merges_texts_with_different_tokens. For a tokenizer without
 ``clean_fn`` (case-sensitive HF tokenizers) the fallback is NFC + whitespace collapse, case kept.
 
-Bounds: at most ``max_entries`` entries AND at most ``max_bytes`` bytes (embedding bytes plus the key's
+Bounds (:class:`gare_serve.lru.ByteLRU`): at most ``max_entries`` entries AND at most ``max_bytes`` bytes (embedding bytes plus the key's
 UTF-8 bytes and a fixed per-entry overhead estimate); the least recently used entries are evicted first.
 ``max_entries == 0`` or ``max_bytes == 0`` turns the cache off (every lookup is a miss that is not
 counted, nothing is stored). All methods are thread-safe (one lock; the critical sections are dict
@@ -32,15 +32,14 @@ workers in prometheus multiprocess mode).
 from __future__ import annotations
 
 import logging
-import threading
 import unicodedata
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from gare_serve.lru import ByteLRU, LRUStats
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +47,7 @@ log = logging.getLogger(__name__)
 # an estimate, so that a flood of tiny entries still respects the byte bound.
 ENTRY_OVERHEAD_BYTES = 256
 
-__all__ = ["QueryCache", "QueryCacheMetrics", "CacheStats", "make_normalizer", "default_normalize"]
+__all__ = ["QueryCache", "QueryCacheMetrics", "make_normalizer", "default_normalize"]
 
 
 def default_normalize(text: str) -> str:
@@ -83,25 +82,11 @@ class QueryCacheMetrics:
             self.evictions.labels(reason)
 
 
-@dataclass(frozen=True)
-class CacheStats:
-    hits: int
-    misses: int
-    evictions: int
-    entries: int
-    bytes: int
-
-    @property
-    def hit_rate(self) -> float:
-        n = self.hits + self.misses
-        return self.hits / n if n else 0.0
-
-
 Key = tuple[str, str, str]
 
 
 class QueryCache:
-    """Thread-safe LRU of query embeddings, bounded by entries and bytes.
+    """Thread-safe LRU of query embeddings, bounded by entries and bytes (a :class:`gare_serve.lru.ByteLRU`).
 
     Values are stored as detached float32 CPU tensors of shape (d,); :meth:`get` returns a copy (callers
     may move or modify it freely).
@@ -116,29 +101,22 @@ class QueryCache:
         registry: CollectorRegistry | None = None,
         metrics: QueryCacheMetrics | None = None,
     ) -> None:
-        if max_entries < 0:
-            raise ValueError(f"max_entries must be >= 0 (0 = off), got {max_entries}")
-        if max_bytes < 0:
-            raise ValueError(f"max_bytes must be >= 0 (0 = off), got {max_bytes}")
-        self.max_entries = int(max_entries)
+        self._lru: ByteLRU[Key, torch.Tensor] = ByteLRU(max_entries, max_bytes)
+        self.max_entries = self._lru.max_entries
         self.max_bytes = int(max_bytes)
         self.normalize = normalize
         self.metrics = metrics if metrics is not None else QueryCacheMetrics(registry)
-        self._data: OrderedDict[Key, tuple[torch.Tensor, int]] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-        self._hits = self._misses = self._evictions = 0
 
     @property
     def enabled(self) -> bool:
-        return self.max_entries > 0 and self.max_bytes > 0
+        return self._lru.enabled
 
     # ---------------------------------------------------------------- keys
     def key(self, text: str, checkpoint: str, variant: str = "") -> Key:
         return (str(checkpoint), str(variant), self.normalize(text))
 
     @staticmethod
-    def _entry_bytes(key: Key, value: torch.Tensor) -> int:
+    def entry_bytes(key: Key, value: torch.Tensor) -> int:
         return value.numel() * value.element_size() + sum(len(k.encode("utf-8")) for k in key) + ENTRY_OVERHEAD_BYTES
 
     # ---------------------------------------------------------------- lookups
@@ -146,16 +124,9 @@ class QueryCache:
         """The cached embedding (d,) float32 CPU (a copy), or None; a hit becomes the most recent entry."""
         if not self.enabled:
             return None
-        k = self.key(text, checkpoint, variant)
-        with self._lock:
-            hit = self._data.get(k)
-            if hit is not None:
-                self._data.move_to_end(k)
-                self._hits += 1
-            else:
-                self._misses += 1
+        hit = self._lru.get(self.key(text, checkpoint, variant))
         self.metrics.lookups.labels("hit" if hit is not None else "miss").inc()
-        return None if hit is None else hit[0].clone()
+        return None if hit is None else hit.clone()
 
     def put(self, text: str, checkpoint: str, embedding: torch.Tensor, variant: str = "") -> None:
         """Store embedding (d,) (any device/dtype; kept as float32 on the CPU) and evict down to the bounds."""
@@ -165,33 +136,18 @@ class QueryCache:
             raise ValueError(f"put() takes one embedding of shape (d,), got shape {tuple(embedding.shape)}")
         k = self.key(text, checkpoint, variant)
         v = embedding.detach().to("cpu", torch.float32).clone()
-        size = self._entry_bytes(k, v)
-        if size > self.max_bytes:
+        size = self.entry_bytes(k, v)
+        evicted = self._lru.put(k, v, size)
+        if evicted is None:
             log.debug("query cache: one entry (%d bytes) exceeds max_bytes=%d; not stored", size, self.max_bytes)
             return
-        ev_entries = ev_bytes = 0
-        with self._lock:
-            old = self._data.pop(k, None)
-            if old is not None:
-                self._bytes -= old[1]
-            self._data[k] = (v, size)
-            self._bytes += size
-            while len(self._data) > self.max_entries:
-                _, (_, s) = self._data.popitem(last=False)
-                self._bytes -= s
-                ev_entries += 1
-            while self._bytes > self.max_bytes:
-                _, (_, s) = self._data.popitem(last=False)
-                self._bytes -= s
-                ev_bytes += 1
-            self._evictions += ev_entries + ev_bytes
-            n, b = len(self._data), self._bytes
-        if ev_entries:
-            self.metrics.evictions.labels("entries").inc(ev_entries)
-        if ev_bytes:
-            self.metrics.evictions.labels("bytes").inc(ev_bytes)
-        self.metrics.entries.set(n)
-        self.metrics.bytes.set(b)
+        if evicted.entries:
+            self.metrics.evictions.labels("entries").inc(evicted.entries)
+        if evicted.bytes:
+            self.metrics.evictions.labels("bytes").inc(evicted.bytes)
+        st = self._lru.stats()
+        self.metrics.entries.set(st.entries)
+        self.metrics.bytes.set(st.bytes)
 
     def encode(
         self,
@@ -230,29 +186,23 @@ class QueryCache:
 
     # ---------------------------------------------------------------- housekeeping
     def clear(self) -> None:
-        with self._lock:
-            self._data.clear()
-            self._bytes = 0
+        self._lru.clear()
         self.metrics.entries.set(0)
         self.metrics.bytes.set(0)
 
-    def stats(self) -> CacheStats:
-        with self._lock:
-            return CacheStats(self._hits, self._misses, self._evictions, len(self._data), self._bytes)
+    def stats(self) -> LRUStats:
+        return self._lru.stats()
 
     def __len__(self) -> int:
-        with self._lock:
-            return len(self._data)
+        return len(self._lru)
 
     @property
     def nbytes(self) -> int:
-        with self._lock:
-            return self._bytes
+        return self._lru.nbytes
 
     def keys(self) -> list[Key]:
         """Keys from least to most recently used (for tests and debugging)."""
-        with self._lock:
-            return list(self._data)
+        return self._lru.keys()
 
 
 def from_settings(settings: Any, tokenizer: Any | None = None, registry: CollectorRegistry | None = None) -> QueryCache:

@@ -132,7 +132,7 @@ def version_target(version: Any) -> tuple[float | None, int]:
 class RecallWatch:
     """Samples served stage-1 lists and measures their recall against an exact search in a background thread.
 
-    ``current()`` returns the service's current :class:`gare_serve.state.VersionHandle` (or None); ``metrics`` a
+    ``current()`` returns the service's current :class:`gare_serve.versions.VersionHandle` (or None); ``metrics`` a
     :class:`gare_serve.metrics.Metrics` (None: counts only in :attr:`stats`). Thread-safe: :meth:`observe` /
     :meth:`offer` run on the batch thread, the evaluations on the watch's own thread (:meth:`start`)."""
 

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 from gare_search import search as S
-from gare_search.search import NCL_DEFAULT, NCL_DEFAULT_REASON
+from gare_search.search import NCL_DEFAULT
 from gare_serve.settings import Settings
 
 EXAMPLE_HIT = {
@@ -111,10 +111,10 @@ class IndexInfo(BaseModel):
     biases: dict[str, Any] | None = None
     biases_description: str | None = Field(None, description="how the NCL biases of this version were computed")
     ncl_default: bool = Field(NCL_DEFAULT, description="the search's default for ncl")
-    ncl_default_reason: str = Field(NCL_DEFAULT_REASON, description="why ncl defaults to what it does")
+    ncl_default_reason: str = Field(description="why ncl defaults to what it does")
     device: str
     precision: str
-    rerank_impl: str
+    rerank_impl: str = Field("fold", description="the psi rerank the service runs (the fold, its one implementation)")
     default_candidates: int = Field(description="K a search uses when it gives no candidates: the index's chosen K "
                                     "(smallest K holding >= 99.5% of the exhaustive psi top-10), else the setting")
     stage1: dict[str, Any] | None = Field(None, description="the index's stage-1 tuning: recall vs exact search, "
@@ -182,8 +182,8 @@ def make_request_models(settings: Settings) -> tuple[type[BaseModel], type[BaseM
             f"default_candidates), else {default_K}; k when k is larger)",
         )
         rerank: bool = Field(True, description="score the K candidates with psi (false: dual-tower cosine only)")
-        ncl: bool = Field(NCL_DEFAULT, description="add the NCL Sinkhorn video biases (default: "
-                          + ("on" if NCL_DEFAULT else "off") + "; " + NCL_DEFAULT_REASON + ")")
+        ncl: bool = Field(NCL_DEFAULT, description="add the NCL Sinkhorn video biases to the score (GET /v1/index "
+                          "says why the default is what it is)")
         ncl_stage1: bool = Field(
             False, description="choose the K candidates with the biases too (cos + b folded into the ANN; needs an "
             "index built with --ncl-stage1; implies ncl)",

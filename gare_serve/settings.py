@@ -57,24 +57,15 @@ class Settings(BaseSettings):
     device: str = Field("auto", description="torch device: auto (cuda when present), cpu, cuda, cuda:1, ...")
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="text encoder precision; auto = fp32 on CPU and on CUDA (measured fastest at the service's "
-        "batch sizes: bench/results/gpu_bench.md); fp16 is CUDA-only. The rerank always runs in fp32"
-    )
-    rerank_impl: Literal["auto", "fold", "fused", "model"] = Field(
-        "auto",
-        description="auto: the path measured fastest for the device (today fold on CPU and CUDA: bench/results/psi_fold.md, "
-        "gpu_bench.md); "
-        "fold: psi folded into the index's per-video constants (~3f+1 dots per candidate; an index "
-        "without valid constants is served by fused, with one WARNING naming `gare-index upgrade`); fused: psi "
-        "with its key/value projections folded onto the query side; model: model.score() as is (uses the "
-        "index's stored K/V when present). Same scores within 1e-5",
+        "batch sizes); fp16 is CUDA-only. The psi rerank (the fold) always runs in fp32"
     )
     text_encoder: Literal["auto", "fp32", "int8", "onnx", "onnx-int8", "fp16", "bf16"] = Field(
         "auto",
-        description="query text tower: fp32 = the model's own (at `precision`); int8 (per-token activation and per-channel weight scales, exact integer sums: gare.text_quant), "
-        "onnx, onnx-int8 (ONNX Runtime) are CPU options, fidelity in bench/results/text_encoder*; fp16, bf16 (the "
-        "tower with half-precision weights) are CUDA options, measured in bench/results/gpu_bench.md; "
-        f"auto = {DEFAULT_CPU_TEXT_ENCODER} on the CPU and {DEFAULT_CUDA_TEXT_ENCODER} on CUDA (the measured defaults) at "
-        "fp32 precision, else fp32",
+        description="query text tower: fp32 = the model's own (at `precision`); int8 (per-token activation and "
+        "per-channel weight scales, exact integer sums: gare.text_quant), onnx, onnx-int8 (ONNX Runtime) are CPU "
+        "options; fp16, bf16 (the tower with half-precision weights) are CUDA options; "
+        f"auto = {DEFAULT_CPU_TEXT_ENCODER} on the CPU and {DEFAULT_CUDA_TEXT_ENCODER} on CUDA (the measured "
+        "defaults) at fp32 precision, else fp32",
     )
     torch_threads: int | None = Field(
         None, ge=1, description="torch (and FAISS) intra-op threads; gare-serve sets usable cores // workers"

@@ -9,8 +9,8 @@ directory (``GARE_RUN_DIR``, created by the CLI) of atomically replaced files:
   written after loading and after every reload, removed at shutdown. ``/readyz`` is 200 only when the
   expected number of live workers are ready and all serve the same version (:meth:`WorkerBoard.all_ready`).
 - ``reload.gen``: a counter. ``POST /v1/admin/reload`` reloads the worker that got the request, then bumps
-  the counter; every other worker polls it (:func:`watch_reloads`, every ``poll_s``) and runs the same
-  reload. Each worker swaps its version atomically (``gare_serve.state.ServiceState.reload``: in-flight
+  the counter; every other worker polls it (``gare_serve.reload.watch_reloads``, every ``poll_s``) and runs
+  the same reload. Each worker swaps its version atomically (``gare_serve.reload.reload``: in-flight
   requests finish on the version they started on). The admin response waits (bounded) until every live
   worker reports the new version and says how many do.
 
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 GENERATION_FILE = "reload.gen"
 WORKERS_DIR = "workers"
 
-__all__ = ["WorkerBoard", "watch_reloads", "usable_cores", "GENERATION_FILE", "WORKERS_DIR"]
+__all__ = ["WorkerBoard", "usable_cores", "GENERATION_FILE", "WORKERS_DIR"]
 
 
 def usable_cores() -> int:
@@ -129,20 +129,3 @@ class WorkerBoard:
             if time.monotonic() >= deadline:
                 return recs
             await asyncio.sleep(0.05)
-
-
-async def watch_reloads(state: Any, board: WorkerBoard, poll_s: float = 0.25) -> None:
-    """Run ``state.reload()`` whenever another worker bumps the reload generation (until cancelled)."""
-    seen = board.generation()
-    while True:
-        await asyncio.sleep(poll_s)
-        g = board.generation()
-        if g == seen:
-            continue
-        seen = g
-        try:
-            res = await state.reload(broadcast=False)
-            log.info("worker %d: reload generation %d -> %s", os.getpid(), g, res.get("version"))
-        except Exception as e:  # noqa: BLE001 - a failed reload keeps the old version; keep watching
-            log.error("worker %d: reload generation %d failed: %s", os.getpid(), g, getattr(e, "detail", e))
-        state.publish_worker(generation=g)

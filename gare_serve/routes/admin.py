@@ -1,11 +1,13 @@
 """``GET /v1/index`` (the served version) and ``POST /v1/admin/reload`` (switch to CURRENT atomically)."""
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, HTTPException
 
 from gare_index.describe import describe_biases, index_default_candidates
+from gare_search.search import NCL_DEFAULT, NCL_DEFAULT_REASON
+from gare_serve.deps import StateDep, require_admin, require_search
+from gare_serve.presentation import API_VERSION
+from gare_serve.reload import ReloadRefused, ReloadUnavailable, reload
 from gare_serve.schemas import INDEX_ERRORS, ErrorResponse, IndexInfo, ReloadResponse
-from gare_serve.security import StateDep, require_admin, require_search
-from gare_serve.state import API_VERSION
 
 router = APIRouter()
 
@@ -24,7 +26,7 @@ async def index_info(state: StateDep) -> IndexInfo:
             },
             biases=m.biases, biases_description=describe_biases(m.biases),
             device=str(state.device), precision=state.precision,
-            rerank_impl=state.rerank_impl,
+            ncl_default=NCL_DEFAULT, ncl_default_reason=NCL_DEFAULT_REASON,
             default_candidates=index_default_candidates(m) or state.settings.default_candidates,
             stage1=None if not m.stage1 else {k: x for k, x in m.stage1.items() if k != "trials"},
         )
@@ -34,4 +36,9 @@ async def index_info(state: StateDep) -> IndexInfo:
              responses={**INDEX_ERRORS, 409: {"model": ErrorResponse, "description": "new version built with another checkpoint"}},
              dependencies=[Depends(require_admin)], summary="switch to the index's CURRENT version atomically")
 async def admin_reload(state: StateDep) -> ReloadResponse:
-    return ReloadResponse(**(await state.reload()))
+    try:
+        return ReloadResponse(**(await reload(state)))
+    except ReloadRefused as e:
+        raise HTTPException(409, str(e)) from None
+    except ReloadUnavailable as e:
+        raise HTTPException(503, str(e)) from None

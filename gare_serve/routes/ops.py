@@ -8,9 +8,10 @@ import fastapi_offline
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 
+from gare_serve.deps import KeyDep
 from gare_serve.metrics import CONTENT_TYPE_LATEST
 from gare_serve.schemas import ErrorResponse
-from gare_serve.security import KeyDep, authorize_hashes
+from gare_serve.security import authorize_hashes
 
 STATIC_DIR = Path(__file__).resolve().parents[1] / "static"
 DOCS_ASSETS = "/docs/assets"  # URL of the Swagger UI files (gare_serve.app mounts DOCS_ASSET_DIR there)

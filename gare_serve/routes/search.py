@@ -14,61 +14,37 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from gare_index.describe import index_default_candidates
+from gare_index.ncl_ann import Stage1Unavailable
 from gare_search import by_example as E
 from gare_search import search as S
+from gare_serve.batch_worker import Job
 from gare_serve.batcher import BatchInfo
+from gare_serve.deps import StateDep, require_search
+from gare_serve.presentation import API_VERSION, fresh_urls, hit_models
 from gare_serve.schemas import (
     IMAGE_ERRORS,
     SEARCH_ERRORS,
     SEARCH_ONE_ERRORS,
     BatchSearchResponse,
-    Hit,
     SearchResponse,
     Timings,
     make_request_models,
 )
-from gare_serve.security import StateDep, require_search
 from gare_serve.settings import Settings
-from gare_serve.state import API_VERSION, Job, ServiceState
+from gare_serve.state import ServiceState
 
 _NO_BATCH = BatchInfo(size=0, queue_s=0.0, run_s=0.0)  # a result-cache answer: it never entered the micro-batch queue
-
-
-def _hit_models(state: ServiceState, version: Any, res: S.QueryResult) -> list[Hit]:
-    if not res.hits:
-        return []
-    rows = version.metadata([h.id for h in res.hits])
-    out = []
-    for r, (h, m) in enumerate(zip(res.hits, rows, strict=True), start=1):
-        thumb, video = state.media_urls(h.id)
-        out.append(Hit(
-            rank=r, id=h.id, score=h.score, ann_score=h.ann_score, psi_score=h.psi_score, bias=h.bias,
-            start=m.get("start"), end=m.get("end"), metadata=state.public_metadata(version, m),
-            thumbnail_url=thumb, video_url=video,
-        ))
-    return out
-
-
-def _fresh_urls(state: ServiceState, rendered: tuple[Hit, ...]) -> list[Hit]:
-    """Cached rendered hits with media URLs signed now: a signed URL expires (ServiceState.media_token), so a
-    cached answer must not hand out the token it was first rendered with. Unsigned URLs never change."""
-    if not state.settings.require_key_for_search:
-        return list(rendered)
-    out = []
-    for h in rendered:
-        thumb, video = state.media_urls(h.id)
-        out.append(h.model_copy(update={"thumbnail_url": thumb, "video_url": video}))
-    return out
 
 
 async def run_queries(state: ServiceState, version: Any, queries: list[str], opts: S.SearchOptions,
                       t_start: float) -> list[SearchResponse]:
     try:  # refused here, before the micro-batch, so it cannot fail other clients' queries
         version.check_stage1(ncl_stage1=opts.ncl_stage1)
-    except S.Stage1Unavailable as e:
+    except Stage1Unavailable as e:
         raise HTTPException(409, str(e)) from None
     rc = state.result_cache
-    keys = [rc.key(version.name, state.checkpoint_sha or "", state.cache_variant, state.rerank_impl, q, opts)
+    variant = state.encoder.variant if state.encoder is not None else ""
+    keys = [rc.key(version.name, state.checkpoint_sha or "", variant, q, opts)
             for q in queries] if rc.enabled else [None] * len(queries)
     # whole answers, hits rendered with their metadata: no queue, no stage, no metadata read, no thread hop
     cached = [rc.lookup(k) if k is not None else None for k in keys]
@@ -82,9 +58,9 @@ async def run_queries(state: ServiceState, version: Any, queries: list[str], opt
     for i, (q, (res, info)) in enumerate(zip(queries, got, strict=True)):
         c = cached[i]
         if c is not None:
-            hits = _fresh_urls(state, c[1])
+            hits = fresh_urls(state, c[1])
         else:
-            hits = await run_in_threadpool(_hit_models, state, version, res)
+            hits = await run_in_threadpool(hit_models, state, version, res)
             if keys[i] is not None:
                 rc.put(keys[i], res, hits)
         total = time.perf_counter() - t_start
@@ -104,9 +80,11 @@ async def run_example(state: ServiceState, version: Any, fn: Any, *args: Any, op
     """One search by example: the same response, limits and per-stage metrics as a text query."""
     try:
         res = await run_in_threadpool(fn, *args, opts)
+    except E.UnknownExample as e:
+        raise HTTPException(404, str(e)) from None
     except E.ExampleError as e:
-        raise HTTPException(404 if "not in index" in str(e) else 422, str(e)) from None
-    hits = await run_in_threadpool(_hit_models, state, version, res)
+        raise HTTPException(422, str(e)) from None
+    hits = await run_in_threadpool(hit_models, state, version, res)
     total = time.perf_counter() - t_start
     stage_s = {"queue": 0.0, **{k: res.timings.get(k, 0.0) for k in ("encode", "ann", "rerank", "rank")}}
     state.metrics.observe_stages({**stage_s, "total": total})

@@ -1,23 +1,22 @@
 """``GET /v1/videos/{id}`` (metadata), ``.../thumbnail`` (a cached JPEG) and ``.../file`` (the video, ranges)."""
 
 import hashlib
-import io
 import logging
 import mimetypes
 from pathlib import Path
 from typing import Any
 
-import decord
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import FileResponse, Response
-from PIL import Image
 from starlette.concurrency import run_in_threadpool
 
+from gare_serve.deps import StateDep, VideoId, require_media, require_search
+from gare_serve.presentation import API_VERSION, media_urls, public_metadata
 from gare_serve.schemas import MEDIA_ERRORS, VideoInfo
-from gare_serve.security import StateDep, VideoId, require_media, require_search
-from gare_serve.state import API_VERSION, ServiceState
+from gare_serve.state import ServiceState
+from gare_serve.thumbnails import make_thumbnail
 
-log = logging.getLogger("gare.service")
+log = logging.getLogger(__name__)
 
 router = APIRouter(tags=["videos"])
 
@@ -47,33 +46,14 @@ def _file_or_404(state: ServiceState, version: Any, video_id: int) -> tuple[Path
     return p, meta
 
 
-def make_thumbnail(path: Path, meta: dict[str, Any], width: int) -> bytes:
-    """A JPEG of the middle frame of the entry's window, at most `width` pixels wide."""
-    vr = decord.VideoReader(str(path), num_threads=1)
-    n = len(vr)
-    if n == 0:
-        raise ValueError("no frames")
-    fps = float(vr.get_avg_fps()) or 1.0
-    start = meta.get("start") or 0.0
-    end = meta.get("end") if meta.get("end") is not None else n / fps
-    t = start + max(0.0, (end - start)) / 2.0  # the middle of the entry's window
-    idx = int(min(n - 1, max(0, round(t * fps))))
-    img = Image.fromarray(vr[idx].asnumpy()).convert("RGB")
-    if img.width > width:
-        img = img.resize((width, max(1, round(img.height * width / img.width))), Image.Resampling.BICUBIC)
-    buf = io.BytesIO()
-    img.save(buf, format="JPEG", quality=82)
-    return buf.getvalue()
-
-
 @router.get(f"/{API_VERSION}/videos/{{video_id}}", response_model=VideoInfo, responses=MEDIA_ERRORS,
             dependencies=[Depends(require_search)], summary="metadata of one index entry")
 async def video_info(video_id: VideoId, state: StateDep) -> VideoInfo:
     with state.use_version() as version:
         meta = await run_in_threadpool(_metadata_or_404, version, video_id)
-        thumb, video = state.media_urls(video_id)
+        thumb, video = media_urls(state, video_id)
         return VideoInfo(
-            id=video_id, index_version=version.name, metadata=state.public_metadata(version, meta),
+            id=video_id, index_version=version.name, metadata=public_metadata(state, meta),
             thumbnail_url=thumb, video_url=video,
         )
 

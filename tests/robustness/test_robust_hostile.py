@@ -617,7 +617,8 @@ def test_pickle_checkpoints_never_run(robust_env, tmp_path, figure):
     import torch
 
     from gare.checkpoint import CheckpointError, load_model, read_checkpoint
-    from gare_serve.app import StartupError, create_app, resolve_checkpoint
+    from gare_serve.app import create_app
+    from gare_serve.startup import StartupError, resolve_checkpoint
 
     marker = tmp_path / "PWNED"
     evil = tmp_path / "evil.safetensors"

@@ -96,8 +96,9 @@ def test_damaged_metadata_is_refused_everywhere(robust_env, tmp_path):
     """Every kind of damage: open/verify/--check refuse the version naming meta.sqlite, the service does not
     start on it, a running service refuses to reload it (503, still serving the previous version) and
     keeps answering 200; the repaired version is then taken."""
-    from gare_serve.app import StartupError, create_app
+    from gare_serve.app import create_app
     from gare_serve.cli import main as serve_main
+    from gare_serve.startup import StartupError
 
     with recording("metadata_damage", kinds=list(KINDS), rows=[]) as fig:
         for kind in KINDS:

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
-from gare_serve.app import StartupError, create_app
+from gare_serve.app import create_app
 from gare_serve.media import (
     SECRET_FILE,
     MediaSecretError,
@@ -24,6 +24,7 @@ from gare_serve.media import (
     load_or_create_secret,
     resolve_secrets,
 )
+from gare_serve.startup import StartupError
 from tests.conftest import require
 from tests.service.support import copy_index, settings
 

@@ -18,14 +18,15 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from gare_index.ann import AnnIndex, AnnParams, build_index
+from gare_index.ann import AnnIndex, build_index
+from gare_index.ann_params import AnnParams
 from gare_index.ncl_ann import build_ncl_ann
 from gare_index.store import open_index
 from gare_search import search as S
 from gare_serve.app import create_app
 from gare_serve.metrics import Metrics
 from gare_serve.recall_watch import RecallWatch, Sample, exact_top
-from gare_serve.state import VersionHandle
+from gare_serve.versions import VersionHandle
 from tests.service.support import copy_index, settings
 
 KEY = "recall-watch-key-1"

@@ -20,11 +20,11 @@ def _result(ids):
 def test_lru_bound_copies_and_counts():
     rc = ResultCache(2, normalize=lambda t: " ".join(t.lower().split()))
     opts = S.SearchOptions(k=3)
-    k1, k2, k3 = (rc.key("v1", "sha", "fp32", "fold", t, opts) for t in ("A  dog", "a cat", "a cow"))
-    assert k1 == rc.key("v1", "sha", "fp32", "fold", " a dog ", opts)  # normalised text
-    assert k1 != rc.key("v2", "sha", "fp32", "fold", "a dog", opts)  # another version
-    assert k1 != rc.key("v1", "sha", "fp32", "fold", "a dog", S.SearchOptions(k=4))  # other options
-    assert k1 != rc.key("v1", "sha", "int8", "fold", "a dog", opts)  # another text tower
+    k1, k2, k3 = (rc.key("v1", "sha", "fp32", t, opts) for t in ("A  dog", "a cat", "a cow"))
+    assert k1 == rc.key("v1", "sha", "fp32", " a dog ", opts)  # normalised text
+    assert k1 != rc.key("v2", "sha", "fp32", "a dog", opts)  # another version
+    assert k1 != rc.key("v1", "sha", "fp32", "a dog", S.SearchOptions(k=4))  # other options
+    assert k1 != rc.key("v1", "sha", "int8", "a dog", opts)  # another text tower
     assert rc.get(k1) is None
     rc.put(k1, _result([1, 2]))
     got = rc.get(k1)
@@ -47,9 +47,9 @@ def test_lru_bound_copies_and_counts():
 
 def test_byte_bound_evicts_and_refuses_oversized_entries():
     opts = S.SearchOptions(k=50, candidates=64)
-    one = ResultCache.entry_bytes(("v", "s", "e", "r", "q0", opts), _result(range(50)))
+    one = ResultCache.entry_bytes(("v", "s", "e", "q0", opts), _result(range(50)))
     rc = ResultCache(1000, max_bytes=2 * one + one // 2)  # room for two 50-hit results, not three
-    keys = [rc.key("v", "s", "e", "r", f"q{i}", opts) for i in range(3)]
+    keys = [rc.key("v", "s", "e", f"q{i}", opts) for i in range(3)]
     for k in keys:
         rc.put(k, _result(range(50)))
     assert len(rc) == 2 and rc.get(keys[0]) is None and rc.stats()["bytes"] <= rc.max_bytes
@@ -130,7 +130,7 @@ def test_a_repeat_reads_no_metadata_and_the_byte_estimate_covers_rendered_hits(s
     thread hop); and the entry's byte estimate is at least what tracemalloc measures for those rendered hits."""
     import tracemalloc
 
-    from gare_serve.routes.search import _hit_models
+    from gare_serve.presentation import hit_models
 
     sh = service_env
     app = create_app(settings(sh["index"], result_cache_entries=100))
@@ -155,12 +155,12 @@ def test_a_repeat_reads_no_metadata_and_the_byte_estimate_covers_rendered_hits(s
         finally:
             version.metadata = orig
         rc = state.result_cache
-        key = next(iter(rc._data))
+        key = rc.keys()[0]
         res, rendered = rc.lookup(key)
         assert len(rendered) == 5
         tracemalloc.start()
         before = tracemalloc.get_traced_memory()[0]
-        fresh = _hit_models(state, version, res)
+        fresh = hit_models(state, version, res)
         used = tracemalloc.get_traced_memory()[0] - before
         tracemalloc.stop()
         assert fresh == list(rendered)
@@ -184,11 +184,11 @@ def test_a_repeat_hands_out_freshly_signed_media_urls(service_env, tmp_path, mon
         monkeypatch.setattr(_time, "time", lambda: now + 7200)  # two hours on: the first tokens have expired
         state = app.state.gare
         old = first["results"][0]
-        assert not state.check_media_token(old["id"], old["video_url"].split("token=")[1])
+        assert not state.media.verify(old["id"], old["video_url"].split("token=")[1])
         again = c.post("/v1/search", json={"query": q, "k": 3}, headers=auth).json()
         assert again["timings_ms"]["cache"] == "result"
         assert [h["id"] for h in again["results"]] == [h["id"] for h in first["results"]]
         for h in again["results"]:
             for url in (h["video_url"], h["thumbnail_url"]):
-                assert state.check_media_token(h["id"], url.split("token=")[1]), url
+                assert state.media.verify(h["id"], url.split("token=")[1]), url
         assert c.get(again["results"][0]["thumbnail_url"]).status_code == 200

@@ -8,9 +8,11 @@ from fastapi.testclient import TestClient
 
 from gare.checkpoint import load_model
 from gare_search import search as S
-from gare_serve.app import StartupError, create_app
+from gare_serve.app import create_app
+from gare_serve.batch_worker import Job, process_jobs
 from gare_serve.metrics import Metrics
-from gare_serve.state import Job, ServiceState
+from gare_serve.startup import StartupError
+from gare_serve.state import ServiceState
 from tests.service.support import make_checkpoint, settings
 
 
@@ -86,13 +88,13 @@ def test_another_checkpoint_never_gets_old_embeddings(service_env, tmp_path):
         q = sh["captions"][3]
         opts = S.SearchOptions(k=5)
         with st.use_version() as v:
-            r1 = st._process([Job(v, q, opts)])[0]
-            assert not r1.cached and st._process([Job(v, q, opts)])[0].cached
+            r1 = process_jobs(st, [Job(v, q, opts)])[0]
+            assert not r1.cached and process_jobs(st, [Job(v, q, opts)])[0].cached
             other = make_checkpoint(tmp_path / "other.safetensors", seed=7)
             st.model, _ = load_model(other, st.device)
             st.checkpoint_sha = "other-" + st.checkpoint_sha
             with CountingEncoder(st.model) as enc:
-                r2 = st._process([Job(v, q, opts)])[0]
+                r2 = process_jobs(st, [Job(v, q, opts)])[0]
             assert enc.rows == [1] and not r2.cached
             want = S.search(st.model, v, q, opts)
             assert [h.id for h in r2.hits] == [h.id for h in want.hits]
@@ -128,9 +130,9 @@ def test_int8_text_encoder_option(service_env):
     st = ServiceState(settings(sh["index"], text_encoder="int8"), Metrics())
     st.load()
     try:
-        assert st.text_encoder == "int8" and st.cache_variant == "int8" and st._tower is not None
+        assert st.encoder.kind == "int8" and st.encoder.variant == "int8" and st.encoder.tower is not None
         texts = sh["captions"][:6]
-        t8 = st.encode_texts(texts)
+        t8 = st.encoder.encode(texts)
         t32 = S.encode_queries(st.model, texts, "fp32")
         cos = torch.nn.functional.cosine_similarity(t8, t32, dim=-1)
         assert t8.shape == t32.shape and bool((cos > 0.98).all()), cos
@@ -150,14 +152,14 @@ def test_auto_text_encoder_is_the_measured_cpu_default(service_env):
     st = ServiceState(settings(sh["index"], text_encoder="auto"), Metrics())
     st.load()
     try:
-        assert st.text_encoder == DEFAULT_CPU_TEXT_ENCODER and st.cache_variant == DEFAULT_CPU_TEXT_ENCODER
-        assert (st._tower is not None) == (DEFAULT_CPU_TEXT_ENCODER != "fp32")
+        assert st.encoder.kind == DEFAULT_CPU_TEXT_ENCODER and st.encoder.variant == DEFAULT_CPU_TEXT_ENCODER
+        assert (st.encoder.tower is not None) == (DEFAULT_CPU_TEXT_ENCODER != "fp32")
     finally:
         st.close()
     st = ServiceState(settings(sh["index"], text_encoder="auto", precision="bf16"), Metrics())
     st.load()
     try:
-        assert st.text_encoder == "fp32" and st.cache_variant == "bf16"
+        assert st.encoder.kind == "fp32" and st.encoder.variant == "bf16"
     finally:
         st.close()
 
