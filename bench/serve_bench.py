@@ -295,6 +295,7 @@ async def drive(client, queries: list[str], body: dict[str, Any], clients: int, 
     stages: dict[str, list[float]] = {}
     batch: list[int] = []
     errors = 0
+    failures: list[str] = []
 
     async def worker(w: int) -> None:
         nonlocal errors
@@ -305,6 +306,7 @@ async def drive(client, queries: list[str], body: dict[str, Any], clients: int, 
             lat.append(time.perf_counter() - t0)
             if r.status_code != 200:
                 errors += 1
+                failures.append(f"HTTP {r.status_code}: {r.text[:300]}")
                 continue
             js = r.json()
             batch.append(js["batch_size"])
@@ -315,6 +317,8 @@ async def drive(client, queries: list[str], body: dict[str, Any], clients: int, 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker(w) for w in range(clients)))
     wall = time.perf_counter() - t0
+    if not batch:  # nothing was served: there is no figure to report
+        raise RuntimeError(f"every one of {len(lat)} requests failed, the first with {failures[0]}")
     out = summary_ms(lat)
     out.update(throughput_qps=round(len(lat) / wall, 2), errors=errors, mean_batch=round(statistics.fmean(batch), 2) if batch else 0)
     out["stage_mean_ms"] = {k: round(statistics.fmean(v), 2) for k, v in stages.items()}
@@ -337,7 +341,7 @@ async def size_bench(app, queries: list[str], args, n_exhaustive: int, cold: boo
         print(f"   components: {json.dumps(comp)}", flush=True)
         svc: dict[str, Any] = {}
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://bench", timeout=600) as c:
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=600) as c:  # loopback: the Host check
             for _ in range(5):  # warm-up
                 await c.post("/v1/search", json={"query": queries[0], "k": 10})
             for prec in args.precisions:
