@@ -82,8 +82,11 @@ def main() -> None:
     import numpy as np
     from clip_like import ClipLikeConfig, clip_like, describe
 
-    from gare_build.tune import TuneConfig, describe_params, exact_topk, recall_of_topk, tune_ann
-    from gare_index.ann import AnnIndex, AnnParams, default_nprobe
+    from gare_build.tuning.ladder import TuneConfig, describe_params
+    from gare_build.tuning.measure import exact_topk, recall_of_topk
+    from gare_build.tuning.recall import tune_ann
+    from gare_index.ann import AnnIndex
+    from gare_index.ann_params import AnnParams, default_nprobe
 
     commit = git_commit()
     cfg = TuneConfig()

@@ -12,7 +12,9 @@ build/add run four named stages, one module each in ``gare_build/pipeline/``:
                 :func:`gare_index.store.write_version` (a complete new version, then an atomic switch of CURRENT).
 
 `remove` and `biases` reuse assembly, biases and the writer. Every command writes INDEX/report.json
-(``options.RunReport``). Optional post-processing: docs/postprocessing.md, gare_build/postprocess.py.
+(``options.RunReport``) through :func:`reported`, which ``gare_build.upgrade`` and ``gare_build.tuning.retune`` use
+too, as they use :func:`prev_files` and :func:`carry_manifest` to derive a version from the current one. Optional
+post-processing: docs/postprocessing.md, :mod:`gare_build.invgc`, :mod:`gare_build.query_bank`.
 """
 
 from __future__ import annotations
@@ -29,21 +31,12 @@ from typing import Any
 
 import numpy as np
 
-from gare_build.pipeline.assemble import _assemble, _Entry, alloc_npy
-from gare_build.pipeline.biases import _biases_for, bias_score_of, checkpoint_gamma_and_queue, compute_biases
-from gare_build.pipeline.encode import _Encoder, _kv_fn, collect_entries
-from gare_build.pipeline.finish import _make_ann, finish
-from gare_build.pipeline.options import (
-    BUILD_LOCK,
-    EXIT_FAILED,
-    EXIT_OK,
-    EXIT_SKIPPED,
-    PRECISIONS,
-    BuildOptions,
-    RunReport,
-    write_report,
-)
-from gare_build.pipeline.plan import Plan, _clean_staging, _progress_enabled, plan
+from gare_build.pipeline.assemble import Entry, assemble
+from gare_build.pipeline.biases import biases_for, compute_biases
+from gare_build.pipeline.encode import Encoder, collect_entries, kv_fn
+from gare_build.pipeline.finish import finish, make_ann
+from gare_build.pipeline.options import BUILD_LOCK, BuildOptions, RunReport, progress_enabled, write_report
+from gare_build.pipeline.plan import clean_staging, plan
 from gare_build.pipeline.stats import stats
 from gare_index import psi_consts
 from gare_index.store import (
@@ -58,11 +51,10 @@ from gare_index.store import (
     write_version,
 )
 
-__all__ = [
-    "BUILD_LOCK", "EXIT_FAILED", "EXIT_OK", "EXIT_SKIPPED", "PRECISIONS", "BuildOptions", "Plan", "RunReport",
-    "alloc_npy", "bias_score_of", "build", "checkpoint_gamma_and_queue", "compute_biases", "recompute_biases", "remove", "stats",
-    "write_report",
-]
+# the commands, the helpers of commands that derive a version, and what their callers pass or read (options, lock,
+# report; `stats` and `compute_biases` are the other commands' entry points, kept beside them for one import)
+__all__ = ["build", "remove", "recompute_biases", "stats", "compute_biases", "reported", "prev_files", "carry_manifest",
+           "BuildOptions", "BUILD_LOCK", "RunReport"]
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +73,7 @@ def _write_report_logged(root: Path, report: RunReport) -> None:
 
 
 @contextlib.contextmanager
-def _reported(root: Path, report: RunReport) -> Iterator[RunReport]:
+def reported(root: Path, report: RunReport) -> Iterator[RunReport]:
     """The one run-report handling of every command: time the run, record its outcome (an error as the
     report's error) and write INDEX/report.json, on success and on failure, then re-raise."""
     t0 = time.time()
@@ -109,16 +101,16 @@ def build(checkpoint: str | os.PathLike | None, videos: str | os.PathLike, out: 
     root = Path(out).expanduser().absolute()
     root.mkdir(parents=True, exist_ok=True)
     report = RunReport(command=mode, index=str(root), engine=opts.engine)
-    with _reported(root, report), index_lock(root, BUILD_LOCK, blocking=False):
+    with reported(root, report), index_lock(root, BUILD_LOCK, blocking=False):
         _build_locked(checkpoint, videos, root, opts, mode, report)
     return report
 
 
 def _build_locked(checkpoint: Any, videos: Any, root: Path, opts: BuildOptions, mode: str, report: RunReport) -> None:
     """plan -> encode -> assemble -> finish, under the index's build lock."""
-    _clean_staging(root)
+    clean_staging(root)
     p = plan(checkpoint, videos, root, opts, mode, report)
-    enc = _Encoder(cache=p.cache, report=report, opts=opts, progress=_progress_enabled(opts.progress))
+    enc = Encoder(cache=p.cache, report=report, opts=opts, progress=progress_enabled(opts.progress))
     enc.run(list(p.jobs.values()), model=p.model, device=p.device, precision=p.precision, checkpoint=str(p.ckpt_path),
             sha256=p.sha)
     entries, todo_ids, kept_ids, n_from_todo = collect_entries(p, enc, report)
@@ -130,7 +122,7 @@ def _build_locked(checkpoint: Any, videos: Any, root: Path, opts: BuildOptions, 
         return
     staging = root / WORK_DIR / f".staging-{os.getpid()}"
     try:
-        arrays = _assemble(entries, p.f, p.d, p.prev, p.cache, staging, _kv_fn(p.model) if p.store_kv else None)
+        arrays = assemble(entries, p.f, p.d, p.prev, p.cache, staging, kv_fn(p.model) if p.store_kv else None)
         name = finish(p, entries, arrays, opts, report, todo_ids=todo_ids, kept_ids=kept_ids, staging=staging)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -140,7 +132,8 @@ def _build_locked(checkpoint: Any, videos: Any, root: Path, opts: BuildOptions, 
 
 
 # ------------------------------------------------------------------------------------------ remove / biases
-def _prev_files(prev: IndexVersion, names: Sequence[str]) -> dict[str, ExistingFile]:
+def prev_files(prev: IndexVersion, names: Sequence[str]) -> dict[str, ExistingFile]:
+    """The current version's files ``names`` (those it has) as ExistingFile links for the new version."""
     files = prev.manifest.files
     return {n: ExistingFile(prev.path / f"{n}.npy", files[f"{n}.npy"]["sha256"]) for n in names if f"{n}.npy" in files}
 
@@ -150,7 +143,7 @@ def remove(out: str | os.PathLike, items: Sequence[str], *, checkpoint: str | os
     """`gare-index remove`: drop ids (integers) or paths (every window of that file) and recompute biases."""
     root = Path(out).expanduser().absolute()
     report = RunReport(command="remove", index=str(root))
-    with _reported(root, report), index_lock(root, BUILD_LOCK, blocking=False):
+    with reported(root, report), index_lock(root, BUILD_LOCK, blocking=False):
         prev = open_index(root, use_gpu=False)
         report.previous_version = prev.name
         rows = prev.all_metadata()
@@ -170,24 +163,24 @@ def remove(out: str | os.PathLike, items: Sequence[str], *, checkpoint: str | os
         if unknown:
             raise ValueError(f"not in index {prev.name}: {unknown}")
         keep_rows = [r for r in rows if int(r["id"]) not in doomed]
-        entries = [_Entry(dict(r), ("prev", int(row)))
+        entries = [Entry(dict(r), ("prev", int(row)))
                    for r, row in zip(keep_rows, prev.rows(np.array([r["id"] for r in keep_rows], np.int64)), strict=True)]
         staging = root / WORK_DIR / f".staging-{os.getpid()}"
         try:
-            arrays = _assemble(entries, prev.max_frames, prev.dim, prev, None, staging,
+            arrays = assemble(entries, prev.max_frames, prev.dim, prev, None, staging,
                                _no_kv if prev.kv is not None else None)
             if prev.ann_units is not None:  # InvGC vectors are per item: the kept rows keep theirs
                 src = np.array([e.src[1] for e in entries], dtype=np.int64)
                 arrays["ann_units"] = np.asarray(prev.ann_units[src], dtype=np.float32).reshape(len(entries), prev.dim)
             # the kept rows' psi constants first: the served biases' psi scores read them
             psi_consts.carry(arrays, prev, np.array([e.src[1] for e in entries], dtype=np.int64))
-            arrays["biases"], binfo = _biases_for(prev, arrays, checkpoint, n_iters, report=report,
+            arrays["biases"], binfo = biases_for(prev, arrays, checkpoint, n_iters, report=report,
                                                   carry_traffic=True)
             requested = prev.manifest.index_type_requested or "auto"
-            ann, ainfo = _make_ann(arrays.get("ann_units", arrays["units"]), arrays["ids"], BuildOptions(), prev,
+            ann, ainfo = make_ann(arrays.get("ann_units", arrays["units"]), arrays["ids"], BuildOptions(), prev,
                                    requested, incremental=True,
                                    drop_ids=np.array(sorted(doomed), np.int64), new_rows=np.zeros(0, np.int64))
-            extra = _carry_manifest(prev.manifest) | {"biases": binfo, **ainfo, "builder": {"command": "remove"}}
+            extra = carry_manifest(prev.manifest) | {"biases": binfo, **ainfo, "builder": {"command": "remove"}}
             name = write_version(root, arrays, [e.meta for e in entries], extra, ann=ann, keep=keep)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -201,7 +194,7 @@ def _no_kv(frames16: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     raise RuntimeError("K/V are copied from the previous version; nothing should be recomputed")
 
 
-def _carry_manifest(m: IndexManifest) -> dict[str, Any]:
+def carry_manifest(m: IndexManifest) -> dict[str, Any]:
     """Manifest fields a derived version keeps (checkpoint binding, sampling, ANN choice, ...), as JSON."""
     keys = ("checkpoint", "precision", "sampling", "segment", "index_type_requested", "ann_params", "ann_trained_n",
             "next_id", "biases", "invgc", "ncl_stage1", "psi_fold", "stage1")
@@ -216,23 +209,23 @@ def recompute_biases(out: str | os.PathLike, *, checkpoint: str | os.PathLike | 
     (ann_ncl.faiss, which folds the biases into stage 1, is rebuilt).
 
     `traffic`: a float32 (n, d) .npy bank of served query embeddings (`--from-traffic`), mixed with the
-    checkpoint's training queue so that a fraction `traffic_weight` of the queue is traffic (gare_build.postprocess.mix_queues)."""
+    checkpoint's training queue so that a fraction `traffic_weight` of the queue is traffic (gare_build.query_bank.mix_queues)."""
     root = Path(out).expanduser().absolute()
     report = RunReport(command="biases", index=str(root))
-    with _reported(root, report), index_lock(root, BUILD_LOCK, blocking=False):
+    with reported(root, report), index_lock(root, BUILD_LOCK, blocking=False):
         prev = open_index(root, use_gpu=False)
         report.previous_version = prev.name
         if not 0.0 <= traffic_weight <= 1.0:
             raise ValueError(f"--traffic-weight must be in [0, 1], got {traffic_weight}")
         feats = {"units": prev.units, "norms": prev.norms, "frames": prev.frames, "masks": prev.masks,
                  "ann_units": prev.ann_units, "psi_consts": prev.psi_consts}
-        b, binfo = _biases_for(prev, feats, checkpoint, n_iters, traffic=traffic, traffic_weight=traffic_weight,
+        b, binfo = biases_for(prev, feats, checkpoint, n_iters, traffic=traffic, traffic_weight=traffic_weight,
                                report=report, score=score, k=k)
-        arrays: dict[str, Any] = _prev_files(prev, ["ids", "norms", "units", "frames", "masks", "keys", "values",
+        arrays: dict[str, Any] = prev_files(prev, ["ids", "norms", "units", "frames", "masks", "keys", "values",
                                                     "ann_units", "psi_consts"])
         arrays["biases"] = b
         files = prev.manifest.files
-        extra = _carry_manifest(prev.manifest) | {"biases": binfo, "builder": {"command": "biases"}}
+        extra = carry_manifest(prev.manifest) | {"biases": binfo, "builder": {"command": "biases"}}
         name = write_version(
             root, arrays, ExistingFile(prev.path / "meta.sqlite", files["meta.sqlite"].sha256), extra,
             ann=ExistingFile(prev.path / "ann.faiss", files["ann.faiss"].sha256), keep=keep,

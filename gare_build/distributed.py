@@ -1,4 +1,4 @@
-"""`--engine dask`: decode + encode on Dask distributed workers, shards merged into one index version.
+"""`--engine dask`: the Dask cluster that runs the encoder's shard tasks; shards merged into one index version.
 
 The client splits the clips into shards of `shard_size`, submits one task per shard and writes every
 returned shard into INDEX/work/ as soon as it arrives (so a killed run resumes like the local engine), and
@@ -13,7 +13,6 @@ dashboard): nothing listens on a non-loopback address.
 from __future__ import annotations
 
 import logging
-import os
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,54 +20,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
-def encode_shard(
-    items: Sequence[tuple[str, str, float | None, float | None]],
-    checkpoint: str,
-    sha256: str,
-    device: str,
-    precision: str,
-    batch_size: int,
-    decode_timeout: float = 300.0,
-) -> dict[str, Any]:
-    """Runs on a worker: decode (in the worker process) and encode `items`; returns the features."""
-    import numpy as np
-
-    from gare.video_loader import iter_decoded
-    from gare_build.encode import cached_model, encode_batch
-
-    model, dev = cached_model(checkpoint, sha256, device)
-    cfg = model.cfg
-    keys: list[str] = []
-    frames, vbars, masks = [], [], []
-    failed: dict[str, str] = {}
-    n_frames = 0
-    # num_workers=0: a Dask worker may be a daemon process, which cannot start DataLoader workers.
-    for batch in iter_decoded(
-        list(items), max_frames=cfg.max_frames, framerate=cfg.video_framerate, image_size=cfg.image_size,
-        batch_size=batch_size, num_workers=0, timeout=decode_timeout,
-    ):
-        failed.update({k: r for k, r in batch["failed"]})
-        shard, bad, nf = encode_batch(model, dev, precision, batch)
-        failed.update(bad)
-        if shard is not None:
-            keys += shard.keys
-            frames.append(shard.frames)
-            vbars.append(shard.vbar)
-            masks.append(shard.masks)
-            n_frames += nf
-    d, f = cfg.embed_dim, cfg.max_frames
-    return {
-        "keys": keys,
-        "frames": np.concatenate(frames) if frames else np.zeros((0, f, d), np.float16),
-        "vbar": np.concatenate(vbars) if vbars else np.zeros((0, d), np.float32),
-        "masks": np.concatenate(masks) if masks else np.zeros((0, f), np.uint8),
-        "failed": failed,
-        "frames_used": n_frames,
-        "worker": os.getpid(),
-    }
-
-
 def run_dask(
+    task: Callable[..., dict[str, Any]],
     jobs: Sequence[tuple[str, str, float | None, float | None]],
     *,
     checkpoint: str,
@@ -82,7 +35,8 @@ def run_dask(
     on_result: Callable[[dict[str, Any]], None],
     decode_timeout: float = 300.0,
 ) -> None:
-    """Encode `jobs` on a Dask cluster; `on_result` gets each shard's result dict as it completes."""
+    """Encode `jobs` on a Dask cluster: `task` (:func:`gare_build.pipeline.encode.encode_shard`) runs once per shard of
+    `shard_size` jobs; `on_result` gets each shard's result dict as it completes."""
     try:
         from dask.distributed import Client, LocalCluster, as_completed
     except ImportError as e:  # pragma: no cover - dask is in the dist/test extras
@@ -106,7 +60,7 @@ def run_dask(
         futures = {}
         for i, chunk in enumerate(chunks):
             fut = client.submit(
-                encode_shard, chunk, checkpoint, sha256, device, precision, batch_size, decode_timeout,
+                task, chunk, checkpoint, sha256, device, precision, batch_size, decode_timeout,
                 key=f"gare-encode-{run}-{i}", pure=False, retries=1,
             )
             futures[fut] = chunk

@@ -13,8 +13,9 @@ import os
 import shutil
 from pathlib import Path
 
-from gare.checkpoint import file_sha256
-from gare_build.build import BUILD_LOCK, RunReport, _carry_manifest, _prev_files, _reported
+from gare.checkpoint import file_sha256, load_model
+from gare_build.build import carry_manifest, prev_files, reported
+from gare_build.pipeline.options import BUILD_LOCK, RunReport
 from gare_index import psi_consts
 from gare_index.store import (
     ANN_NCL_FILE,
@@ -33,10 +34,9 @@ log = logging.getLogger(__name__)
 def upgrade(out: str | os.PathLike, *, checkpoint: str | os.PathLike | None = None, keep: int = 3,
             device: str | None = None, force: bool = False) -> RunReport:
     """Write a version with valid psi constants; no new version when they are already valid (unless `force`)."""
-    from gare.checkpoint import load_model
     root = Path(out).expanduser().absolute()
     report = RunReport(command="upgrade", index=str(root))
-    with _reported(root, report):
+    with reported(root, report):
         with index_lock(root, BUILD_LOCK, blocking=False):
             prev = open_index(root, use_gpu=False)
             report.previous_version = prev.name
@@ -55,13 +55,13 @@ def upgrade(out: str | os.PathLike, *, checkpoint: str | os.PathLike | None = No
                 report.n_videos = prev.n
             else:
                 log.info("upgrading %s: %s", prev.name, why or "forced")
-                arrays = _prev_files(prev, ["ids", "norms", "units", "frames", "masks", "biases", "keys", "values",
+                arrays = prev_files(prev, ["ids", "norms", "units", "frames", "masks", "biases", "keys", "values",
                                             "ann_units"])
                 staging = root / WORK_DIR / f".staging-upgrade-{os.getpid()}"
                 try:
                     entry = psi_consts.attach(arrays, model, None, checkpoint_sha=sha, staging=staging, device=dev)
                     files = prev.manifest.files
-                    extra = _carry_manifest(prev.manifest) | {"psi_fold": entry, "builder": {"command": "upgrade"}}
+                    extra = carry_manifest(prev.manifest) | {"psi_fold": entry, "builder": {"command": "upgrade"}}
                     ann_ncl = (ExistingFile(prev.path / ANN_NCL_FILE, files[ANN_NCL_FILE].sha256)
                                if ANN_NCL_FILE in files else None)
                     name = write_version(

@@ -17,14 +17,14 @@ from gare_index.store import ExistingFile, IndexVersion
 
 
 @dataclass
-class _Entry:
+class Entry:
     meta: dict[str, Any]
     src: tuple  # ("prev", row) | ("shard", path, row)
 
 
 
 
-def _assemble(entries: list[_Entry], f: int, d: int, prev: IndexVersion | None, cache: WorkCache | None,
+def assemble(entries: list[Entry], f: int, d: int, prev: IndexVersion | None, cache: WorkCache | None,
               staging: Path, kv_fn: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None,
               chunk: int = 8192) -> dict[str, Any]:
     """Gather every entry's features into new arrays (frames and K/V staged as .npy files on disk)."""

@@ -1,5 +1,5 @@
 """NCL video biases (SPEC §5) of a gallery: from the checkpoint's text queue, optionally mixed with a bank of
-served queries (`biases --from-traffic`). Used by the finish stage of build/add and by remove/biases."""
+served queries (`biases --from-traffic`, :mod:`gare_build.query_bank`). Used by the finish stage of build/add and by remove/biases."""
 
 from __future__ import annotations
 
@@ -12,9 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
-from gare.checkpoint import file_sha256
+from gare.checkpoint import file_sha256, load_model, read_checkpoint
+from gare.sinkhorn import sinkhorn_biases
 from gare_build.pipeline.options import RunReport
+from gare_build.query_bank import load_query_bank, mix_queues
+from gare_build.served_biases import served_biases
+from gare_index import psi_consts
 from gare_index.store import CheckpointRef, ExistingFile, IndexManifest, IndexMismatchError, IndexVersion
 
 log = logging.getLogger(__name__)
@@ -40,7 +45,7 @@ def compute_biases(units: np.ndarray, gamma: float, queue: np.ndarray | None, n_
                    device: str | None = None, *, served: dict[str, Any] | None = None) -> tuple[np.ndarray, dict[str, Any]]:
     """NCL video biases b (SPEC §5) of every indexed video against the checkpoint's text queue.
 
-    `served`: fit them to the psi score the search ranks by (gare_build.served_biases; `queue` then holds the
+    `served`: fit them to the psi score the search ranks by (:func:`gare_build.served_biases.served_biases`; `queue` then holds the
     un-normalised t): a dict with model, norms, frames, masks, stage1 (optional) and k. Without it they are
     fitted to the dual-tower cosine (the queue rows are normalised here)."""
     n = units.shape[0]
@@ -50,17 +55,11 @@ def compute_biases(units: np.ndarray, gamma: float, queue: np.ndarray | None, n_
         if queue is None:
             log.warning("the checkpoint has no text query queue: video biases are zero (no NCL correction)")
         return np.zeros(n, dtype=np.float32), info
-    import torch
-
-    from gare.sinkhorn import sinkhorn_biases
-
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if queue.shape[1] != units.shape[1]:
         raise ValueError(f"the query queue has d={queue.shape[1]}, the index has d={units.shape[1]}")
     info = {"gamma": gamma, "n_iters": n_iters, "n_queries": int(queue.shape[0]), "source": "checkpoint-queue"}
     if served is not None:
-        from gare_build.served_biases import served_biases
-
         model = served["model"]
         with torch.no_grad():
             b_np, sinfo = served_biases(model, queue, gamma, units=units, norms=served["norms"], frames=served["frames"],
@@ -81,7 +80,7 @@ def bias_score_of(manifest: IndexManifest | Mapping[str, Any]) -> str:
     return str((manifest.get("biases") or {}).get("score") or "dual")
 
 
-def _served_inputs(model: Any, arrays: dict[str, Any], k: int, *, consts_valid: bool = False) -> dict[str, Any]:
+def served_inputs(model: Any, arrays: dict[str, Any], k: int, *, consts_valid: bool = False) -> dict[str, Any]:
     """compute_biases(served=...) from a version's arrays (frames may be a staged file). ``consts_valid``: the
     arrays' ``psi_consts`` (when present) belong to model.psi, so the psi scores read them instead of folding."""
     def val(x: Any) -> Any:
@@ -94,7 +93,8 @@ def _served_inputs(model: Any, arrays: dict[str, Any], k: int, *, consts_valid: 
             "k": k, "consts": consts}
 
 
-def _traffic_binfo(binfo: dict[str, Any], tinfo: dict[str, Any]) -> dict[str, Any]:
+def traffic_binfo(binfo: dict[str, Any], tinfo: dict[str, Any]) -> dict[str, Any]:
+    """The manifest's ``biases`` record of biases fitted to a queue with traffic mixed in (``tinfo``)."""
     out = dict(binfo)
     if out.get("source") != "none":
         out["source"] = "traffic" if tinfo.get("train_queries", 0) == 0 else "checkpoint-queue+traffic"
@@ -104,8 +104,6 @@ def _traffic_binfo(binfo: dict[str, Any], tinfo: dict[str, Any]) -> dict[str, An
 
 def _mixed_queue(queue: np.ndarray | None, bank_path: str | os.PathLike, weight: float, d: int
                  ) -> tuple[np.ndarray, dict[str, Any]]:
-    from gare_build.postprocess import load_query_bank, mix_queues
-
     bank, info = load_query_bank(bank_path, d)
     # the bank holds unit rows; psi needs |t|: scale them to the training queue's mean norm (no effect on the
     # dual-tower biases, which normalise every row)
@@ -114,7 +112,7 @@ def _mixed_queue(queue: np.ndarray | None, bank_path: str | os.PathLike, weight:
     return mixed, {**info, **minfo, "bank_scale": round(scale, 6)}
 
 
-def _carried_traffic(queue: np.ndarray | None, prev_binfo: dict[str, Any], d: int, report: RunReport
+def carried_traffic(queue: np.ndarray | None, prev_binfo: dict[str, Any], d: int, report: RunReport
                      ) -> tuple[np.ndarray | None, dict[str, Any] | None]:
     """add/remove after `biases --from-traffic`: recompute with the same bank file when it is still readable,
     else fall back to the checkpoint's queue (and say so in the report)."""
@@ -130,15 +128,13 @@ def _carried_traffic(queue: np.ndarray | None, prev_binfo: dict[str, Any], d: in
     return mixed, info
 
 
-def _biases_for(prev: IndexVersion, arrays: dict[str, Any], checkpoint: str | os.PathLike | None, n_iters: int | None,
+def biases_for(prev: IndexVersion, arrays: dict[str, Any], checkpoint: str | os.PathLike | None, n_iters: int | None,
                 *, traffic: str | os.PathLike | None = None, traffic_weight: float = 0.5,
                 report: RunReport | None = None, carry_traffic: bool = False, score: str | None = None,
                 k: int | None = None) -> tuple[np.ndarray, dict[str, Any]]:
     """Recompute the biases of a gallery (`arrays`: units, norms, frames, masks, optional ann_units) with the
     index's checkpoint (its queue and logit scale), mixed with a bank of served queries when `traffic` is given
     (or when the previous biases came from one: remove). `score`/`k`: default the previous version's."""
-    from gare.checkpoint import load_model, read_checkpoint
-
     units = np.asarray(arrays["units"], dtype=np.float32)
     score = score or bias_score_of(prev.manifest)
     if score not in ("served", "dual"):
@@ -150,8 +146,6 @@ def _biases_for(prev: IndexVersion, arrays: dict[str, Any], checkpoint: str | os
     iters = n_iters or int(pb.get("n_iters") or 4)
     path = Path(checkpoint).expanduser().absolute() if checkpoint else Path(ck.path or "")
     if traffic is not None:  # validate the bank before anything else: a bad file changes nothing
-        from gare_build.postprocess import load_query_bank
-
         load_query_bank(traffic, prev.dim)
     if not path.is_file():
         if pb.get("source") == "none" and not checkpoint and traffic is None:
@@ -168,16 +162,12 @@ def _biases_for(prev: IndexVersion, arrays: dict[str, Any], checkpoint: str | os
     if traffic is not None:
         queue, tinfo = _mixed_queue(queue, traffic, traffic_weight, prev.dim)
     elif carry_traffic and pb.get("traffic") and report is not None:
-        queue, tinfo = _carried_traffic(queue, pb, prev.dim, report)
+        queue, tinfo = carried_traffic(queue, pb, prev.dim, report)
     served = None
     if score == "served" and queue is not None and len(units):
-        import torch
-
-        from gare_index import psi_consts
-
         model, _ = load_model(path, "cuda" if torch.cuda.is_available() else "cpu")
         # the previous version's constants, when they belong to this checkpoint's psi (same sha checked above)
         valid = arrays.get("psi_consts") is not None and psi_consts.fold_status(prev, psi_consts.fold_of(model)) is None
-        served = _served_inputs(model, arrays, k, consts_valid=valid)
+        served = served_inputs(model, arrays, k, consts_valid=valid)
     b, info = compute_biases(units, gamma, queue, iters, served=served)
-    return b, (info if tinfo is None else _traffic_binfo(info, tinfo))
+    return b, (info if tinfo is None else traffic_binfo(info, tinfo))

@@ -10,22 +10,24 @@ from typing import Any
 
 import numpy as np
 
-from gare_build.pipeline.assemble import _Entry
+from gare_build.invgc import invgc_vectors
+from gare_build.pipeline.assemble import Entry
 from gare_build.pipeline.biases import (
-    _carried_traffic,
-    _served_inputs,
-    _traffic_binfo,
     bias_score_of,
+    carried_traffic,
     checkpoint_gamma_and_queue,
     compute_biases,
+    served_inputs,
+    traffic_binfo,
 )
-from gare_build.pipeline.invgc import _invgc_vectors
-from gare_build.pipeline.options import BuildOptions, RunReport
+from gare_build.pipeline.options import BuildOptions, RunReport, progress_enabled
 from gare_build.pipeline.plan import Plan
+from gare_build.tuning.stage1 import encode_captions, tune_version_ann
 from gare_index import psi_consts
-from gare_index.ann import AnnIndex, AnnParams, build_index, choose_index_type
+from gare_index.ann import AnnIndex, build_index
+from gare_index.ann_params import AnnParams, choose_index_type
 from gare_index.describe import STAGE1_KEY
-from gare_index.store import IndexVersion, write_version
+from gare_index.store import ExistingFile, IndexVersion, write_version
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +52,11 @@ def _choose_type(requested: str, n: int) -> str:
     return requested
 
 
-def _make_ann(units: np.ndarray, ids: np.ndarray, opts: BuildOptions, prev: IndexVersion | None, requested: str,
+def make_ann(units: np.ndarray, ids: np.ndarray, opts: BuildOptions, prev: IndexVersion | None, requested: str,
               *, incremental: bool, drop_ids: np.ndarray, new_rows: np.ndarray) -> tuple[AnnIndex, dict[str, Any]]:
-    """The ANN index of the new version: updated in place from the previous one when possible, else built."""
+    """The ANN index of the new version: updated in place from the previous one when possible, else built.
+
+    Used by build/add (finish) and remove (``gare_build.build``)."""
     n = units.shape[0]
     t = _choose_type(requested, n)
     knobs = any(getattr(opts, k) is not None for k in ("nlist", "hnsw_m", "ef_construction", "pq_m"))
@@ -73,8 +77,7 @@ def _make_ann(units: np.ndarray, ids: np.ndarray, opts: BuildOptions, prev: Inde
     return ann, {"ann_params": params.to_dict(), "ann_trained_n": n}
 
 
-
-def finish(p: Plan, entries: list[_Entry], arrays: dict[str, Any], opts: BuildOptions, report: RunReport, *,
+def finish(p: Plan, entries: list[Entry], arrays: dict[str, Any], opts: BuildOptions, report: RunReport, *,
            todo_ids: np.ndarray, kept_ids: np.ndarray, staging: Any = None) -> str:
     """Biases, stage-1 vectors, ANN and manifest of the assembled arrays; writes the version and returns its name."""
     prev, pman, mode, cfg = p.prev, p.pman, p.mode, p.model.cfg
@@ -82,23 +85,23 @@ def finish(p: Plan, entries: list[_Entry], arrays: dict[str, Any], opts: BuildOp
         e.meta["frames_used"] = int(u)
     invgc_m = None
     if p.post["invgc"]:  # before the biases: the served biases take their candidates from the stage-1 vectors
-        arrays["ann_units"], invgc_m = _invgc_vectors(arrays["units"], entries, prev, mode, p.post)
+        arrays["ann_units"], invgc_m = invgc_vectors(arrays["units"], entries, prev, mode, p.post)
     report.invgc = invgc_m
     # psi's folded per-video constants (issue 12): carried for unchanged rows, folded for the new ones; before
     # the biases, whose psi scores of Q x K queue pairs read them instead of folding each video again
     psi_fold = psi_consts.attach(arrays, p.model, prev, checkpoint_sha=p.sha, staging=staging, device=p.device)
     score = opts.bias_score or (bias_score_of(pman) if mode == "add" and pman else "served")
-    served = _served_inputs(p.model, arrays, opts.bias_k if mode != "add" or opts.bias_score else
+    served = served_inputs(p.model, arrays, opts.bias_k if mode != "add" or opts.bias_score else
                             int(((pman.get("biases") or {}).get("served") or {}).get("k") or opts.bias_k),
                             consts_valid=True) if score == "served" else None
     gamma, queue = checkpoint_gamma_and_queue(p.ckpt, raw=True)
     ckpt_queue = queue  # the sample queries of the stage-1 tuning (raw rows; traffic may be mixed into `queue` below)
     tinfo = None
     if mode == "add" and (pman.get("biases") or {}).get("traffic"):
-        queue, tinfo = _carried_traffic(queue, pman["biases"], prev.dim, report)
+        queue, tinfo = carried_traffic(queue, pman["biases"], prev.dim, report)
     arrays["biases"], binfo = compute_biases(arrays["units"], gamma, queue, opts.n_iters, served=served)
     if tinfo is not None:
-        binfo = _traffic_binfo(binfo, tinfo)
+        binfo = traffic_binfo(binfo, tinfo)
     if binfo["source"] == "none":
         report.notes.append("the checkpoint has no text query queue: video biases are zero")
     report.biases = binfo
@@ -111,10 +114,10 @@ def finish(p: Plan, entries: list[_Entry], arrays: dict[str, Any], opts: BuildOp
         # the new ANN = the previous one - every id not kept + the new and changed clips
         drop = np.setdiff1d(np.asarray(prev.ids), kept_ids)
         new_rows = np.flatnonzero(np.isin(ids, todo_ids))
-        ann, ainfo = _make_ann(stage1, ids, opts, prev, requested, incremental=True,
+        ann, ainfo = make_ann(stage1, ids, opts, prev, requested, incremental=True,
                                drop_ids=drop, new_rows=new_rows)
     else:
-        ann, ainfo = _make_ann(stage1, ids, opts, None, requested, incremental=False,
+        ann, ainfo = make_ann(stage1, ids, opts, None, requested, incremental=False,
                                drop_ids=np.zeros(0, np.int64), new_rows=np.zeros(0, np.int64))
     ann, ainfo = _tune_stage1(ann, ainfo, stage1, ids, arrays, p.model, ckpt_queue, opts, requested,
                               time.time() - t_ann)
@@ -140,13 +143,9 @@ def finish(p: Plan, entries: list[_Entry], arrays: dict[str, Any], opts: BuildOp
 def _tune_stage1(ann: AnnIndex, ainfo: dict[str, Any], units: Any, ids: np.ndarray, arrays: dict[str, Any],
                  model: Any, queue: np.ndarray | None, opts: BuildOptions, requested: str, build_s: float,
                  ) -> tuple[AnnIndex, dict[str, Any]]:
-    """Meet the recall target and choose the default K (gare_build.stage1_tune); ainfo gains manifest["stage1"]."""
+    """Meet the recall target and choose the default K (gare_build.tuning.stage1); ainfo gains manifest["stage1"]."""
     if not opts.stage1.enabled:
         return ann, {**ainfo, STAGE1_KEY: None}
-    from gare_build.pipeline.plan import _progress_enabled
-    from gare_build.stage1_tune import encode_captions, tune_version_ann
-    from gare_index.store import ExistingFile
-
     def arr(v: Any) -> Any:  # a fresh array, or the previous version's file (memmapped)
         return np.load(v.path, mmap_mode="r", allow_pickle=False) if isinstance(v, ExistingFile) else v
 
@@ -154,7 +153,7 @@ def _tune_stage1(ann: AnnIndex, ainfo: dict[str, Any], units: Any, ids: np.ndarr
     tuned, entry = tune_version_ann(arr(units), ids, frames=arr(arrays["frames"]), masks=arr(arrays["masks"]),
                                     biases=arr(arrays["biases"]), model=model, queue=queue, captions=caps, ann=ann,
                                     build_s=build_s, requested_type=requested, options=opts.stage1,
-                                    progress=_progress_enabled(opts.progress))
+                                    progress=progress_enabled(opts.progress))
     same = tuned.cpu_index is ann.cpu_index
     return tuned, {**ainfo, "ann_params": tuned.params.to_dict(),
                    "ann_trained_n": ainfo.get("ann_trained_n") if same else int(units.shape[0]), STAGE1_KEY: entry}

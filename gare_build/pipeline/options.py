@@ -6,19 +6,25 @@ import dataclasses
 import datetime as _dt
 import json
 import math
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gare_build.stage1_tune import Stage1Options
-from gare_index.ann import INDEX_TYPES
+from gare_build.tuning.stage1 import Stage1Options
+from gare_index.ann_params import INDEX_TYPES
 from gare_index.store import REPORT_FILE, atomic_write_text
 
 BUILD_LOCK = ".build.lock"
 EXIT_OK, EXIT_FAILED, EXIT_SKIPPED = 0, 1, 3
 PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def progress_enabled(opt: bool | None) -> bool:
+    """--progress / --no-progress, or (not given) a progress bar when stderr is a terminal."""
+    return sys.stderr.isatty() if opt is None else bool(opt)
 
 
 @dataclass
@@ -61,7 +67,7 @@ class BuildOptions:
     # dual-tower cosine; None: "served" for build, as the index for add
     bias_score: str | None = None
     bias_k: int = 256
-    # stage-1 tuning (gare_build/stage1_tune.py): recall target, latency budget, psi coverage -> default K
+    # stage-1 tuning (gare_build.tuning.stage1): recall target, latency budget, psi coverage -> default K
     stage1: Stage1Options = field(default_factory=Stage1Options)
     tune_captions: Sequence[str] | None = None  # caption texts for the sample queries (--tune-captions)
 

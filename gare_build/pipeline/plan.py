@@ -1,22 +1,24 @@
-"""Stage 1 of build/add, the plan: bind the run to a checkpoint and precision, load the model, find the
-clips to index and decide where each clip's features come from (the current version, the work/ cache of an
-interrupted run, or the encoder). Nothing is encoded or written here."""
+"""Stage 1 of build/add, the plan: bind the run to a checkpoint and precision, load the model, decide the
+post-processing (InvGC, NCL stage 1: :func:`postprocess_setup`), find the clips to index and decide where each
+clip's features come from (the current version, the work/ cache of an interrupted run, or the encoder). Nothing
+is encoded or written here."""
 
 from __future__ import annotations
 
 import logging
 import shutil
-import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from gare.checkpoint import file_sha256
+from gare.checkpoint import file_sha256, load_model
+from gare.model import resolve_device
 from gare_build.discover import Clip, Skip, discover, expand_segments, fmt_time, scan, seg_of
-from gare_build.pipeline.invgc import _postprocess_setup
-from gare_build.pipeline.options import BuildOptions, RunReport
+from gare_build.invgc import invgc_refs, select_invgc
+from gare_build.pipeline.options import BuildOptions, RunReport, progress_enabled
 from gare_build.work import WorkCache, model_key
 from gare_index.store import (
     WORK_DIR,
@@ -49,7 +51,7 @@ class Plan:
     device: Any
     model: Any
     ckpt: Any
-    post: dict[str, Any]  # the post-processing applied (invgc.py: _postprocess_setup)
+    post: dict[str, Any]  # the post-processing applied (postprocess_setup)
     prev_rows: list[dict[str, Any]]  # metadata rows of the current version
     todo: list[Clip]  # clips that enter the new version with new features (ids assigned)
     kept: list[dict[str, Any]]  # rows of the current version kept as they are (add)
@@ -67,11 +69,8 @@ class Plan:
         return int(self.model.cfg.embed_dim)
 
 
-def _progress_enabled(opt: bool | None) -> bool:
-    return sys.stderr.isatty() if opt is None else bool(opt)
-
-
-def _clean_staging(root: Path) -> None:
+def clean_staging(root: Path) -> None:
+    """Remove the staging folders an interrupted run left under INDEX/work/."""
     work = root / WORK_DIR
     if work.is_dir():
         for p in work.glob(".staging-*"):
@@ -136,15 +135,51 @@ def _dedupe(clips: list[Clip]) -> tuple[list[Clip], list[Skip]]:
     return out, skipped
 
 
-def _skip(c: Clip, reason: str) -> dict[str, Any]:
+def skip_record(c: Clip, reason: str) -> dict[str, Any]:
+    """The report's record of a clip left out of the new version, with the reason."""
     return Skip(c.path, reason, c.start, c.end, c.source).to_dict()
+
+
+def postprocess_setup(opts: BuildOptions, mode: str, pman: dict[str, Any], model: Any, ckpt: Any,
+                       precision: str) -> dict[str, Any]:
+    """What post-processing this run applies; for a new InvGC build, the (r_g, r_q) search runs here, before
+    anything is encoded (a missing validation set fails the run early)."""
+    if mode == "add":
+        inv_prev, ncl_prev = pman.get("invgc"), pman.get("ncl_stage1")
+        if opts.invgc is not None and bool(opts.invgc) != bool(inv_prev):
+            raise ValueError(f"the index was built {'with' if inv_prev else 'without'} --invgc; add keeps it "
+                             "(rebuild with `gare-index build` to change it)")
+        if opts.invgc_r_g is not None or opts.invgc_val is not None:
+            raise ValueError("add corrects new videos with the InvGC values recorded in the index; "
+                             "--invgc-val/--invgc-r-g/--invgc-r-q are for build")
+        if opts.ncl_stage1 is not None and bool(opts.ncl_stage1) != bool(ncl_prev):
+            raise ValueError(f"the index was built {'with' if ncl_prev else 'without'} --ncl-stage1; add keeps it "
+                             "(rebuild with `gare-index build` to change it)")
+        post: dict[str, Any] = {"invgc": dict(inv_prev) if inv_prev else None,
+                                "ncl_stage1": {"c": float(ncl_prev.get("c", 1.0))} if ncl_prev else None}
+        if post["invgc"]:
+            post["refs"] = invgc_refs(ckpt)
+        return post
+    if not opts.invgc and (opts.invgc_r_g is not None or opts.invgc_val is not None):
+        raise ValueError("--invgc-val / --invgc-r-g / --invgc-r-q need --invgc")
+    post = {"invgc": None, "ncl_stage1": {"c": float(opts.ncl_c)} if opts.ncl_stage1 else None}
+    if opts.invgc:
+        refs = invgc_refs(ckpt)
+        if opts.invgc_r_g is not None:
+            sel: dict[str, Any] = {"method": "given", "r_g": float(opts.invgc_r_g), "r_q": float(opts.invgc_r_q)}
+        else:
+            t0 = time.time()
+            sel = select_invgc(model, ckpt, opts.invgc_val, k_percent=opts.invgc_k, grid=opts.invgc_grid,
+                               precision=precision, batch_size=opts.batch_size, num_workers=opts.workers, refs=refs)
+            sel["seconds"] = round(time.time() - t0, 3)
+        post["invgc"] = {"r_g": float(sel["r_g"]), "r_q": float(sel["r_q"]), "k_percent": float(opts.invgc_k),
+                         "selection": sel, "n_train_videos": int(refs[0].shape[0]), "n_train_queries": int(refs[1].shape[0])}
+        post["refs"] = refs
+    return post
 
 
 def plan(checkpoint: Any, videos: Any, root: Path, opts: BuildOptions, mode: str, report: RunReport) -> Plan:
     """The plan of a build (mode="build") or add (mode="add") run; fills report's ignored/skipped/unchanged."""
-    from gare.checkpoint import load_model
-    from gare.model import resolve_device
-
     prev = _open_current(root, required=mode == "add")
     report.previous_version = prev.name if prev is not None else None
     pman = prev.manifest if prev is not None else {}
@@ -179,14 +214,14 @@ def plan(checkpoint: Any, videos: Any, root: Path, opts: BuildOptions, mode: str
     f, d = cfg.max_frames, cfg.embed_dim
     if prev is not None and mode == "add" and (prev.max_frames, prev.dim) != (f, d):
         raise IndexFormatError(f"{root}: index has f={prev.max_frames}, d={prev.dim}; the model has f={f}, d={d}")
-    post = _postprocess_setup(opts, mode, pman, model, ckpt, precision)
+    post = postprocess_setup(opts, mode, pman, model, ckpt, precision)
 
     # ---- what to index
     clips, skipped, ignored = discover(videos)
     report.ignored = [s.to_dict() for s in ignored]
     prev_rows = prev.all_metadata() if prev is not None else []
     known = {r["path"]: r for r in prev_rows}
-    clips, sk = scan(clips, known, threads=opts.scan_threads, progress=_progress_enabled(opts.progress))
+    clips, sk = scan(clips, known, threads=opts.scan_threads, progress=progress_enabled(opts.progress))
     skipped += sk
     clips, sk = expand_segments(clips, segment, overlap)
     skipped += sk

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from gare_index.store import MANIFEST_FILE, VERSIONS_DIR, WORK_DIR, open_index
+from gare_index.store import MANIFEST_FILE, VERSIONS_DIR, WORK_DIR, list_versions, open_index
 
 
 def _dir_bytes(path: Path) -> int:
@@ -16,8 +16,7 @@ def _dir_bytes(path: Path) -> int:
 
 
 def stats(out: str | os.PathLike) -> dict[str, Any]:
-    from gare_index.store import list_versions
-
+    """`gare-index stats`: the current version's figures (manifest, counts, sizes on disk) as a JSON-able dict."""
     root = Path(out).expanduser().absolute()
     with open_index(root, use_gpu=False) as v:
         m = v.manifest

@@ -15,7 +15,7 @@ from gare.sinkhorn import sinkhorn_biases, sinkhorn_biases_naive
 from gare.video import load_frames
 from gare_build.build import BuildOptions, build
 from gare_build.cli import main
-from gare_index import ann as ann_mod
+from gare_index import ann_params as ann_mod
 from gare_index.store import IndexMismatchError, list_versions, open_index, verify_index
 from tests.indexer.support import copy_videos, make_checkpoint, make_long_video
 

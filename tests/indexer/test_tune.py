@@ -1,29 +1,18 @@
-"""gare_build.tune: recall-target tuning of stage 1, checked against exact search."""
+"""gare_build.tuning (recall, coverage, queries): recall-target tuning of stage 1, checked against exact search."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from gare_build.tune import (
-    RecallTargetError,
-    TuneConfig,
-    choose_candidates,
-    cosine_scorer,
-    coverage_at_k,
-    exact_topk,
-    recall_of_topk,
-    sample_queries,
-    tune_ann,
-)
-from gare_index.ann import (
-    AnnIndex,
-    AnnParams,
-    build_index,
-    clustered_vectors,
-    exact_search,
-    perturbed_queries,
-)
+from gare_build.tuning.coverage import choose_candidates, cosine_scorer, coverage_at_k
+from gare_build.tuning.ladder import TuneConfig
+from gare_build.tuning.measure import exact_topk, recall_of_topk
+from gare_build.tuning.queries import sample_queries
+from gare_build.tuning.recall import RecallTargetError, tune_ann
+from gare_index.ann import AnnIndex, build_index
+from gare_index.ann_eval import clustered_vectors, exact_search, perturbed_queries
+from gare_index.ann_params import AnnParams
 
 N, D = 12_000, 32
 LOOSE_MS = 1000.0  # latency budget far above any search here (the shared test machine is noisy)

@@ -11,7 +11,7 @@ import pytest
 
 from gare.checkpoint import file_sha256, load_model
 from gare_build.cli import main
-from gare_build.stage1_tune import build_deviation
+from gare_build.tuning.stage1 import build_deviation
 from gare_index.store import current_version_name, open_index
 from gare_serve.querybank import QueryBank
 from tests.service.support import copy_index

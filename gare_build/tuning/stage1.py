@@ -1,19 +1,19 @@
 """Stage-1 tuning of an index version (issue 13): recall target, psi coverage and the default K.
 
 One entry for ``gare-index build`` / ``add`` (after the ANN is built or grown) and ``gare-index tune`` (on an
-existing version, nothing re-encoded): :func:`tune_version_ann`
+existing version, nothing re-encoded; :mod:`gare_build.tuning.retune`): :func:`tune_version_ann`
 
-1. samples queries (:func:`gare_build.tune.sample_queries`: the checkpoint's NCL text queue when present, else
+1. samples queries (:mod:`gare_build.tuning.queries`: the checkpoint's NCL text queue when present, else
    caption embeddings of a manifest when given, else perturbed gallery vectors; or, with
-   ``Stage1Options.bank`` (``gare-index tune --from-bank``), the served queries of a query bank,
-   :func:`bank_queries`; the source is recorded);
+   ``Stage1Options.bank`` (``gare-index tune --from-bank``), the served queries of a query bank; the source is
+   recorded);
 2. meets the recall target (recall@K of the exact cosine top-10, K = the service's default candidates) within
-   a latency budget with :func:`gare_build.tune.tune_ann` (RecallTargetError, with the tuner's message, when it
-   cannot);
+   a latency budget with :func:`gare_build.tuning.recall.tune_ann` (RecallTargetError, with the tuner's message,
+   when it cannot);
 3. measures, on the same queries, the share of the *exhaustive psi top-10 with the index's NCL biases* inside
-   the ANN top-K for several K (:func:`gare_build.tune.coverage_at_k` with :func:`psi_fold_scorer`, the exact
-   folded psi of :mod:`gare.psi_fold` over the stored frames), and chooses the index's default K as the
-   smallest K reaching the coverage target (99.5%).
+   the ANN top-K for several K (:mod:`gare_build.tuning.coverage`), and chooses the index's default K as the
+   smallest K reaching the coverage target (99.5%);
+4. records SPEC §4's deviation figure on a sample (:func:`build_deviation`).
 
 The result is the manifest's ``stage1`` entry (docs/index-format.md); the service uses its
 ``default_candidates`` when a request gives no ``candidates`` (:func:`gare_index.describe.index_default_candidates`).
@@ -27,31 +27,26 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
+import torch
 
-from gare_index.ann import AnnIndex, AnnParams
-
-if TYPE_CHECKING:
-    pass
-from gare_build.tune import (
-    RecallTargetError,
-    Scorer,
-    TuneConfig,
-    auto_ladder,
-    coverage_at_k,
-    describe_params,
-    sample_queries,
-    tune_ann,
-)
+from gare.deviation import delta_deviation, deviation_summary
+from gare.model import autocast
+from gare.psi import masked_mean
+from gare_build.tuning.coverage import coverage_at_k, psi_fold_scorer
+from gare_build.tuning.ladder import TuneConfig, auto_ladder, describe_params
+from gare_build.tuning.queries import bank_queries, build_sample
+from gare_build.tuning.recall import tune_ann
+from gare_index.ann import AnnIndex
+from gare_index.ann_params import AnnParams
 
 log = logging.getLogger(__name__)
 
 COVERAGE_KS = (16, 32, 64, 128, 256, 512, 1024)  # as gare_train.evaluate.COVERAGE_KS (the offline figure)
 
-__all__ = ["Stage1Options", "COVERAGE_KS", "RecallTargetError", "encode_captions", "psi_fold_scorer",
-           "bank_queries", "tune_version_ann"]
+__all__ = ["Stage1Options", "COVERAGE_KS", "encode_captions", "tune_version_ann", "build_deviation"]
 
 
 @dataclass
@@ -82,10 +77,6 @@ class Stage1Options:
 def encode_captions(model: Any, texts: Sequence[str], *, batch: int = 256) -> np.ndarray:
     """Caption texts -> raw text embeddings t (a, d) float32, encoded as ``gare-train eval`` encodes its test
     captions (fp32, batches of 256), so both measure on the same vectors."""
-    import torch
-
-    from gare.model import autocast
-
     out = []
     with torch.inference_mode():
         for s in range(0, len(texts), batch):
@@ -94,77 +85,6 @@ def encode_captions(model: Any, texts: Sequence[str], *, batch: int = 256) -> np
     if not out:
         return np.zeros((0, model.cfg.embed_dim), np.float32)
     return torch.cat(out).numpy().astype(np.float32)
-
-
-def psi_fold_scorer(model: Any, frames: np.ndarray, masks: np.ndarray, biases: np.ndarray, ids: np.ndarray,
-                    unit_queries: np.ndarray, raw_queries: np.ndarray) -> Scorer:
-    """Exhaustive ``psi(t, video) + b_video`` over gallery ids, with the exact fold of gare.psi_fold.
-
-    frames (n, f, d) float16 (a memmap is fine), masks (n, f), biases (n,), ids (n,) in row order: the index's
-    stored arrays. ``unit_queries`` (a, d) are what coverage_at_k passes (and the ANN searches);
-    ``raw_queries`` (a, d) the matching rows psi scores (un-normalised caption embeddings; queue rows and
-    perturbed gallery vectors are unit already). Each call folds its block of videos once (three d x d
-    products per frame) and scores every given query against it: O(a · m · f · d)."""
-    import torch
-
-    from gare.psi_fold import exhaustive
-    from gare.psi_fold_queries import fold_queries
-    from gare.psi_fold_videos import fold_videos
-    from gare.psi_fold_weights import fold_weights
-
-    ref_pad = bool(getattr(model.cfg, "reference_padding", False))  # the authors' padding: v̄ and psi over all rows
-    fold = fold_weights(model.psi).to("cpu")  # the scoring runs on the CPU next to the memmapped frames
-    qv = fold_queries(torch.from_numpy(np.ascontiguousarray(raw_queries, dtype=np.float32)), fold, model.cfg.temp)
-    where = {np.ascontiguousarray(unit_queries[i], dtype=np.float32).tobytes(): i for i in range(unit_queries.shape[0])}
-    ids = np.asarray(ids, dtype=np.int64)
-    order = np.argsort(ids, kind="stable")
-    sorted_ids = ids[order]
-    b = np.asarray(biases, dtype=np.float32)
-
-    def score(q: np.ndarray, gids: np.ndarray) -> np.ndarray:
-        try:
-            qi = np.array([where[np.ascontiguousarray(r, dtype=np.float32).tobytes()] for r in q], dtype=np.int64)
-        except KeyError:
-            raise ValueError("psi_fold_scorer: called with a query that is not one of its sample queries") from None
-        rows = order[np.searchsorted(sorted_ids, np.asarray(gids, dtype=np.int64))]
-        srt = np.argsort(rows, kind="stable")  # sorted reads from the memmap
-        fr = torch.from_numpy(np.asarray(frames[rows[srt]], dtype=np.float16))
-        mk = torch.from_numpy(np.asarray(masks[rows[srt]]))
-        vc = fold_videos(fr, mk, fold, reference_padding=ref_pad)
-        sub = dataclasses.replace(qv, u=qv.u[torch.from_numpy(qi)], sc=qv.sc[torch.from_numpy(qi)])
-        s = np.empty((q.shape[0], rows.shape[0]), dtype=np.float32)
-        s[:, srt] = exhaustive(sub, vc).numpy()
-        return s + b[rows][None, :]
-
-    return score
-
-
-def _pick_rows(n_rows: int, n: int, seed: int) -> np.ndarray | None:
-    """The rows sample_queries keeps of an (n_rows, d) source (None: all)."""
-    if n_rows <= n:
-        return None
-    return np.sort(np.random.default_rng(seed).choice(n_rows, size=n, replace=False))
-
-
-def _build_sample(units: np.ndarray, queue: np.ndarray | None, captions: np.ndarray | None, opt: Stage1Options
-                  ) -> tuple[np.ndarray, str, np.ndarray]:
-    """(unit queries, source, the matching raw rows psi scores): the queue, else the captions, else perturbed
-    gallery vectors (:func:`gare_build.tune.sample_queries`)."""
-    raw = None
-    for arr in (queue, captions):  # sample_queries' order: the queue, then the captions
-        if arr is not None and len(arr):
-            arr = np.asarray(arr, dtype=np.float32).reshape(len(arr), -1)
-            keep = _pick_rows(arr.shape[0], opt.n_queries, opt.seed)
-            raw = arr if keep is None else arr[keep]
-            break
-    if raw is not None:
-        is_queue = queue is not None and len(queue) > 0
-        unit_q, source = sample_queries(units, queue=raw if is_queue else None, captions=None if is_queue else raw,
-                                        n=opt.n_queries, seed=opt.seed)
-    else:
-        unit_q, source = sample_queries(units, n=opt.n_queries, seed=opt.seed)
-        raw = unit_q
-    return unit_q, source, raw
 
 
 def tune_version_ann(
@@ -189,7 +109,7 @@ def tune_version_ann(
     masks, biases: the version's arrays (the exhaustive psi + b reference). ``queue``: the checkpoint's text
     queue rows, ``captions``: raw caption embeddings (:func:`encode_captions`) or None. ``ann``: the index
     just built or grown (tuned first, kept when it meets the target); ``requested_type`` other than "auto"
-    keeps the tuner to that index type. Raises :class:`gare_build.tune.RecallTargetError` (its message says what
+    keeps the tuner to that index type. Raises :class:`gare_build.tuning.recall.RecallTargetError` (its message says what
     was reached and what to change) when the target cannot be met within the latency budget."""
     opt = options or Stage1Options()
     opt.validate()
@@ -199,7 +119,7 @@ def tune_version_ann(
         unit_q, source, bank_info = bank_queries(opt.bank, units.shape[1], n=opt.n_queries, seed=opt.seed)
         raw = unit_q
     else:
-        unit_q, source, raw = _build_sample(units, queue, captions, opt)
+        unit_q, source, raw = build_sample(units, queue, captions, n=opt.n_queries, seed=opt.seed)
     types = None
     if requested_type not in (None, "auto"):
         types = (requested_type,)
@@ -257,50 +177,11 @@ def tune_version_ann(
     return tuned, entry
 
 
-def bank_queries(path: str | os.PathLike, d: int, *, n: int = 1000, seed: int = 0
-                 ) -> tuple[np.ndarray, str, dict[str, Any]]:
-    """(unit queries (m, d) float32, query source, the manifest's ``query_bank`` record) from a served-query bank.
-
-    The bank is read as ``gare-index biases --from-traffic`` reads it (:func:`gare_build.postprocess.load_query_bank`:
-    no pickle, float32 (rows, d), finite, non-zero rows, re-normalised). Repeated queries (the same text gives the
-    same embedding) are kept once, so that the tuner's held-out half holds no query of its tuning half; at most
-    ``n`` distinct rows are used (a seeded sample, as the other sources). Bank rows are unit vectors: the psi
-    coverage and the deviation figure score them with |t| = 1, as they do perturbed-gallery queries."""
-    from gare_build.postprocess import load_query_bank
-
-    try:
-        x, info = load_query_bank(path, d)
-    except ValueError as e:
-        raise ValueError(str(e).replace("--from-traffic", "--from-bank", 1)) from None
-    _, first = np.unique(x, axis=0, return_index=True)
-    x = x[np.sort(first)]  # distinct rows, first occurrences in bank order (oldest first)
-    distinct = int(x.shape[0])
-    if distinct < 2:
-        raise ValueError(f"--from-bank {info['file']}: {distinct} distinct queries; the tuner needs at least 2 (half tune, "
-                         "half held out)")
-    keep = _pick_rows(distinct, n, seed)
-    q = np.ascontiguousarray(x if keep is None else x[keep], dtype=np.float32)
-    m = int(q.shape[0])
-    if m < 100:
-        log.warning("--from-bank: only %d distinct served queries; the held-out recall (%d queries) is a coarse estimate",
-                    m, m - m // 2)
-    record = {"file": info["file"], "sha256": info["sha256"], "rows": info["rows"], "distinct": distinct, "used": m,
-              "non_unit_rows": info["non_unit_rows"],
-              "note": "unit query embeddings served by gare-serve (gare_serve.querybank); psi coverage scores them with |t| = 1"}
-    source = f"query-bank ({m} queries; {distinct} distinct of {info['rows']} served)"
-    return q, source, record
-
-
 def build_deviation(model: Any, raw_queries: np.ndarray, frames: Any, masks: Any, *, seed: int = 0,
                     n_queries: int = 64, n_videos: int = 256) -> dict[str, Any]:
     """SPEC §4's deviation figure (gare.deviation, the rebuttal's definition) on a sample: up to
     ``n_queries`` of the stage-1 sample queries (un-normalised) x up to ``n_videos`` indexed videos (seeded),
     v̄ as the model defines it (masked mean; all rows for reference_padding checkpoints)."""
-    import torch
-
-    from gare.deviation import delta_deviation, deviation_summary
-    from gare.psi import masked_mean
-
     n = int(np.asarray(masks).shape[0])
     rng = np.random.default_rng(seed)
     rows = np.sort(rng.choice(n, size=min(n, n_videos), replace=False))
@@ -313,7 +194,3 @@ def build_deviation(model: Any, raw_queries: np.ndarray, frames: Any, masks: Any
     out = deviation_summary(delta_deviation(model, torch.from_numpy(q).to(dev), fr, mk, vb))
     out["note"] = "|cos(t+Δ, v̄) - cos(t, v̄)| (the rebuttal's figure) on the stage-1 sample queries x sampled videos"
     return out
-
-
-
-

@@ -1,4 +1,4 @@
-"""`gare-index tune`: re-run the stage-1 tuning (gare_build.stage1_tune) on the current version, nothing re-encoded.
+"""`gare-index tune`: re-run the stage-1 tuning (:mod:`gare_build.tuning.stage1`) on the current version, nothing re-encoded.
 
 The new version links every array and the metadata of the current one; only ann.faiss (re-tuned knobs, or
 another index type when the current one cannot meet the target) and the manifest's ``stage1`` entry change
@@ -15,16 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
-from gare_build.build import (
-    BUILD_LOCK,
-    RunReport,
-    _carry_manifest,
-    _prev_files,
-    _progress_enabled,
-    _reported,
-    checkpoint_gamma_and_queue,
-)
-from gare_build.stage1_tune import Stage1Options, encode_captions, tune_version_ann
+from gare.checkpoint import file_sha256, load_model
+from gare_build.build import carry_manifest, prev_files, reported
+from gare_build.pipeline.biases import checkpoint_gamma_and_queue
+from gare_build.pipeline.options import BUILD_LOCK, RunReport, progress_enabled
+from gare_build.tuning.stage1 import Stage1Options, encode_captions, tune_version_ann
 from gare_index.describe import STAGE1_KEY
 from gare_index.store import ExistingFile, IndexMismatchError, index_lock, open_index, write_version
 
@@ -35,11 +30,10 @@ def retune(out: str | os.PathLike, *, options: Stage1Options | None = None, chec
            captions: Sequence[str] | None = None, index_type: str | None = None, keep: int = 3,
            progress: bool | None = None) -> RunReport:
     """Tune stage 1 of INDEX's current version again and write the result as a new version (atomic switch)."""
-    from gare.checkpoint import file_sha256, load_model
     root = Path(out).expanduser().absolute()
     report = RunReport(command="tune", index=str(root))
     opts = options or Stage1Options()
-    with _reported(root, report):
+    with reported(root, report):
         opts.validate()
         with index_lock(root, BUILD_LOCK, blocking=False):
             prev = open_index(root, use_gpu=False)
@@ -59,13 +53,13 @@ def retune(out: str | os.PathLike, *, options: Stage1Options | None = None, chec
             ann, entry = tune_version_ann(
                 units, np.asarray(prev.ids), frames=prev.frames, masks=prev.masks, biases=prev.biases, model=model,
                 queue=queue, captions=caps, ann=prev.ann, requested_type=requested, options=opts,
-                progress=_progress_enabled(progress),
+                progress=progress_enabled(progress),
             )
-            arrays = _prev_files(prev, ["ids", "norms", "units", "frames", "masks", "biases", "keys", "values",
+            arrays = prev_files(prev, ["ids", "norms", "units", "frames", "masks", "biases", "keys", "values",
                                         "ann_units"])
             files = m.files
             same = ann.cpu_index is prev.ann.cpu_index
-            extra = _carry_manifest(m) | {
+            extra = carry_manifest(m) | {
                 "ann_params": ann.params.to_dict(), STAGE1_KEY: entry, "builder": {"command": "tune"},
                 "ann_trained_n": m.ann_trained_n if same else prev.n,
             }

@@ -1,0 +1,149 @@
+"""Psi coverage of stage 1: the share of an exhaustive scorer's top-10 inside the ANN top-K, and the default K.
+
+:func:`coverage_at_k` measures that share for several K for any ``scorer(queries, ids) -> scores`` callable:
+:func:`psi_fold_scorer` (the exact folded psi of :mod:`gare.psi_fold` with the index's NCL biases, what the
+search ranks by) or :func:`cosine_scorer` (the dual tower); :func:`choose_candidates` picks the smallest K
+reaching a target (the index's default candidates).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from gare.psi_fold import exhaustive
+from gare.psi_fold_queries import fold_queries
+from gare.psi_fold_videos import fold_videos
+from gare.psi_fold_weights import fold_weights
+from gare_build.tuning.measure import recall_of_topk
+from gare_index.ann import AnnIndex
+
+__all__ = ["Scorer", "CoverageResult", "cosine_scorer", "psi_fold_scorer", "coverage_at_k", "choose_candidates"]
+
+# scorer(queries (b, d) float32, ids (m,) int64) -> scores (b, m): what the exhaustive ranking sorts by
+Scorer = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+
+@dataclass
+class CoverageResult:
+    coverage: dict[int, float]  # K -> share of the exhaustive top-`top` inside the ANN top-K
+    top: int
+    n_queries: int
+    query_source: str
+    chosen_K: int | None = None  # smallest K reaching `target` (choose_candidates), None if none does
+    target: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["coverage"] = {str(k): v for k, v in self.coverage.items()}
+        return d
+
+
+def cosine_scorer(units: np.ndarray) -> Scorer:
+    """The exact dual-tower scorer: ``scorer(q, ids) = q @ units[ids].T`` (ids are row positions)."""
+
+    def score(q: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        return np.asarray(q, dtype=np.float32) @ np.asarray(units[ids], dtype=np.float32).T
+
+    return score
+
+
+def psi_fold_scorer(model: Any, frames: np.ndarray, masks: np.ndarray, biases: np.ndarray, ids: np.ndarray,
+                    unit_queries: np.ndarray, raw_queries: np.ndarray) -> Scorer:
+    """Exhaustive ``psi(t, video) + b_video`` over gallery ids, with the exact fold of gare.psi_fold.
+
+    frames (n, f, d) float16 (a memmap is fine), masks (n, f), biases (n,), ids (n,) in row order: the index's
+    stored arrays. ``unit_queries`` (a, d) are what coverage_at_k passes (and the ANN searches);
+    ``raw_queries`` (a, d) the matching rows psi scores (un-normalised caption embeddings; queue rows and
+    perturbed gallery vectors are unit already). Each call folds its block of videos once (three d x d
+    products per frame) and scores every given query against it: O(a · m · f · d)."""
+    ref_pad = bool(getattr(model.cfg, "reference_padding", False))  # the authors' padding: v̄ and psi over all rows
+    fold = fold_weights(model.psi).to("cpu")  # the scoring runs on the CPU next to the memmapped frames
+    qv = fold_queries(torch.from_numpy(np.ascontiguousarray(raw_queries, dtype=np.float32)), fold, model.cfg.temp)
+    where = {np.ascontiguousarray(unit_queries[i], dtype=np.float32).tobytes(): i for i in range(unit_queries.shape[0])}
+    ids = np.asarray(ids, dtype=np.int64)
+    order = np.argsort(ids, kind="stable")
+    sorted_ids = ids[order]
+    b = np.asarray(biases, dtype=np.float32)
+
+    def score(q: np.ndarray, gids: np.ndarray) -> np.ndarray:
+        try:
+            qi = np.array([where[np.ascontiguousarray(r, dtype=np.float32).tobytes()] for r in q], dtype=np.int64)
+        except KeyError:
+            raise ValueError("psi_fold_scorer: called with a query that is not one of its sample queries") from None
+        rows = order[np.searchsorted(sorted_ids, np.asarray(gids, dtype=np.int64))]
+        srt = np.argsort(rows, kind="stable")  # sorted reads from the memmap
+        fr = torch.from_numpy(np.asarray(frames[rows[srt]], dtype=np.float16))
+        mk = torch.from_numpy(np.asarray(masks[rows[srt]]))
+        vc = fold_videos(fr, mk, fold, reference_padding=ref_pad)
+        sub = dataclasses.replace(qv, u=qv.u[torch.from_numpy(qi)], sc=qv.sc[torch.from_numpy(qi)])
+        s = np.empty((q.shape[0], rows.shape[0]), dtype=np.float32)
+        s[:, srt] = exhaustive(sub, vc).numpy()
+        return s + b[rows][None, :]
+
+    return score
+
+
+def coverage_at_k(
+    ann: AnnIndex,
+    queries: np.ndarray,
+    scorer: Scorer,
+    gallery_ids: np.ndarray,
+    ks: Sequence[int] = (16, 32, 64, 128, 256, 512),
+    *,
+    top: int = 10,
+    block: int = 65_536,
+    query_batch: int = 64,
+    query_source: str = "",
+    target: float | None = None,
+) -> CoverageResult:
+    """Share of the exhaustive ``scorer`` top-``top`` found inside the ANN top-K, for each K in ``ks``.
+
+    ``scorer(q (b, d), ids (m,)) -> (b, m)`` scores the queries against gallery ids exactly as the exhaustive
+    ranking does (the folded psi with biases; :func:`cosine_scorer` for the dual tower); it is called on
+    ``gallery_ids`` in blocks of ``block`` ids and ``query_batch`` queries.  Ties at the top-``top`` boundary
+    are broken by the lower position in ``gallery_ids``.  With ``target`` the result's ``chosen_K`` is
+    :func:`choose_candidates`."""
+    ks = sorted({int(k) for k in ks})
+    if not ks or ks[0] < 1:
+        raise ValueError(f"ks must be positive, got {ks}")
+    gallery_ids = np.asarray(gallery_ids, dtype=np.int64)
+    q = np.ascontiguousarray(queries, dtype=np.float32)
+    nq, n = q.shape[0], gallery_ids.shape[0]
+    top = min(top, n)
+    truth = np.empty((nq, top), dtype=np.int64)
+    for s in range(0, nq, query_batch):
+        e = min(nq, s + query_batch)
+        best_s = np.full((e - s, 0), -np.inf, dtype=np.float32)
+        best_p = np.zeros((e - s, 0), dtype=np.int64)
+        for g in range(0, n, block):
+            h = min(n, g + block)
+            sc = np.asarray(scorer(q[s:e], gallery_ids[g:h]), dtype=np.float32)
+            if sc.shape != (e - s, h - g):
+                raise ValueError(f"scorer returned shape {sc.shape}, expected {(e - s, h - g)}")
+            cs = np.concatenate([best_s, sc], axis=1)
+            cp = np.concatenate([best_p, np.arange(g, h, dtype=np.int64)[None, :].repeat(e - s, 0)], axis=1)
+            order = np.lexsort((cp, -cs), axis=1)[:, :top]
+            best_s, best_p = np.take_along_axis(cs, order, 1), np.take_along_axis(cp, order, 1)
+        truth[s:e] = gallery_ids[best_p]
+    kmax = min(ks[-1], max(1, ann.ntotal))
+    _, got = ann.search(q, kmax)
+    cov = {k: recall_of_topk(got[:, : min(k, kmax)], truth) for k in ks}
+    res = CoverageResult(cov, top, nq, query_source)
+    if target is not None:
+        res.target = target
+        res.chosen_K = choose_candidates(res, target)
+    return res
+
+
+def choose_candidates(coverage: CoverageResult, target: float = 0.995) -> int | None:
+    """The smallest K whose coverage reaches ``target`` (None when none of the measured K does)."""
+    for k in sorted(coverage.coverage):
+        if coverage.coverage[k] >= target:
+            return k
+    return None
