@@ -397,24 +397,6 @@ def test_cuda_image_never_installs_faiss_cpu_nor_uninstalls_it_after_faiss_gpu()
     assert gpu == ["faiss-gpu-cu12>=1.11"] and gpu[0] in reqs
 
 
-def _order_ok(text: str) -> None:
-    t = " ".join(text.split())
-    assert "then `pip uninstall faiss-cpu`" not in t  # the old advice, which broke faiss-gpu
-    un = t.index("pip uninstall -y faiss-cpu")
-    inst = t.index("pip install 'faiss-gpu-cu12>=1.11'")
-    assert un < inst, "uninstall faiss-cpu first, then install faiss-gpu"
-    assert "pip install --force-reinstall --no-deps faiss-gpu-cu12" in t  # the repair
-
-
-def test_pyproject_and_readme_advise_the_right_order():
-    py = (REPO / "pyproject.toml").read_text()
-    block = py[py.index("[project.optional-dependencies]"):py.index("gpu = [")]
-    _order_ok(block.replace("# ", " ").replace("\n#", " "))
-    readme = (REPO / "README.md").read_text()
-    para = readme[readme.index("The CUDA image searches flat and IVF indexes"):]
-    _order_ok(para[: para.index("\n\n")])
-
-
 def test_gpu_marker_is_registered():
     markers = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]
     assert any(m.startswith("gpu:") for m in markers)

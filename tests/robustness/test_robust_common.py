@@ -11,7 +11,6 @@ produce a figure for docs/robustness.md call :func:`record`; ``bench/robustness.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 import os
@@ -51,16 +50,6 @@ def recording(name: str, **initial: Any):
         raise
     finally:
         record(name, fig)
-
-
-def load_bench_module(name: str):
-    """Import bench/<name>.py (bench/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(f"gare_bench_{name}", REPO / "bench" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def make_robust_env(root: Path, checkpoint: Path) -> dict[str, Any]:

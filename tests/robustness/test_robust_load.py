@@ -1,4 +1,4 @@
-"""Load against a real `gare-serve` process on 127.0.0.1 (bench/load_test.py): the rated concurrency holds with
+"""Load against a real `gare-serve` process on 127.0.0.1 (tests/robustness/load.py): the rated concurrency holds with
 zero 5xx and zero dropped requests, resident memory stays flat, and index reloads under load fail no request.
 
 Fast (CI): a burst of 4000 requests (RSS sampled every 0.25 s: the memory-growth check) and ~6 s of reloads
@@ -15,16 +15,15 @@ import time
 import httpx
 import pytest
 
+from tests.robustness import load as LT
 from tests.robustness.test_robust_common import (
     LIVE_KEY,
     index_contents,
-    load_bench_module,
     record,
 )
 
 KEY = LIVE_KEY
 RATED_CLIENTS = 16  # the concurrency the service is rated for on this 2-core CPU (docs/robustness.md)
-LT = load_bench_module("load_test")
 
 
 @pytest.fixture(scope="module")

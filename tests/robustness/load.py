@@ -1,7 +1,7 @@
 """A bounded, closed-loop load test of a running `gare-serve` (127.0.0.1 only).
 
-    python bench/load_test.py --spawn --clients 16 --duration 60          # builds a tiny index, starts gare-serve
-    python bench/load_test.py --url http://127.0.0.1:8000 --pid PID --clients 16 --duration 60 --requests 100000
+    python -m tests.robustness.load --spawn --clients 16 --duration 60          # builds a tiny index, starts gare-serve
+    python -m tests.robustness.load --url http://127.0.0.1:8000 --pid PID --clients 16 --duration 60 --requests 100000
 
 N client threads each keep one HTTP/1.1 keep-alive connection and send `POST /v1/search` back to back until
 the duration *or* the request count is reached (whichever comes first), so a run is bounded both ways.
@@ -13,7 +13,7 @@ and the last window (one minute when the run lasts at least 3 minutes, else a qu
 The server's own request counter (`gare_http_requests_total` in /metrics) is read before and after, so
 requests the server saw and requests the clients sent can be compared (none lost on either side).
 
-`run_load()` is what tests/robustness/test_robust_load.py and bench/robustness.py call. Traffic never leaves the
+`run_load()` is what tests/robustness/test_robust_load.py calls (bench/robustness.py runs those tests). Traffic never leaves the
 machine: any URL whose host is not a loopback address is refused.
 """
 
@@ -38,8 +38,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
-BENCH = Path(__file__).resolve().parent
-REPO = BENCH.parent
+from tests.indexer.support import make_corpus
+from tests.service.support import UvicornProcess, build_index, make_checkpoint
 
 QUERIES: tuple[str, ...] = tuple(
     f"{n} {c} {s} {m}{tail}"
@@ -342,20 +342,11 @@ def spawned_server(workdir: Path, n_videos: int = 24, extra_args: Sequence[str] 
     """A tiny checkpoint + corpus + index under `workdir` and `gare-serve` on 127.0.0.1:<free port>.
 
     Yields (base_url, pid, index_dir)."""
-    for p in (str(REPO), str(BENCH)):
-        if p not in sys.path:
-            sys.path.insert(0, p)
-    # here, not at the top: the robustness tests load this module for run_load alone, without bench/ on sys.path
-    from support import ServeProcess, tiny_checkpoint, tiny_corpus
-
-    from gare_build.build import BuildOptions, build
-
     workdir.mkdir(parents=True, exist_ok=True)
-    ckpt = tiny_checkpoint(workdir / "tiny.safetensors")
-    videos = tiny_corpus(workdir / "corpus", n=n_videos)
-    index = workdir / "index"
-    build(str(ckpt), str(videos), str(index), BuildOptions(workers=0, progress=False))
-    with ServeProcess(["--index", str(index), "--log-level", "warning", *extra_args], env=env) as srv:
+    ckpt = make_checkpoint(workdir / "tiny.safetensors")
+    videos = make_corpus(workdir / "corpus", n=n_videos)
+    index = build_index(ckpt, videos, workdir / "index")
+    with UvicornProcess(["--index", str(index), "--log-level", "warning", *extra_args], env=env) as srv:
         yield srv.base_url, srv.proc.pid, index
 
 
