@@ -8,6 +8,7 @@ from fastapi.testclient import TestClient
 
 from gare.checkpoint import load_model
 from gare_search import search as S
+from gare_search.text_encoder import load_query_encoder
 from gare_serve.app import create_app
 from gare_serve.batch_worker import Job, process_jobs
 from gare_serve.metrics import Metrics
@@ -92,6 +93,8 @@ def test_another_checkpoint_never_gets_old_embeddings(service_env, tmp_path):
             assert not r1.cached and process_jobs(st, [Job(v, q, opts)])[0].cached
             other = make_checkpoint(tmp_path / "other.safetensors", seed=7)
             st.model, _ = load_model(other, st.device)
+            # the query encoder belongs to the model: a model swap builds the same kind of tower on the new one
+            st.encoder = load_query_encoder(st.model, st.encoder.kind, st.device, st.precision)
             st.checkpoint_sha = "other-" + st.checkpoint_sha
             with CountingEncoder(st.model) as enc:
                 r2 = process_jobs(st, [Job(v, q, opts)])[0]
