@@ -1,6 +1,6 @@
 """The README's demo: a generated video library, a small model trained here, its index, and the server.
 
-    bash run.sh demo          # or: python -m gare_demo.demo [--dir demo] [--port 8000]
+    bash run.sh demo          # or: python -m gare_demo [--dir demo] [--port 8000]
 
 Every stage keeps its output under --dir and is skipped when it is already there, so the second run starts
 the server in seconds. Only 127.0.0.1 is bound.
@@ -16,6 +16,14 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from gare.checkpoint import load_model
+from gare_build.cli import main as index_main
+from gare_index.store import open_index
+from gare_search.search import SearchOptions, search_batch
+from gare_serve.cli import main as serve_main
+from gare_train.fit import TrainConfig, Trainer
+from gare_train.synth import SynthConfig, generate_corpus
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +78,6 @@ def _prepare(root: Path, *, n_videos: int, epochs: int, run: _Run) -> tuple[Path
     t0 = time.perf_counter()
     if not (corpus / "corpus.json").exists():
         print(f"generating {n_videos} videos in {corpus}", flush=True)
-        from gare_train.synth import SynthConfig, generate_corpus
-
         # An easier corpus than the benchmark one (no planted hard negatives or near-duplicates), so that a
         # model trained for a minute or two on 2 cores already finds the right video most of the time.
         generate_corpus(corpus, SynthConfig(n_videos=n_videos, seed=0, width=96, height=96, duration=4.0,
@@ -86,8 +92,6 @@ def _prepare(root: Path, *, n_videos: int, epochs: int, run: _Run) -> tuple[Path
     if not ckpt.exists():
         print(f"training {DEMO_MODEL} from scratch (up to {epochs} epochs, stops when validation stops improving)",
               flush=True)
-        from gare_train.fit import TrainConfig, Trainer
-
         cfg = TrainConfig(model=DEMO_MODEL, data={"kind": "synth", "root": str(corpus)}, out_dir=str(model_dir),
                           epochs=epochs, **DEMO_TRAIN)
         summary = Trainer(cfg).fit()
@@ -100,8 +104,6 @@ def _prepare(root: Path, *, n_videos: int, epochs: int, run: _Run) -> tuple[Path
     t0 = time.perf_counter()
     if not (index / "CURRENT").exists():
         print(f"indexing {corpus / 'videos'}", flush=True)
-        from gare_build.cli import main as index_main
-
         rc = index_main(["-q", "build", "--checkpoint", str(ckpt), "--videos", str(corpus / "videos"), "--out", str(index)])
         if rc not in (0, 3):
             raise SystemExit(f"indexing failed (exit {rc})")
@@ -140,10 +142,6 @@ def heldout_captions(corpus: Path) -> list[tuple[str, str]]:
 def heldout_quality(index: Path, corpus: Path, checkpoint: Path, *, k: int = 10) -> dict[str, int]:
     """How often the served search (the index's default options) puts the right video in its top k for the
     held-out captions: {"hits": x, "queries": n, "k": k}. The same search the server runs (gare_search.search)."""
-    from gare.checkpoint import load_model
-    from gare_index.store import open_index
-    from gare_search.search import SearchOptions, search_batch
-
     pairs = heldout_captions(corpus)
     model, _ = load_model(checkpoint, "cpu")
     with open_index(index) as version:
@@ -156,7 +154,7 @@ def heldout_quality(index: Path, corpus: Path, checkpoint: Path, *, k: int = 10)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m gare_demo.demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m gare_demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", default="demo", help="where the demo keeps its corpus, model and index (default ./demo)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--videos", type=int, default=200, help="size of the generated library")
@@ -177,8 +175,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"     - {q}")
     print(f"   or: curl -s {url}v1/search -H 'content-type: application/json' -d '{json.dumps({'query': examples[0], 'k': 5})}'")
     print("   Ctrl-C stops the server.\n", flush=True)
-    from gare_serve.cli import main as serve_main
-
     # one worker, in this process (the model is loaded already once torch is imported): the page is up in seconds
     return serve_main(["--index", str(index), "--host", "127.0.0.1", "--port", str(args.port), "--workers", "1",
                        "--library-root", str(corpus)])

@@ -157,8 +157,9 @@ def closure(graph: dict[str, set[str]], start: str) -> set[str]:
             continue
         seen.add(m)
         todo += graph.get(m, ())
-    # importing a.b.c runs a/__init__ and a/b/__init__ first
-    return seen | {".".join(m.split(".")[:i]) for m in seen for i in range(1, m.count(".") + 1)}
+        # importing a.b.c runs a/__init__ and a/b/__init__ first, with their imports
+        todo += [".".join(m.split(".")[:i]) for i in range(1, m.count(".") + 1)]
+    return seen
 
 
 def function_imports(edges: list[Edge]) -> list[Edge]:

@@ -8,7 +8,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gare.sinkhorn import sinkhorn_biases, summed_retrieval_probabilities
-from gare_index.ann import AnnIndex, AnnParams, build_index, exact_search
+from gare_index.ann import AnnIndex, build_index
+from gare_index.ann_eval import exact_search
+from gare_index.ann_params import AnnParams
 
 _SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

@@ -18,9 +18,11 @@ import torch
 
 from gare.model import GARE
 from gare.text_quant import CUDA_TEXT_ENCODERS, QMAX, TEXT_ENCODERS, build_text_encoder, encode_each
+from gare_search import query as Q
 from gare_search import search as S
+from gare_serve.batch_worker import Job, process_jobs
 from gare_serve.metrics import Metrics
-from gare_serve.state import Job, ServiceState
+from gare_serve.state import ServiceState
 from tests.conftest import require
 from tests.service.support import settings
 from tests.training.test_text_quant import trained_tiny
@@ -85,7 +87,7 @@ def test_tower_ignores_padding_and_trimming(model, captions, kind):
     enc = build_text_encoder(model, kind)
     tokens = model.tokenize(captions)
     full = enc(tokens)
-    assert torch.equal(enc(S.trim_tokens(tokens)), full)
+    assert torch.equal(enc(Q.trim_tokens(tokens)), full)
     alone = torch.cat([enc(tokens[i : i + 1, : int(tokens[i].argmax()) + 1]) for i in range(len(captions))])
     assert torch.equal(alone, full)
 
@@ -137,18 +139,18 @@ def test_service_encoder_equals_offline(service_states, captions, kind):
     """The service's encoder (any micro-batch) == the offline encode_queries with a tower built anew from the
     same model, bit for bit; and a served search == the offline search() with that tower."""
     st = service_states(kind)
-    assert st.text_encoder == kind
+    assert st.encoder.kind == kind
     tower = None if kind == "fp32" else build_text_encoder(st.model, kind)
     offline = S.encode_queries(st.model, captions, tower=tower)
-    assert torch.equal(st.encode_texts(captions), offline)
-    assert torch.equal(st.encode_texts(captions[5:6]), offline[5:6])
+    assert torch.equal(st.encoder.encode(captions), offline)
+    assert torch.equal(st.encoder.encode(captions[5:6]), offline[5:6])
     opts = S.SearchOptions(k=5)
     with st.use_version() as v:
         for q in captions[:3]:  # one request alone: the served hits are the offline ones, every float equal
-            assert st._process([Job(v, q, opts)])[0].hits == S.search(st.model, v, q, opts, tower=tower).hits
+            assert process_jobs(st, [Job(v, q, opts)])[0].hits == S.search(st.model, v, q, opts, tower=tower).hits
         # a micro-batch of 8 (embeddings from the cache now): same ranking; the batched rerank may round the
         # scores differently in the last bits (tests/service/test_serve_scale.py), the embeddings do not
-        served = st._process([Job(v, q, opts) for q in captions[:8]])
+        served = process_jobs(st, [Job(v, q, opts) for q in captions[:8]])
         for q, r in zip(captions[:8], served, strict=True):
             want = S.search(st.model, v, q, opts, tower=tower)
             assert [h.id for h in r.hits] == [h.id for h in want.hits]
