@@ -56,9 +56,8 @@ Public API (a queries, b videos, K candidates per query, f frames, d width), by 
   VideoConstants`` (frames kept by reference; constants float32 on the frames' device);
 - :mod:`gare.psi_fold_queries`: ``fold_queries(t (a, d), psi_or_fold, temp) -> QueryVectors``;
 - here: ``pair_scores(q, v, idx=None) -> (a, b)`` scores, or ``(a, K)`` for candidate ids ``idx`` (a, K);
-  ``exhaustive(q, v, chunk=...) -> (a, b)`` in bounded memory for whole galleries; ``rerank_scores(impl, ...)``:
-  one switch over "fold" / "model" (gare_search.search.rerank_scores adds "fused"); the compiled CPU form of
-  ``pair_scores`` is :mod:`gare.psi_fold_cpu`.
+  ``exhaustive(q, v, chunk=...) -> (a, b)`` in bounded memory for whole galleries; ``fold_pair_scores(model, t,
+  frames, mask)`` for P (text, video) pairs; the compiled CPU form of ``pair_scores`` is :mod:`gare.psi_fold_cpu`.
 Inputs may be float16/bfloat16 (stored features); everything is computed in float32 on the inputs' device.
 """
 
@@ -292,14 +291,8 @@ def exhaustive(
     return out
 
 
-# ------------------------------------------------------------------------------------------ switch
-# The light core offers the fold and the model path; the fused path lives in gare_search.search (above this
-# layer), which dispatches all three.
-RERANK_IMPLS = ("fold", "model")
-
-
-def rerank_scores(
-    impl: str,
+# ------------------------------------------------------------------------------------------ pairs
+def fold_pair_scores(
     model: Any,
     t: torch.Tensor,
     frames: torch.Tensor,
@@ -308,35 +301,24 @@ def rerank_scores(
     consts: VideoConstants | None = None,
     fold: PsiFold | None = None,
 ) -> torch.Tensor:
-    """One switch over the psi implementations for P (text, video) pairs: t (P, d), frames (P, f, d),
-    mask (P, f) -> s (P,) float32 on t's device. v̄ is the masked mean of `frames` on every path (the mean
-    over all rows when ``model.cfg.reference_padding``), so the three agree to float32 rounding.
+    """psi scores of P (text, video) pairs by the fold: t (P, d), frames (P, f, d), mask (P, f) -> s (P,)
+    float32 on t's device. v̄ is the masked mean of `frames` (the mean over all rows when
+    ``model.cfg.reference_padding``), as in ``model.score``, which the tests check this against.
 
-    "fold": `consts` (P rows, already gathered for these pairs) or folded here from frames/mask (`fold` =
-    cached `fold_weights(model.psi)`); "model": `model.score` pair by pair.
-    """
-    if impl not in RERANK_IMPLS:
-        raise ValueError(f"rerank impl must be one of {RERANK_IMPLS}, got {impl!r}")
-
+    `consts`: the P pairs' video constants, already gathered, or folded here from frames/mask; `fold`: the
+    cached ``fold_weights(model.psi)``."""
     P = t.shape[0]
     if frames.shape[0] != P:
         raise ValueError(f"t has {P} rows but frames has {frames.shape[0]}")
     dev = t.device
     with torch.inference_mode():
-        if impl == "fold":
-            fw = fold if fold is not None else fold_weights(model.psi)
-            v = consts if consts is not None else fold_videos(
-                frames.to(dev), mask, fw, reference_padding=getattr(model.cfg, "reference_padding", False))
-            if v.n != P:
-                raise ValueError(f"consts has {v.n} rows for {P} pairs")
-            q = fold_queries(t, fw, model.cfg.temp)
-            return diagonal_scores(q, v.to(dev))
-        fr = frames.to(dev, torch.float32)
-        mk = None if mask is None else mask.to(dev)
-        out = torch.empty(P, device=dev)
-        for i in range(P):
-            out[i] = model.score(t[i : i + 1].float(), fr[i : i + 1], None if mk is None else mk[i : i + 1])[0, 0]
-        return out
+        fw = fold if fold is not None else fold_weights(model.psi)
+        v = consts if consts is not None else fold_videos(
+            frames.to(dev), mask, fw, reference_padding=getattr(model.cfg, "reference_padding", False))
+        if v.n != P:
+            raise ValueError(f"consts has {v.n} rows for {P} pairs")
+        q = fold_queries(t, fw, model.cfg.temp)
+        return diagonal_scores(q, v.to(dev))
 
 
 def diagonal_scores(q: QueryVectors, v: VideoConstants) -> torch.Tensor:

@@ -76,6 +76,15 @@ def fused_pair_scores(model: Any, t: torch.Tensor, frames: torch.Tensor, mask: t
     return F.cosine_similarity(t + delta, p, dim=-1, eps=1e-8)
 
 
+def model_pair_scores(model: Any, t: torch.Tensor, frames: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """s (P,) for P (text, video) pairs by ``model.score`` (the training definition), one pair at a time."""
+    fr = frames.to(t.device, torch.float32)
+    mk = None if mask is None else mask.to(t.device)
+    with torch.inference_mode():
+        return torch.stack([model.score(t[i : i + 1].float(), fr[i : i + 1], None if mk is None else mk[i : i + 1])[0, 0]
+                            for i in range(t.shape[0])])
+
+
 def _vbar(version: Any, r: np.ndarray | slice) -> np.ndarray:
     return np.asarray(version.units[r], dtype=np.float32) * np.asarray(version.norms[r], dtype=np.float32)[:, None]
 

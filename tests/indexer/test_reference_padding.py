@@ -122,7 +122,7 @@ def test_stage2_paths_equal_the_authors_on_the_stored_features(imported):
     consts = pfv.fold_videos(frames, masks, fold, reference_padding=True)
     got = pf.pair_scores(pfq.fold_queries(t, fold, model.cfg.temp), consts)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
-    pairs = pf.rerank_scores("fold", model, t.repeat_interleave(b, 0), frames.repeat(a, 1, 1), masks.repeat(a, 1))
+    pairs = pf.fold_pair_scores(model, t.repeat_interleave(b, 0), frames.repeat(a, 1, 1), masks.repeat(a, 1))
     torch.testing.assert_close(pairs.view(a, b), ref, atol=1e-5, rtol=0)
     # mask=None is not the authors' padding: it would pool over the padded rows too
     wrong = pf.pair_scores(pfq.fold_queries(t, fold, model.cfg.temp), pfv.fold_videos(frames, None, fold))

@@ -184,11 +184,11 @@ def test_folded_weights_follow_parameter_changes(tiny_model):
     t, frames = torch.randn(4, d), torch.randn(4, f, d)
     vbar = frames.mean(1)
     with torch.inference_mode():
-        before = pf.rerank_scores("fold", tiny_model, t, frames, None, fold=psi_consts.fold_of(tiny_model))
+        before = pf.fold_pair_scores(tiny_model, t, frames, None, fold=psi_consts.fold_of(tiny_model))
     with torch.no_grad():
         tiny_model.psi.q.weight.mul_(-1.5)
     with torch.inference_mode():
-        after = pf.rerank_scores("fold", tiny_model, t, frames, None, fold=psi_consts.fold_of(tiny_model))
+        after = pf.fold_pair_scores(tiny_model, t, frames, None, fold=psi_consts.fold_of(tiny_model))
         ref = torch.diagonal(tiny_model.score(t, frames, None, vbar=vbar))
     assert not torch.allclose(before, after)
     torch.testing.assert_close(after, ref, atol=1e-5, rtol=1e-5)

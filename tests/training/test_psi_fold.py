@@ -136,7 +136,7 @@ def test_fully_padded_video_scores_nan_like_pair_scores():
 
 def test_equals_model_score_and_fused(tiny_model):
     """Against model.score (block-wise, the training definition) and the fused reference (tests/psi_reference.py)."""
-    from tests.psi_reference import fused_pair_scores  # the fused reference only this test uses
+    from tests.psi_reference import fused_pair_scores, model_pair_scores  # references only this test uses
 
     torch.manual_seed(3)
     d, f = tiny_model.cfg.embed_dim, tiny_model.cfg.max_frames
@@ -151,18 +151,17 @@ def test_equals_model_score_and_fused(tiny_model):
     v = pfv.fold_videos(frames.half(), mask, fw)
     s = pf.pair_scores(pfq.fold_queries(t, fw, tiny_model.cfg.temp), v)
     torch.testing.assert_close(s, ref, atol=TOL, rtol=0)
-    # one switch over the three implementations, pair by pair
+    # pair by pair: the fold against the model's own score and the fused form (tests/psi_reference.py)
     P = torch.arange(7)
     tp, fp, mp = t[P % 5], frames.half()[P], mask[P]
-    outs = {impl: pf.rerank_scores(impl, tiny_model, tp, fp, mp, fold=fw) for impl in pf.RERANK_IMPLS}
     diag = ref[P % 5, P]
-    for impl, o in outs.items():
-        torch.testing.assert_close(o, diag, atol=TOL, rtol=0, msg=f"rerank impl {impl}")
+    torch.testing.assert_close(pf.fold_pair_scores(tiny_model, tp, fp, mp, fold=fw), diag, atol=TOL, rtol=0)
+    torch.testing.assert_close(model_pair_scores(tiny_model, tp, fp, mp), diag, atol=TOL, rtol=0)
     with torch.no_grad():
         vbar = (frames.half().float() * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
         torch.testing.assert_close(fused_pair_scores(tiny_model, tp, fp.float(), mp, vbar[P]), diag, atol=TOL, rtol=0)
-    with pytest.raises(ValueError, match="'nope'"):
-        pf.rerank_scores("nope", tiny_model, tp, fp, mp)
+    with pytest.raises(ValueError, match="has 5 rows but frames has 7"):
+        pf.fold_pair_scores(tiny_model, tp[:5], fp, mp)
 
 
 def test_explicit_vbar_equals_model_score(tiny_model):
