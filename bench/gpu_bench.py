@@ -119,7 +119,7 @@ def section_env(ctx: dict[str, Any]) -> dict[str, Any]:
 def _text_encoders(model, dev: torch.device) -> list[tuple[str, str, Callable[[list[str]], torch.Tensor]]]:
     """(impl, precision, texts -> t) for every text encoder this device offers: the model's own tower through
     gare_search.search.encode_queries (autocast for fp16/bf16), and on CUDA the half-precision towers of
-    gare.text_quant (what `text_encoder` fp16/bf16 serves); both tokenise and trim as the service does."""
+    gare.text_quant (what `text_encoder` fp16 serves); both tokenise and trim as the service does."""
     from gare.text_quant import build_text_encoder
     from gare_search.query import encode_queries, trim_tokens
 
@@ -127,7 +127,7 @@ def _text_encoders(model, dev: torch.device) -> list[tuple[str, str, Callable[[l
     for prec in (["fp32", "fp16", "bf16"] if dev.type == "cuda" else ["fp32", "bf16"]):
         out.append(("model", prec, lambda texts, prec=prec: encode_queries(model, texts, prec)))
     if dev.type == "cuda":
-        for kind in ("fp16", "bf16"):
+        for kind in ("fp16",):  # the half-precision towers the product offers (bf16's lost: gpu_bench.md)
             enc = build_text_encoder(model, kind)
             out.append(("tower", kind, lambda texts, enc=enc: enc(trim_tokens(model.tokenize(texts)))))
     return out

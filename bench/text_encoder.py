@@ -45,7 +45,7 @@ from index_common import cpu_name  # noqa: E402
 from support import git_commit  # noqa: E402
 from zipf_queries import hit_rates, vocabulary, zipf_stream  # noqa: E402
 
-KINDS = ("fp32", "int8", "onnx", "onnx-int8")
+KINDS = ("int8",)  # the CPU towers gare.text_quant offers besides the model's own (model-fp32)
 # Rule for choosing int8 as the CPU default (issue 14): >= 1.7x faster than fp32 at one query on one
 # thread AND with all threads, and t2v R@1 (+psi) within 0.5 point on every evaluated split.
 SPEEDUP_MIN, R1_MAX_DROP = 1.7, 0.5
@@ -68,7 +68,7 @@ def build_encoders(model, kinds, threads: int) -> dict[str, Any]:
 
     encs["model-fp32"] = model_fp32
     for k in kinds:
-        encs[k] = build_text_encoder(model, k, threads=threads)
+        encs[k] = build_text_encoder(model, k)
     return encs
 
 
@@ -186,9 +186,8 @@ def choose(speed: dict[str, Any], fid: dict[str, Any] | None) -> dict[str, Any]:
     """The CPU default by the rule above, from this run's numbers only."""
     reasons = []
     best = "fp32"
-    for cand in ("int8", "onnx-int8", "onnx"):
-        if cand not in speed["rows"][0]["ms"]:
-            continue
+    # every tower the run measured, in its order (a report rendered again keeps the towers it measured then)
+    for cand in [k for k in speed["rows"][0]["ms"] if k not in ("model-fp32", "fp32")]:
         single = [r for r in speed["rows"] if r["batch"] == 1]
         sp = [r["speedup_vs_model_fp32"][cand] for r in single]
         fast = all(x >= SPEEDUP_MIN for x in sp)
@@ -212,9 +211,9 @@ def write_report(res: dict[str, Any], out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "text_encoder.json").write_text(json.dumps(res, indent=2))
     L = [
-        "# CPU text encoder: fp32 vs int8 vs ONNX Runtime (issue 14)", "",
+        "# CPU text encoder: the model's fp32 tower vs the int8 tower (issue 14)", "",
         f"- commit `{res['commit']}`, date {res['date']}, CPU: {res['cpu']} ({res['cores']} logical cores visible, "
-        f"torch {res['torch']}, onnxruntime {res['onnxruntime']})",
+        f"torch {res['torch']}" + (f", onnxruntime {res['onnxruntime']}" if res.get("onnxruntime") else "") + ")",
         f"- command: `{res['command']}`",
         f"- note: {res['note']}",
         *([f"- fidelity and Zipf sections from an earlier run on the same machine: commit `{res['sections_from']['commit']}`, "
@@ -313,14 +312,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"default: {res['choice']['default']}; wrote {args.out / 'text_encoder.md'}")
         return 0
 
-    import onnxruntime
-
     res: dict[str, Any] = {
         "commit": git_commit(),
         "command": "python " + shlex.join([os.path.relpath(Path(sys.argv[0]).resolve(), REPO), *sys.argv[1:]]),
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": cpu_name(), "cores": os.cpu_count(), "platform": platform.platform(),
-        "torch": torch.__version__, "onnxruntime": onnxruntime.__version__,
+        "torch": torch.__version__,
         "note": "timings are ratios measured side by side in one run; absolute ms depend on the machine's load",
         "fidelity_note": args.fidelity_note,
     }

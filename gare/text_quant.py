@@ -1,59 +1,44 @@
-"""Faster CPU text towers for serving: int8 dynamic quantisation and ONNX Runtime, as explicit options.
+"""The text towers a search can run instead of the model's own: int8 on the CPU, fp16 weights on CUDA.
 
 The query path needs only CLIP's text tower (token embedding, causal transformer, ln_final, projection at
 the EOT token; :func:`gare.backbone.encode_text_tokens`). :class:`TextTower` is a stand-alone copy of
 it whose attention projections are plain ``nn.Linear`` layers (PyTorch's ``nn.MultiheadAttention`` keeps
-them as a raw ``in_proj_weight`` and a ``NonDynamicallyQuantizableLinear``, which dynamic quantisation
-skips), so that every matrix product of the blocks can be quantised and the graph exports cleanly.
+them as a raw ``in_proj_weight``), so that every matrix product of the blocks can be replaced.
 
-Encoders (:func:`build_text_encoder`, ``kind``):
-- ``"fp32"``: :class:`TextTower` in float32 (numerically the model's own encoder, up to summation order);
-- ``"int8"``: :class:`Int8TextTower`, the same tower with every block Linear (q/k/v, out, c_fc, c_proj) an
+Towers (:func:`build_text_encoder`, ``kind``), one per device, each the measured default there:
+- ``"int8"`` (CPU): :class:`Int8TextTower`, the tower with every block Linear (q/k/v, out, c_fc, c_proj) an
   :class:`Int8Linear`: weights 7-bit int8 per output channel, activations quantised per token at run time,
   the products summed exactly in int32 (``torch._int_mm``) and rescaled in float32;
-- ``"onnx"`` / ``"onnx-int8"``: the fp32 tower exported with ``torch.onnx.export`` and run by ONNX Runtime
-  (optionally with ORT's own dynamic int8 quantisation of the MatMuls). Needs the ``onnx`` extra.
+- ``"fp16"`` (CUDA): :class:`TextTower` with its weights stored in half precision on the model's GPU (no
+  autocast casts per layer: at the service's batch sizes the tower is launch-bound, and autocast's casts made
+  fp16 slower than fp32 there); the projection to t stays fp32.
+The model's own tower (``GARE.encode_text``, run per text by :func:`encode_each`) is the exact reference and the
+search's ``"fp32"`` option. Asking for int8 on a CUDA model or fp16 on the CPU raises :class:`ValueError`.
 
-Those four are CPU-only: asking for int8/onnx on a CUDA model raises :class:`ValueError`. For CUDA:
-- ``"fp16"`` / ``"bf16"``: :class:`TextTower` with its weights stored in half precision on the model's GPU
-  (no autocast casts per layer: at the service's batch sizes the tower is launch-bound, and autocast's casts
-  made fp16 slower than fp32 there; bench/results/gpu_bench.md measures both); the projection to t stays fp32.
-
-Every encoder is a callable ``tokens (a, L) int64 -> t (a, d) float32`` on the model's device (the CPU for
-the CPU kinds), L <= context length; the embedding is un-normalised like ``GARE.encode_text`` (psi needs |t|).
+Every encoder is a callable ``tokens (a, L) int64 -> t (a, d) float32`` on the model's device, L <= context
+length; the embedding is un-normalised like ``GARE.encode_text`` (psi needs |t|).
 
 Batch invariance (issue 24): a text's embedding is the same bits whatever else is in its batch and however far
 the batch is padded. A batched float GEMM's rounding may depend on the row count M (MKL/oneDNN/cuBLAS pick
 their blocking and kernels by shape), attention and activations see the padded length, and a dynamic int8
 scale taken over the batch depends on the other texts; so "alone" and "in a batch" are made the same
 computation by construction, not by measurement:
-- fp32 / fp16 / bf16 / onnx / onnx-int8 (and the model's own encoder, :func:`encode_each`): every text runs
-  alone at its own length (a batch of one, L = its EOT position + 1), the same shapes as when it is sent alone;
+- fp16 (and the model's own encoder, :func:`encode_each`): every text runs alone at its own length (a batch of
+  one, L = its EOT position + 1), the same shapes as when it is sent alone;
 - int8: the texts' tokens are packed back to back without padding (T rows); every op on the packed rows
   computes each row on its own (LayerNorm's per-row kernel, the row max), or each element with one correctly
   rounded float op (add, mul, div, round), or is exact (the int8 products summed in int32); what mixes rows or
   calls a transcendental function (attention, the MLP activation, the final projection) runs per text on that
   text's rows. This keeps the int8 tower's batching, which a batch of one would lose.
-Cost, measured against the earlier batched towers (ms per query, 1 thread, ViT-B/32, MSR-VTT test captions,
-micro-batches of 1 / 8 / 32): int8 x1.23 / x0.79 / x0.67 (no padding now; the earlier int8 with each text alone
-would have been x0.97 / x1.77 / x1.75); the per-text towers x1.0 at one query and x1.6-x3.2 at 8-32 (model fp32
-x3.1, onnx x1.6-2.0, onnx-int8 x1.1-1.4): the price of exactness where float GEMMs do the sums.
 The guarantee is per machine and thread count (a different CPU or ``torch.set_num_threads`` may round
 differently, for a text alone as in a batch).
-
-Fidelity and speed: ``bench/text_encoder.py`` -> ``bench/results/text_encoder.md``; the CPU default below
-is chosen from those numbers.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-import os
-import tempfile
-import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -62,14 +47,12 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-TEXT_ENCODERS = ("fp32", "int8", "onnx", "onnx-int8", "fp16", "bf16")
-CUDA_TEXT_ENCODERS = ("fp16", "bf16")  # half-precision weights on the GPU; the others run on the CPU
-# Chosen from bench/results/text_encoder.md (see the "Choice" section there; tests/service/test_serve_scale.py
-# checks that this constant is the committed report's choice). The service's `text_encoder: auto` uses it on
-# the CPU at fp32 precision and the model's own tower (fp32/fp16/bf16) everywhere else.
+TEXT_ENCODERS = ("int8", "fp16")  # the towers built here; "fp32" is the model's own tower
+CUDA_TEXT_ENCODERS = ("fp16",)  # half-precision weights on the GPU; int8 runs on the CPU
+# The measured defaults, each the winner of its device's rule (speed side by side, and R@1 within 0.5 point of the
+# model's fp32 tower on every evaluated split); tests/test_evidence.py checks them against the committed
+# measurements. The service's `text_encoder: auto` uses them at fp32 precision, the model's own tower otherwise.
 DEFAULT_CPU_TEXT_ENCODER = "int8"
-# The same on CUDA, from bench/results/gpu_bench.md (tests/indexer/test_device_defaults.py checks it): the
-# fastest of the model's own tower at fp32 and the half-precision towers at one query and at 32.
 DEFAULT_CUDA_TEXT_ENCODER = "fp16"
 
 # Quantised values |q| <= 63 (7 bits) for weights and activations. CPUs without VNNI (AVX2, AVX512 without
@@ -80,7 +63,7 @@ DEFAULT_CUDA_TEXT_ENCODER = "fp16"
 QMAX = 63
 
 __all__ = ["TEXT_ENCODERS", "CUDA_TEXT_ENCODERS", "DEFAULT_CPU_TEXT_ENCODER", "DEFAULT_CUDA_TEXT_ENCODER", "QMAX", "half_tower", "TextTower",
-           "Int8Linear", "Int8TextTower", "token_lengths", "encode_each", "build_text_encoder", "quantize_int8", "OnnxTextEncoder"]
+           "Int8Linear", "Int8TextTower", "token_lengths", "encode_each", "build_text_encoder", "quantize_int8"]
 
 
 def token_lengths(tokens: torch.Tensor) -> list[int]:
@@ -183,8 +166,8 @@ def _check_cpu(model: nn.Module, kind: str) -> None:
         dev = p.device if p is not None else torch.device("cpu")
     if torch.device(dev).type != "cpu":
         raise ValueError(
-            f"text encoder {kind!r} is a CPU option (int8 / ONNX Runtime on CPU); the model is on {dev}. "
-            "On CUDA use precision fp16 or bf16 (autocast) instead"
+            f"text encoder {kind!r} is a CPU option; the model is on {dev}. On CUDA use fp16 or the model's "
+            "own tower (fp32)"
         )
 
 
@@ -296,12 +279,12 @@ class _TorchEncoder:
 
 
 def half_tower(model: nn.Module, kind: str) -> TextTower:
-    """A :class:`TextTower` on the model's GPU with every weight but the final projection in fp16 or bf16."""
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[kind]
+    """A :class:`TextTower` on the model's GPU with every weight but the final projection in fp16."""
+    dtype = {"fp16": torch.float16}[kind]
     dev = torch.device(getattr(model, "device", None) or next(model.parameters()).device)
     if dev.type != "cuda":
         raise ValueError(f"text encoder {kind!r} (half-precision weights) is a CUDA option; the "
-                         f"model is on {dev}. On the CPU use fp32, int8 or onnx")
+                         f"model is on {dev}. On the CPU use int8 or the model's own tower (fp32)")
     tower = TextTower.from_model(model).to(dev)
     for m in (tower.token_embedding, tower.blocks, tower.ln_final):
         m.to(dtype)
@@ -310,83 +293,16 @@ def half_tower(model: nn.Module, kind: str) -> TextTower:
     return tower.eval()
 
 
-class OnnxTextEncoder:
-    """The fp32 :class:`TextTower` exported to ONNX and run by ONNX Runtime (optionally int8-quantised)."""
-
-    def __init__(self, tower: TextTower, *, int8: bool = False, threads: int | None = None, path: str | os.PathLike | None = None) -> None:
-        try:
-            import onnxruntime as ort
-        except ImportError as e:  # pragma: no cover - depends on the extra
-            raise ImportError("the onnx text encoder needs onnxruntime: pip install 'gare-search[onnx]'") from e
-        self.kind = "onnx-int8" if int8 else "onnx"
-        tmp = None
-        if path is None:
-            tmp = tempfile.TemporaryDirectory(prefix="gare-onnx-")
-            path = Path(tmp.name) / "text.onnx"
-        path = Path(path)
-        export_onnx(tower, path)
-        if int8:
-            from onnxruntime.quantization import QuantType, quantize_dynamic
-
-            qpath = path.with_name(path.stem + ".int8.onnx")
-            quantize_dynamic(str(path), str(qpath), weight_type=QuantType.QInt8)
-            path = qpath
-        so = ort.SessionOptions()
-        if threads is not None:
-            so.intra_op_num_threads = int(threads)
-            so.inter_op_num_threads = 1
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        self.session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-        self.path = path
-        self._tmp = tmp  # keeps the files while the session lives
-
-    def _run(self, tokens: torch.Tensor) -> torch.Tensor:
-        out = self.session.run(None, {"tokens": tokens.cpu().numpy().astype("int64", copy=False)})[0]
-        return torch.from_numpy(out).float()
-
-    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
-        # each text alone: ORT's GEMMs are shaped by the batch, and onnx-int8's activation scale is per call
-        return encode_each(self._run, tokens)
-
-
-def export_onnx(tower: TextTower, path: str | os.PathLike) -> Path:
-    """Write ``tower`` as ONNX with dynamic batch and length (tokens (a, L) int64 -> t (a, d))."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    example = torch.ones(2, 8, dtype=torch.int64)
-    example[:, -1] = tower.token_embedding.num_embeddings - 1  # an EOT-like largest id
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            tower,
-            (example,),
-            str(path),
-            input_names=["tokens"],
-            output_names=["t"],
-            dynamic_axes={"tokens": {0: "a", 1: "L"}, "t": {0: "a"}},
-            dynamo=False,
-            opset_version=17,
-        )
-    return path
-
-
-def build_text_encoder(model: nn.Module, kind: str = DEFAULT_CPU_TEXT_ENCODER, *, threads: int | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A CPU text encoder ``tokens (a, L) -> t (a, d) float32`` of the given kind for a GARE model.
-
-    ``threads`` applies to ONNX Runtime sessions (torch uses ``torch.set_num_threads``).
-    """
+def build_text_encoder(model: nn.Module, kind: str = DEFAULT_CPU_TEXT_ENCODER) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The text tower ``kind`` of a GARE model: ``tokens (a, L) -> t (a, d) float32`` on its device."""
     if kind not in TEXT_ENCODERS:
-        raise ValueError(f"unknown text encoder {kind!r}; choose one of {', '.join(TEXT_ENCODERS)}")
+        raise ValueError(f"unknown text encoder {kind!r}; choose one of {', '.join(TEXT_ENCODERS)} "
+                         "(or the model's own tower)")
     if kind in CUDA_TEXT_ENCODERS:
         tower = half_tower(model, kind)
         return _TorchEncoder(tower, kind, tower.text_projection.device)
     _check_cpu(model, kind)
-    tower = TextTower.from_model(model)
-    if kind == "fp32":
-        return _TorchEncoder(tower, kind)
-    if kind == "int8":
-        return _TorchEncoder(quantize_int8(tower), kind, per_text=False)
-    return OnnxTextEncoder(tower, int8=kind == "onnx-int8", threads=threads)
+    return _TorchEncoder(quantize_int8(TextTower.from_model(model)), kind, per_text=False)
 
 
 def describe(encoder: Any) -> str:

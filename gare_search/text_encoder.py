@@ -50,7 +50,7 @@ def choose_text_encoder(kind: str, device_type: str, precision: str) -> str:
         return kind
     needs = "cuda" if kind in CUDA_TEXT_ENCODERS else "cpu"
     if device_type != needs:
-        use = "use fp16/bf16 or fp32 there" if device_type == "cuda" else "use int8, onnx, onnx-int8 or fp32 there"
+        use = "use fp16 or fp32 there" if device_type == "cuda" else "use int8 or fp32 there"
         raise TextEncoderError(f"text_encoder={kind!r} is a {needs.upper()} option; the search runs on {device_type} "
                                f"({use})")
     if precision != "fp32":
@@ -89,15 +89,14 @@ class QueryEncoder:
         return encode_queries(self.model, texts, self.precision, tower=self.tower)
 
 
-def load_query_encoder(model: Any, kind: str, device: torch.device | str, precision: str, *,
-                       threads: int | None = None) -> QueryEncoder:
-    """The encoder for ``kind`` (see :func:`choose_text_encoder`), its tower built now (``threads``: the CPU
-    towers' intra-op threads); :class:`TextEncoderError` when it cannot be chosen or built."""
+def load_query_encoder(model: Any, kind: str, device: torch.device | str, precision: str) -> QueryEncoder:
+    """The encoder for ``kind`` (see :func:`choose_text_encoder`), its tower built now; :class:`TextEncoderError`
+    when it cannot be chosen or built."""
     chosen = choose_text_encoder(kind, torch.device(device).type, precision)
     tower = None
     if chosen != "fp32":
         try:
-            tower = build_text_encoder(model, chosen, threads=threads)
+            tower = build_text_encoder(model, chosen)
         except (ImportError, ValueError, RuntimeError) as e:
             raise TextEncoderError(f"cannot build the {chosen} text encoder: {e}") from None
     log.debug("query text encoder: %s (asked %s) at %s", chosen, kind, precision)

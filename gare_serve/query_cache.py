@@ -3,7 +3,7 @@
 Key = (checkpoint sha256, encoder variant, normalised text):
 - the checkpoint hash, because another checkpoint gives another embedding (an index reload that changes
   the checkpoint simply stops hitting the old entries, which age out);
-- the encoder variant (``"fp32"``, ``"bf16"``, ``"int8"``, ``"onnx"`` ...), because a quantised or
+- the encoder variant (``"fp32"``, ``"bf16"``, ``"int8"``, ``"fp16"`` ...), because a quantised or
   low-precision tower gives a slightly different t than fp32 and a switch must not serve stale vectors;
 - the text as the tokenizer sees it (:func:`make_normalizer`).
 

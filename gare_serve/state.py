@@ -118,8 +118,7 @@ class ServiceState:
             raise StartupError(f"cannot load checkpoint {path}: {e}") from None
         self.model, self.checkpoint_path, self.checkpoint_sha = model, path, sha
         try:
-            self.encoder = load_query_encoder(model, s.text_encoder, self.device, self.precision,
-                                              threads=torch.get_num_threads())
+            self.encoder = load_query_encoder(model, s.text_encoder, self.device, self.precision)
         except TextEncoderError as e:
             raise StartupError(str(e)) from None
         # the query-embedding cache keys a text as the tokenizer sees it

@@ -209,7 +209,7 @@ def test_sinkhorn_biases_on_cuda_equal_cpu_at_scale():
     assert abs(float(e_cpu) - float(e_gpu)) < 1e-3
 
 
-@pytest.mark.parametrize("kind", ["fp16", "bf16"])
+@pytest.mark.parametrize("kind", ["fp16"])
 def test_half_precision_text_tower_on_cuda_stays_close_to_fp32(kind):
     """gare.text_quant's CUDA towers (half-precision weights, fp32 projection) against the CPU fp32 encoder."""
     from gare.text_quant import build_text_encoder
@@ -222,4 +222,4 @@ def test_half_precision_text_tower_on_cuda_stays_close_to_fp32(kind):
     got = enc(trim_tokens(model.tokenize(texts)))
     assert got.device.type == "cuda" and got.dtype == torch.float32
     cos = F.cosine_similarity(got.cpu(), ref)
-    assert cos.min() > (0.999 if kind == "fp16" else 0.99), cos
+    assert cos.min() > 0.999, cos

@@ -176,5 +176,5 @@ def test_text_encoder_needs_fp32_precision(service_env):
 def test_cli_text_encoder_and_workers_options():
     from gare_serve.cli import build_parser, settings_from_args
 
-    s = settings_from_args(build_parser().parse_args(["--index", "x", "--text-encoder", "onnx-int8", "--workers", "3"]))
-    assert s.text_encoder == "onnx-int8" and s.workers == 3
+    s = settings_from_args(build_parser().parse_args(["--index", "x", "--text-encoder", "int8", "--workers", "3"]))
+    assert s.text_encoder == "int8" and s.workers == 3

@@ -2,9 +2,8 @@
 service's encoder gives the offline path's bits (gare.text_quant's docstring has the scheme).
 
 Before the fix the int8 tower quantised activations with one scale per batch, and every tower saw the batch's
-padding and row count: run on that code, the model's own encoder and the fp32, int8 and onnx-int8 towers gave
-other bits for a caption alone than in the batch (int8 up to 0.13 in a coordinate, fp32 ~1e-6); the onnx tower
-happened to agree on the machine it was checked on, which is why it is now made invariant by construction too.
+padding and row count: run on that code, the model's own encoder and the int8 tower gave other bits for a caption
+alone than in the batch (int8 up to 0.13 in a coordinate, fp32 ~1e-6).
 """
 
 from __future__ import annotations
@@ -29,8 +28,8 @@ from tests.training.test_text_quant import trained_tiny
 
 # the 1k-A test captions of MSR-VTT, next to the repository (../shared/data/msrvtt)
 CAPTIONS_CSV = Path(__file__).resolve().parents[3] / "shared" / "data" / "msrvtt" / "MSRVTT_JSFUSION_test.csv"
-CPU_TOWERS = [k for k in TEXT_ENCODERS if k not in CUDA_TEXT_ENCODERS]  # fp32 (text_quant's), int8, onnx, onnx-int8
-SERVICE_CPU_TOWERS = ["fp32", "int8", "onnx", "onnx-int8"]  # the service's fp32 is the model's own encoder
+CPU_TOWERS = [k for k in TEXT_ENCODERS if k not in CUDA_TEXT_ENCODERS]  # int8
+SERVICE_CPU_TOWERS = ["fp32", "int8"]  # the service's fp32 is the model's own encoder
 
 
 @pytest.fixture(scope="module")
