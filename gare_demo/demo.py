@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 DEMO_MODEL = "gare-cpu-demo"
 DEMO_TRAIN = {"batch_size": 32, "lr": 1e-3, "coef_lr": 1.0, "augment": "none", "freeze_patch_embed": False,
               "cache_frames": True, "early_stop_patience": 6, "num_workers": 2, "seed": 0}
-RUN_FILE = "demo-run.json"  # what this run did, stage by stage (read by bench/quickstart.py)
+RUN_FILE = "demo-run.json"  # what this run did, stage by stage (the quickstart measurement reads it)
 QUALITY_FILE = "heldout-quality.json"
 
 
