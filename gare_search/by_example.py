@@ -13,6 +13,10 @@ query can use it:
 
 The NCL biases b_j are the Sinkhorn duals for *text* queries (SPEC: the bank is text embeddings), on the
 scale of text-video scores; they are reported but never added here.
+
+A sharded index runs the same steps per shard (:mod:`gare_search.sharded`): :func:`example_candidates` (stage 1
+without the query videos), :func:`frame_match_rerank` (s_vv against frames that may come from other shards) and
+:func:`rank_examples` (the ranking, on the merged candidates).
 """
 
 from __future__ import annotations
@@ -67,25 +71,44 @@ def frame_match_scores(q_frames: np.ndarray, q_masks: np.ndarray, frames: np.nda
     return (0.5 * (q_to_c + c_to_q)).astype(np.float32)
 
 
+def example_candidates(version: Any, u: np.ndarray, exclude: Sequence[int] | np.ndarray,
+                       candidates: int) -> tuple[np.ndarray, np.ndarray]:
+    """Stage 1 of a "more like this" query: (cosines (K',), ids (K',)), the top K = `candidates` by cos(û, v̂_j)
+    of the version's videos other than `exclude` (the query videos it holds); K' <= K when the version is small.
+
+    u (1, d) unit query vector. It asks for K + |exclude| slots: the query videos are their own nearest
+    neighbours, and once they are dropped the first K left are the top K of the others."""
+    exclude = np.asarray(exclude, dtype=np.int64).reshape(-1)
+    sc, got = version.search(u, min(int(candidates) + exclude.size, max(version.n, 1)))
+    keep = (got[0] >= 0) & ~np.isin(got[0], exclude)
+    return sc[0][keep][:candidates], got[0][keep][:candidates]
+
+
+def frame_match_rerank(version: Any, cand_ids: np.ndarray, q_frames: Sequence[np.ndarray],
+                       q_masks: Sequence[np.ndarray]) -> np.ndarray:
+    """s_vv(Q, j) for the version's candidates `cand_ids` (n,): the mean over the query videos (q_frames[i]
+    (fq, d), q_masks[i] (fq,), in request order; they may live in another index, a shard) -> (n,) float32."""
+    rows = version.rows(cand_ids)
+    frames, masks = np.asarray(version.frames[rows]), np.asarray(version.masks[rows])
+    psi = np.zeros(np.asarray(cand_ids).size, np.float32)
+    for qf, qm in zip(q_frames, q_masks, strict=True):
+        psi += frame_match_scores(qf, qm, frames, masks)
+    psi /= len(q_frames)
+    return psi
+
+
 def search_by_videos(version: Any, ids: Sequence[int], opts: SearchOptions) -> QueryResult:
     """More like these videos: stage 1 with their mean unit vector, rerank by s_vv, the query videos excluded."""
     t0 = time.perf_counter()
     ids = list(dict.fromkeys(int(i) for i in ids))
     u, q_rows = video_query_unit(version, ids)
     t1 = time.perf_counter()
-    # Ask for the query videos' own slots too: they are the nearest neighbours of themselves.
-    sc, got = version.search(u, min(int(opts.candidates) + len(ids), max(version.n, 1)))
-    keep = (got[0] >= 0) & ~np.isin(got[0], ids)
-    ann_s, ann_i = sc[0][keep][: opts.candidates], got[0][keep][: opts.candidates]
+    ann_s, ann_i = example_candidates(version, u, ids, int(opts.candidates))
     t2 = time.perf_counter()
     psi = None
     if opts.rerank and ann_i.size:
-        rows = version.rows(ann_i)
-        frames, masks = np.asarray(version.frames[rows]), np.asarray(version.masks[rows])
-        psi = np.zeros(ann_i.size, np.float32)
-        for r in q_rows:
-            psi += frame_match_scores(version.frames[r], version.masks[r], frames, masks)
-        psi /= len(q_rows)
+        psi = frame_match_rerank(version, ann_i, [version.frames[r] for r in q_rows],
+                                 [version.masks[r] for r in q_rows])
     t3 = time.perf_counter()
     hits = _rank_no_bias(version, ann_s, ann_i, psi, opts.k)
     t4 = time.perf_counter()
@@ -205,16 +228,26 @@ def search_by_image(model: Any, version: Any, image: Any, opts: SearchOptions) -
     return QueryResult(hits, {"encode": t1 - t0, "ann": t2 - t1, "rerank": 0.0, "rank": t3 - t2, "total": t3 - t0})
 
 
-def _rank_no_bias(version: Any, ann_s: np.ndarray, ann_i: np.ndarray, rerank: np.ndarray | None, k: int) -> list[Hit]:
+def rank_examples(ann_s: np.ndarray, ann_i: np.ndarray, rerank: np.ndarray | None, biases: np.ndarray,
+                  k: int) -> list[Hit]:
+    """Rank an example query's candidates (ann_i (n,), their cosines, s_vv or None, their biases b_j (n,)):
+    by s_vv (videos) or the cosine (images, or rerank off) desc, then id asc; top k. Biases reported, not added."""
     if not ann_i.size:
         return []
-    b = np.asarray(version.biases, dtype=np.float32)[version.rows(ann_i)]
     final = ann_s if rerank is None else rerank
     order = np.lexsort((ann_i, -final))[:k]
     # psi_score stays None: no psi ran; `score` is s_vv (videos) or the cosine (images).
-    return [Hit(id=int(ann_i[j]), score=float(final[j]), ann_score=float(ann_s[j]), psi_score=None, bias=float(b[j]))
+    return [Hit(id=int(ann_i[j]), score=float(final[j]), ann_score=float(ann_s[j]), psi_score=None,
+                bias=float(biases[j]))
             for j in order]
 
 
+def _rank_no_bias(version: Any, ann_s: np.ndarray, ann_i: np.ndarray, rerank: np.ndarray | None, k: int) -> list[Hit]:
+    if not ann_i.size:
+        return []
+    return rank_examples(ann_s, ann_i, rerank, np.asarray(version.biases, dtype=np.float32)[version.rows(ann_i)], k)
+
+
 __all__ = ["IMAGE_TYPES", "ExampleError", "UnsupportedImageType", "image_type", "reduced_size", "video_query_unit",
-           "frame_match_scores", "search_by_videos", "decode_image", "encode_image", "search_by_image"]
+           "frame_match_scores", "example_candidates", "frame_match_rerank", "rank_examples", "search_by_videos",
+           "decode_image", "encode_image", "search_by_image"]
