@@ -17,7 +17,7 @@ run directory (``gare_serve.workers``).
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI
@@ -47,8 +47,11 @@ from gare_serve.state import ServiceState
 log = logging.getLogger(__name__)
 
 
-def create_app(settings: Settings | None = None, **overrides: Any) -> FastAPI:
-    """Build the app (cheap: the model and index load in the lifespan)."""
+def create_app(settings: Settings | None = None, *, state_factory: Callable[[Settings, Metrics], ServiceState] = ServiceState,
+               follow: Callable[[Any, float], Awaitable[None]] = follow_current, **overrides: Any) -> FastAPI:
+    """Build the app (cheap: the model and index load in the lifespan). ``state_factory`` builds what the lifespan
+    loads and ``follow`` follows the index on disk (a sharded index's generations in the Ray ingress,
+    ``gare_serve.ray_app``; one index's CURRENT by default)."""
     if settings is None:
         settings = load_settings(**overrides)
     elif overrides:
@@ -62,7 +65,7 @@ def create_app(settings: Settings | None = None, **overrides: Any) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state = ServiceState(settings, metrics)
+        state = state_factory(settings, metrics)
         try:
             await run_in_threadpool(state.load)
         except StartupError as e:
@@ -76,7 +79,7 @@ def create_app(settings: Settings | None = None, **overrides: Any) -> FastAPI:
         if state.board is not None:  # the other workers' admin reloads
             tasks.append(loop.create_task(watch_reloads(state, state.board), name="gare-reload-watch"))
         if settings.index_poll_s > 0:  # a new CURRENT written by gare-index, on any host sharing the index
-            tasks.append(loop.create_task(follow_current(state, settings.index_poll_s), name="gare-follow-current"))
+            tasks.append(loop.create_task(follow(state, settings.index_poll_s), name="gare-follow-current"))
         try:
             yield
         finally:

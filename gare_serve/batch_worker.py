@@ -52,7 +52,7 @@ def process_jobs(state: Any, jobs: Sequence[Job]) -> list[S.QueryResult]:
             return t
 
         watch = state.recall_watch  # samples this batch's stage-1 lists for an exact re-run (gare_serve.recall_watch)
-        res = S.search_batch(
+        res = state.search_batch(  # gare_search.search.search_batch (the sharded one in the Ray ingress)
             state.model,
             version if watch is None else watch.wrap(version),
             [jobs[i].query for i in members],

@@ -72,6 +72,9 @@ class SearchResponse(BaseModel):
     results: list[Hit]
     timings_ms: Timings
     batch_size: int = Field(description="queries that shared this micro-batch (0: answered from the result cache)")
+    partial: bool = Field(False, description="a sharded index (Ray Serve) answered without some of its shards "
+                          "(missing_shards): the hits are the best of the shards that answered; always false for one index")
+    missing_shards: list[int] = Field(default_factory=list, description="the shards that did not answer (partial)")
 
 
 class BatchSearchResponse(BaseModel):

@@ -24,6 +24,7 @@ from fastapi import HTTPException
 from gare.checkpoint import CheckpointError, load_model
 from gare.model import resolve_device
 from gare_index.store import IndexFormatError, open_index
+from gare_search import by_example as E
 from gare_search import rerank
 from gare_search import search as S
 from gare_search.query import resolve_precision
@@ -48,6 +49,7 @@ __all__ = ["ServiceState"]
 
 class ServiceState:
     """Everything the lifespan loads: settings, model, query encoder, current version, batcher, caches."""
+
 
     def __init__(self, settings: Settings, metrics: Metrics) -> None:
         self.settings = settings
@@ -96,7 +98,7 @@ class ServiceState:
                 faiss.omp_set_num_threads(s.torch_threads)
             except (ImportError, AttributeError):  # pragma: no cover - faiss is a dependency
                 pass
-        path, sha, _ = resolve_checkpoint(s)
+        path, sha = self.resolve_checkpoint()
         if s.require_key_for_search:  # media URLs are signed: every worker and replica needs the same secret
             try:
                 self.media = MediaSigner(resolve_secrets(
@@ -126,12 +128,7 @@ class ServiceState:
             s.query_cache_entries, s.query_cache_bytes, normalize=make_normalizer(query_tokenizer(model)),
             metrics=self.metrics.query_cache,
         )
-        try:
-            # mmap_ann: the FAISS index is mapped read-only like the arrays, one copy for all workers
-            version = open_index(s.index, expect_checkpoint_sha=sha, verify=s.verify_index, use_gpu=s.use_gpu_ann,
-                                 mmap_ann=True)
-        except IndexFormatError as e:
-            raise StartupError(f"cannot open the index: {e}") from None
+        version = self.open_served(sha)
         self.check_fit(version)
         advise_random_access(version)
         rerank.warm_up(self.device)  # compile the CPU rerank kernel now, not in the first request
@@ -154,6 +151,22 @@ class ServiceState:
             "on" if self.result_cache.enabled else "off",
         )
         self.publish_worker()
+
+    def resolve_checkpoint(self) -> tuple[Path, str]:
+        """(checkpoint path, its sha256) for the served index; a subclass serving another kind of index (the Ray
+        ingress over a sharded one, gare_serve.sharded_state) resolves it there."""
+        path, sha, _ = resolve_checkpoint(self.settings)
+        return path, sha
+
+    def open_served(self, sha: str) -> Any:
+        """The index's CURRENT version, opened for serving (StartupError when it cannot be)."""
+        s = self.settings
+        try:
+            # mmap_ann: the FAISS index is mapped read-only like the arrays, one copy for all workers
+            return open_index(s.index, expect_checkpoint_sha=sha, verify=s.verify_index, use_gpu=s.use_gpu_ann,
+                              mmap_ann=True)
+        except IndexFormatError as e:
+            raise StartupError(f"cannot open the index: {e}") from None
 
     def check_fit(self, version: Any) -> None:
         """StartupError when ``version`` does not fit the model; else get it ready for the rerank (the fold's
@@ -194,6 +207,18 @@ class ServiceState:
                 self.query_bank.flush()
             except OSError as e:
                 log.error("could not write the query bank to %s: %s", self.query_bank.path, e)
+
+    # -------------------------------------------------------------- searches
+    # What the routes and the batch worker run on the served version: gare_search's over one index here (looked
+    # up at each call); the Ray ingress (gare_serve.sharded_state) runs the same signatures over a sharded index.
+    def search_batch(self, *args: Any, **kw: Any) -> list[S.QueryResult]:
+        return S.search_batch(*args, **kw)
+
+    def search_by_videos(self, *args: Any) -> S.QueryResult:
+        return E.search_by_videos(*args)
+
+    def search_by_image(self, *args: Any) -> S.QueryResult:
+        return E.search_by_image(*args)
 
     # -------------------------------------------------------------- versions
     @contextlib.contextmanager

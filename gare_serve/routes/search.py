@@ -68,7 +68,7 @@ async def run_queries(state: ServiceState, version: Any, queries: list[str], opt
         state.metrics.observe_stages({**stage_s, "total": total})
         payload.append(SearchResponse(
             query=q, index_version=version.name, k=opts.k, candidates=opts.candidates, rerank=opts.rerank,
-            ncl=opts.ncl, results=hits, batch_size=info.size,
+            ncl=opts.ncl, results=hits, batch_size=info.size, **partial_fields(res),
             timings_ms=Timings(**{k: round(v * 1000, 3) for k, v in stage_s.items()}, total=round(total * 1000, 3),
                                cache="result" if info is _NO_BATCH else "hit" if res.cached else "miss"),
         ))
@@ -90,9 +90,16 @@ async def run_example(state: ServiceState, version: Any, fn: Any, *args: Any, op
     state.metrics.observe_stages({**stage_s, "total": total})
     return SearchResponse(
         query=None, example=example, index_version=version.name, k=opts.k, candidates=opts.candidates,
-        rerank=opts.rerank and example["kind"] == "videos", ncl=False, results=hits, batch_size=1,
+        rerank=opts.rerank and example["kind"] == "videos", ncl=False, results=hits, batch_size=1, **partial_fields(res),
         timings_ms=Timings(**{k: round(v * 1000, 3) for k, v in stage_s.items()}, total=round(total * 1000, 3)),
     )
+
+
+def partial_fields(res: S.QueryResult) -> dict[str, Any]:
+    """``partial`` and ``missing_shards`` of a sharded answer (gare_serve.sharded_state); none for one index, so
+    its responses keep their defaults (false, [])."""
+    missing = list(getattr(res, "missing_shards", None) or [])
+    return {"partial": True, "missing_shards": missing} if missing else {}
 
 
 def _json(model: BaseModel) -> Response:
@@ -116,7 +123,7 @@ def make_router(settings: Settings) -> APIRouter:
             if ids is not None:  # more like this: stage 1 with the videos' mean v̂, rerank by s_vv
                 opts = body.options(index_default_candidates(version.manifest))
                 opts = S.SearchOptions(k=opts.k, candidates=opts.candidates, rerank=opts.rerank, ncl=False)
-                return _json(await run_example(state, version, E.search_by_videos, version, ids, opts=opts,
+                return _json(await run_example(state, version, state.search_by_videos, version, ids, opts=opts,
                                                example={"kind": "videos", "ids": ids}, t_start=t_start))
             res = await run_queries(state, version, [body.query], body.options(index_default_candidates(version.manifest)),
                                     t_start)
@@ -172,7 +179,7 @@ def make_router(settings: Settings) -> APIRouter:
             del data  # the upload's bytes are not needed for the search
             opts = S.SearchOptions(k=k, candidates=K, rerank=False, ncl=False)
             with state.use_version() as version:
-                return _json(await run_example(state, version, E.search_by_image, state.model, version, pil, opts=opts,
+                return _json(await run_example(state, version, state.search_by_image, state.model, version, pil, opts=opts,
                                                example={"kind": "image", "content_type": kind, "bytes": nbytes},
                                                t_start=t_start))
 
