@@ -19,10 +19,19 @@ from gare_build.build import build, recompute_biases, remove, stats
 from gare_build.cli_parser import build_parser
 from gare_build.compare import CompareOptions, run_compare
 from gare_build.pipeline.options import BUILD_LOCK, BuildOptions, RunReport
+from gare_build.sharded import (
+    biases_sharded,
+    build_sharded,
+    gc_sharded,
+    remove_sharded,
+    stats_sharded,
+    verify_sharded,
+)
 from gare_build.tuning.retune import retune
 from gare_build.tuning.stage1 import Stage1Options
 from gare_build.upgrade import upgrade
 from gare_index.describe import describe_stage1
+from gare_index.shards import current_generation, is_sharded, shard_root
 from gare_index.store import (
     WORK_DIR,
     IndexFormatError,
@@ -74,7 +83,7 @@ def _validate_build(args: argparse.Namespace) -> None:
     if not Path(args.videos).exists():
         raise FileNotFoundError(f"--videos {args.videos!r} does not exist; give a folder of video files or a "
                                 "JSONL/JSON/CSV manifest with a 'video' column")
-    if args.cmd == "add" and not (Path(args.out) / "CURRENT").is_file():
+    if args.cmd == "add" and not (Path(args.out) / "CURRENT").is_file() and not is_sharded(args.out):
         raise FileNotFoundError(f"--out {args.out!r} is not a gare index (no CURRENT file); use `gare-index build` "
                                 "to create one")
     if args.segment is None and args.overlap:
@@ -100,7 +109,12 @@ def _cmd_build(args: argparse.Namespace) -> int:
     if args.cmd == "build":
         opts.invgc_val, opts.invgc_r_g, opts.invgc_r_q = args.invgc_val, args.invgc_r_g, args.invgc_r_q
         opts.invgc_k, opts.invgc_grid, opts.ncl_c = args.invgc_k, args.invgc_grid, args.ncl_c
-    report = build(args.checkpoint, args.videos, args.out, opts, mode=args.cmd)
+    if args.shards is not None and (Path(args.out) / "CURRENT").is_file():
+        raise ValueError(f"--out {args.out!r} is a single index; --shards needs a new folder (or a sharded index)")
+    if args.shards is not None or is_sharded(args.out):
+        report = build_sharded(args.checkpoint, args.videos, args.out, opts, n_shards=args.shards, mode=args.cmd)
+    else:
+        report = build(args.checkpoint, args.videos, args.out, opts, mode=args.cmd)
     _print_skips(report)
     print(report.summary())
     if report.invgc:
@@ -117,12 +131,19 @@ def _cmd_build(args: argparse.Namespace) -> int:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
+    _refuse_sharded(args)
     report = retune(args.out, options=_stage1_options(args), checkpoint=args.checkpoint,
                     captions=_caption_texts(args.tune_captions), index_type=args.index_type, keep=args.keep,
                     progress=args.progress)
     print(report.summary())
     print(describe_stage1(report.stage1))
     return report.exit_code
+
+
+def _refuse_sharded(args: argparse.Namespace) -> None:
+    if is_sharded(args.out):
+        raise ValueError(f"gare-index {args.cmd} does not run on a sharded index yet ({args.out}): it would write shard "
+                         "versions outside a generation")
 
 
 def _print_skips(report: RunReport) -> None:
@@ -134,15 +155,20 @@ def _print_skips(report: RunReport) -> None:
 
 
 def _cmd_remove(args: argparse.Namespace) -> int:
+    if is_sharded(args.out):  # ids are global ids (local * N + shard)
+        report = remove_sharded(args.out, args.items, checkpoint=args.checkpoint, keep=args.keep)
+        print(report.summary())
+        return report.exit_code
     report = remove(args.out, args.items, checkpoint=args.checkpoint, keep=args.keep)
     print(report.summary())
     return report.exit_code
 
 
 def _cmd_biases(args: argparse.Namespace) -> int:
-    report = recompute_biases(args.out, checkpoint=args.checkpoint, keep=args.keep, n_iters=args.n_iters,
-                              traffic=args.from_traffic, traffic_weight=args.traffic_weight,
-                              score=args.bias_score or "served", k=args.bias_k)
+    run = biases_sharded if is_sharded(args.out) else recompute_biases
+    report = run(args.out, checkpoint=args.checkpoint, keep=args.keep, n_iters=args.n_iters,
+                 traffic=args.from_traffic, traffic_weight=args.traffic_weight,
+                 score=args.bias_score or "served", k=args.bias_k)
     b = report.biases
     msg = report.summary() + f"; biases from {b.get('source')} ({b.get('n_queries')} queries, gamma={b.get('gamma')}, " \
                              f"fitted to the {'psi (served)' if b.get('score') == 'served' else 'dual-tower'} score)"
@@ -156,6 +182,7 @@ def _cmd_biases(args: argparse.Namespace) -> int:
 
 
 def _cmd_upgrade(args: argparse.Namespace) -> int:
+    _refuse_sharded(args)
     report = upgrade(args.out, checkpoint=args.checkpoint, keep=args.keep, device=args.device, force=args.force)
     print(report.summary())
     for note in report.notes:
@@ -189,6 +216,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     sha = file_sha256(args.checkpoint) if args.checkpoint else None
+    if is_sharded(args.out):
+        return _verify_sharded(args, sha)
     problems = verify_index(args.out, name=args.version_name, rehash=not args.quick, expect_checkpoint_sha=sha,
                             check_files=args.check_videos)
     name = args.version_name or current_version_name(args.out)
@@ -207,7 +236,37 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify_sharded(args: argparse.Namespace, sha: str | None) -> int:
+    """verify on a sharded root: every shard's version of the current generation, and the routing."""
+    if args.version_name:
+        raise ValueError("--version names a version of one index; a sharded index is verified at its current generation")
+    problems = verify_sharded(args.out, rehash=not args.quick, expect_checkpoint_sha=sha, check_files=args.check_videos)
+    gen = current_generation(args.out)
+    if args.json:
+        print(json.dumps({"index": str(args.out), "generation": None if gen is None else gen.number,
+                          "versions": None if gen is None else list(gen.versions), "ok": not problems,
+                          "problems": list(problems)}, indent=1))
+        return 1 if problems else 0
+    for p in problems:
+        print(f"FAIL {p}", file=sys.stderr)
+    if problems:
+        print(f"verify: {len(problems)} problem(s) in {args.out}")
+        return 1
+    print(f"verify: {args.out} generation {gen.number} ({gen.n_shards} shards: {', '.join(gen.versions)}) OK")
+    return 0
+
+
 def _cmd_stats(args: argparse.Namespace) -> int:
+    if is_sharded(args.out):
+        st = stats_sharded(args.out)
+        if args.json:
+            print(json.dumps(st, indent=1, default=str))
+            return 0
+        print(f"generation {st['generation']}: {st['n']} videos in {st['n_shards']} shards, {st['bytes_total']} bytes")
+        for s, sh in enumerate(st["shards"]):
+            print(f"  shard {s}: {sh['version']}, {sh['n']} videos, {sh['bytes_total']} bytes, {sh['index_type']}")
+        print("(--json prints everything)")
+        return 0
     if not (Path(args.out) / "CURRENT").is_file():
         raise FileNotFoundError(f"--out {args.out!r} is not a gare index (no CURRENT file)")
     st = stats(args.out)
@@ -236,6 +295,16 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
 def _cmd_gc(args: argparse.Namespace) -> int:
     root = Path(args.out)
+    if is_sharded(root):  # never a version that the current or the previous generation names
+        removed_by = gc_sharded(root, keep=args.keep)
+        msg = "gc: " + "; ".join(f"shard {s}: removed {r}" for s, r in removed_by.items())
+        if args.work:
+            with index_lock(root, BUILD_LOCK, blocking=False):
+                for s in removed_by:
+                    shutil.rmtree(shard_root(root, s) / WORK_DIR, ignore_errors=True)
+            msg += "; work caches deleted"
+        print(msg)
+        return 0
     if not (root / "CURRENT").is_file():
         raise ValueError(f"{root}: not a gare index (no CURRENT file)")
     removed = gc(root, keep=args.keep)

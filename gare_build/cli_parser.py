@@ -171,6 +171,10 @@ def _add_encode_args(p: argparse.ArgumentParser, *, build: bool) -> None:
     p.add_argument("--keep", type=_positive_int, default=3, help="versions to keep (default 3; older ones are removed)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar (default: when stderr is a terminal)")
+    p.add_argument("--shards", type=_positive_int, default=None, metavar="N",
+                   help="a sharded index: INDEX/shards/s000.. each a normal index, videos split by a hash of their "
+                        "content, one generation file naming a version of every shard (docs/index-format.md)"
+                        + ("" if build else "; default: the index's (add detects a sharded index)"))
 
 
 def _add_tune_args(p: argparse.ArgumentParser, *, tune_cmd: bool = False) -> None:

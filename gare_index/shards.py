@@ -194,16 +194,16 @@ def write_generation(root: str | os.PathLike, versions: Sequence[str]) -> Genera
     versions = tuple(str(v) for v in versions)
     if not versions:
         raise ValueError("write_generation: no shard versions given")
+    cur = current_generation(root)
+    if cur is not None and cur.n_shards != len(versions):
+        raise ValueError(f"write_generation: {root} has {cur.n_shards} shards, got {len(versions)} versions "
+                         "(changing the number of shards needs a new index)")
     for s, v in enumerate(versions):
         if not _VERSION_RE.match(v):
             raise ValueError(f"write_generation: shard {s}: {v!r} is not a version name")
         if not (shard_root(root, s) / VERSIONS_DIR / v / "manifest.json").is_file():
             raise IndexFormatError(f"write_generation: shard {s} has no complete version {v} "
                                    f"({shard_root(root, s) / VERSIONS_DIR / v})")
-    cur = current_generation(root)
-    if cur is not None and cur.n_shards != len(versions):
-        raise ValueError(f"write_generation: {root} has {cur.n_shards} shards, got {len(versions)} versions "
-                         "(changing the number of shards needs a new index)")
     number = max([0, *list_generations(root)]) + 1
     gen = Generation(number=number, n_shards=len(versions), versions=versions,
                      created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"))

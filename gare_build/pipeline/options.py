@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gare_build.discover import Clip
 from gare_build.tuning.stage1 import Stage1Options
 from gare_index.ann_params import INDEX_TYPES
 from gare_index.store import REPORT_FILE, atomic_write_text
@@ -70,6 +71,9 @@ class BuildOptions:
     # stage-1 tuning (gare_build.tuning.stage1): recall target, latency budget, psi coverage -> default K
     stage1: Stage1Options = field(default_factory=Stage1Options)
     tune_captions: Sequence[str] | None = None  # caption texts for the sample queries (--tune-captions)
+    # the clips of this run, already discovered and scanned by the caller (the sharded builder scans once and
+    # gives each shard its part, gare_build.sharded); None: discover and scan --videos
+    clips: Sequence[Clip] | None = None
 
     def validate(self) -> None:
         if self.index_type not in (None, "auto", *INDEX_TYPES):

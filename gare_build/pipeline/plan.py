@@ -5,6 +5,7 @@ is encoded or written here."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 import time
@@ -217,12 +218,16 @@ def plan(checkpoint: Any, videos: Any, root: Path, opts: BuildOptions, mode: str
     post = postprocess_setup(opts, mode, pman, model, ckpt, precision)
 
     # ---- what to index
-    clips, skipped, ignored = discover(videos)
+    if opts.clips is not None:  # discovered and scanned by the caller (copies: ids are assigned below)
+        clips, skipped, ignored = [dataclasses.replace(c) for c in opts.clips], [], []
+    else:
+        clips, skipped, ignored = discover(videos)
     report.ignored = [s.to_dict() for s in ignored]
     prev_rows = prev.all_metadata() if prev is not None else []
     known = {r["path"]: r for r in prev_rows}
-    clips, sk = scan(clips, known, threads=opts.scan_threads, progress=progress_enabled(opts.progress))
-    skipped += sk
+    if opts.clips is None:
+        clips, sk = scan(clips, known, threads=opts.scan_threads, progress=progress_enabled(opts.progress))
+        skipped += sk
     clips, sk = expand_segments(clips, segment, overlap)
     skipped += sk
     clips, sk = _dedupe(clips)

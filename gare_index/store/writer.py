@@ -201,6 +201,7 @@ def write_version(
     keep: int | None = 3,
     file_hashes: Mapping[str, str] | None = None,
     ann_ncl: AnnIndex | ExistingFile | None = None,
+    protect: Iterable[str] = (),
 ) -> str:
     """Write a complete new version and make it current; returns its name ("v000004").
 
@@ -211,7 +212,8 @@ def write_version(
     automatic type) when None; over `ann_units` (InvGC-corrected stage-1 vectors) when that array is given.
     `manifest_extra["ncl_stage1"] = {"c": ..., "ann_params"?: ...}` also writes ann_ncl.faiss, the folded
     NCL stage-1 index: `ann_ncl` (an AnnIndex or the previous version's file) or, when None, built here
-    over [stage-1 vectors ; biases / c]. Old versions beyond the newest `keep` are removed (never CURRENT).
+    over [stage-1 vectors ; biases / c]. Old versions beyond the newest `keep` are removed (never CURRENT, nor
+    a version in `protect`: a shard's versions that live generations name, gare_index.shards.live_versions).
     """
     root = Path(root)
     missing = [k for k in ARRAY_SPECS if k not in arrays]
@@ -332,11 +334,11 @@ def write_version(
         switch_current(root, name)
         log.info("wrote index version %s (%d videos) and made it current", name, n)
         if keep is not None:
-            _gc_locked(root, keep)
+            _gc_locked(root, keep, protect)
     return name
 
 
-def _gc_locked(root: Path, keep: int) -> list[str]:
+def _gc_locked(root: Path, keep: int, protect: Iterable[str] = ()) -> list[str]:
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     versions = list_versions(root)
@@ -344,7 +346,8 @@ def _gc_locked(root: Path, keep: int) -> list[str]:
         cur = current_version_name(root)
     except IndexFormatError:
         cur = None
-    doomed = [v for v in versions[:-keep] if v != cur] if len(versions) > keep else []
+    keep_also = {cur, *protect}
+    doomed = [v for v in versions[:-keep] if v not in keep_also] if len(versions) > keep else []
     for v in doomed:
         shutil.rmtree(root / VERSIONS_DIR / v, ignore_errors=True)
     if doomed:
@@ -352,9 +355,10 @@ def _gc_locked(root: Path, keep: int) -> list[str]:
     return doomed
 
 
-def gc(root: str | os.PathLike, keep: int = 3) -> list[str]:
-    """Remove all but the newest `keep` versions (never the current one) and unfinished .tmp dirs."""
+def gc(root: str | os.PathLike, keep: int = 3, *, protect: Iterable[str] = ()) -> list[str]:
+    """Remove all but the newest `keep` versions (never the current one, nor those in `protect`: a shard's
+    versions named by live generations) and unfinished .tmp dirs."""
     root = Path(root)
     with index_lock(root):
         remove_stale_tmp(root)
-        return _gc_locked(root, keep)
+        return _gc_locked(root, keep, protect)
