@@ -56,6 +56,7 @@ class ShardWorker:
                                    f"{gen.n_shards} shards)")
         self.n_shards = gen.n_shards
         self.open(gen.number)  # the current generation now, not in the first request
+        rerank.warm_up(model.device)  # compile the CPU rerank kernel now (as gare-serve does), not in a request
 
     # ------------------------------------------------------------------ versions by generation
     def _acquire(self, generation: int) -> VersionHandle:
