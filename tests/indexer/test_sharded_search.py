@@ -4,7 +4,6 @@ result naming it."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -12,8 +11,10 @@ import pytest
 from PIL import Image
 
 from gare.checkpoint import load_model
-from gare_index.shards import open_sharded, shard_of, shard_root, split_id, write_generation
-from gare_index.store import current_version_name, open_index
+from gare_build.build import BuildOptions
+from gare_build.sharded import build_sharded
+from gare_index.shards import open_sharded, split_id
+from gare_index.store import open_index
 from gare_search import by_example as E
 from gare_search import query as Q
 from gare_search import search as S
@@ -24,34 +25,22 @@ SHARD_COUNTS = (1, 2, 3, 4)
 TOL = 1e-5
 
 
-def build_sharded_by_hand(ckpt: Path, videos: Path, checksums: dict[str, str], root: Path, n: int) -> Path:
-    """A sharded root (gare_index.shards layout) built as N normal flat indexes over the partition by
-    shard_of(file sha256, N), then one generation naming their versions. The NCL biases are fitted per shard
-    here (not over the whole gallery), so the tests compare them only where the builder fits them globally."""
-    parts: dict[int, list[str]] = {}
-    for name, sha in checksums.items():
-        parts.setdefault(shard_of(sha, n), []).append(name)
-    assert sorted(parts) == list(range(n)), f"an empty shard for n={n}: {parts}"  # the corpus must fill every shard
-    versions = []
-    for s in range(n):
-        src = root / "videos" / f"s{s}"
-        src.mkdir(parents=True)
-        for name in parts[s]:
-            shutil.copy2(videos / name, src / name)
-        build_index(ckpt, src, shard_root(root, s), index_type="flat")
-        versions.append(current_version_name(shard_root(root, s)))
-    write_generation(root, versions)
-    return root
+def flat(**kw) -> BuildOptions:
+    """Exact stage 1 (flat), with the NCL fold (--ncl-stage1) so that ncl_stage1 queries compare too."""
+    return BuildOptions(workers=0, progress=False, index_type="flat", ncl_stage1=True, **kw)
 
 
 @pytest.fixture(scope="module")
 def env(service_env, tmp_path_factory):
-    """(model, the single flat index, {n: opened sharded index}, captions) over the service corpus's 16 videos."""
+    """(model, the single flat index, {n: opened sharded index}, captions) over the service corpus's 16 videos;
+    the sharded ones built by `gare-index build --shards n` (gare_build.sharded: NCL biases fitted globally)."""
     base = tmp_path_factory.mktemp("sharded")
     ckpt, videos = service_env["checkpoint"], service_env["videos"]
-    single = open_index(build_index(ckpt, videos, base / "single", index_type="flat"))
-    checksums = {Path(r["path"]).name: r["checksum"] for r in single.all_metadata()}
-    sharded = {n: open_sharded(build_sharded_by_hand(ckpt, videos, checksums, base / f"n{n}", n)) for n in SHARD_COUNTS}
+    single = open_index(build_index(ckpt, videos, base / "single", index_type="flat", ncl_stage1=True))
+    sharded = {}
+    for n in SHARD_COUNTS:
+        build_sharded(str(ckpt), str(videos), base / f"n{n}", flat(), n_shards=n)
+        sharded[n] = open_sharded(base / f"n{n}")
     model, _ = load_model(ckpt, "cpu")
     yield model, single, sharded, service_env["captions"]
     single.close()
@@ -70,8 +59,8 @@ def names_sharded(sharded, gids) -> list[str]:
     return [Path(r["path"]).name for r in rows]
 
 
-def assert_same_hits(single, sharded, want: list[S.Hit], got: list[S.Hit], *, bias: bool) -> None:
-    """Same videos in the same order, same scores (float tolerance); biases too when both fit them globally."""
+def assert_same_hits(single, sharded, want: list[S.Hit], got: list[S.Hit]) -> None:
+    """Same videos in the same order, same scores and NCL biases (float tolerance)."""
     assert names_sharded(sharded, [h.id for h in got]) == names_single(single, [h.id for h in want])
     for a, b in zip(want, got, strict=True):
         assert b.score == pytest.approx(a.score, abs=TOL)
@@ -79,14 +68,16 @@ def assert_same_hits(single, sharded, want: list[S.Hit], got: list[S.Hit], *, bi
         assert (a.psi_score is None) == (b.psi_score is None)
         if a.psi_score is not None:
             assert b.psi_score == pytest.approx(a.psi_score, abs=TOL)
-        if bias:
-            assert b.bias == pytest.approx(a.bias, abs=TOL)
+        assert b.bias == pytest.approx(a.bias, abs=TOL)
 
 
 TEXT_OPTIONS = [
     S.SearchOptions(k=5, candidates=6, ncl=False),  # K < n: the global top K must come from the union
-    S.SearchOptions(k=16, candidates=16, ncl=False),  # every video
-    S.SearchOptions(k=4, candidates=3 + 4, rerank=False, ncl=False),  # stage-1 order only
+    S.SearchOptions(k=5, candidates=6, ncl=True),  # + the global NCL biases
+    S.SearchOptions(k=5, candidates=6, ncl=True, ncl_stage1=True),  # candidates chosen by cos + b
+    S.SearchOptions(k=16, candidates=16, ncl=True),  # every video
+    S.SearchOptions(k=4, candidates=7, rerank=False, ncl=False),  # stage-1 order only
+    S.SearchOptions(k=4, candidates=7, rerank=False, ncl=True),
 ]
 
 
@@ -101,7 +92,7 @@ def test_text_queries_equal_one_index(env, n):
         for w, g in zip(want, got, strict=True):
             assert not g.partial and g.missing_shards == []
             assert len(g.hits) == len(w.hits) == min(opts.k, opts.candidates)
-            assert_same_hits(single, sharded, w.hits, g.hits, bias=False)
+            assert_same_hits(single, sharded, w.hits, g.hits)
 
 
 @pytest.mark.parametrize("n", SHARD_COUNTS)
@@ -116,12 +107,12 @@ def test_example_queries_equal_one_index(env, n):
     assert all(examples), sorted(id_of)
     for ex in examples:
         for opts in (S.SearchOptions(k=5, candidates=6), S.SearchOptions(k=6, candidates=8, rerank=False),
-                     S.SearchOptions(k=16, candidates=16)):
+                     S.SearchOptions(k=16, candidates=16), S.SearchOptions(k=5, candidates=6, ncl=True)):
             want = E.search_by_videos(single, [id_of[x] for x in ex], opts)
             got = SH.search_sharded_by_videos(sharded, [to_gid[x] for x in ex], opts)
             assert not got.partial
             assert len(got.hits) == len(want.hits) == min(opts.k, 16 - len(set(ex)))
-            assert_same_hits(single, sharded, want.hits, got.hits, bias=False)
+            assert_same_hits(single, sharded, want.hits, got.hits)
             assert not set(names_sharded(sharded, [h.id for h in got.hits])) & set(ex)  # the examples never come back
 
 
@@ -137,11 +128,12 @@ def test_image_queries_equal_one_index(env, n):
     for seed in range(2):
         arr = rng.integers(0, 255, size=(40 + 8 * seed, 56, 3), dtype=np.uint8)
         image = Image.fromarray(arr)
-        for opts in (S.SearchOptions(k=5, candidates=6), S.SearchOptions(k=16, candidates=16)):
+        for opts in (S.SearchOptions(k=5, candidates=6), S.SearchOptions(k=16, candidates=16),
+                     S.SearchOptions(k=5, candidates=6, ncl=True)):
             want = E.search_by_image(model, single, image, opts)
             got = SH.search_sharded_by_image(model, shs[n], image, opts)
             assert not got.partial and len(got.hits) == len(want.hits) == opts.k
-            assert_same_hits(single, shs[n], want.hits, got.hits, bias=False)
+            assert_same_hits(single, shs[n], want.hits, got.hits)
 
 
 def test_global_ids_name_the_shard_that_holds_the_video(env):
