@@ -276,8 +276,24 @@ def test_environment_is_the_services_settings_and_keys_come_from_a_secret():
     for name in ("ray-head", "ray-worker"):
         env = compose["services"][name]["environment"]
         assert {k for k in env if k.startswith(ENV_PREFIX)} <= known, name
-        assert env == {**compose["x-api-env"], "RAY_USAGE_STATS_ENABLED": "0"}, name  # the api's environment
+        # the api's environment, bound where Serve's proxy listens
+        assert env == {**compose["x-api-env"], "GARE_HOST": "0.0.0.0", "RAY_USAGE_STATS_ENABLED": "0"}, name
     assert "${GARE_API_KEYS:?" in COMPOSE.read_text()
+
+
+def test_the_ingress_accepts_the_host_names_clients_use():
+    """Under Ray the ingress builds gare-serve's settings from GARE_*, and an empty GARE_TRUSTED_HOSTS accepts only
+    the loopback names when the bind address (GARE_HOST, default 127.0.0.1) is loopback: requests through the
+    Kubernetes Service or from another container would get 400. GARE_HOST says where Serve's proxy listens."""
+    from gare_serve.settings import Settings
+
+    http_host = yaml.safe_load(SERVE_CONFIG.read_text())["http_options"]["host"]
+    for name, container in _containers(_manifest()).items():
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["GARE_HOST"] == http_host, name
+        assert Settings(host=env["GARE_HOST"]).trusted_host_list() == ["*"]
+    for name in ("ray-head", "ray-worker"):
+        assert _compose()["services"][name]["environment"]["GARE_HOST"] == http_host, name
 
 
 def test_every_pod_has_resource_requests_and_limits():
