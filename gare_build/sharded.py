@@ -190,8 +190,9 @@ def _write_biases(prev: IndexVersion, b: np.ndarray, binfo: dict[str, Any], shar
                                                "ann_units", "psi_consts"])
     arrays["biases"] = np.asarray(b, dtype=np.float32)
     files = prev.manifest.files
-    extra = carry_manifest(prev.manifest) | {"biases": binfo, "builder": {"command": "biases", "shard": shard,
-                                                                          "scope": "global"}}
+    # the builder record of the version that wrote the features (command, engine, ...), plus this step
+    builder = dict(prev.manifest.to_dict().get("builder") or {}) | {"global_biases": {"shard": shard}}
+    extra = carry_manifest(prev.manifest) | {"biases": binfo, "builder": builder}
     return write_version(prev.root, arrays, ExistingFile(prev.path / "meta.sqlite", files["meta.sqlite"].sha256),
                          extra, ann=ExistingFile(prev.path / "ann.faiss", files["ann.faiss"].sha256), keep=None)
 

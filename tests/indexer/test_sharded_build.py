@@ -348,3 +348,25 @@ def test_biases_command_on_a_sharded_root(tmp_path, ckpt, sharded3, capsys):
     gamma, queue = checkpoint_gamma_and_queue(read_checkpoint(ckpt), raw=True)
     b, _ = compute_biases(units, gamma, queue, 4)
     np.testing.assert_allclose([after[p][2] for p in paths], b, atol=1e-5)
+
+
+def test_shards_build_on_the_dask_engine(tmp_path, ckpt, corpus, single):
+    """`--engine dask` applies to every shard's build (one loopback-only LocalCluster serves them all)."""
+    distributed = pytest.importorskip("dask.distributed")
+    with distributed.LocalCluster(host="127.0.0.1", n_workers=1, threads_per_worker=1, processes=True,
+                                  dashboard_address=None, protocol="tcp") as cluster:
+        rep = build_sharded(ckpt, corpus, tmp_path / "INDEX", opts(engine="dask", scheduler=cluster.scheduler_address,
+                                                                   shard_size=3), n_shards=2)
+    assert rep.exit_code == 0 and rep.engine == "dask" and rep.encoded == 12
+    with open_sharded(tmp_path / "INDEX", use_gpu=False) as sh:
+        assert all(v.manifest["builder"]["engine"] == "dask" for v in sh.shards)
+        got = by_path(sh)
+        with open_index(single, use_gpu=False) as ref:  # same features as the local engine's single index
+            for v in sh.shards:
+                for r in v.all_metadata():
+                    rr = [m for m in ref.all_metadata() if m["path"] == r["path"]][0]
+                    np.testing.assert_allclose(v.units[v.rows(np.array([r["id"]]))],
+                                               ref.units[ref.rows(np.array([rr["id"]]))], atol=1e-5)
+    ref_b = single_biases(single)
+    np.testing.assert_allclose([got[p][2] for p in sorted(ref_b)], [ref_b[p] for p in sorted(ref_b)], atol=1e-5)
+    assert main(["verify", "--out", str(tmp_path / "INDEX")]) == 0
