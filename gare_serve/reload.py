@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from starlette.concurrency import run_in_threadpool
 
@@ -26,7 +26,8 @@ from gare_serve.workers import WorkerBoard
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ReloadError", "ReloadRefused", "ReloadUnavailable", "reload", "reload_local", "watch_reloads"]
+__all__ = ["ReloadError", "ReloadRefused", "ReloadUnavailable", "SelfReloading", "reload", "reload_local",
+           "watch_reloads"]
 
 
 class ReloadError(RuntimeError):
@@ -41,13 +42,21 @@ class ReloadUnavailable(ReloadError):
     """The index's CURRENT cannot be read, or the version it names cannot be opened."""
 
 
+@runtime_checkable
+class SelfReloading(Protocol):
+    """A state that switches its own way, not to a single index's CURRENT (the Ray ingress of a sharded index:
+    to the newest generation, once every shard has opened it). Same result and errors as :func:`reload_local`."""
+
+    async def reload_here(self) -> dict[str, Any]: ...
+
+
 async def reload(state: ServiceState, broadcast: bool = True) -> dict[str, Any]:
     """Switch this worker to CURRENT; with several workers and ``broadcast``, then every other worker.
 
     The result reports the switch (``reloaded``, ``version``, ``previous``, ``n``) and, with several workers,
     how many there are and how many serve the new version (``workers``, ``workers_on_version``).
     """
-    res = await reload_local(state)
+    res = await (state.reload_here() if isinstance(state, SelfReloading) else reload_local(state))
     board = state.board
     if board is None:
         return res

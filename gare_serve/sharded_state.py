@@ -38,6 +38,7 @@ from gare_search import sharded as SH
 from gare_search.query import encode_queries, sync, unit_rows
 from gare_search.search import QueryResult, SearchOptions
 from gare_serve.metrics import Metrics
+from gare_serve.reload import ReloadRefused, ReloadUnavailable
 from gare_serve.settings import Settings
 from gare_serve.startup import StartupError, resolve_checkpoint
 from gare_serve.state import ServiceState
@@ -236,6 +237,42 @@ class ShardedServiceState(ServiceState):
                                            "total": t3 - t0}, missing_shards=m.missing_shards)
 
     # ------------------------------------------------------------------ generations
+    async def reload_here(self) -> dict[str, Any]:
+        """Switch to the index's current generation now (``POST /v1/admin/reload`` and the poll): the result of
+        ``gare_serve.reload.reload_local``; :class:`ReloadUnavailable` when GENERATION cannot be read or a shard
+        cannot open the generation (the old one stays served), :class:`ReloadRefused` when it does not fit."""
+        reloads = self.metrics.reloads
+        async with self.reload_lock:
+            old = self.handle
+            if old is None:
+                raise ReloadUnavailable("the index is not loaded yet")
+            try:
+                gen = await run_in_threadpool(current_generation, self.settings.index)
+            except IndexFormatError as e:
+                reloads.labels("error").inc()
+                raise ReloadUnavailable(f"cannot read the sharded index's GENERATION ({e}); still serving "
+                                        f"{old.version.name}") from None
+            if gen is None or gen.number == old.version.generation.number:
+                reloads.labels("unchanged").inc()
+                return {"reloaded": False, "version": old.version.name, "previous": old.version.name,
+                        "n": old.version.n}
+            try:
+                ok = await run_in_threadpool(self.switch_to, gen)
+            except StartupError as e:
+                reloads.labels("refused").inc()
+                raise ReloadRefused(f"generation {gen.number}: {e}; still serving {old.version.name}") from None
+            except IndexFormatError as e:
+                reloads.labels("error").inc()
+                raise ReloadUnavailable(f"generation {gen.number} could not be opened ({e}); still serving "
+                                        f"{old.version.name}") from None
+            if not ok:
+                reloads.labels("error").inc()
+                raise ReloadUnavailable(f"not every shard could open generation {gen.number}; still serving "
+                                        f"{old.version.name}")
+            reloads.labels("ok").inc()
+            new = self.handle.version
+            return {"reloaded": True, "version": new.name, "previous": old.version.name, "n": new.n}
+
     def switch_to(self, gen: Generation) -> bool:
         """Serve ``gen`` from now on, once every shard has opened its version (else keep the old one: False).
         Requests in flight finish on the generation they started on."""
@@ -256,23 +293,12 @@ class ShardedServiceState(ServiceState):
 
 async def follow_generations(state: ShardedServiceState, poll_s: float) -> None:
     """Switch ``state`` to the index's current generation whenever GENERATION changes (one poll every ``poll_s``
-    seconds; ``index_poll_s``, and 0 means every 2 s here: a sharded index has no other way to switch)."""
+    seconds; ``index_poll_s``, and 0 means every 2 s here: a sharded index has no other way to switch by itself)."""
     poll_s = poll_s if poll_s > 0 else 2.0
     while True:
         await asyncio.sleep(poll_s)
-        h = state.handle
         try:
-            gen = await run_in_threadpool(current_generation, state.settings.index)
-        except IndexFormatError as e:
+            await state.reload_here()
+        except (ReloadRefused, ReloadUnavailable) as e:
+            # a refused generation is tried again at the next poll (a shard may be restarting)
             log.warning("following the sharded index: %s", e)
-            continue
-        if h is None or gen is None or gen.number == h.version.generation.number:
-            continue
-        async with state.reload_lock:
-            try:
-                ok = await run_in_threadpool(state.switch_to, gen)
-            except (IndexFormatError, StartupError) as e:
-                log.error("following the sharded index: generation %d refused: %s", gen.number, e)
-                ok = False
-        # a refused generation is tried again at the next poll (a shard may be restarting)
-        state.metrics.reloads.labels("ok" if ok else "error").inc()
