@@ -102,8 +102,10 @@ class _HashedNpy:
 
 
 def write_gallery(root: Path, n: int, ckpt: dict[str, Any], fold: Any = None, *, seed: int = 0, chunk: int = 32768,
-                  device: Any = "cpu") -> dict[str, Any]:
+                  device: Any = "cpu", index_type: str | None = None) -> dict[str, Any]:
     """Synthetic clustered gallery of n entries written as a real index version; returns timings.
+
+    `index_type`: the stage-1 index ("flat": exact, what bench/sharded.py compares); None = the automatic type.
 
     `fold` (the checkpoint's PsiFold): also fold psi's per-video constants (psi_consts.npy, what `gare-index build`
     writes), so the service reranks with the fold; ~19 MFLOP per video (minutes at 1M on one core), on `device`."""
@@ -160,7 +162,7 @@ def write_gallery(root: Path, n: int, ckpt: dict[str, Any], fold: Any = None, *,
 
     ids = np.arange(n, dtype=np.int64)
     biases = (rng.standard_normal(n) * 0.005).astype(np.float32)  # synthetic NCL biases (values do not affect cost)
-    index_type = choose_index_type(n)
+    index_type = index_type or choose_index_type(n)
     params = AnnParams(index_type)
     if index_type == "ivf" and n >= 500_000:
         params = AnnParams("ivf", nlist=1024, nprobe=32)  # default nlist 4000 takes ~10 min to train on 2 cores
