@@ -1,16 +1,26 @@
-"""The Ray part of tests/serve_ray/test_ray_serve.py, run as a child process (inside a private network namespace
-with only loopback when the test runs as root): ``python -m tests.serve_ray.ray_run CONFIG.json OUT.json``.
+"""The Ray part of the tests in tests/serve_ray/test_ray_serve.py, run as a child process (inside a private network
+namespace with only loopback when the test runs as root): ``python -m tests.serve_ray.ray_run CONFIG.json OUT.json``.
 
-Starts a local Ray cluster of several nodes bound to 127.0.0.1 (no dashboard), Serve's HTTP proxy on
-127.0.0.1, deploys ``gare_serve.ray_app:build_app`` over a sharded index, and writes what it saw to OUT.json:
-the answers to the text queries, then (``kill_shard``) a run of queries while one shard's replica is killed
-(status, partial, missing shards and hits of each answer; whether Ray restarted the replica).
+Starts a local Ray cluster of ``nodes`` nodes bound to 127.0.0.1 (no dashboard), Serve's HTTP proxy on 127.0.0.1,
+deploys ``gare_serve.ray_app:build_app`` over a sharded index, then runs the config's ``steps`` in order and writes
+what each saw to OUT.json (``out["steps"][name]``). Every answer is recorded as {status, partial, missing_shards,
+index_version, hits: [[file name, id, score, ann, psi, bias], ...], detail, qi (the request's index)}. Steps:
+
+- ``ask``: each request of ``requests`` once, in order.
+- ``kill``: kill ``count`` (default all) live replicas of shard ``shard``'s deployment, no restart by hand.
+- ``until_restarted``: query (round-robin over ``requests``) until Ray has a replica of ``shard`` that was not
+  killed and 3 complete answers in a row came back (at most ``timeout_s``).
+- ``load_while``: ``clients`` threads query in closed loop while ``command`` runs (``gare-index add`` switching the
+  generation), and on until ``after`` answers of index_version ``until_version`` came back (at most ``timeout_s``).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -38,26 +48,96 @@ def wait_ready(base: str, timeout_s: float) -> None:
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.25)
     raise RuntimeError(f"the Ray Serve app did not become ready in {timeout_s} s")
 
 
-def ask(client: httpx.Client, q: str, k: int, K: int) -> dict[str, Any]:
-    r = client.post("/v1/search", json={"query": q, "k": k, "candidates": K})
-    body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {"detail": r.text}
-    return {"status": r.status_code, **body}
+def ask(client: httpx.Client, body: dict[str, Any], qi: int) -> dict[str, Any]:
+    try:
+        r = client.post("/v1/search", json=body)
+    except httpx.HTTPError as e:  # a transport error is an answer too (counted, never dropped)
+        return {"status": 0, "detail": f"{type(e).__name__}: {e}", "qi": qi, "t": time.time()}
+    b = r.json() if r.headers.get("content-type", "").startswith("application/json") else {"detail": r.text}
+    hits = [[h["metadata"]["name"], h["id"], h["score"], h["ann_score"], h["psi_score"], h["bias"]]
+            for h in b.get("results", [])]
+    return {"status": r.status_code, "partial": b.get("partial"), "missing_shards": b.get("missing_shards"),
+            "index_version": b.get("index_version"), "hits": hits, "detail": b.get("detail"), "qi": qi,
+            "t": time.time()}
+
+
+def step_ask(client: httpx.Client, st: dict[str, Any]) -> dict[str, Any]:
+    return {"answers": [ask(client, body, i) for i, body in enumerate(st["requests"])]}
+
+
+def step_kill(client: httpx.Client, st: dict[str, Any]) -> dict[str, Any]:
+    dep = shard_deployment_name(st["shard"])
+    before = replica_names(dep)
+    killed = before[: st.get("count", len(before))]
+    for name in killed:
+        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    return {"before": before, "killed": killed, "t": time.time()}
+
+
+def step_until_restarted(client: httpx.Client, st: dict[str, Any], killed: list[str]) -> dict[str, Any]:
+    dep, reqs = shard_deployment_name(st["shard"]), st["requests"]
+    seen: list[dict[str, Any]] = []
+    t0, restarted_at = time.time(), None
+    while time.time() - t0 < st.get("timeout_s", 90):
+        seen.append(ask(client, reqs[len(seen) % len(reqs)], len(seen) % len(reqs)))
+        now = replica_names(dep)
+        if restarted_at is None and set(now) - set(killed):
+            restarted_at = time.time() - t0
+        tail = seen[-3:]
+        if restarted_at is not None and len(tail) == 3 and all(a["status"] == 200 and not a["partial"] for a in tail):
+            break
+        time.sleep(0.05)
+    return {"restarted_at_s": restarted_at, "replicas_after": replica_names(dep), "answers": seen}
+
+
+def step_load_while(base: str, st: dict[str, Any]) -> dict[str, Any]:
+    reqs, answers, stop = st["requests"], [], threading.Event()
+    lock = threading.Lock()
+
+    def client_loop(c: int) -> None:
+        with httpx.Client(base_url=base, timeout=60) as cl:
+            i = c
+            while not stop.is_set():
+                a = ask(cl, reqs[i % len(reqs)], i % len(reqs))
+                with lock:
+                    answers.append(a)
+                i += 1
+
+    threads = [threading.Thread(target=client_loop, args=(c,), daemon=True) for c in range(st.get("clients", 4))]
+    for th in threads:
+        th.start()
+    t0 = time.time()
+    time.sleep(st.get("before_s", 2.0))  # answers from the old generation first
+    cmd = subprocess.run(st["command"], capture_output=True, text=True, env={**os.environ, **st.get("env", {})})
+    t_cmd = time.time() - t0
+    while time.time() - t0 < st.get("timeout_s", 120):
+        with lock:
+            if sum(a.get("index_version") == st["until_version"] for a in answers) >= st.get("after", 8):
+                break
+        time.sleep(0.2)
+    stop.set()
+    for th in threads:
+        th.join(timeout=90)
+    return {"command_rc": cmd.returncode, "command_output": (cmd.stdout + cmd.stderr)[-4000:], "command_done_s": t_cmd,
+            "answers": answers}
 
 
 def main(cfg: dict[str, Any]) -> dict[str, Any]:
-    node = {"node_ip_address": LOOPBACK, "include_dashboard": False, "num_cpus": 4,
-            "object_store_memory": 100 * 1024 * 1024}
+    t_start = time.time()
+    node = {"node_ip_address": LOOPBACK, "include_dashboard": False, "num_cpus": cfg.get("num_cpus", 2),
+            "object_store_memory": 80 * 1024 * 1024}
     cluster = Cluster(initialize_head=True, head_node_args=dict(node))
     for _ in range(cfg.get("nodes", 2) - 1):
         cluster.add_node(**node)
     cluster.wait_for_nodes()
-    ray.init(address=cluster.address)
+    ray.init(address=cluster.address, log_to_driver=False)
     out: dict[str, Any] = {"nodes": len([n for n in ray.nodes() if n["Alive"]]),
-                           "node_ips": sorted({n["NodeManagerAddress"] for n in ray.nodes()})}
+                           "node_ips": sorted({n["NodeManagerAddress"] for n in ray.nodes()}),
+                           "cluster_s": time.time() - t_start, "steps": {}}
     try:
         serve.start(http_options={"host": LOOPBACK, "port": cfg["port"]})
         t0 = time.time()
@@ -65,36 +145,32 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
         base = f"http://{LOOPBACK}:{cfg['port']}"
         wait_ready(base, cfg.get("ready_timeout_s", 240))
         out["ready_s"] = time.time() - t0
+        killed: dict[int, list[str]] = {}
         with httpx.Client(base_url=base, timeout=60) as client:
-            out["answers"] = [ask(client, q, cfg["k"], cfg["K"]) for q in cfg["queries"]]
-            if cfg.get("kill_shard") is not None:
-                out["fault"] = kill_run(client, cfg)
+            for st in cfg["steps"]:
+                t1 = time.time()
+                if st["do"] == "ask":
+                    r = step_ask(client, st)
+                elif st["do"] == "kill":
+                    r = step_kill(client, st)
+                    killed[st["shard"]] = r["killed"]
+                elif st["do"] == "until_restarted":
+                    r = step_until_restarted(client, st, killed.get(st["shard"], []))
+                elif st["do"] == "load_while":
+                    r = step_load_while(base, st)
+                else:
+                    raise ValueError(f"unknown step {st['do']!r}")
+                out["steps"][st["name"]] = {**r, "step_s": time.time() - t1}
     finally:
-        serve.shutdown()
+        t_down = time.time()
+        # no serve.shutdown(): its graceful drain of every replica takes seconds each, and the cluster (every Ray
+        # process of this run) goes with cluster.shutdown() anyway
         ray.shutdown()
         cluster.shutdown()
+        out["shutdown_s"] = time.time() - t_down
+        out["total_s"] = time.time() - t_start
+        out["started_at"], out["ended_at"] = t_start, time.time()
     return out
-
-
-def kill_run(client: httpx.Client, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Kill shard ``kill_shard``'s replica(s), then query until Ray has started a new one and it answers."""
-    dep = shard_deployment_name(cfg["kill_shard"])
-    before = replica_names(dep)
-    for name in before:
-        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
-    seen, t0, restarted_at = [], time.time(), None
-    queries = cfg["queries"]
-    while time.time() - t0 < cfg.get("fault_timeout_s", 90):
-        a = ask(client, queries[len(seen) % len(queries)], cfg["k"], cfg["K"])
-        seen.append({**a, "t": time.time() - t0, "qi": len(seen) % len(queries)})
-        now = replica_names(dep)
-        if restarted_at is None and now and not set(now) & set(before):
-            restarted_at = time.time() - t0
-        tail = seen[-3:]
-        if restarted_at is not None and len(tail) == 3 and all(x["status"] == 200 and not x.get("partial") for x in tail):
-            break
-        time.sleep(0.05)
-    return {"killed": before, "replicas_after": replica_names(dep), "restarted_at_s": restarted_at, "answers": seen}
 
 
 if __name__ == "__main__":
