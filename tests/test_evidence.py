@@ -25,7 +25,7 @@ RESULTS = BENCH / "results"
 if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
-from bench import gpu_bench, quickstart, robustness, serve_bench, serve_http, worker_spread  # noqa: E402
+from bench import gpu_bench, quickstart, ray_faults, robustness, serve_bench, serve_http, worker_spread  # noqa: E402
 from gare.text_quant import DEFAULT_CPU_TEXT_ENCODER, DEFAULT_CUDA_TEXT_ENCODER  # noqa: E402
 from gare_search.query import resolve_precision  # noqa: E402
 from gare_search.search import NCL_DEFAULT  # noqa: E402
@@ -45,6 +45,7 @@ REPORTS: list[tuple[str, Callable[[dict], str], Path, Path]] = [
     ("serve_http", serve_http.markdown, RESULTS / "serve_http.json", RESULTS / "serve_http.md"),
     ("worker_spread", worker_spread.markdown, RESULTS / "worker_spread.json", RESULTS / "worker_spread.md"),
     ("robustness", robustness.results_md, RESULTS / "robustness.json", RESULTS / "robustness.md"),
+    ("ray_faults", ray_faults.markdown, RESULTS / "ray_faults.json", RESULTS / "ray_faults.md"),
 ]
 
 
