@@ -292,13 +292,16 @@ def timing(runner: Runner, queries: list[str], rounds: int, per_round: int, warm
 
 # ------------------------------------------------------------------------------------------ the capacity plan
 def fit(xs: list[float], ys: list[float]) -> dict[str, float]:
-    """Least squares y = a + b x (b >= 0; a constant when x does not vary)."""
+    """Least squares y = a + b x with a, b >= 0 (through the origin when the free intercept comes out negative; a
+    constant when x does not vary or the slope comes out negative): a cost never shrinks with size."""
     x, y = np.asarray(xs, float), np.asarray(ys, float)
     if np.ptp(x) == 0:
         return {"a": float(y.mean()), "b": 0.0}
     b, a = np.polyfit(x, y, 1)
     if b < 0:
         return {"a": float(y.mean()), "b": 0.0}
+    if a < 0:
+        return {"a": 0.0, "b": float(x @ y / (x @ x))}
     return {"a": float(a), "b": float(b)}
 
 
@@ -438,11 +441,11 @@ def markdown(data: dict[str, Any]) -> str:
                       f"{rss['file_served'] / 2**20:.0f} |" if rss else "not measured | |"))
     L.append("\n## Targets\n")
     L += [f"- {x}" for x in data["targets"]]
-    L.append("\n" + plan_md(data["plan"]))
+    L.append("\n" + plan_md(data["plan"], data))
     return "\n".join(L) + "\n"
 
 
-def plan_md(p: dict[str, Any]) -> str:
+def plan_md(p: dict[str, Any], data: dict[str, Any]) -> str:
     c, a = p["costs"], p["assumptions"]
     L = ["## Capacity plan for 10M and 100M videos (derived from this run's measurements)\n",
          "Measured costs (least-squares fits over the " f"{c['points']} shards of the 1-, 2- and 4-shard runs, n = "
@@ -458,7 +461,10 @@ def plan_md(p: dict[str, Any]) -> str:
          f"{c['merge_ms']['b']:.3f} ms per shard",
          "- tail: the p50 of the slowest of S shards = one shard's median x the measured (shard time / its median) "
          "distribution at level 0.5^(1/S), clamped to the highest level measured "
-         f"({1 - 1 / len(c['work_ratios']):.4f}; beyond it the figure is optimistic)\n",
+         f"({1 - 1 / len(c['work_ratios']):.4f}; beyond it the figure is optimistic). That distribution was measured "
+         f"on this shared {data['machine']['cores']}-core machine at load average {data['load_start'][0]} at the "
+         f"start and {data['load_end'][0]} at the end: other jobs' interference is in it, so it is this machine's "
+         "tail, not a dedicated host's\n",
          "Assumptions (command-line options, not measurements): "
          f"a host has {a['host_ram_gib']} GiB of RAM and {a['host_cores']} cores, of which a share of "
          f"{a['ram_share']:.0%} holds shard replicas (their files in the page cache + their processes; the rest for "
