@@ -25,7 +25,16 @@ RESULTS = BENCH / "results"
 if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
-from bench import gpu_bench, quickstart, ray_faults, robustness, serve_bench, serve_http, worker_spread  # noqa: E402
+from bench import (  # noqa: E402
+    gpu_bench,
+    quickstart,
+    ray_faults,
+    robustness,
+    serve_bench,
+    serve_http,
+    sharded,
+    worker_spread,
+)
 from gare.text_quant import DEFAULT_CPU_TEXT_ENCODER, DEFAULT_CUDA_TEXT_ENCODER  # noqa: E402
 from gare_search.query import resolve_precision  # noqa: E402
 from gare_search.search import NCL_DEFAULT  # noqa: E402
@@ -43,6 +52,7 @@ REPORTS: list[tuple[str, Callable[[dict], str], Path, Path]] = [
     ("quickstart", quickstart.markdown, RESULTS / "quickstart.json", REPO / "docs" / "quickstart-times.md"),
     ("serve_bench", serve_bench.markdown, RESULTS / "serve_bench.json", RESULTS / "serve_bench.md"),
     ("serve_http", serve_http.markdown, RESULTS / "serve_http.json", RESULTS / "serve_http.md"),
+    ("sharded", sharded.markdown, RESULTS / "sharded.json", RESULTS / "sharded.md"),
     ("worker_spread", worker_spread.markdown, RESULTS / "worker_spread.json", RESULTS / "worker_spread.md"),
     ("robustness", robustness.results_md, RESULTS / "robustness.json", RESULTS / "robustness.md"),
     ("ray_faults", ray_faults.markdown, RESULTS / "ray_faults.json", RESULTS / "ray_faults.md"),
