@@ -17,7 +17,9 @@ Query path measured (one query at a time, one client, torch and faiss on 1 threa
   exactly ``search_sharded``'s steps (checked equal to it), with each shard's stage times recorded: the work one
   Ray shard replica does per request (``gare_serve.shard_server.ShardWorker.candidates``);
 - ``N pool``: the same with the shards in a thread pool (one thread per shard: FAISS and the rerank kernel release
-  the GIL), what a one-host Ray deployment overlaps, bounded here by 2 cores;
+  the GIL), what a one-host Ray deployment overlaps, bounded here by 2 cores. Each pool thread gets FAISS's
+  thread bound itself: OpenMP keeps its thread count per thread, and a new thread that runs FAISS before any
+  torch op would search with every core (Ray sets OMP_NUM_THREADS in its replicas);
 - ``critical path`` (derived from the seq samples, per query): encode + the slowest shard + merge, what a cluster
   with one core per shard replica would see before network and serialisation.
 The exactness check runs ``search_sharded`` (text, NCL off and on), ``search_sharded_by_videos`` and
@@ -219,10 +221,14 @@ def exactness(model, tower, single, sharded: dict[int, Any], gids: dict[int, np.
 class Runner:
     """One text query through each mode; returns the total seconds and the stage seconds."""
 
-    def __init__(self, model, tower, single, sharded: dict[int, Any]) -> None:
+    def __init__(self, model, tower, single, sharded: dict[int, Any], threads: int) -> None:
+        import faiss
+
         self.model, self.tower, self.single, self.sharded = model, tower, single, sharded
         self.opts = SearchOptions(k=TOP_K, candidates=K)
-        self.pools = {c: cf.ThreadPoolExecutor(c, thread_name_prefix=f"shards{c}") for c in sharded if c > 1}
+        # OpenMP's thread count is per thread: each pool thread sets FAISS's bound for itself
+        self.pools = {c: cf.ThreadPoolExecutor(c, thread_name_prefix=f"shards{c}", initializer=faiss.omp_set_num_threads,
+                                               initargs=(threads,)) for c in sharded if c > 1}
 
     def modes(self) -> list[str]:
         return ["single"] + [f"{c} seq" for c in self.sharded] + [f"{c} pool" for c in self.pools]
@@ -600,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
             for f in ("frames.npy", "units.npy", "psi_consts.npy", "ann.faiss"):
                 warm_file(v.path / f)  # every shard's files in the page cache, as the plan assumes
         gids = {c: global_ids(args.videos, c, args.seed) for c in SHARD_COUNTS}
-        runner = Runner(model, tower, single, sharded)
+        runner = Runner(model, tower, single, sharded, args.threads)
         probe = make_queries(8, seed=args.seed + 5)
         for c, sh in sharded.items():  # the timed seq driver is search_sharded's steps: check it answers the same
             want = [r.hits for r in search_sharded(model, sh, probe, runner.opts, tower=tower)]
