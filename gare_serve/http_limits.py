@@ -27,6 +27,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from gare_serve.middleware import EarlyAnswer
 from gare_serve.settings import Settings
 
 __all__ = ["BodyTimeout", "BodyTimeoutMiddleware", "HeaderTimeoutH11Protocol", "LimitsConfig", "header_timeout_of"]
@@ -140,11 +141,10 @@ class BodyTimeoutMiddleware:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
         body_done = False
-        started = False
-        rejected = False
+        early = EarlyAnswer(send)
 
         async def timed_receive() -> dict[str, Any]:
-            nonlocal body_done, rejected
+            nonlocal body_done
             if body_done:
                 return await receive()
             try:
@@ -153,37 +153,21 @@ class BodyTimeoutMiddleware:
                     raise TimeoutError
                 msg = await asyncio.wait_for(receive(), remaining)
             except TimeoutError:
-                # Answer now, as BodySizeLimitMiddleware does: the framework turns an exception raised while it
-                # reads the body into its own 400; whatever the app sends after this is dropped.
-                if not started and not rejected:
-                    rejected = True
-                    await self._reject(send)
+                headers, body = _json_408(f"request body not received within {self.timeout_s:g} s")
+                await early.answer(408, headers, body)
                 raise BodyTimeout from None
             if msg["type"] != "http.request" or not msg.get("more_body", False):
                 body_done = True
             return msg
 
-        async def tracking_send(msg: dict[str, Any]) -> None:
-            nonlocal started
-            if rejected:
-                return
-            if msg["type"] == "http.response.start":
-                started = True
-            await send(msg)
-
         try:
-            await self.app(scope, timed_receive, tracking_send)
+            await self.app(scope, timed_receive, early.send)
         except BodyTimeout:
             pass
         except Exception:
-            if not rejected:
+            if not early.answered:
                 raise
             # the 408 is out: whatever the app made of the missing body is not a second response
-
-    async def _reject(self, send: Any) -> None:
-        headers, body = _json_408(f"request body not received within {self.timeout_s:g} s")
-        await send({"type": "http.response.start", "status": 408, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
 
 
 class LimitsConfig(uvicorn.Config):

@@ -19,6 +19,30 @@ from gare_serve.batcher import BatcherClosed, BatcherOverloaded
 
 log = logging.getLogger(__name__)
 
+class EarlyAnswer:
+    """One request's send, for a middleware that may answer before the app has (a body too large, too slow):
+    the framework turns any exception raised while it reads the body into its own 400, so the middleware sends
+    its answer itself, then raises to stop the app, and whatever the app sends after that is dropped."""
+
+    def __init__(self, send: Any) -> None:
+        self._send = send
+        self.started = False  # the app has begun its own response: too late to answer instead
+        self.answered = False
+
+    async def answer(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        if not self.started and not self.answered:
+            self.answered = True
+            await self._send({"type": "http.response.start", "status": status, "headers": headers})
+            await self._send({"type": "http.response.body", "body": body})
+
+    async def send(self, msg: dict[str, Any]) -> None:
+        if self.answered:
+            return
+        if msg["type"] == "http.response.start":
+            self.started = True
+        await self._send(msg)
+
+
 class BodyTooLarge(Exception):
     pass
 
@@ -36,6 +60,7 @@ class BodySizeLimitMiddleware:
             await self.app(scope, receive, send)
             return
         max_bytes = self.path_limits.get(scope.get("path", ""), self.default_max)
+        early = EarlyAnswer(send)
         for k, v in scope.get("headers", []):
             if k == b"content-length":
                 try:
@@ -43,47 +68,32 @@ class BodySizeLimitMiddleware:
                 except ValueError:
                     declared = -1
                 if declared > max_bytes or declared < 0:
-                    await self._reject(send, declared, max_bytes)
+                    await self._reject(early, declared, max_bytes)
                     return
         seen = 0
-        started = False
-        rejected = False
 
         async def limited_receive() -> dict[str, Any]:
-            nonlocal seen, started, rejected
+            nonlocal seen
             msg = await receive()
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
                 if seen > max_bytes:
-                    # Answer now: the framework would turn any exception raised while it reads the body
-                    # into its own 400; whatever the app sends after this is dropped.
-                    if not started and not rejected:
-                        rejected = True
-                        await self._reject(send, seen, max_bytes)
+                    await self._reject(early, seen, max_bytes)
                     raise BodyTooLarge
             return msg
 
-        async def tracking_send(msg: dict[str, Any]) -> None:
-            nonlocal started
-            if rejected:
-                return
-            if msg["type"] == "http.response.start":
-                started = True
-            await send(msg)
-
         try:
-            await self.app(scope, limited_receive, tracking_send)
+            await self.app(scope, limited_receive, early.send)
         except BodyTooLarge:
             pass
 
-    async def _reject(self, send: Any, size: int, max_bytes: int) -> None:
+    async def _reject(self, early: EarlyAnswer, size: int, max_bytes: int) -> None:
         detail = (
             f"request body too large (limit {max_bytes} bytes)" if size >= 0 else "invalid Content-Length header"
         )
         code = 413 if size >= 0 else 400
         resp = JSONResponse({"detail": detail}, status_code=code)
-        await send({"type": "http.response.start", "status": code, "headers": resp.raw_headers})
-        await send({"type": "http.response.body", "body": resp.body})
+        await early.answer(code, resp.raw_headers, resp.body)
 
 
 class HeadMiddleware:
