@@ -125,3 +125,15 @@ def exhaustive_psi(model: Any, version: Any, t: torch.Tensor, *, block: int = 81
                                  reference_padding=psi_consts.reference_padding(model))
             out[:, s0 : s0 + v.n] = pf.exhaustive(q, v, device=dev).numpy()
     return out
+
+
+def rerank_shortlists(model: Any, version: Any, t: torch.Tensor, ids: Sequence[np.ndarray],
+                      opts: Sequence[Any]) -> list[np.ndarray | None]:
+    """psi scores of every query's shortlist in one pass, None for a query whose options turn the rerank off:
+    t (a, d) float32, ids[i] query i's candidate ids."""
+    psi: list[np.ndarray | None] = [None] * len(opts)
+    need = [i for i, o in enumerate(opts) if o.rerank]
+    if need:
+        for i, s in zip(need, psi_scores(model, version, t[need], [ids[i] for i in need]), strict=True):
+            psi[i] = s
+    return psi

@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from gare_search.query import encode_queries, sync, unit_rows
-from gare_search.rerank import psi_scores
-from gare_search.stage1 import ann_stage, valid
+from gare_search.rerank import rerank_shortlists
+from gare_search.stage1 import shortlists
 
 DEFAULT_CANDIDATES = 256  # K, the stage-1 shortlist, when nobody says (service, compare, SearchOptions)
 # The default for `ncl` follows the evidence (issue 17): on only if + psi + NCL(served) >= + psi in t2v R@1 and
@@ -134,23 +134,9 @@ def search_batch(
     if on_units is not None:
         on_units(units.copy())
 
-    ann_s: list[np.ndarray] = [np.zeros(0, np.float32)] * n_q
-    ann_i: list[np.ndarray] = [np.zeros(0, np.int64)] * n_q
-    by_k: dict[tuple[int, bool], list[int]] = {}
-    for i, o in enumerate(opts):
-        by_k.setdefault((o.candidates, o.ncl_stage1), []).append(i)
-    for (K, folded), members in by_k.items():
-        sc, ids = ann_stage(version, units[members], K, ncl_stage1=folded)
-        for r, i in enumerate(members):
-            ann_s[i], ann_i[i] = valid(sc[r], ids[r])
+    ann_s, ann_i = shortlists(version, units, opts)
     t2 = time.perf_counter()
-
-    need = [i for i, o in enumerate(opts) if o.rerank]
-    psi: list[np.ndarray | None] = [None] * n_q
-    if need:
-        got = psi_scores(model, version, t[need], [ann_i[i] for i in need])
-        for i, s in zip(need, got, strict=True):
-            psi[i] = s
+    psi = rerank_shortlists(model, version, t, ann_i, opts)
     sync(dev)
     t3 = time.perf_counter()
 

@@ -46,9 +46,9 @@ from gare_search.by_example import (
     rank_examples,
 )
 from gare_search.query import encode_queries, sync, unit_rows
-from gare_search.rerank import psi_scores
+from gare_search.rerank import rerank_shortlists
 from gare_search.search import Hit, SearchOptions, rank
-from gare_search.stage1 import ann_stage, valid
+from gare_search.stage1 import shortlists, valid
 
 MERGE_KINDS = ("text", "example")  # how merge ranks: psi + NCL biases (text), or s_vv / cosine, no biases
 
@@ -120,21 +120,9 @@ def shard_candidates(model: Any, version: Any, t: torch.Tensor | np.ndarray,
     opts = per_query(options, n_q)
     t0 = time.perf_counter()
     units = unit_rows(t)  # (a, d) float32: the stage-1 query vectors
-    ann_s = [np.zeros(0, np.float32)] * n_q
-    ann_i = [np.zeros(0, np.int64)] * n_q
-    by_k: dict[tuple[int, bool], list[int]] = {}
-    for i, o in enumerate(opts):
-        by_k.setdefault((o.candidates, o.ncl_stage1), []).append(i)
-    for (k_cand, folded), members in by_k.items():
-        sc, ids = ann_stage(version, units[members], k_cand, ncl_stage1=folded)
-        for r, i in enumerate(members):
-            ann_s[i], ann_i[i] = valid(sc[r], ids[r])
+    ann_s, ann_i = shortlists(version, units, opts)
     t1 = time.perf_counter()
-    need = [i for i, o in enumerate(opts) if o.rerank]
-    psi: list[np.ndarray | None] = [None] * n_q
-    if need:
-        for i, s in zip(need, psi_scores(model, version, t[need], [ann_i[i] for i in need]), strict=True):
-            psi[i] = s
+    psi = rerank_shortlists(model, version, t, ann_i, opts)
     sync(t.device)
     t2 = time.perf_counter()
     timings = {"ann": t1 - t0, "rerank": t2 - t1}

@@ -8,6 +8,7 @@ are the cosines.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -26,3 +27,19 @@ def valid(scores: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """One query's stage-1 row without its missing results (id -1)."""
     ok = ids >= 0
     return scores[ok], ids[ok]
+
+
+def shortlists(version: Any, units: np.ndarray, opts: Sequence[Any]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Every query's stage-1 shortlist, one ANN call per distinct (K, ncl_stage1): units (a, d) float32 and one
+    option set per query (``candidates``, ``ncl_stage1``) -> (cosines, ids) per query, missing results dropped."""
+    n_q = len(opts)
+    ann_s: list[np.ndarray] = [np.zeros(0, np.float32)] * n_q
+    ann_i: list[np.ndarray] = [np.zeros(0, np.int64)] * n_q
+    by_k: dict[tuple[int, bool], list[int]] = {}
+    for i, o in enumerate(opts):
+        by_k.setdefault((o.candidates, o.ncl_stage1), []).append(i)
+    for (k_cand, folded), members in by_k.items():
+        sc, ids = ann_stage(version, units[members], k_cand, ncl_stage1=folded)
+        for r, i in enumerate(members):
+            ann_s[i], ann_i[i] = valid(sc[r], ids[r])
+    return ann_s, ann_i

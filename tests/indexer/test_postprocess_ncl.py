@@ -122,8 +122,9 @@ def test_folded_index_follows_add_remove_and_biases(postprocess_env, tmp_path):
 
 
 def test_shared_index_two_stage_with_folded_candidates(postprocess_env, tmp_path):
-    """The folded candidates go through gare_search.search's psi stage and rank like the plain ones."""
+    """The folded candidates go through gare_search's psi stage and rank like the plain ones."""
     from gare.checkpoint import load_model
+    from gare_search import rerank as R
     from gare_search import search as S
 
     sh = postprocess_env
@@ -134,7 +135,7 @@ def test_shared_index_two_stage_with_folded_candidates(postprocess_env, tmp_path
     cos, ids = v.search(u, 5, ncl_stage1=True)
     want = exact_ncl_topk(v.units, v.biases, v.ids, u, 5)[1]
     np.testing.assert_array_equal(ids, want)
-    psi = S.psi_scores(model, v, t, list(ids))
+    psi = R.psi_scores(model, v, t, list(ids))
     for i in range(2):
         hits = S.rank(cos[i], ids[i], psi[i], v.biases[v.rows(ids[i])], S.SearchOptions(k=5, candidates=5, ncl=True))
         got = {h.id: h.score for h in hits}
