@@ -4,7 +4,7 @@ Data: ``bench/clip_like.py`` (seeded; anisotropic power-law spectrum in a 64-dim
 d = 512, a shared cone, heavy-tailed (Pareto) cluster sizes, 5% near-duplicates, queries written from a
 gallery vector's latent code with caption noise and moved into a text cone by a modality gap).  For every
 size the script generates the gallery and ``2 * --queries`` caption-like queries: the first half is the
-*sample* handed to the tuner (``gare_build.tune.tune_ann``, source "manifest-captions" analogue), the second
+*sample* handed to the tuner (``gare_build.tuning.recall.tune_ann``, source "manifest-captions" analogue), the second
 half is the *evaluation* set, never seen by the tuner.
 
 What is measured, per size, with ``TuneConfig()`` defaults (target 0.995 of recall@256 of the exact
@@ -157,7 +157,7 @@ def main() -> None:
                  "downgrade this environment's numpy 2.4.6 to 1.26.4, under torch and faiss) and pulls in "
                  "pandas/pyarrow/fire/embedding-reader; it also "
                  "tunes for recall@k of the k nearest under a memory budget, not for recall@K of the top-10 under a "
-                 "one-thread p50 budget. gare_build.tune measures the issue's own criterion directly.")
+                 "one-thread p50 budget. gare_build.tuning.recall measures the issue's own criterion directly.")
 
     real_rows = args.real_index is not None or args.real is not None
 

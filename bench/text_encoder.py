@@ -62,7 +62,7 @@ def build_encoders(model, kinds, threads: int) -> dict[str, Any]:
     encs: dict[str, Any] = {}
 
     def model_fp32(tokens: torch.Tensor) -> torch.Tensor:
-        # the model's own encoder as the service runs it (gare_search.search.encode_queries): each text alone
+        # the model's own encoder as the service runs it (gare_search.query.encode_queries): each text alone
         with torch.inference_mode():
             return encode_each(model.encode_text, tokens)
 
@@ -223,7 +223,7 @@ def write_report(res: dict[str, Any], out_dir: Path) -> None:
         "",
         "## Speed (ViT-B/32 text tower, random weights)", "",
         "ms per call, median of interleaved rounds; speed-up = model fp32 / encoder. `model-fp32` is "
-        "`GARE.encode_text` run on each text alone (the service's path, `gare_search.search.encode_queries`); `fp32` is "
+        "`GARE.encode_text` run on each text alone (the service's path, `gare_search.query.encode_queries`); `fp32` is "
         "the stand-alone tower in text_quant.", "",
     ]
     sp = res["speed"]

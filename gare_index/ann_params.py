@@ -20,7 +20,7 @@ IVF variants (``AnnParams``): ``coarse`` picks the quantiser ("flat", "hnsw", or
 ``fastscan=True`` makes ``ivfpq`` a 4-bit fast-scan PQ (``IndexIVFPQFastScan``, SIMD table lookups), still
 re-scored exactly; ``train_per_cell`` bounds the k-means sample (rows per cell, default 64).
 ``AnnParams.from_index`` recovers all three from a saved index ("auto" comes back resolved).  Which type and
-which query-time knobs meet a recall target: ``gare_build.tune``.
+which query-time knobs meet a recall target: ``gare_build.tuning.recall``.
 """
 
 from __future__ import annotations

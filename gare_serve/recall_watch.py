@@ -1,6 +1,6 @@
 """Stage-1 recall watched in production (issue 29): a sample of served queries re-run exactly in the background.
 
-The build measures stage 1 on a sample of queries (``gare_build.stage1_tune``: recall@K of the exact top-10, K the
+The build measures stage 1 on a sample of queries (``gare_build.tuning.stage1``: recall@K of the exact top-10, K the
 manifest's ``stage1.recall_at``, against ``stage1.recall_target``); real users may query elsewhere. Here each
 worker samples ``recall_sample_rate`` of the text queries it serves (the rows its batch thread passes through
 ``IndexVersion.search``: the query's unit vector and the candidate ids actually served) into a bounded queue
@@ -12,7 +12,7 @@ worker samples ``recall_sample_rate`` of the text queries it serves (the rows it
   ``ann_ncl.faiss`` approximates; the tuner does not score it, the watcher does, labelled ``stage1="ncl"``).
   The scan reads the memory-mapped vectors in chunks (``chunk_bytes``), so memory stays bounded at any size;
 * ``recall`` = |exact top-10 ∩ stage-1 top-K| / 10 with K = the manifest's ``recall_at`` (the tuner's
-  definition, :func:`gare_build.tune.recall_of_topk`): the served list when the request was served at that K,
+  definition, :func:`gare_build.tuning.measure.recall_of_topk`): the served list when the request was served at that K,
   else stage 1 run again at that K (deterministic on the CPU: the list a request at that K gets);
 * ``served_recall``: the same share inside the candidates the request was actually served with (its own K).
 
@@ -52,7 +52,7 @@ from gare_search.search import DEFAULT_CANDIDATES
 
 log = logging.getLogger(__name__)
 
-TOP = 10  # the exact top-k whose recall is measured (gare_build.stage1_tune: k = 10)
+TOP = 10  # the exact top-k whose recall is measured (gare_build.tuning.stage1: k = 10)
 CHUNK_BYTES = 16 << 20  # stage-1 vectors read per step of the exact scan
 
 
@@ -382,7 +382,7 @@ class RecallWatch:
 
 
 def _share(exact: np.ndarray, listed: np.ndarray) -> float:
-    """|exact ∩ listed| / |exact| (gare_build.tune.recall_of_topk for one query)."""
+    """|exact ∩ listed| / |exact| (gare_build.tuning.measure.recall_of_topk for one query)."""
     if exact.size == 0:
         return math.nan
     return float(np.isin(exact, listed).sum() / exact.size)
