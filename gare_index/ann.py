@@ -36,7 +36,7 @@ from gare_index.ann_params import (
     is_gpu,
 )
 
-__all__ = ["build_index", "AnnIndex", "check_vectors"]
+__all__ = ["build_index", "AnnIndex", "check_vectors", "train_ivf", "add_assigned"]
 
 _ADD_BATCH = 65_536  # rows per add() call (bounds the float32 copy made from a memmap)
 
@@ -59,6 +59,36 @@ def _add(index: faiss.Index, vectors: np.ndarray, ids: np.ndarray) -> None:
         index.add_with_ids(as_f32(vectors[s:e]), np.ascontiguousarray(ids[s:e], dtype=np.int64))
 
 
+def train_ivf(index: faiss.Index, sample: np.ndarray, *, clustering_index: faiss.Index | None = None) -> None:
+    """Train an IVF index's coarse quantiser (and codes) on ``sample`` (m, d) float32; ``clustering_index`` (a
+    flat inner-product index, e.g. on the GPU) assigns the points in k-means instead of the quantiser itself."""
+    ivf = faiss.extract_index_ivf(index)
+    if clustering_index is not None:
+        ivf.clustering_index = clustering_index
+    try:
+        index.train(sample)
+    finally:
+        if clustering_index is not None:
+            ivf.clustering_index = None  # the index must not outlive-reference the caller's (GPU) index
+
+
+def add_assigned(index: faiss.Index, vectors: np.ndarray, ids: np.ndarray, assigner: faiss.Index) -> None:
+    """Add ``vectors`` (n, d) with ``ids`` (n,) to a trained IVF index whose cells are chosen by ``assigner``: a
+    flat inner-product index (CPU or GPU) loaded with the coarse centroids, searched for the top-1 cell of each
+    row -- exactly what the index's own flat quantiser would choose (an HNSW quantiser's choice is approximate)."""
+    ivf = faiss.extract_index_ivf(index)
+    assigner.reset()
+    assigner.add(as_f32(ivf.quantizer.reconstruct_n(0, ivf.nlist)))
+    for s in range(0, vectors.shape[0], _ADD_BATCH):
+        e = min(vectors.shape[0], s + _ADD_BATCH)
+        x = np.ascontiguousarray(as_f32(vectors[s:e]))
+        xid = np.ascontiguousarray(ids[s:e], dtype=np.int64)
+        _, cell = assigner.search(x, 1)  # (b, 1) int64
+        cell = np.ascontiguousarray(cell[:, 0])
+        ivf.add_core(e - s, faiss.swig_ptr(x), faiss.swig_ptr(xid), faiss.swig_ptr(cell))
+    assigner.reset()
+
+
 def _training_sample(vectors: np.ndarray, nlist: int, seed: int = 1234, per_cell: int = 64) -> np.ndarray:
     n = vectors.shape[0]
     n_train = min(n, max(per_cell * nlist, 16_384))  # faiss uses at most 256 / cell; 64 is plenty
@@ -74,6 +104,7 @@ def build_index(
     params: AnnParams,
     *,
     use_gpu: bool | None = None,
+    assign_on_gpu: bool | None = None,
 ) -> faiss.Index:
     """Build an index over ``vectors`` (n, d) float32 unit rows, answering with ``ids`` (n,) int64.
 
@@ -82,7 +113,8 @@ def build_index(
     ``default_nlist(n)``.  With a GPU (``faiss.get_num_gpus() > 0`` and ``use_gpu`` not False) a ``flat`` or
     ``ivf`` index is returned cloned onto all GPUs as :func:`gare_index.ann_gpu.gpu_plan` says (GpuIndexError when
     ``use_gpu=True`` and it cannot be); :class:`AnnIndex` keeps and saves the CPU copy.  Otherwise the CPU
-    index is returned.
+    index is returned.  ``assign_on_gpu`` (None: as ``use_gpu``) runs IVF's k-means assignments and IVF-Flat's
+    cell assignments on the GPU while building (the same cells: :func:`add_assigned`), wherever it is searched.
     """
     ids = np.asarray(ids)
     n, d = check_vectors(vectors, ids)
@@ -116,11 +148,19 @@ def build_index(
                 # 8-bit codes need >= 256 training points per sub-quantiser; shrink for tiny galleries.
                 nbits = int(max(1, min(8, math.floor(math.log2(max(2, n // 4))))))
                 index = faiss.IndexIVFPQ(quantizer, d, nlist, pq_m, nbits, faiss.METRIC_INNER_PRODUCT)
-        index.train(_training_sample(vectors, nlist, per_cell=params.train_per_cell))
+        # With a GPU, k-means assigns its training sample with a GPU flat index, and IVF-Flat's rows are
+        # assigned to their cells there too (exact; on the CPU both are an (n x nlist) product: minutes at 10M).
+        accel = ann_gpu.coarse_accelerator(d, use_gpu if assign_on_gpu is None else assign_on_gpu)
+        train_ivf(index, _training_sample(vectors, nlist, per_cell=params.train_per_cell), clustering_index=accel)
+        if t == "ivf" and accel is not None:
+            apply_search_params(index, params)
+            add_assigned(index, vectors, ids, accel)
+            vectors = vectors[:0]  # added
     else:  # pragma: no cover - AnnParams validates
         raise ValueError(t)
     apply_search_params(index, params)
-    _add(index, vectors, ids)
+    if vectors.shape[0]:
+        _add(index, vectors, ids)
     plan = ann_gpu.gpu_plan(index, params, use_gpu=use_gpu)
     if plan.error:
         raise ann_gpu.GpuIndexError(plan.error)

@@ -32,7 +32,8 @@ import faiss
 
 from gare_index.ann_params import AnnParams, cpu_of, default_nprobe, inner_index
 
-__all__ = ["GPU_MAX_K", "GpuPlan", "GpuIndexError", "gpu_plan", "to_gpu", "num_gpus", "gpu_available"]
+__all__ = ["GPU_MAX_K", "GpuPlan", "GpuIndexError", "gpu_plan", "to_gpu", "num_gpus", "gpu_available",
+           "coarse_accelerator"]
 
 # faiss GPU k-selection limit: GPU_MAX_SELECTION_K (faiss/gpu/utils/DeviceDefs.cuh) is 2048 for every CUDA build
 # from faiss 1.8 to 1.15 (1024 only for CUDA <= 9.0); GpuIndex::search (validateKSelect) and GpuIndexIVF
@@ -58,6 +59,20 @@ def gpu_available(use_gpu: bool | None) -> bool:
     if use_gpu and n == 0:
         raise GpuIndexError("use_gpu=True but faiss sees no GPU (install faiss-gpu and check CUDA)")
     return n > 0
+
+
+def coarse_accelerator(d: int, use_gpu: bool | None) -> faiss.Index | None:
+    """An empty flat inner-product index (d) on the GPU(s), to assign rows to IVF cells while an index is built
+    (k-means training and adding); None without a GPU or with ``use_gpu=False`` (the CPU quantiser does it)."""
+    if not gpu_available(use_gpu):
+        return None
+    try:
+        return faiss.index_cpu_to_all_gpus(faiss.IndexFlatIP(d))
+    except Exception as e:  # noqa: BLE001 - faiss raises RuntimeError with the C++ message
+        if use_gpu:
+            raise GpuIndexError(f"a GPU flat index (d={d}) for IVF training could not be made: {e}; {GPU_OFF}") from e
+        log.warning("IVF training on the CPU: a GPU flat index (d=%d) could not be made: %s", d, e)
+        return None
 
 
 GPU_OFF = "to search it on the CPU instead, set use_gpu_ann: false (GARE_USE_GPU_ANN=false; use_gpu=False in Python)"

@@ -13,9 +13,9 @@ import numpy as np
 from gare_build.invgc import invgc_vectors
 from gare_build.pipeline.assemble import Entry
 from gare_build.pipeline.biases import (
+    bias_queue,
     bias_score_of,
     carried_traffic,
-    checkpoint_gamma_and_queue,
     compute_biases,
     served_inputs,
     traffic_binfo,
@@ -72,7 +72,9 @@ def make_ann(units: np.ndarray, ids: np.ndarray, opts: BuildOptions, prev: Index
             return ann, {"ann_params": params.to_dict(), "ann_trained_n": trained}
     params = _ann_params(t, opts, prev.manifest.ann_params if prev is not None else None)
     t0 = time.time()
-    ann = AnnIndex(build_index(units, ids, params, use_gpu=False), params)
+    # searched where the service opens it; a GPU here (not --device cpu) trains and fills IVF cells faster
+    gpu_assign = False if opts.device == "cpu" else None
+    ann = AnnIndex(build_index(units, ids, params, use_gpu=False, assign_on_gpu=gpu_assign), params)
     log.info("built a %s index over %d vectors in %.1fs", t, n, time.time() - t0)
     return ann, {"ann_params": params.to_dict(), "ann_trained_n": n}
 
@@ -94,12 +96,18 @@ def finish(p: Plan, entries: list[Entry], arrays: dict[str, Any], opts: BuildOpt
     served = served_inputs(p.model, arrays, opts.bias_k if mode != "add" or opts.bias_score else
                             int(((pman.get("biases") or {}).get("served") or {}).get("k") or opts.bias_k),
                             consts_valid=True) if score == "served" else None
-    gamma, queue = checkpoint_gamma_and_queue(p.ckpt, raw=True)
+    # the queue NCL fits to: fresh (training captions re-encoded by this model) or stale (issue 28)
+    gamma, queue, qinfo = bias_queue(p.ckpt, p.model, opts.bias_queue, opts.bias_captions, report=report,
+                                     prev=(pman.get("biases") or {}).get("queue") if mode == "add" and pman else None)
     ckpt_queue = queue  # the sample queries of the stage-1 tuning (raw rows; traffic may be mixed into `queue` below)
     tinfo = None
-    if mode == "add" and (pman.get("biases") or {}).get("traffic"):
-        queue, tinfo = carried_traffic(queue, pman["biases"], prev.dim, report)
-    arrays["biases"], binfo = compute_biases(arrays["units"], gamma, queue, opts.n_iters, served=served)
+    if opts.defer_biases:  # fitted afterwards over a larger gallery by the caller (gare_build.sharded)
+        arrays["biases"], binfo = np.zeros(len(entries), np.float32), {"source": "deferred", "score": score}
+    else:
+        if mode == "add" and (pman.get("biases") or {}).get("traffic"):
+            queue, tinfo = carried_traffic(queue, pman["biases"], prev.dim, report)
+        arrays["biases"], binfo = compute_biases(arrays["units"], gamma, queue, opts.n_iters, served=served)
+    binfo = {**binfo, "queue": qinfo}
     if tinfo is not None:
         binfo = traffic_binfo(binfo, tinfo)
     if binfo["source"] == "none":

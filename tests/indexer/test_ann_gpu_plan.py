@@ -355,6 +355,7 @@ def test_tuner_never_tries_an_nprobe_the_gpu_cannot_run(monkeypatch):
         return faiss.clone_index(cpu)
 
     monkeypatch.setattr(ann_gpu, "to_gpu", fake_to_gpu)
+    monkeypatch.setattr(ann_gpu, "coarse_accelerator", lambda d, use_gpu: faiss.IndexFlatIP(d))  # its CPU stand-in
     x = clustered_vectors(8000, 16, 40, seed=5, spread=1.0)
     q = perturbed_queries(x, 200, seed=6, noise=1.0)
     cfg = TuneConfig(target=0.999, candidates=20, latency_budget_ms=1e4, n_queries=200, latency_queries=3, nlist=64)
@@ -400,6 +401,63 @@ def test_cuda_image_never_installs_faiss_cpu_nor_uninstalls_it_after_faiss_gpu()
 def test_gpu_marker_is_registered():
     markers = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]
     assert any(m.startswith("gpu:") for m in markers)
+
+
+# ------------------------------------------- building IVF with an accelerator (a GPU flat index; CPU here)
+def test_ivf_built_with_an_assigner_equals_the_plain_build():
+    """The GPU build path (k-means and cell assignment by a separate flat inner-product index) run with a CPU
+    flat index: same centroids, same inverted lists, same search results as the quantiser doing it itself."""
+    from gare_index.ann import add_assigned, train_ivf
+
+    x = _units(6000, 32, seed=3)
+    ids = np.arange(6000, dtype=np.int64) * 7 + 2
+    q = perturbed_queries(x, 50, seed=4, noise=0.3)
+
+    def fresh() -> faiss.IndexIVFFlat:
+        return faiss.IndexIVFFlat(faiss.IndexFlatIP(32), 32, 64, faiss.METRIC_INNER_PRODUCT)
+
+    plain, fast = fresh(), fresh()
+    plain.train(x)
+    plain.add_with_ids(x, ids)
+    assigner = faiss.IndexFlatIP(32)
+    train_ivf(fast, x, clustering_index=assigner)
+    assert fast.clustering_index is None  # not left pointing at the caller's index
+    np.testing.assert_array_equal(fast.quantizer.reconstruct_n(0, 64), plain.quantizer.reconstruct_n(0, 64))
+    add_assigned(fast, x, ids, assigner)
+    assert assigner.ntotal == 0 and fast.ntotal == 6000
+    sizes = lambda ix: [ix.invlists.list_size(c) for c in range(64)]  # noqa: E731
+    assert sizes(fast) == sizes(plain)
+    for ix in (plain, fast):
+        ix.nprobe = 8
+    s_p, i_p = plain.search(q, 20)
+    s_f, i_f = fast.search(q, 20)
+    np.testing.assert_array_equal(i_f, i_p)
+    np.testing.assert_allclose(s_f, s_p, rtol=0, atol=1e-6)
+
+
+def test_build_index_uses_the_accelerator_only_with_a_gpu(monkeypatch):
+    """No GPU (or use_gpu=False): no accelerator, the CPU build as before; use_gpu=True without one: refused."""
+    assert ann_gpu.coarse_accelerator(16, False) is None
+    if not HAS_GPU:
+        assert ann_gpu.coarse_accelerator(16, None) is None
+        with pytest.raises(GpuIndexError, match="faiss sees no GPU"):
+            ann_gpu.coarse_accelerator(16, True)
+    # the build path with an accelerator, driven through build_index by handing it a CPU flat index
+    made = []
+
+    def cpu_accel(d, use_gpu):
+        made.append(faiss.IndexFlatIP(d))
+        return made[-1]
+
+    x = _units(3000, 16, seed=5)
+    ids = np.arange(3000, dtype=np.int64)
+    p = AnnParams("ivf", nlist=40, nprobe=40, coarse="flat")
+    ref = build_index(x, ids, p, use_gpu=False)
+    monkeypatch.setattr(ann_gpu, "coarse_accelerator", cpu_accel)
+    got = build_index(x, ids, p, use_gpu=False)
+    assert len(made) == 1 and got.ntotal == 3000
+    q = x[:30]
+    np.testing.assert_array_equal(got.search(q, 10)[1], ref.search(q, 10)[1])
 
 
 # ------------------------------------------------------------------- on a real GPU (bench/gpu_check.sh's job)
@@ -501,3 +559,18 @@ def test_gpu_tuner_choices_stay_within_the_limit(gpu_data):
     a, res = tune_ann(x, q, config=TuneConfig(n_queries=200, latency_queries=20))
     assert res.device == "cuda" and res.met and a.on_gpu
     assert res.index_type in ("ivf", "flat") and (res.params.get("nprobe") or 0) <= GPU_MAX_K
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs a GPU and faiss-gpu")
+def test_gpu_assisted_ivf_build_matches_the_cpu_build(gpu_data):
+    """k-means and cell assignment on the GPU (build_index's GPU path) give an index as good as the CPU build."""
+    x, q, exact = gpu_data
+    ids = np.arange(x.shape[0], dtype=np.int64)
+    p = AnnParams("ivf", nlist=1024, nprobe=64, coarse="flat")
+    on_gpu = AnnIndex(build_index(x, ids, p, use_gpu=False, assign_on_gpu=True), p)
+    on_cpu = AnnIndex(build_index(x, ids, p, use_gpu=False), p)
+    assert not is_gpu(on_gpu.cpu_index) and on_gpu.ntotal == on_cpu.ntotal == x.shape[0]
+    r_gpu = recall_at_k(on_gpu.search(q, 256)[1], exact, 10)
+    r_cpu = recall_at_k(on_cpu.search(q, 256)[1], exact, 10)
+    assert r_gpu >= r_cpu - 0.005, (r_gpu, r_cpu)
