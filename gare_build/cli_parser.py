@@ -118,6 +118,15 @@ def _add_bias_score_args(g: argparse._ActionsContainer, *, build: bool) -> None:
     g.add_argument("--bias-k", type=_positive_int, default=None,
                    help="served biases: exact psi on each queue query's top K stage-1 candidates (default 256"
                         + ("" if build else ", or the index's") + ")")
+    g.add_argument("--bias-queue", choices=("fresh", "stale"), default=None,
+                   help="the queries NCL fits the biases to: fresh (the training captions re-encoded with this "
+                        "checkpoint's text tower) or stale (the embeddings the checkpoint pushed during training, most "
+                        "from earlier model states); default: " + ("fresh when the training captions can be read, "
+                        "else stale" if build else "the index's") + " (manifest biases.queue)")
+    g.add_argument("--bias-captions", metavar="MANIFEST|SYNTH_DIR",
+                   help="the training captions of the fresh queue: a caption manifest (.csv/.jsonl, used whole) or a "
+                        "`gare-train synth` folder (its training split less the validation part); default: the data "
+                        "the checkpoint names")
 
 
 def _add_index_arg(p: argparse.ArgumentParser) -> None:

@@ -1,5 +1,6 @@
-"""The traffic query bank of `gare-index biases --from-traffic`: validated served query embeddings, mixed with the
-checkpoint's training queue.
+"""The banks of queries NCL fits the video biases to: the traffic query bank of `gare-index biases --from-traffic`
+(validated served query embeddings, mixed with the checkpoint's training queue) and the fresh queue (issue 28:
+the training captions re-encoded with the final text tower, instead of the embeddings pushed during training).
 
 :func:`load_query_bank` validates a float32 (n, d) file of unit query embeddings written by gare-serve's query bank
 (never unpickled); :func:`mix_queues` mixes it with the checkpoint's training queue so that a given fraction of the
@@ -16,14 +17,69 @@ from typing import Any
 
 import numpy as np
 
+from gare.annotations import carve_validation, load_dataset, load_manifest
 from gare.checkpoint import file_sha256
+from gare_build.invgc import resolve_data_root
 
 log = logging.getLogger(__name__)
 
 TRAFFIC_SEED = 0
 MAX_BANK_ROWS = 10_000_000  # a bank bigger than this is refused (the service keeps a bounded queue)
 
-__all__ = ["TRAFFIC_SEED", "MAX_BANK_ROWS", "load_query_bank", "mix_queues"]
+BIAS_QUEUES = ("fresh", "stale")  # the queue NCL fits to: training captions re-encoded now, or the pushed embeddings
+FRESH_SEED = 0
+DEFAULT_QUEUE_SIZE = 16384  # NCL's queue size, when the checkpoint does not say its own
+
+__all__ = ["TRAFFIC_SEED", "MAX_BANK_ROWS", "BIAS_QUEUES", "load_query_bank", "mix_queues", "training_captions",
+           "FreshQueueUnavailable"]
+
+
+class FreshQueueUnavailable(ValueError):
+    """The training captions of a fresh queue cannot be found or read (the message says which and why)."""
+
+
+def training_captions(ckpt: Any, source: str | os.PathLike | None = None) -> tuple[list[str], dict[str, Any]]:
+    """The caption texts of the fresh queue and where they came from (for the manifest).
+
+    ``source``: a caption manifest (.csv / .jsonl: every caption, used whole) or a `gare-train synth` folder (its
+    training split), or None: the training data the checkpoint names (``train_args["data"]``, paths resolved
+    against the cwd and the checkpoint's folders). From a training split, the validation part is carved off as
+    `gare-train fit` did (the checkpoint's val_fraction and seed), so the queue holds only captions it trained on.
+    Raises FreshQueueUnavailable with the reason when there is nothing to read."""
+    ta = dict(getattr(ckpt, "train_args", None) or {})
+    if source is not None:
+        p = Path(source).expanduser().absolute()
+        if p.is_file():
+            try:
+                rs = load_manifest(p, name="bias-captions")
+            except (OSError, ValueError, KeyError) as e:
+                raise FreshQueueUnavailable(f"--bias-captions {source}: {e}") from None
+            return list(rs.captions), {"captions": f"manifest {p}", "sha256": file_sha256(p)}
+        if p.is_dir() and (p / "train.csv").is_file() and (p / "MSRVTT_data.json").is_file():
+            spec: dict[str, Any] = {"kind": "synth", "root": str(p)}
+        else:
+            raise FreshQueueUnavailable(f"--bias-captions {source}: not a caption manifest (.csv/.jsonl) or a "
+                                        "`gare-train synth` folder")
+    else:
+        spec = ta.get("data") or {}
+        if not spec:
+            raise FreshQueueUnavailable(f"{getattr(ckpt, 'path', 'the checkpoint')} names no training data; pass "
+                                        "--bias-captions (a caption manifest or a synth folder)")
+        spec = resolve_data_root(spec, getattr(ckpt, "path", None))
+    try:
+        full = load_dataset(spec, "train")
+    except (OSError, KeyError, ValueError) as e:
+        raise FreshQueueUnavailable(f"cannot read the training captions {spec}: {e}") from None
+    frac, seed = float(ta.get("val_fraction") or 0.0), int(ta.get("seed", 0))
+    train = carve_validation(full, frac, seed)[0] if 0 < frac < 1 else full
+    where = spec.get("root") or spec.get("anno_dir") or spec.get("train")
+    return list(train.captions), {"captions": f"{spec.get('kind')} {where}: training split"
+                                  + (f" less the validation part (fraction {frac:g}, seed {seed})" if 0 < frac < 1 else "")}
+
+
+def fresh_rows(n: int, size: int, seed: int = FRESH_SEED) -> np.ndarray:
+    """Which of n captions enter a queue of `size`: all when they fit, else a seeded sample (sorted)."""
+    return _subsample(n, size, np.random.default_rng(seed))
 
 
 def load_query_bank(path: str | os.PathLike, d: int, *, max_rows: int = MAX_BANK_ROWS) -> tuple[np.ndarray, dict[str, Any]]:

@@ -1,5 +1,7 @@
-"""NCL video biases (SPEC §5) of a gallery: from the checkpoint's text queue, optionally mixed with a bank of
-served queries (`biases --from-traffic`, :mod:`gare_build.query_bank`). Used by the finish stage of build/add and by remove/biases."""
+"""NCL video biases (SPEC §5) of a gallery: from the fresh queue (the training captions re-encoded with the final
+text tower, issue 28) or the checkpoint's stale queue (the embeddings pushed during training), optionally mixed
+with a bank of served queries (`biases --from-traffic`, :mod:`gare_build.query_bank`). Used by the finish stage of
+build/add and by remove/biases."""
 
 from __future__ import annotations
 
@@ -17,8 +19,17 @@ import torch
 from gare.checkpoint import file_sha256, load_model, read_checkpoint
 from gare.sinkhorn import sinkhorn_biases
 from gare_build.pipeline.options import RunReport
-from gare_build.query_bank import load_query_bank, mix_queues
+from gare_build.query_bank import (
+    BIAS_QUEUES,
+    DEFAULT_QUEUE_SIZE,
+    FreshQueueUnavailable,
+    fresh_rows,
+    load_query_bank,
+    mix_queues,
+    training_captions,
+)
 from gare_build.served_biases import served_biases
+from gare_build.tuning.stage1 import encode_captions
 from gare_index import psi_consts
 from gare_index.store import CheckpointRef, ExistingFile, IndexManifest, IndexMismatchError, IndexVersion
 
@@ -39,6 +50,43 @@ def checkpoint_gamma_and_queue(ckpt: Any, *, raw: bool = False) -> tuple[float, 
     if not raw:
         q = q / q.norm(dim=1, keepdim=True).clamp_min(1e-12)
     return gamma, q.numpy().astype(np.float32)
+
+
+def bias_queue(ckpt: Any, model: Any, kind: str | None, captions: str | os.PathLike | None = None, *,
+               prev: Mapping[str, Any] | None = None, report: RunReport | None = None
+               ) -> tuple[float, np.ndarray | None, dict[str, Any]]:
+    """gamma and the raw text queue (Q, d) NCL fits the biases to, and the manifest's ``biases.queue`` record.
+
+    ``kind``: "fresh" re-encodes the training captions (:func:`gare_build.query_bank.training_captions`: ``captions``
+    or the data the checkpoint names) with ``model``'s text tower, the final one, at most the checkpoint's queue size
+    of them (a seeded sample beyond); "stale" takes the embeddings pushed into the checkpoint's queue during
+    training, most of them by earlier states of the model. None: ``prev``'s record (an index's previous version),
+    else fresh when the captions can be read, else stale with the reason in the record and the report. An
+    explicit "fresh" whose captions cannot be read is an error naming them."""
+    if kind is not None and kind not in BIAS_QUEUES:
+        raise ValueError(f"--bias-queue must be one of {BIAS_QUEUES}, got {kind!r}")
+    gamma, stale = checkpoint_gamma_and_queue(ckpt, raw=True)
+    if kind is None and prev:
+        kind, captions = prev.get("kind"), captions or prev.get("source")
+    if kind == "stale":
+        return gamma, stale, {"kind": "stale", "n": 0 if stale is None else int(stale.shape[0])}
+    try:
+        texts, info = training_captions(ckpt, captions)
+    except FreshQueueUnavailable as e:
+        if kind == "fresh":
+            raise
+        if report is not None:
+            report.notes.append(f"NCL biases from the checkpoint's stale queue: no fresh queue ({e})")
+        return gamma, stale, {"kind": "stale", "n": 0 if stale is None else int(stale.shape[0]), "fresh_unavailable": str(e)}
+    if not texts:
+        raise FreshQueueUnavailable(f"the fresh queue's captions ({info['captions']}) hold no caption")
+    size = int((getattr(ckpt, "train_args", None) or {}).get("queue_size") or DEFAULT_QUEUE_SIZE)
+    rows = fresh_rows(len(texts), size)
+    t0 = time.time()
+    q = encode_captions(model, [texts[i] for i in rows])
+    log.info("fresh NCL queue: %d of %d training captions encoded in %.1fs", len(rows), len(texts), time.time() - t0)
+    src = str(Path(captions).expanduser().absolute()) if captions is not None else None
+    return gamma, q, {"kind": "fresh", "n": int(len(rows)), "n_captions": len(texts), "source": src, **info}
 
 
 def compute_biases(units: np.ndarray, gamma: float, queue: np.ndarray | None, n_iters: int = 4,
@@ -131,10 +179,12 @@ def carried_traffic(queue: np.ndarray | None, prev_binfo: dict[str, Any], d: int
 def biases_for(prev: IndexVersion, arrays: dict[str, Any], checkpoint: str | os.PathLike | None, n_iters: int | None,
                 *, traffic: str | os.PathLike | None = None, traffic_weight: float = 0.5,
                 report: RunReport | None = None, carry_traffic: bool = False, score: str | None = None,
-                k: int | None = None) -> tuple[np.ndarray, dict[str, Any]]:
+                k: int | None = None, queue_kind: str | None = None, captions: str | os.PathLike | None = None,
+                ) -> tuple[np.ndarray, dict[str, Any]]:
     """Recompute the biases of a gallery (`arrays`: units, norms, frames, masks, optional ann_units) with the
     index's checkpoint (its queue and logit scale), mixed with a bank of served queries when `traffic` is given
-    (or when the previous biases came from one: remove). `score`/`k`: default the previous version's."""
+    (or when the previous biases came from one: remove). `score`/`k`: default the previous version's;
+    `queue_kind`/`captions`: the queue (:func:`bias_queue`; default the previous version's, else fresh)."""
     units = np.asarray(arrays["units"], dtype=np.float32)
     score = score or bias_score_of(prev.manifest)
     if score not in ("served", "dual"):
@@ -157,7 +207,13 @@ def biases_for(prev: IndexVersion, arrays: dict[str, Any], checkpoint: str | os.
         raise IndexMismatchError(
             f"index {prev.root} was built with checkpoint sha256 {ck.sha256} ({ck.path}); {path} has sha256 {sha}"
         )
-    gamma, queue = checkpoint_gamma_and_queue(read_checkpoint(path), raw=True)
+    ckpt = read_checkpoint(path)
+    model = None
+    want_fresh = queue_kind == "fresh" or (queue_kind is None and (pb.get("queue") or {}).get("kind", "fresh") == "fresh")
+    if score == "served" and len(units) or want_fresh:
+        model, _ = load_model(path, "cuda" if torch.cuda.is_available() else "cpu")
+    # indexes from before issue 28 have no queue record: they used the stale queue, which `biases` now refreshes
+    gamma, queue, qinfo = bias_queue(ckpt, model, queue_kind, captions, prev=pb.get("queue"), report=report)
     tinfo = None
     if traffic is not None:
         queue, tinfo = _mixed_queue(queue, traffic, traffic_weight, prev.dim)
@@ -165,9 +221,9 @@ def biases_for(prev: IndexVersion, arrays: dict[str, Any], checkpoint: str | os.
         queue, tinfo = carried_traffic(queue, pb, prev.dim, report)
     served = None
     if score == "served" and queue is not None and len(units):
-        model, _ = load_model(path, "cuda" if torch.cuda.is_available() else "cpu")
         # the previous version's constants, when they belong to this checkpoint's psi (same sha checked above)
         valid = arrays.get("psi_consts") is not None and psi_consts.fold_status(prev, psi_consts.fold_of(model)) is None
         served = served_inputs(model, arrays, k, consts_valid=valid)
     b, info = compute_biases(units, gamma, queue, iters, served=served)
+    info["queue"] = qinfo
     return b, (info if tinfo is None else traffic_binfo(info, tinfo))

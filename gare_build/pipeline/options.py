@@ -68,6 +68,10 @@ class BuildOptions:
     # dual-tower cosine; None: "served" for build, as the index for add
     bias_score: str | None = None
     bias_k: int = 256
+    # the queue the biases are fitted to (gare_build.pipeline.biases.bias_queue): fresh | stale; None: fresh when the
+    # training captions can be read (bias_captions, else the checkpoint's data), else stale; add: as the index
+    bias_queue: str | None = None
+    bias_captions: str | None = None
     # stage-1 tuning (gare_build.tuning.stage1): recall target, latency budget, psi coverage -> default K
     stage1: Stage1Options = field(default_factory=Stage1Options)
     tune_captions: Sequence[str] | None = None  # caption texts for the sample queries (--tune-captions)
