@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,13 +46,15 @@ def _contiguous_cpu(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").contiguous()
 
 
-def _read_gare_file(path: str | os.PathLike, fmt: str, no_header: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def _read_gare_file(path: str | os.PathLike, fmt: str, no_header: str,
+                    select: Callable[[str], bool] | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """The one reader of the project's safetensors files: (the GARE header, checked to be format `fmt`, and the
-    tensors). `no_header` is the error's text when the file has no GARE header."""
+    tensors; with `select`, only the tensors whose names it accepts are read from the file). `no_header` is the
+    error's text when the file has no GARE header."""
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+            tensors = {k: f.get_tensor(k) for k in f.keys() if select is None or select(k)}
     except FileNotFoundError:
         raise
     except Exception as e:  # safetensors raises its own error types for bad headers
@@ -113,6 +116,25 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
     sd = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
     queues = {k[len("queue."):]: v for k, v in tensors.items() if k.startswith("queue.")}
     return Checkpoint(cfg, sd, queues, header.get("train_args", {}), header.get("info", {}), str(path))
+
+
+def read_checkpoint_subset(path: str | os.PathLike, prefixes: Sequence[str]) -> Checkpoint:
+    """A checkpoint holding only the model tensors whose state-dict names start with one of `prefixes` (e.g.
+    ``("psi.",)``) and no queues: safetensors reads just those tensors from the file, so a process that needs one
+    module of the model (a shard replica: psi) never loads the others (the CLIP towers). The header is checked
+    as :func:`read_checkpoint` checks it; CheckpointError when no tensor matches."""
+    want = tuple(f"model.{p}" for p in prefixes)
+    if not want:
+        raise ValueError("read_checkpoint_subset: give at least one prefix")
+    header, tensors = _read_gare_file(path, FORMAT, "no GARE header; is this a GARE checkpoint? (try gare-train import-official)",
+                                      select=lambda k: k.startswith(want))
+    if header.get("version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: checkpoint format version {header.get('version')} is not supported (expected {FORMAT_VERSION})")
+    if not tensors:
+        raise CheckpointError(f"{path}: no model tensor starts with {list(prefixes)}")
+    sd = {k[len("model."):]: v for k, v in tensors.items()}
+    return Checkpoint(ModelConfig.from_dict(header["model_config"]), sd, {}, header.get("train_args", {}),
+                      header.get("info", {}), str(path))
 
 
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", *, eval_mode: bool = True):

@@ -139,8 +139,9 @@ def prev_files(prev: IndexVersion, names: Sequence[str]) -> dict[str, ExistingFi
 
 
 def remove(out: str | os.PathLike, items: Sequence[str], *, checkpoint: str | os.PathLike | None = None,
-           keep: int = 3, n_iters: int | None = None) -> RunReport:
-    """`gare-index remove`: drop ids (integers) or paths (every window of that file) and recompute biases."""
+           keep: int = 3, n_iters: int | None = None, defer_biases: bool = False) -> RunReport:
+    """`gare-index remove`: drop ids (integers) or paths (every window of that file) and recompute biases
+    (`defer_biases`: leave them zero, recorded "deferred": the caller fits them, as BuildOptions.defer_biases)."""
     root = Path(out).expanduser().absolute()
     report = RunReport(command="remove", index=str(root))
     with reported(root, report), index_lock(root, BUILD_LOCK, blocking=False):
@@ -174,8 +175,11 @@ def remove(out: str | os.PathLike, items: Sequence[str], *, checkpoint: str | os
                 arrays["ann_units"] = np.asarray(prev.ann_units[src], dtype=np.float32).reshape(len(entries), prev.dim)
             # the kept rows' psi constants first: the served biases' psi scores read them
             psi_consts.carry(arrays, prev, np.array([e.src[1] for e in entries], dtype=np.int64))
-            arrays["biases"], binfo = biases_for(prev, arrays, checkpoint, n_iters, report=report,
-                                                  carry_traffic=True)
+            if defer_biases:
+                arrays["biases"], binfo = np.zeros(len(entries), np.float32), {"source": "deferred"}
+            else:
+                arrays["biases"], binfo = biases_for(prev, arrays, checkpoint, n_iters, report=report,
+                                                      carry_traffic=True)
             requested = prev.manifest.index_type_requested or "auto"
             ann, ainfo = make_ann(arrays.get("ann_units", arrays["units"]), arrays["ids"], BuildOptions(), prev,
                                    requested, incremental=True,

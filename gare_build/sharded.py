@@ -5,24 +5,24 @@ Every change runs in three steps, under the root's build lock:
 
 1. the structural change, shard by shard, with the single-index commands (:func:`gare_build.build.build` on
    the shard's part of the scanned clips, :func:`gare_build.build.remove`): each writes a normal version of its
-   shard (with every guarantee of one index: atomic versions, verify, kill-safety, stage-1 tuning and psi
-   coverage of its own videos);
-2. the global NCL biases: fitted once over the whole gallery (every shard's videos, in shard order) by the
-   fitting code a single index uses (:func:`gare_build.pipeline.biases.biases_for`), then stored per shard
-   (each shard's slice) in one more version of every shard (other files hard-linked);
+   shard (atomic, kill-safe), with what only the whole gallery can give left to step 2: no NCL fit
+   (``BuildOptions.defer_biases``: the biases are fitted once per change), no InvGC on build (its means come from
+   the gallery), no stage-1 tuning (it measures coverage with the biases);
+2. the global parts (:mod:`gare_build.sharded_global`): InvGC's means (``build --invgc``) and the NCL biases
+   computed once over the whole gallery (every shard's videos, in shard order) by the single-index code, each
+   shard's slice stored in one more version of that shard, with its ANN over its stage-1 vectors and, for build
+   and add, its stage-1 tuning and psi coverage;
 3. the commit point: :func:`gare_index.shards.write_generation` names those versions and switches GENERATION.
 
 A run killed before step 3 leaves the previous generation current and served: its shard versions are never
 deleted (gc keeps what the current and the previous generation name), and the next run first sets every shard's
 CURRENT back to the generation's version, so no orphan version of a dead run is built upon.
-
-InvGC is refused with --shards: its LocalAdj centring means come from the gallery, and a per-shard gallery would
-give each shard other stage-1 vectors than a single index over the same videos.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 from collections.abc import Sequence
@@ -31,20 +31,21 @@ from typing import Any
 
 import numpy as np
 
+from gare.checkpoint import load_model
+from gare.model import resolve_device
 from gare_build.build import (
     BUILD_LOCK,
     BuildOptions,
     RunReport,
     build,
-    carry_manifest,
-    prev_files,
     remove,
     reported,
 )
 from gare_build.discover import discover, scan
-from gare_build.pipeline.biases import biases_for
 from gare_build.pipeline.options import progress_enabled
+from gare_build.pipeline.plan import postprocess_setup
 from gare_build.pipeline.stats import stats
+from gare_build.sharded_global import DEFERRED, GlobalStep, RowConcat, global_step
 from gare_index.shards import (
     current_generation,
     live_versions,
@@ -55,17 +56,14 @@ from gare_index.shards import (
 )
 from gare_index.store import (
     CURRENT_FILE,
-    ExistingFile,
     IndexFormatError,
     IndexVersion,
     current_version_name,
     gc,
     index_lock,
-    open_index,
     open_version,
     switch_current,
     verify_index,
-    write_version,
 )
 
 __all__ = ["build_sharded", "remove_sharded", "biases_sharded", "verify_sharded", "stats_sharded", "gc_sharded",
@@ -76,38 +74,8 @@ log = logging.getLogger(__name__)
 # the shard commands write their versions without removing any (keep = "all"): what gc may remove is decided
 # after the generation switch, from the live generations (gare_index.shards.live_versions)
 _KEEP_ALL = 1 << 30
+_INVGC_KEYS = ("r_g", "r_q", "k_percent", "mean_g", "mean_q", "n_gallery_for_means")  # one correction for all shards
 _COUNTS = ("added", "updated", "unchanged", "removed", "encoded", "from_cache", "from_index", "frames_encoded")
-
-
-class RowConcat:
-    """The rows of several (n_i, ...) arrays (memmaps) as one (sum n_i, ...) array for row gathers
-    (``x[rows]``): the global bias fit reads the candidates' frames and psi constants of the whole gallery
-    without copying every shard's frames (n, f, d) into memory."""
-
-    def __init__(self, parts: Sequence[Any]) -> None:
-        self.parts = list(parts)
-        tails = {tuple(p.shape[1:]) for p in self.parts}
-        if len(tails) != 1:
-            raise ValueError(f"RowConcat: parts of different row shapes {sorted(tails)}")
-        self.offsets = np.cumsum([0, *(int(p.shape[0]) for p in self.parts)])
-        self.shape = (int(self.offsets[-1]), *tails.pop())
-        self.dtype = self.parts[0].dtype
-        self.ndim = len(self.shape)
-
-    def __len__(self) -> int:
-        return self.shape[0]
-
-    def __getitem__(self, rows: Any) -> np.ndarray:
-        rows = np.asarray(rows, dtype=np.int64)
-        flat = rows.reshape(-1)
-        if flat.size and (flat.min() < 0 or flat.max() >= self.shape[0]):
-            raise IndexError(f"RowConcat: rows outside [0, {self.shape[0]})")
-        out = np.empty((flat.size, *self.shape[1:]), dtype=self.dtype)
-        part = np.searchsorted(self.offsets, flat, side="right") - 1
-        for i in np.unique(part):
-            sel = np.flatnonzero(part == i)
-            out[sel] = np.asarray(self.parts[int(i)][flat[sel] - self.offsets[i]])
-        return out.reshape(*rows.shape, *self.shape[1:])
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -140,65 +108,52 @@ def _reset_shards(root: Path, gen: Any) -> None:
             switch_current(sroot, name)
 
 
-def _absorb(report: RunReport, sub: RunReport, shard: int) -> None:
-    """Add a shard command's counts, skips and notes to the sharded run's report."""
+def _absorb(report: RunReport, sub: RunReport, shard: int) -> int:
+    """Add a shard command's counts, skips and notes to the sharded run's report; returns 1 when that command
+    fitted NCL biases of its own (its report's biases are not the deferred record), else 0."""
     for k in _COUNTS:
         setattr(report, k, getattr(report, k) + getattr(sub, k))
     report.encode_s += sub.encode_s
     report.skipped += [dict(s, shard=shard) for s in sub.skipped]
     report.notes += [f"shard {shard}: {n}" for n in sub.notes]
     report.index_type = report.index_type or sub.index_type
+    return int(bool(sub.biases) and sub.biases.get("source") != DEFERRED)
 
 
-def _global_biases(root: Path, n_shards: int, report: RunReport, *, checkpoint: Any = None, n_iters: int | None = None,
-                   traffic: Any = None, traffic_weight: float = 0.5, score: str | None = None, k: int | None = None,
-                   carry_traffic: bool = True) -> list[str]:
-    """Step 2: the NCL biases of the whole gallery (every shard's current version, in shard order), each shard's
-    slice written as a new version of that shard; returns those versions' names, one per shard."""
-    shards = [open_index(shard_root(root, s), use_gpu=False) for s in range(n_shards)]
-    try:
-        # the gallery of a single index over the same videos, as row views: the fit's only inputs are these
-        # arrays (its candidates are each queue query's exact stage-1 top K, so the row order does not matter)
-        def cat(name: str) -> Any:
-            parts = [getattr(v, name) for v in shards]
-            return None if any(p is None for p in parts) else np.concatenate([np.asarray(p) for p in parts])
-
-        arrays: dict[str, Any] = {"units": cat("units"), "norms": cat("norms"), "masks": cat("masks"),
-                                  "frames": RowConcat([v.frames for v in shards]), "ann_units": cat("ann_units")}
-        if all(v.psi_consts is not None for v in shards):
-            arrays["psi_consts"] = RowConcat([v.psi_consts for v in shards])
-        # the fit of shard 0's version stands for all: same checkpoint, score, K and iterations (biases_for
-        # defaults them to its manifest, which the shard build wrote as a single build would)
-        b, binfo = biases_for(shards[0], arrays, checkpoint, n_iters, traffic=traffic, traffic_weight=traffic_weight,
-                              report=report, carry_traffic=carry_traffic, score=score, k=k)
-        binfo = {**binfo, "scope": {"n_shards": n_shards, "n_videos": int(len(b))}}
-        report.biases = binfo
-        names, at = [], 0
-        for s, v in enumerate(shards):
-            names.append(_write_biases(v, b[at:at + v.n], binfo, s))
-            at += v.n
-        return names
-    finally:
-        for v in shards:
-            v.close()
+def _step1_options(opts: BuildOptions) -> BuildOptions:
+    """A shard's build/add options in step 1: every shard version kept (gc runs after the switch), the NCL fit
+    and the stage-1 tuning left to step 2 (they need the whole gallery's biases), InvGC off for build (step 2
+    computes it over the whole gallery; add keeps the index's recorded correction, applied to new videos)."""
+    o = dataclasses.replace(opts, keep=_KEEP_ALL, defer_biases=True,
+                            stage1=dataclasses.replace(opts.stage1, enabled=False))
+    if opts.invgc:
+        o = dataclasses.replace(o, invgc=False, invgc_val=None, invgc_r_g=None, invgc_r_q=None)
+    return o
 
 
-def _write_biases(prev: IndexVersion, b: np.ndarray, binfo: dict[str, Any], shard: int) -> str:
-    """A new version of one shard with these biases; every other file hard-linked (ann_ncl.faiss, which folds
-    the biases into stage 1, is rebuilt), as `gare-index biases` writes it."""
-    arrays: dict[str, Any] = prev_files(prev, ["ids", "norms", "units", "frames", "masks", "keys", "values",
-                                               "ann_units", "psi_consts"])
-    arrays["biases"] = np.asarray(b, dtype=np.float32)
-    files = prev.manifest.files
-    # the builder record of the version that wrote the features (command, engine, ...), plus this step
-    builder = dict(prev.manifest.to_dict().get("builder") or {}) | {"global_biases": {"shard": shard}}
-    extra = carry_manifest(prev.manifest) | {"biases": binfo, "builder": builder}
-    return write_version(prev.root, arrays, ExistingFile(prev.path / "meta.sqlite", files["meta.sqlite"].sha256),
-                         extra, ann=ExistingFile(prev.path / "ann.faiss", files["ann.faiss"].sha256), keep=None)
+def _invgc_setup(checkpoint: Any, gen_checkpoint: str | None, opts: BuildOptions) -> dict[str, Any]:
+    """`build --shards N --invgc`: the choice of (r_g, r_q) of a single build (given, or the validation search of
+    gare_build.pipeline.plan.postprocess_setup), made once for all shards, before anything is encoded."""
+    path = checkpoint or gen_checkpoint
+    if not path:
+        raise ValueError("--checkpoint is required to build a new index")
+    if not Path(path).expanduser().is_file():
+        raise ValueError(f"--checkpoint {path}: no such file")
+    model, ckpt = load_model(Path(path).expanduser().absolute(), resolve_device(opts.device))
+    post = postprocess_setup(opts, "build", {}, model, ckpt, opts.precision or "fp32")
+    del model
+    return post
 
 
-def _commit(root: Path, versions: list[str], report: RunReport, keep: int) -> None:
-    """Step 3: switch the generation, then remove shard versions beyond `keep` that no live generation names."""
+def _previous(root: Path, gen: Any) -> IndexVersion:
+    """The generation's version of shard 0 (open it with ``with``): the defaults of the global bias fit."""
+    return open_version(shard_root(root, 0), gen.versions[0], use_gpu=False)
+
+
+def _commit(root: Path, versions: list[str], report: RunReport, keep: int, shard_fits: int) -> None:
+    """Step 3: switch the generation, then remove shard versions beyond `keep` that no live generation names.
+    The report's biases say how many NCL fits the change ran: the global one, plus any shard command's own."""
+    report.biases = {**report.biases, "fits": {"global": 1, "shards": shard_fits}}
     gen = write_generation(root, versions)
     report.version = f"g{gen.number:06d}"
     if report.encode_s > 0:  # the shards' encoders ran one after the other: the run's rates are the totals'
@@ -223,9 +178,6 @@ def build_sharded(checkpoint: Any, videos: str | os.PathLike, out: str | os.Path
     opts.validate()
     if mode not in ("build", "add"):
         raise ValueError(f"mode must be build or add, got {mode!r}")
-    if opts.invgc:
-        raise ValueError("--invgc cannot be used with a sharded index: InvGC's LocalAdj centring comes from the "
-                         "gallery, so per-shard vectors would differ from a single index's; build without --invgc")
     root = _root(out)
     root.mkdir(parents=True, exist_ok=True)
     report = RunReport(command=mode, index=str(root), engine=opts.engine)
@@ -241,6 +193,13 @@ def build_sharded(checkpoint: Any, videos: str | os.PathLike, out: str | os.Path
                              "(re-sharding is not supported: build a new index)")
         _reset_shards(root, gen)
         report.previous_version = f"g{gen.number:06d}" if gen is not None else None
+        invgc = None
+        if mode == "build" and opts.invgc:
+            ck = None
+            if gen is not None:
+                with _previous(root, gen) as v0:
+                    ck = v0.manifest.checkpoint.path if v0.manifest.checkpoint else None
+            invgc = _invgc_setup(checkpoint, ck, opts)
 
         # discover and scan once (unchanged files keep their stored checksums), then split by content
         clips, skipped, ignored = discover(videos)
@@ -276,21 +235,31 @@ def build_sharded(checkpoint: Any, videos: str | os.PathLike, out: str | os.Path
                     moved[s] = gone
 
         # step 1: every shard's structural change (a normal index build / add / remove each)
+        fits = 0
         for s in range(n):
             sroot = shard_root(root, s)
             if s in moved:
-                sub = remove(sroot, moved[s], checkpoint=checkpoint, keep=_KEEP_ALL)
-                _absorb(report, sub, s)
+                sub = remove(sroot, moved[s], checkpoint=checkpoint, keep=_KEEP_ALL, defer_biases=True)
+                fits += _absorb(report, sub, s)
             if mode == "add" and not parts[s]:
                 continue
-            sopts = dataclasses.replace(opts, clips=parts[s], keep=_KEEP_ALL)
-            sub = build(checkpoint, videos, sroot, sopts, mode=mode)
-            _absorb(report, sub, s)
-            report.stage1 = report.stage1 or sub.stage1
+            sub = build(checkpoint, videos, sroot, dataclasses.replace(_step1_options(opts), clips=parts[s]), mode=mode)
+            fits += _absorb(report, sub, s)
             report.ncl_stage1 = sub.ncl_stage1
+            report.invgc = sub.invgc
             log.info("shard %d of %d: %s", s, n, sub.summary())
-        # steps 2 and 3: the global biases, then the generation switch (the commit point)
-        _commit(root, _global_biases(root, n, report), report, opts.keep)
+        # steps 2 and 3: the global parts, then the generation switch (the commit point)
+        step = GlobalStep(invgc=invgc, tune=opts, checkpoint=checkpoint, n_iters=opts.n_iters,
+                          queue_kind=opts.bias_queue, captions=opts.bias_captions)
+        if mode == "build":  # a single build's fit: the options' score and K, no traffic bank
+            step.score, step.k, step.carry_traffic = opts.bias_score or "served", opts.bias_k, False
+            _commit(root, global_step(root, n, report, step), report, opts.keep, fits)
+        else:  # a single add's: the index's score and K unless --bias-score is given, its traffic bank carried
+            step.score, step.k = opts.bias_score, (opts.bias_k if opts.bias_score else None)
+            with _previous(root, gen) as v0:
+                step.defaults = v0
+                versions = global_step(root, n, report, step)
+            _commit(root, versions, report, opts.keep, fits)
     return report
 
 
@@ -330,16 +299,22 @@ def remove_sharded(out: str | os.PathLike, items: Sequence[str], *, checkpoint: 
         gen = _require_generation(root)
         _reset_shards(root, gen)
         report.previous_version = f"g{gen.number:06d}"
+        fits = 0
         for s, local in sorted(_route_items(root, gen, items).items()):
-            _absorb(report, remove(shard_root(root, s), local, checkpoint=checkpoint, keep=_KEEP_ALL), s)
-        _commit(root, _global_biases(root, gen.n_shards, report, checkpoint=checkpoint), report, keep)
+            fits += _absorb(report, remove(shard_root(root, s), local, checkpoint=checkpoint, keep=_KEEP_ALL,
+                                           defer_biases=True), s)
+        # a single remove's fit: the index's score, K, iterations and traffic bank (the generation's shard 0)
+        with _previous(root, gen) as v0:
+            versions = global_step(root, gen.n_shards, report, GlobalStep(checkpoint=checkpoint, defaults=v0))
+        _commit(root, versions, report, keep, fits)
     return report
 
 
 def biases_sharded(out: str | os.PathLike, *, checkpoint: Any = None, keep: int = 3, n_iters: int | None = None,
                    traffic: Any = None, traffic_weight: float = 0.5, score: str | None = "served",
-                   k: int | None = None) -> RunReport:
-    """`gare-index biases` on a sharded root: the biases refitted over the whole gallery, a new generation."""
+                   k: int | None = None, queue_kind: str | None = None, captions: Any = None) -> RunReport:
+    """`gare-index biases` on a sharded root: the biases refitted over the whole gallery, a new generation
+    (`queue_kind` / `captions`: the NCL queue, as `gare-index biases --bias-queue / --bias-captions`)."""
     root = _root(out)
     report = RunReport(command="biases", index=str(root))
     with reported(root, report), index_lock(root, BUILD_LOCK, blocking=False):
@@ -348,9 +323,9 @@ def biases_sharded(out: str | os.PathLike, *, checkpoint: Any = None, keep: int 
         gen = _require_generation(root)
         _reset_shards(root, gen)
         report.previous_version = f"g{gen.number:06d}"
-        versions = _global_biases(root, gen.n_shards, report, checkpoint=checkpoint, n_iters=n_iters, traffic=traffic,
-                                  traffic_weight=traffic_weight, score=score, k=k, carry_traffic=False)
-        _commit(root, versions, report, keep)
+        step = GlobalStep(checkpoint=checkpoint, n_iters=n_iters, traffic=traffic, traffic_weight=traffic_weight,
+                          score=score, k=k, carry_traffic=False, queue_kind=queue_kind, captions=captions)
+        _commit(root, global_step(root, gen.n_shards, report, step), report, keep, 0)
     return report
 
 
@@ -366,6 +341,7 @@ def verify_sharded(out: str | os.PathLike, *, rehash: bool = True, expect_checkp
     problems: list[str] = []
     seen: dict[str, int] = {}
     fits: set[str] = set()
+    invgcs: set[str] = set()
     for s, name in enumerate(gen.versions):
         sroot = shard_root(root, s)
         problems += [f"shard {s} ({name}): {p}" for p in verify_index(sroot, name=name, rehash=rehash,
@@ -384,8 +360,14 @@ def verify_sharded(out: str | os.PathLike, *, rehash: bool = True, expect_checkp
                     problems.append(f"{r['path']} is in shard {seen[r['path']]} and in shard {s}")
             scope = (v.manifest.biases or {}).get("scope") or {}
             fits.add(f"{v.manifest.checkpoint_sha256}|{scope.get('n_shards')}|{scope.get('n_videos')}")
+            if (v.manifest.biases or {}).get("source") == DEFERRED:
+                problems.append(f"shard {s} ({name}): its NCL biases were never fitted (a step-1 version)")
+            inv = v.manifest.invgc
+            invgcs.add(json.dumps({k: inv.get(k) for k in _INVGC_KEYS}, sort_keys=True) if inv else "none")
     if len(fits) > 1:
         problems.append(f"the shards' biases do not come from one fit over the whole gallery: {sorted(fits)}")
+    if len(invgcs) > 1:  # one correction for the whole gallery, or the stage-1 vectors are not a single index's
+        problems.append(f"the shards' InvGC corrections differ ({', '.join(_INVGC_KEYS)}): {sorted(invgcs)}")
     return problems
 
 

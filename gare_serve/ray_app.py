@@ -3,8 +3,9 @@ FastAPI app, and one deployment per shard.
 
 ``serve run gare_serve.ray_app:build_app index=/data/index`` (or ``serve.run(build_app({...}))``) builds:
 
-- ``shard-000`` ... ``shard-NNN``: one deployment per shard, ``shard_replicas`` replicas each. A replica loads the
-  model (for psi) and opens its shard, memory-mapped, at the version the current generation names
+- ``shard-000`` ... ``shard-NNN``: one deployment per shard, ``shard_replicas`` replicas each. A replica loads
+  psi alone from the checkpoint (``gare_serve.shard_server.load_shard_model``: not the CLIP towers, which only
+  the ingress holds) and opens its shard, memory-mapped, at the version the current generation names
   (``gare_serve.shard_server.ShardWorker``); it answers stage 1 + the psi rerank + biases for the queries the
   ingress sends (``gare_search.sharded.shard_candidates``), the examples' rows, image stage 1 and metadata, each
   for the generation the request names.
@@ -35,13 +36,12 @@ import torch
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from gare.checkpoint import load_model
 from gare.model import resolve_device
 from gare_index.shards import current_generation, shard_root
 from gare_search.by_example import ExampleError
 from gare_serve.app import create_app
 from gare_serve.settings import load_settings
-from gare_serve.shard_server import SHARD_CALLS, ShardWorker
+from gare_serve.shard_server import SHARD_CALLS, ShardWorker, load_shard_model
 from gare_serve.sharded_state import ShardedServiceState, follow_generations
 from gare_serve.startup import resolve_checkpoint
 
@@ -110,7 +110,7 @@ class ShardServer:
         if settings.torch_threads:
             torch.set_num_threads(settings.torch_threads)
         path, sha, _ = resolve_checkpoint(settings)
-        model, _ = load_model(path, resolve_device(settings.device))
+        model = load_shard_model(path, resolve_device(settings.device))  # psi alone: the ingress encodes queries
         self.worker = ShardWorker(index, shard, model, expect_checkpoint_sha=sha, verify=settings.verify_index,
                                   use_gpu=settings.use_gpu_ann)
         self.shard = shard

@@ -22,7 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
+from gare.checkpoint import CheckpointError, read_checkpoint_subset
+from gare.config import ModelConfig
+from gare.psi import Psi
 from gare_index.shards import current_generation, read_generation, shard_root
 from gare_index.store import IndexFormatError, open_version
 from gare_search import rerank
@@ -32,14 +36,45 @@ from gare_serve.versions import VersionHandle, advise_random_access
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ShardWorker", "LocalShards", "SHARD_CALLS"]
+__all__ = ["ShardWorker", "LocalShards", "SHARD_CALLS", "ShardModel", "load_shard_model"]
 
 # The calls the ingress makes on a shard (method names of ShardWorker); a Ray replica refuses any other name.
 SHARD_CALLS = ("open", "candidates", "example_rows", "example_candidates", "image_candidates", "metadata", "path_of")
 
 
+class ShardModel(torch.nn.Module):
+    """What a shard needs of the GARE model: psi (the rerank's fold is computed from its weights) and the model
+    config (temperature, sizes, padding), on a device. The CLIP towers and the temporal transformer (queries are
+    encoded by the ingress, videos by the builder) are not in it: at ViT-B/32 that is ~1.1 GiB a replica does not
+    hold. Duck-typed as the model by gare_search's shard calls (``.psi``, ``.cfg``, ``.device``)."""
+
+    def __init__(self, cfg: ModelConfig, psi: Psi) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.psi = psi
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.psi.parameters()).device
+
+
+def load_shard_model(path: str | Path, device: str | torch.device = "cpu") -> ShardModel:
+    """psi and the config of the checkpoint at `path`, read alone from the file
+    (:func:`gare.checkpoint.read_checkpoint_subset`: the other tensors are never loaded), in eval mode on `device`.
+    The caller checks the file's sha256 against the index as for the full model (gare_serve.startup)."""
+    ckpt = read_checkpoint_subset(path, ("psi.",))
+    cfg = ckpt.config
+    psi = Psi(cfg.embed_dim, cfg.psi_heads, cfg.psi_dropout)
+    sd = {k[len("psi."):]: v for k, v in ckpt.state_dict.items()}
+    missing, unexpected = psi.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: psi weights do not fit the config: missing={missing[:5]} unexpected={unexpected[:5]}")
+    return ShardModel(cfg, psi).to(device).eval()
+
+
 class ShardWorker:
-    """Shard ``shard`` of the sharded index at ``root``, answering for any generation (pinned per call)."""
+    """Shard ``shard`` of the sharded index at ``root``, answering for any generation (pinned per call). ``model``:
+    the GARE model or, as a Ray replica holds it, its psi alone (:func:`load_shard_model`)."""
 
     def __init__(self, root: str | Path, shard: int, model: Any, *, expect_checkpoint_sha: str | None = None,
                  verify: bool = False, use_gpu: bool | None = None, keep: int = 3) -> None:

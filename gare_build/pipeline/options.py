@@ -78,6 +78,9 @@ class BuildOptions:
     # the clips of this run, already discovered and scanned by the caller (the sharded builder scans once and
     # gives each shard its part, gare_build.sharded); None: discover and scan --videos
     clips: Sequence[Clip] | None = None
+    # True: no NCL fit here: the version's biases are zeros recorded as "deferred", fitted afterwards by the caller
+    # over a larger gallery (gare_build.sharded fits them once over every shard's videos)
+    defer_biases: bool = False
 
     def validate(self) -> None:
         if self.index_type not in (None, "auto", *INDEX_TYPES):

@@ -184,7 +184,7 @@ def test_every_video_in_exactly_one_shard(n, tmp_path, ckpt, corpus, sharded3):
     assert main(["verify", "--out", str(out)]) == 0
 
 
-def test_biases_are_the_single_index_biases(sharded3, single):
+def test_biases_are_the_single_index_biases(sharded3, single, ckpt):
     """The NCL biases are fitted over the whole gallery: each video's equals the single index's."""
     ref = single_biases(single)
     with open_sharded(sharded3, use_gpu=False) as sh:
@@ -193,16 +193,43 @@ def test_biases_are_the_single_index_biases(sharded3, single):
     assert sorted(got) == sorted(ref)
     p = sorted(ref)
     np.testing.assert_allclose([got[x][2] for x in p], [ref[x] for x in p], atol=1e-5)
-    # and not what each shard alone would give: the test can tell the two apart
+    # and not what each shard alone would give: the test can tell the two apart (the single-index fitter on one
+    # shard's gallery alone)
+    from gare.checkpoint import read_checkpoint
+    from gare_build.pipeline.biases import checkpoint_gamma_and_queue, compute_biases
+
+    gamma, queue = checkpoint_gamma_and_queue(read_checkpoint(ckpt), raw=True)
     with open_sharded(sharded3, use_gpu=False) as sh:
         first = sh.shards[0]
-        local = list_versions(first.root)[0]  # the shard build's own (local) fit, before the global one
-        with open_index(first.root, use_gpu=False) as cur:
-            assert cur.name == first.name
-        from gare_index.store import open_version
+        own, _ = compute_biases(np.asarray(first.units), gamma, queue, 4)
+        glob, _ = compute_biases(np.concatenate([np.asarray(v.units) for v in sh.shards]), gamma, queue, 4)
+        assert not np.allclose(own, glob[:first.n], atol=1e-5)
 
-        with open_version(first.root, local, use_gpu=False) as lv:
-            assert not np.allclose(np.asarray(lv.biases), np.asarray(first.biases), atol=1e-5)
+
+def test_a_sharded_change_fits_the_biases_once(sharded3, tmp_path, ckpt, corpus):
+    """Step 1's shard builds defer their NCL fit (their versions hold zeros recorded "deferred", and no stage-1
+    tuning); the generation's versions hold the one global fit and the tuning made with it; the report counts one
+    fit per change (build, add, remove)."""
+    from gare_index.store import open_version
+
+    gen = current_generation(sharded3)
+    for s in range(3):
+        versions = list_versions(shard_root(sharded3, s))
+        assert versions[-1] == gen.versions[s] and len(versions) == 2
+        with open_version(shard_root(sharded3, s), versions[0], use_gpu=False) as step1:
+            assert step1.manifest.biases["source"] == "deferred" and not np.asarray(step1.biases).any()
+            assert step1.manifest.stage1 is None
+        with open_version(shard_root(sharded3, s), versions[1], use_gpu=False) as final:
+            assert final.manifest.biases["scope"] == {"n_shards": 3, "n_videos": 12}
+            assert final.manifest.stage1["coverage"] and np.asarray(final.biases).any()
+    # add and remove: one fit each too
+    lib = copy_videos(corpus, tmp_path / "lib", names=sorted(p.name for p in corpus.glob("*.mp4"))[:8])
+    out = tmp_path / "INDEX"
+    assert build_sharded(ckpt, lib, out, opts(), n_shards=2).biases["fits"] == {"global": 1, "shards": 0}
+    copy_videos(corpus, lib)
+    assert build_sharded(ckpt, lib, out, opts(), mode="add").biases["fits"] == {"global": 1, "shards": 0}
+    some = sorted(str(p) for p in lib.glob("*.mp4"))[:3]
+    assert remove_sharded(out, some).biases["fits"] == {"global": 1, "shards": 0}
 
 
 def test_verify_and_stats_on_every_shard(sharded3, capsys):
@@ -217,9 +244,6 @@ def test_verify_and_stats_on_every_shard(sharded3, capsys):
 
 def test_bad_sharded_requests(tmp_path, ckpt, corpus, single, sharded3, capsys):
     capsys.readouterr()
-    assert main(["build", "--checkpoint", str(ckpt), "--videos", str(corpus), "--out", str(tmp_path / "X"),
-                 "--shards", "2", "--invgc", "--no-progress"]) == 1
-    assert "--invgc cannot be used with a sharded index" in capsys.readouterr().err
     assert main(["build", "--checkpoint", str(ckpt), "--videos", str(corpus), "--out", str(sharded3),
                  "--shards", "2", "--no-progress"]) == 1
     assert "has 3 shards; --shards 2" in capsys.readouterr().err
