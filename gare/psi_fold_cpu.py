@@ -24,6 +24,7 @@ import logging
 import math
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -37,92 +38,138 @@ _KERNEL: Any = None
 _LOCK = threading.Lock()
 
 
+def _has_f16c() -> bool:
+    """Whether LLVM can widen float16 with one instruction here (x86 F16C's vcvtph2ps; AArch64 always can)."""
+    import platform
+
+    from llvmlite import binding
+
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        return True
+    try:
+        return bool(binding.get_host_cpu_features().get("f16c", False))
+    except RuntimeError:  # pragma: no cover - llvmlite could not read the features
+        return False
+
+
 def _build() -> Any:
     import numba
+    from llvmlite import ir
     from numba import types
-    from numba.extending import overload
+    from numba.extending import intrinsic, overload
 
-    def widen(src, dst):  # pragma: no cover - replaced by the overload below
+    f16c = _has_f16c()
+
+    @intrinsic
+    def h2f(typingctx, h):
+        """float16 bits (uint16) -> float32 by LLVM's fpext: one vcvtph2ps per 8-16 lanes once vectorised."""
+        if h != types.uint16:
+            return None
+
+        def codegen(context, builder, signature, args):
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+        return types.float32(types.uint16), codegen
+
+    @intrinsic
+    def u32_as_f32(typingctx, b):
+        """The float32 whose bits are b (uint32)."""
+        if b != types.uint32:
+            return None
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.FloatType())
+        return types.float32(types.uint32), codegen
+
+    def as_f32(x):  # pragma: no cover - replaced by the overload below
         raise NotImplementedError
 
-    @overload(widen, inline="always")
-    def _widen(src, dst):
-        if src.dtype == types.uint16:  # float16 bits
-            def impl(src, dst):
-                bits = dst.view(np.uint32)
-                for k in range(src.shape[0]):  # branch-free, so LLVM vectorises it
-                    h = np.uint32(src[k])
-                    mag = (h & np.uint32(0x7FFF)) << np.uint32(13)
-                    # exponent 31 (inf, NaN) -> float32 exponent 255; the x 2^112 below keeps inf inf and NaN NaN
-                    special = ((h & np.uint32(0x7C00)) + np.uint32(0x0400)) >> np.uint32(15)  # 1 iff exponent 31
-                    mag |= special * np.uint32(0x7F800000)
-                    bits[k] = mag | ((h & np.uint32(0x8000)) << np.uint32(16))
-                for k in range(src.shape[0]):
-                    dst[k] *= np.float32(2.0**112)
+    @overload(as_f32, inline="always")
+    def _as_f32(x):
+        if x == types.uint16 and f16c:
+            return lambda x: h2f(x)
+        if x == types.uint16:  # no F16C: the exact bit construction of the module docstring
+            def impl(x):
+                h = np.uint32(x)
+                mag = (h & np.uint32(0x7FFF)) << np.uint32(13)
+                special = ((h & np.uint32(0x7C00)) + np.uint32(0x0400)) >> np.uint32(15)  # 1 iff exponent 31
+                mag |= special * np.uint32(0x7F800000)
+                return u32_as_f32(mag | ((h & np.uint32(0x8000)) << np.uint32(16))) * np.float32(2.0**112)
             return impl
+        return lambda x: np.float32(x)  # float32 as is, int8 (quantized frames) exactly
 
-        def impl(src, dst):  # float32 (or any float): a plain copy
-            for k in range(src.shape[0]):
-                dst[k] = np.float32(src[k])
+    def const_row(packed, c, buf):  # pragma: no cover - replaced by the overload below
+        raise NotImplementedError
+
+    @overload(const_row, inline="always")
+    def _const_row(packed, c, buf):
+        if packed.dtype == types.float32:
+            return lambda packed, c, buf: packed[c]  # read in place from the (memory-mapped) store
+        def impl(packed, c, buf):  # float16 constants: widened once per candidate (842 values at f = 12)
+            row = packed[c]
+            for k in range(row.shape[0]):
+                buf[k] = as_f32(row[k])
+            return buf
         return impl
 
     # reassociation lets LLVM vectorise the dot products; no other fast-math flag (the softmax needs -inf)
-    @numba.njit(fastmath={"reassoc", "contract"}, nogil=True, cache=False, boundscheck=False)
-    def dots3(x, u, out):
-        a0 = np.float32(0.0)
-        a1 = np.float32(0.0)
-        a2 = np.float32(0.0)
-        for k in range(x.shape[0]):
-            a0 += x[k] * u[0, k]
-            a1 += x[k] * u[1, k]
-            a2 += x[k] * u[2, k]
-        out[0] = a0
-        out[1] = a1
-        out[2] = a2
+    fm = {"reassoc", "contract"}
 
-    @numba.njit(fastmath={"reassoc", "contract"}, nogil=True, cache=False, boundscheck=False)
+    @numba.njit(fastmath=fm, nogil=True, cache=False, boundscheck=False)
     def dot(x, y):
         a = np.float32(0.0)
         for k in range(x.shape[0]):
             a += x[k] * np.float32(y[k])
         return a
 
-    @numba.njit(nogil=True, cache=False, boundscheck=False)
-    def kernel(u, sc, wsc, eps, inv_temp, frames, packed, vrows, vscale, idx, out):
-        """u (a, 3, d) f32; sc (a, 7) f32; wsc (4,) f32; eps (3,) f64; frames (N, f, d) uint16|f32;
-        packed (N, W) uint16|f32; vrows (N, d) f32 or (0, d): v̄ = vscale[c] * vrows[c] (vscale (N,) or (0,):
-        all ones); without vrows, v̄·t = Σ ω_f t·F_f; idx (a, K) int64 rows; out (a, K) f32."""
-        a, K = idx.shape
+    # error_model numpy: a division by zero gives inf/NaN as torch does, and no test per division
+    @numba.njit(fastmath=fm, nogil=True, cache=False, boundscheck=False, error_model="numpy")
+    def kernel(u, sc, wsc, eps, inv_temp, frames, fscale, packed, vrows, vscale, idx, j0, j1, out):
+        """u (a, 3, d) f32; sc (a, 7) f32; wsc (4,) f32; eps (3,) f64; frames (N, f, d) uint16|f32|int8 with
+        fscale (N, f) f32 for int8 (frame g of row c is fscale[c, g] * frames[c, g]) or (0, 0); packed (N, W)
+        uint16|f32; vrows (N, d) f32 or (0, d): v̄ = vscale[c] * vrows[c] (vscale (N,) or (0,): all ones);
+        without vrows, v̄·t = Σ ω_f t·F_f; idx (a, K) int64 rows; the candidates j0 <= j < j1 of every query
+        are scored into out (a, K) f32 (a thread's share)."""
+        a = idx.shape[0]
         f, d = frames.shape[1], frames.shape[2]
         W = packed.shape[1]
         fd = np.float32(d)
         sqd = np.float32(math.sqrt(d))
         eps1, eps2, eps3 = np.float32(eps[0]), np.float32(eps[1]), np.float32(eps[2])
         cz0, m00, m01, m11 = wsc[0], wsc[1], wsc[2], wsc[3]
-        x = np.empty(d, np.float32)
-        pk = np.empty(W, np.float32)
-        dd3 = np.empty(3, np.float32)
+        buf = np.empty(W, np.float32)
         dt = np.empty(f, np.float32)
         d1 = np.empty(f, np.float32)
         d2 = np.empty(f, np.float32)
         aw = np.empty(f, np.float32)
         ww = np.empty(f, np.float32)
         ninf = np.float32(-np.inf)
+        tiny = np.float32(np.finfo(np.float32).tiny)
+        scaled = fscale.shape[0] > 0
         for i in range(a):
             tt, ctt, tsum, tk2, tm0, tm1 = sc[i, 0], sc[i, 1], sc[i, 2], sc[i, 3], sc[i, 4], sc[i, 5]
-            ui = u[i]
-            for j in range(K):
+            for j in range(j0, j1):
                 c = idx[i, j]
-                widen(packed[c], pk)
+                pk = const_row(packed, c, buf)
                 for g in range(f):
-                    widen(frames[c, g], x)
-                    dots3(x, ui, dd3)
-                    dt[g] = dd3[0]
-                    d1[g] = dd3[1]
-                    d2[g] = dd3[2]
+                    # the 3 dots of frame g, widened in registers (no float32 copy of the frames), 3 FMAs per
+                    # element; written out here, not called: a call per frame costs more than its 512 elements
+                    x0 = np.float32(0.0)
+                    x1 = np.float32(0.0)
+                    x2 = np.float32(0.0)
+                    for k in range(d):
+                        xk = as_f32(frames[c, g, k])
+                        x0 += xk * u[i, 0, k]
+                        x1 += xk * u[i, 1, k]
+                        x2 += xk * u[i, 2, k]
+                    if scaled:  # int8 frames: the dots of q·s are s times the dots of q
+                        sg = fscale[c, g]
+                        x0, x1, x2 = x0 * sg, x1 * sg, x2 * sg
+                    dt[g] = x0
+                    d1[g] = x1
+                    d2[g] = x2
                 # packed row: rs, bias, le, lg, omega, g2, mu0, mu1, pi0, pi1 (f each); G1, G2, G3, P, H (f x f); cvv, vsum
                 if vrows.shape[0] > 0:
-                    vt = dot(vrows[c], ui[0]) * (vscale[c] if vscale.shape[0] > 0 else np.float32(1.0))
+                    vt = dot(vrows[c], u[i, 0]) * (vscale[c] if vscale.shape[0] > 0 else np.float32(1.0))
                 else:
                     vt = np.float32(0.0)
                     for g in range(f):
@@ -140,8 +187,13 @@ def _build() -> Any:
                     mw = max(mw, ww[g])
                 za, zw = np.float32(0.0), np.float32(0.0)
                 for g in range(f):
-                    aw[g] = np.float32(math.exp(aw[g] - ma))
-                    ww[g] = np.float32(math.exp(ww[g] - mw))
+                    # a weight below float32's smallest normal is flushed to 0 (a change of < 1e-38 in a sum
+                    # of 1): subnormal operands in the f x f forms below cost ~100 cycles each (microcode
+                    # assists), which at a pooling temperature of 0.01 made the rerank several times slower
+                    ea = np.float32(math.exp(aw[g] - ma))
+                    ew = np.float32(math.exp(ww[g] - mw))
+                    aw[g] = np.float32(0.0) if ea < tiny else ea  # NaN (a video with no frame) stays NaN
+                    ww[g] = np.float32(0.0) if ew < tiny else ew
                     za += aw[g]
                     zw += ww[g]
                 for g in range(f):
@@ -185,7 +237,9 @@ def _build() -> Any:
     @numba.njit(nogil=True, cache=False)
     def widen_rows(src, dst):
         for r in range(src.shape[0]):
-            widen(src[r], dst[r])
+            row, o = src[r], dst[r]
+            for k in range(row.shape[0]):
+                o[k] = as_f32(row[k])
 
     return kernel, widen_rows
 
@@ -225,49 +279,98 @@ def _ro(arr: np.ndarray) -> np.ndarray:
     return v
 
 
-def _as_kernel_array(x: Any, name: str, ndim: int) -> np.ndarray:
-    """Read-only numpy view the kernel takes: float16 as its uint16 bits, float32 as is (memmaps are not
-    copied: only the rows a search asks for are ever read)."""
+def _as_kernel_array(x: Any, name: str, ndim: int, *, int8: bool = False) -> np.ndarray:
+    """Read-only numpy view the kernel takes: float16 as its uint16 bits, float32 (and int8 where allowed) as
+    is (memmaps are not copied: only the rows a search asks for are ever read)."""
     arr = np.asarray(x.detach().numpy() if hasattr(x, "detach") else x)
     if arr.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {arr.shape}")
     if arr.dtype == np.float16:
         arr = arr.view(np.uint16)
-    elif arr.dtype != np.float32:
-        raise ValueError(f"{name} must be float16 or float32 for the CPU kernel, got {arr.dtype}")
+    elif arr.dtype != np.float32 and not (int8 and arr.dtype == np.int8):
+        allowed = "float16 or float32 (or int8 with fscale)" if int8 else "float16 or float32"
+        raise ValueError(f"{name} must be {allowed} for the CPU kernel, got {arr.dtype}")
     return _ro(np.ascontiguousarray(arr))
 
 
-def pair_scores(q: Any, frames: Any, packed: Any, idx: Any, *, vrows: Any = None, vscale: Any = None) -> np.ndarray:
+def _f32_arg(x: Any) -> np.ndarray:
+    return np.asarray(x.detach().cpu().numpy() if hasattr(x, "detach") else x)
+
+
+# A thread's share of a rerank is at least this many pairs: below, handing work to another thread (~20-50 µs)
+# costs more than it saves (a pair is ~1 µs at f = 12, d = 512).
+MIN_PAIRS_PER_THREAD = 64
+_POOL: ThreadPoolExecutor | None = None
+_POOL_SIZE = 0
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    global _POOL, _POOL_SIZE
+    with _LOCK:
+        if _POOL is None or _POOL_SIZE < workers:
+            if _POOL is not None:
+                _POOL.shutdown(wait=False)
+            _POOL, _POOL_SIZE = ThreadPoolExecutor(workers, thread_name_prefix="psi-rerank"), workers
+        return _POOL
+
+
+def pair_scores(q: Any, frames: Any, packed: Any, idx: Any, *, vrows: Any = None, vscale: Any = None,
+                fscale: Any = None, threads: int = 1) -> np.ndarray:
     """Folded psi scores (a, K) float32 for the candidates idx (a, K) (rows into frames/packed, repeats allowed).
 
     q: `gare.psi_fold_queries.QueryVectors` (CPU); frames (N, f, d) and packed (N, 10f + 5f² + 2), float16 or
-    float32, numpy (memmaps welcome: only the candidates' rows are read) or CPU tensors; vrows (N, d) float32
-    and vscale (N,) float32 give v̄ = vscale · vrows (the index's norm · unit; vscale None = 1), else v̄ is
-    Σ ω_f F_f as the constants were folded. Equal to `gare.psi_fold.pair_scores` to float32 rounding."""
-    fr = _as_kernel_array(frames, "frames", 3)
+    float32, numpy (memmaps welcome: only the candidates' rows are read) or CPU tensors; frames may be int8
+    with fscale (N, f) float32, frame g of row c being ``fscale[c, g] * frames[c, g]`` (an index's
+    ``--frames-dtype int8``); vrows (N, d) float32 and vscale (N,) float32 give v̄ = vscale · vrows (the
+    index's norm · unit; vscale None = 1), else v̄ is Σ ω_f F_f as the constants were folded. `threads` > 1
+    splits the candidates over that many threads (the kernel releases the GIL), each taking at least
+    MIN_PAIRS_PER_THREAD pairs. Equal to `gare.psi_fold.pair_scores` to float32 rounding."""
+    fr = _as_kernel_array(frames, "frames", 3, int8=True)
     pk = _as_kernel_array(packed, "packed", 2)
     n, f, d = fr.shape
     if pk.shape[0] != n or pk.shape[1] != _N_VEC * f + _N_MAT * f * f + 2:
         raise ValueError(f"packed {pk.shape} does not match frames {fr.shape}")
+    if fr.dtype == np.int8:
+        fs = None if fscale is None else _f32_arg(fscale)
+        if fs is None or fs.shape != (n, f) or fs.dtype != np.float32:
+            raise ValueError(f"int8 frames need fscale float32 ({n}, {f}), got "
+                             f"{None if fs is None else (fs.dtype, fs.shape)}")
+    elif fscale is not None:
+        raise ValueError(f"fscale goes with int8 frames only, got {fr.dtype} frames")
+    else:
+        fs = np.zeros((0, 0), np.float32)
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
     a = q.u.shape[0]
     ix = _ro(np.ascontiguousarray(np.asarray(idx, dtype=np.int64)))
     if ix.ndim != 2 or ix.shape[0] != a:
         raise ValueError(f"idx must be ({a}, K) candidate rows, got {ix.shape}")
     if ix.size and (int(ix.min()) < 0 or int(ix.max()) >= n):
         raise ValueError(f"candidate rows must lie in [0, {n}), got [{int(ix.min())}, {int(ix.max())}]")
-    vr = np.zeros((0, d), np.float32) if vrows is None else np.asarray(vrows.detach().numpy() if hasattr(vrows, "detach") else vrows)
+    vr = np.zeros((0, d), np.float32) if vrows is None else _f32_arg(vrows)
     if vrows is not None and (vr.shape != (n, d) or vr.dtype != np.float32):
         raise ValueError(f"vrows must be float32 ({n}, {d}), got {vr.dtype} {vr.shape}")
-    vs = np.zeros(0, np.float32) if vscale is None else np.asarray(vscale.detach().numpy() if hasattr(vscale, "detach") else vscale)
+    vs = np.zeros(0, np.float32) if vscale is None else _f32_arg(vscale)
     if vscale is not None and (vrows is None or vs.shape != (n,) or vs.dtype != np.float32):
         raise ValueError(f"vscale must be float32 ({n},) with vrows, got {vs.dtype} {vs.shape}")
     u, sc, wsc = (_ro(np.ascontiguousarray(x.detach().cpu().numpy(), dtype=np.float32)) for x in (q.u, q.sc, q.wsc))
     if u.shape[1:] != (3, d):
         raise ValueError(f"query vectors {u.shape} do not match frames of width {d}")
     out = np.empty(ix.shape, np.float32)
-    _kernel()[0](u, sc, wsc, _ro(np.asarray(q.eps, np.float64)), np.float32(q.inv_temp), fr, pk,
-                 _ro(np.ascontiguousarray(vr)), _ro(np.ascontiguousarray(vs)), ix, out)
+    args = (u, sc, wsc, _ro(np.asarray(q.eps, np.float64)), np.float32(q.inv_temp), fr, _ro(np.ascontiguousarray(fs)),
+            pk, _ro(np.ascontiguousarray(vr)), _ro(np.ascontiguousarray(vs)), ix)
+    kernel = _kernel()[0]
+    k = ix.shape[1]
+    parts = max(1, min(threads, (a * k) // MIN_PAIRS_PER_THREAD))
+    if parts == 1:
+        kernel(*args, 0, k, out)
+        return out
+    # every thread scores a contiguous run of every query's candidates into its own columns of `out`
+    cuts = [k * p // parts for p in range(parts + 1)]
+    futs = [_pool(parts - 1).submit(kernel, *args, cuts[p], cuts[p + 1], out) for p in range(1, parts)]
+    kernel(*args, cuts[0], cuts[1], out)
+    for fu in futs:
+        fu.result()
     return out
 
 
@@ -282,8 +385,8 @@ def widen_half(x: np.ndarray) -> np.ndarray:
 
 
 def warm_up() -> float:
-    """Compile the kernel for the index's layouts (float16 frames, float32 or float16 constants, with and
-    without v̄ rows) so no request pays for it; seconds spent."""
+    """Compile the kernel for the index's layouts (float16, float32 or int8 frames, float32 or float16
+    constants, with and without v̄ rows) so no request pays for it; seconds spent."""
     from types import SimpleNamespace
 
     import torch
@@ -294,12 +397,13 @@ def warm_up() -> float:
     q = SimpleNamespace(u=torch.zeros(1, 3, d), sc=torch.zeros(1, 7), wsc=torch.zeros(4), eps=(1e-5, 1e-5, 1e-5),
                         inv_temp=1.0)
     w = _N_VEC * f + _N_MAT * f * f + 2
-    for fdt in (np.float16, np.float32):
+    for fdt in (np.float16, np.float32, np.int8):
+        fs = np.ones((1, f), np.float32) if fdt == np.int8 else None
         for pdt in (np.float32, np.float16):
             fr, pk = np.ones((1, f, d), fdt), np.ones((1, w), pdt)
-            pair_scores(q, fr, pk, np.zeros((1, 1), np.int64))
+            pair_scores(q, fr, pk, np.zeros((1, 1), np.int64), fscale=fs)
             pair_scores(q, fr, pk, np.zeros((1, 1), np.int64), vrows=np.ones((1, d), np.float32),
-                        vscale=np.ones(1, np.float32))
+                        vscale=np.ones(1, np.float32), fscale=fs)
     dt = time.perf_counter() - t0
     log.info("psi fold CPU kernel compiled in %.1f s", dt)
     return dt

@@ -128,7 +128,7 @@ def test_warm_up_compiles_every_layout_a_search_meets(tmp_path):
     assert pc.warm_up() >= 0.0
     kernel = pc._kernel()[0]
     n_sigs = len(kernel.signatures)
-    assert n_sigs == 4  # float16/float32 frames x float16/float32 constants
+    assert n_sigs == 6  # float16/float32/int8 frames x float16/float32 constants
     psi = random_psi(8, 3)
     v = pfv.fold_videos(torch.randn(4, 3, 8), None, psi)
     q = pfq.fold_queries(torch.randn(2, 8), psi, 1.0)
