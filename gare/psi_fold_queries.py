@@ -1,10 +1,13 @@
-"""psi's per-query vectors: `QueryVectors` and `fold_queries` (three vectors and seven scalars per text).
+"""psi's per-query vectors: `QueryVectors`, `fold_queries` (three vectors and seven scalars per text) and
+the per-query cache of them, `QueryFoldCache`.
 
 Names follow the derivation in :mod:`gare.psi_fold`.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -44,14 +47,63 @@ def fold_queries(t: torch.Tensor, psi: Psi | PsiFold, temp: float) -> QueryVecto
         raise ValueError(f"temp must be > 0, got {temp}")
     dev = t.device
     fw = fold.to(dev) if fold.device != dev else fold
+    d = fold.dim
     with torch.no_grad():
         t = t.to(torch.float32)
+        y = t @ fw.query_map  # (a, 2d + 3): u1, u2, t·k2, t·m0, t·m1
+        u = torch.cat([t, y[:, : 2 * d]], dim=1).view(-1, 3, d)  # (a, 3, d) = [t, u1, u2]
         ct = t - t.mean(-1, keepdim=True)
-        u = torch.stack([t, t @ fw.r.t(), t @ fw.s.t()], dim=1)  # (a, 3, d)
-        sc = torch.stack(
-            [t.pow(2).sum(-1), ct.pow(2).sum(-1), t.sum(-1), t @ fw.k2, t @ fw.m0, t @ fw.m1, torch.zeros_like(t[:, 0])],
-            dim=1,
-        )
-    return QueryVectors(u=u.contiguous(), sc=sc, wsc=fw.scalars, eps=fold.eps, inv_temp=1.0 / float(temp),
+        sc = torch.cat([torch.stack([t.pow(2).sum(-1), ct.pow(2).sum(-1), t.sum(-1)], dim=1), y[:, 2 * d :],
+                        torch.zeros_like(t[:, :1])], dim=1)
+    return QueryVectors(u=u, sc=sc, wsc=fw.scalars, eps=fold.eps, inv_temp=1.0 / float(temp),
                         fingerprint=fold.fingerprint)
 
+
+class QueryFoldCache:
+    """The query side of the fold, kept per query text embedding (bounded LRU, thread-safe): a query met
+    again (the service's query-embedding cache hands back the same t) skips its (d, 2d + 3) product.
+
+    Keys are (psi fingerprint, temperature, the float32 bytes of t's row), so a hit is exactly the vectors
+    `fold_queries` would compute. CPU tensors only; others go straight to `fold_queries`."""
+
+    def __init__(self, max_entries: int = 4096) -> None:
+        if max_entries < 0:
+            raise ValueError(f"max_entries must be >= 0, got {max_entries}")
+        self.max_entries = max_entries
+        self._rows: OrderedDict[tuple[str, float, bytes], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def fold(self, t: torch.Tensor, psi: Psi | PsiFold, temp: float) -> QueryVectors:
+        """`fold_queries(t, psi, temp)`, each row computed once while it stays cached."""
+        fold = as_fold(psi)
+        if self.max_entries == 0 or t.device.type != "cpu" or t.ndim != 2:
+            return fold_queries(t, fold, temp)
+        rows = t.detach().to(torch.float32).contiguous()
+        keys = [(fold.fingerprint, float(temp), r.numpy().tobytes()) for r in rows]
+        with self._lock:
+            got = [self._rows.get(k) for k in keys]
+            for k, g in zip(keys, got, strict=True):
+                if g is not None:
+                    self._rows.move_to_end(k)
+        miss = [i for i, g in enumerate(got) if g is None]
+        self.hits += len(keys) - len(miss)
+        self.misses += len(miss)
+        if miss:
+            q = fold_queries(rows[miss], fold, temp)
+            with self._lock:
+                for j, i in enumerate(miss):
+                    got[i] = (q.u[j], q.sc[j])
+                    self._rows[keys[i]] = got[i]
+                while len(self._rows) > self.max_entries:
+                    self._rows.popitem(last=False)
+            if len(miss) == len(keys):
+                return q
+        u = torch.stack([g[0] for g in got])  # type: ignore[index]
+        sc = torch.stack([g[1] for g in got])  # type: ignore[index]
+        return QueryVectors(u=u, sc=sc, wsc=fold.scalars, eps=fold.eps, inv_temp=1.0 / float(temp),
+                            fingerprint=fold.fingerprint)

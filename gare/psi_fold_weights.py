@@ -42,13 +42,20 @@ class PsiFold:
     m1: torch.Tensor  # (d,)
     scalars: torch.Tensor  # (4,) |Cz0|², |m0|², m0·m1, |m1|²
     fingerprint: str  # sha256 of psi's parameters and eps: stored constants are only valid for it
+    # (d, 2d + 3) [Rᵀ | Sᵀ | k2 | m0 | m1]: a query's u1, u2 and t·k2, t·m0, t·m1 in one product (one op per
+    # query batch instead of five: at one query the count of ops, not their arithmetic, is the cost)
+    query_map: torch.Tensor = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        qm = torch.cat([self.r.t(), self.s.t(), self.k2[:, None], self.m0[:, None], self.m1[:, None]], dim=1)
+        object.__setattr__(self, "query_map", qm.contiguous())
 
     @property
     def device(self) -> torch.device:
         return self.r.device
 
     def to(self, device: torch.device | str) -> PsiFold:
-        kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
         for k, v in kw.items():
             if isinstance(v, torch.Tensor):
                 kw[k] = v.to(device)

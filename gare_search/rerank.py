@@ -24,10 +24,20 @@ from tqdm import tqdm
 
 from gare import psi_fold as pf
 from gare import psi_fold_cpu
-from gare.psi_fold_queries import fold_queries
+from gare.psi_fold_queries import QueryFoldCache, fold_queries
 from gare_index import psi_consts
 
 log = logging.getLogger(__name__)
+
+# The query side of the fold per query embedding: a query seen again (the service's query cache returns the
+# same t) skips its (d, 2d + 3) product. 4,096 queries x 6 KB at d = 512: ~25 MB at most.
+QUERY_FOLDS = QueryFoldCache(4096)
+
+
+def rerank_threads() -> int:
+    """Threads one rerank may use: the torch intra-op threads this process was given (gare-serve sets usable
+    cores // workers, so a worker spreads its rerank only over cores no other worker was given)."""
+    return max(1, torch.get_num_threads())
 
 
 def fold_usable(model: Any, version: Any) -> bool:
@@ -94,10 +104,10 @@ def _fold_pairs(model: Any, version: Any, t: torch.Tensor, rows: np.ndarray, siz
     dev = t.device
     fold = psi_consts.fold_of(model)
     consts = psi_consts.served(model, version)
-    q = fold_queries(t, fold, model.cfg.temp)
+    q = QUERY_FOLDS.fold(t, fold, model.cfg.temp)
     if dev.type == "cpu" and kernel_reads(version, consts):
         s = psi_fold_cpu.pair_scores(q, version.frames, consts, padded(rows, sizes), vrows=version.units,
-                                     vscale=version.norms)
+                                     vscale=version.norms, threads=rerank_threads())
         return unpad(s, sizes)
     uniq, inv = np.unique(rows, return_inverse=True)
     v = psi_consts.gather(version, uniq, fold, dev, consts=consts)
