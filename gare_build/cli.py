@@ -106,7 +106,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
     )
     if args.bias_k is not None:
         opts.bias_k = args.bias_k
-    opts.bias_queue, opts.bias_captions = args.bias_queue, args.bias_captions
+    opts.bias_queue, opts.bias_captions, opts.ncl_val = args.bias_queue, args.bias_captions, args.ncl_val
     if args.cmd == "build":
         opts.invgc_val, opts.invgc_r_g, opts.invgc_r_q = args.invgc_val, args.invgc_r_g, args.invgc_r_q
         opts.invgc_k, opts.invgc_grid, opts.ncl_c = args.invgc_k, args.invgc_grid, args.ncl_c
@@ -126,6 +126,8 @@ def _cmd_build(args: argparse.Namespace) -> int:
         print(f"InvGC applied to the stage-1 vectors: r_g={inv['r_g']:g}, r_q={inv['r_q']:g}, k={inv['k_percent']:g}% ({how})")
     if report.ncl_stage1:
         print("NCL stage 1: ann_ncl.faiss written (candidates by cos + b)")
+    if (report.biases or {}).get("default"):
+        print(report.biases["default"]["reason"])
     if report.stage1:
         print(describe_stage1(report.stage1))
     return report.exit_code
@@ -170,13 +172,16 @@ def _cmd_biases(args: argparse.Namespace) -> int:
     report = run(args.out, checkpoint=args.checkpoint, keep=args.keep, n_iters=args.n_iters,
                  traffic=args.from_traffic, traffic_weight=args.traffic_weight,
                  score=args.bias_score or "served", k=args.bias_k,
-                 **({"queue_kind": args.bias_queue, "captions": args.bias_captions} if run is recompute_biases else {}))
+                 **({"queue_kind": args.bias_queue, "captions": args.bias_captions, "ncl_val": args.ncl_val}
+                    if run is recompute_biases else {}))
     b = report.biases
     msg = report.summary() + f"; biases from {b.get('source')} ({b.get('n_queries')} queries, gamma={b.get('gamma')}, " \
                              f"fitted to the {'psi (served)' if b.get('score') == 'served' else 'dual-tower'} score)"
     if b.get("queue"):
         q = b["queue"]
         msg += f"; {q.get('kind')} queue ({q.get('n')} queries" + (f" of {q.get('captions')})" if q.get("captions") else ")")
+    if b.get("default"):
+        msg += f"; {b['default']['reason']}"
     if b.get("traffic"):
         t = b["traffic"]
         msg += f"; {t['traffic_queries']} traffic + {t['train_queries']} training queries"

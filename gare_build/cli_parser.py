@@ -123,6 +123,11 @@ def _add_bias_score_args(g: argparse._ActionsContainer, *, build: bool) -> None:
                         "checkpoint's text tower) or stale (the embeddings the checkpoint pushed during training, most "
                         "from earlier model states); default: " + ("fresh when the training captions can be read, "
                         "else stale" if build else "the index's") + " (manifest biases.queue)")
+    g.add_argument("--ncl-val", metavar="MANIFEST|SYNTH_DIR",
+                   help="validation captions of indexed videos (a caption manifest, used whole, or a `gare-train synth` "
+                        "folder, its test split): psi vs psi + biases on them (R@1, R@5, R@10) decides whether the "
+                        "service adds the biases by default for this index (manifest biases.default); default: "
+                        + ("no decision (the service's default)" if build else "the captions the index decided on"))
     g.add_argument("--bias-captions", metavar="MANIFEST|SYNTH_DIR",
                    help="the training captions of the fresh queue: a caption manifest (.csv/.jsonl, used whole) or a "
                         "`gare-train synth` folder (its training split less the validation part); default: the data "

@@ -54,7 +54,7 @@ def training_captions(ckpt: Any, source: str | os.PathLike | None = None) -> tup
                 rs = load_manifest(p, name="bias-captions")
             except (OSError, ValueError, KeyError) as e:
                 raise FreshQueueUnavailable(f"--bias-captions {source}: {e}") from None
-            return list(rs.captions), {"captions": f"manifest {p}", "sha256": file_sha256(p)}
+            return list(rs.captions), {"captions": f"manifest {p.name}", "sha256": file_sha256(p)}
         if p.is_dir() and (p / "train.csv").is_file() and (p / "MSRVTT_data.json").is_file():
             spec: dict[str, Any] = {"kind": "synth", "root": str(p)}
         else:
@@ -63,8 +63,9 @@ def training_captions(ckpt: Any, source: str | os.PathLike | None = None) -> tup
     else:
         spec = ta.get("data") or {}
         if not spec:
-            raise FreshQueueUnavailable(f"{getattr(ckpt, 'path', 'the checkpoint')} names no training data; pass "
-                                        "--bias-captions (a caption manifest or a synth folder)")
+            name = Path(getattr(ckpt, "path", None) or "the-checkpoint").name  # a name, not a server path (GET /v1/index)
+            raise FreshQueueUnavailable(f"{name} names no training data; pass --bias-captions (a caption manifest or a "
+                                        "synth folder)")
         spec = resolve_data_root(spec, getattr(ckpt, "path", None))
     try:
         full = load_dataset(spec, "train")
@@ -73,7 +74,8 @@ def training_captions(ckpt: Any, source: str | os.PathLike | None = None) -> tup
     frac, seed = float(ta.get("val_fraction") or 0.0), int(ta.get("seed", 0))
     train = carve_validation(full, frac, seed)[0] if 0 < frac < 1 else full
     where = spec.get("root") or spec.get("anno_dir") or spec.get("train")
-    return list(train.captions), {"captions": f"{spec.get('kind')} {where}: training split"
+    # names, not server paths, in the descriptions (GET /v1/index shows them); bias_queue records the full source
+    return list(train.captions), {"captions": f"{spec.get('kind')} {Path(str(where)).name}: training split"
                                   + (f" less the validation part (fraction {frac:g}, seed {seed})" if 0 < frac < 1 else "")}
 
 

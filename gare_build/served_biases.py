@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from typing import Any
 
@@ -130,3 +131,49 @@ def served_biases(model: Any, queries: np.ndarray, gamma: float, *, units: Any, 
     return b.numpy().astype(np.float32), info
 
 
+
+
+# ------------------------------------------------------------------ the per-index decision (issue 28, must-have 4)
+def validation_ranks(model: Any, queries: np.ndarray, true_rows: np.ndarray, biases: np.ndarray, *, units: Any,
+                     norms: Any, frames: Any, masks: Any, stage1: Any | None = None, k: int = DEFAULT_BIAS_K,
+                     consts: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    """Ranks (1 = first) of each validation caption's true video under the served search, with psi alone and with
+    psi + biases: stage 1 = the exact top ``k`` of the stage-1 vectors by cosine (what the ANN approximates),
+    then the psi score of those candidates (the fold, as :func:`served_biases`), plus b_j or not. A true video
+    outside the candidates ranks k + 1 either way. ``queries`` (a, d) raw t; ``true_rows`` (a,) gallery rows."""
+    q_raw = np.asarray(queries, dtype=np.float32)
+    rows_true = np.asarray(true_rows, dtype=np.int64).reshape(-1)
+    if q_raw.shape[0] != rows_true.shape[0]:
+        raise ValueError(f"{q_raw.shape[0]} validation captions but {rows_true.shape[0]} true videos")
+    g = np.asarray(stage1 if stage1 is not None else units, dtype=np.float32)
+    _, cand = stage1_candidates(F.normalize(torch.from_numpy(q_raw), dim=-1), g, k)  # (a, K) rows
+    sc = score_candidates(fold_pair_scorer(model, q_raw, frames, masks, units, norms, consts=consts), cand)
+    b = torch.from_numpy(np.asarray(biases, dtype=np.float32))
+    hit = cand == torch.from_numpy(rows_true)[:, None]  # (a, K): where the true video is among the candidates
+    out = []
+    for s in (sc, sc + b[cand]):
+        true_s = torch.where(hit, s, torch.full_like(s, -math.inf)).max(dim=1).values  # (a,)
+        # rank = 1 + candidates scored strictly higher (ties counted in the caption's favour, as gare.metrics)
+        rank = 1 + (s > true_s[:, None]).sum(dim=1)
+        out.append(torch.where(hit.any(dim=1), rank, torch.full_like(rank, cand.shape[1] + 1)).numpy())
+    return out[0], out[1]
+
+
+def ncl_decision(ranks_psi: np.ndarray, ranks_biased: np.ndarray, validation: str) -> dict[str, Any]:
+    """Whether the biases are on by default for an index: on when psi + biases >= psi alone in t2v R@1 and R@5 on
+    the validation captions (the rule of the benchmark verdicts), with the numbers and a sentence saying why."""
+    n = int(ranks_psi.size)
+
+    def recalls(r: np.ndarray) -> dict[str, float]:
+        return {f"R{k}": round(float(100.0 * np.mean(r <= k)), 4) if n else 0.0 for k in (1, 5, 10)}
+
+    a, b = recalls(ranks_psi), recalls(ranks_biased)
+    on = bool(n) and b["R1"] >= a["R1"] and b["R5"] >= a["R5"]
+    nums = (f"R@1 {b['R1']:.1f} vs {a['R1']:.1f}, R@5 {b['R5']:.1f} vs {a['R5']:.1f}, R@10 {b['R10']:.1f} vs "
+            f"{a['R10']:.1f} (psi + biases vs psi alone) on {n} validation captions ({validation})")
+    reason = (f"NCL biases on by default for this index: psi + biases kept t2v R@1 and R@5 at least as high as psi alone: "
+              f"{nums}" if on else f"NCL biases off by default for this index: psi + biases lowered t2v R@1 or R@5: {nums}")
+    if not n:
+        reason = f"NCL biases off by default for this index: no validation caption matched an indexed video ({validation})"
+    return {"on": on, "reason": reason, "rule": "on iff R@1 and R@5 of psi + biases >= psi alone", "validation": validation,
+            "n_captions": n, "psi": a, "psi_biases": b}

@@ -1,4 +1,5 @@
-"""What an index's manifest says about its stage 1 and its NCL biases: the chosen K and one line for people.
+"""What an index's manifest says about its stage 1 and its NCL biases: the chosen K, whether the biases are on by
+default for it, and one line for people.
 
 The builder's CLI, the service's /v1/index and the page read these; they only read the manifest.
 """
@@ -19,6 +20,28 @@ def index_default_candidates(manifest: IndexManifest | Mapping[str, Any] | None)
     st = (manifest.stage1 if hasattr(manifest, "stage1") else (manifest or {}).get(STAGE1_KEY)) or {}
     k = st.get("default_candidates")
     return int(k) if isinstance(k, int) and k > 0 else None
+
+
+def index_ncl_default(manifest: IndexManifest | Mapping[str, Any] | None) -> tuple[bool, str] | None:
+    """The index's own NCL default and why (manifest["biases"]["default"], decided at build time on validation
+    captions, issue 28), or None when the build had no validation captions (the search's default applies)."""
+    b = (manifest.biases if hasattr(manifest, "biases") else (manifest or {}).get("biases")) or {}
+    d = b.get("default")
+    if not isinstance(d, Mapping) or not isinstance(d.get("on"), bool):
+        return None
+    return d["on"], str(d.get("reason") or "")
+
+
+def public_biases(binfo: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The manifest's biases record as GET /v1/index shows it: without the server paths it keeps for the builder
+    (the fresh queue's caption source, the validation captions the default was decided on)."""
+    if binfo is None:
+        return None
+    out = dict(binfo)
+    for key in ("queue", "default"):
+        if isinstance(out.get(key), Mapping):
+            out[key] = {k: v for k, v in out[key].items() if k != "source"}
+    return out
 
 
 def describe_stage1(st: Mapping[str, Any] | None) -> str:

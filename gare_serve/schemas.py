@@ -185,8 +185,9 @@ def make_request_models(settings: Settings) -> tuple[type[BaseModel], type[BaseM
             f"default_candidates), else {default_K}; k when k is larger)",
         )
         rerank: bool = Field(True, description="score the K candidates with psi (false: dual-tower cosine only)")
-        ncl: bool = Field(NCL_DEFAULT, description="add the NCL Sinkhorn video biases to the score (GET /v1/index "
-                          "says why the default is what it is)")
+        ncl: bool | None = Field(None, description="add the NCL Sinkhorn video biases to the score (default: the "
+                                 "index's own default, decided at build time on validation captions, else "
+                                 f"{str(NCL_DEFAULT).lower()}; GET /v1/index ncl_default says which and why)")
         ncl_stage1: bool = Field(
             False, description="choose the K candidates with the biases too (cos + b folded into the ANN; needs an "
             "index built with --ncl-stage1; implies ncl)",
@@ -199,13 +200,15 @@ def make_request_models(settings: Settings) -> tuple[type[BaseModel], type[BaseM
                 raise ValueError(f"candidates ({self.candidates}) must be >= k ({self.k})")
             return self
 
-        def options(self, index_default: int | None = None) -> S.SearchOptions:
-            """``index_default``: the served index's chosen K (manifest stage1), used when no candidates are given."""
+        def options(self, index_default: int | None = None, ncl_default: bool = NCL_DEFAULT) -> S.SearchOptions:
+            """``index_default``: the served index's chosen K (manifest stage1), used when no candidates are given;
+            ``ncl_default``: the served index's NCL default (manifest biases.default), used when ncl is not given."""
             K = self.candidates
             if K is None:
                 K = min(max_K, max(index_default or default_K, self.k))
+            ncl = ncl_default if self.ncl is None else self.ncl
             return S.SearchOptions(k=self.k, candidates=int(K), rerank=self.rerank,
-                                   ncl=self.ncl or self.ncl_stage1, ncl_stage1=self.ncl_stage1)
+                                   ncl=ncl or self.ncl_stage1, ncl_stage1=self.ncl_stage1)
 
     class SearchRequest(_Options):
         model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [

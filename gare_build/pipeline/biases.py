@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gare.annotations import load_dataset, load_manifest
 from gare.checkpoint import file_sha256, load_model, read_checkpoint
 from gare.sinkhorn import sinkhorn_biases
 from gare_build.pipeline.options import RunReport
@@ -28,7 +29,7 @@ from gare_build.query_bank import (
     mix_queues,
     training_captions,
 )
-from gare_build.served_biases import served_biases
+from gare_build.served_biases import DEFAULT_BIAS_K, ncl_decision, served_biases, validation_ranks
 from gare_build.tuning.stage1 import encode_captions
 from gare_index import psi_consts
 from gare_index.store import CheckpointRef, ExistingFile, IndexManifest, IndexMismatchError, IndexVersion
@@ -180,11 +181,13 @@ def biases_for(prev: IndexVersion, arrays: dict[str, Any], checkpoint: str | os.
                 *, traffic: str | os.PathLike | None = None, traffic_weight: float = 0.5,
                 report: RunReport | None = None, carry_traffic: bool = False, score: str | None = None,
                 k: int | None = None, queue_kind: str | None = None, captions: str | os.PathLike | None = None,
-                ) -> tuple[np.ndarray, dict[str, Any]]:
+                ncl_val: str | os.PathLike | None = None) -> tuple[np.ndarray, dict[str, Any]]:
     """Recompute the biases of a gallery (`arrays`: units, norms, frames, masks, optional ann_units) with the
     index's checkpoint (its queue and logit scale), mixed with a bank of served queries when `traffic` is given
     (or when the previous biases came from one: remove). `score`/`k`: default the previous version's;
-    `queue_kind`/`captions`: the queue (:func:`bias_queue`; default the previous version's, else fresh)."""
+    `queue_kind`/`captions`: the queue (:func:`bias_queue`; default the previous version's, else fresh);
+    `ncl_val`: validation captions deciding the index's NCL default (:func:`with_default`; default the previous
+    version's, when it had a decision)."""
     units = np.asarray(arrays["units"], dtype=np.float32)
     score = score or bias_score_of(prev.manifest)
     if score not in ("served", "dual"):
@@ -226,4 +229,76 @@ def biases_for(prev: IndexVersion, arrays: dict[str, Any], checkpoint: str | os.
         served = served_inputs(model, arrays, k, consts_valid=valid)
     b, info = compute_biases(units, gamma, queue, iters, served=served)
     info["queue"] = qinfo
-    return b, (info if tinfo is None else traffic_binfo(info, tinfo))
+    info = info if tinfo is None else traffic_binfo(info, tinfo)
+    if ncl_val or (pb.get("default") or {}).get("source"):
+        if model is None:
+            model, _ = load_model(path, "cuda" if torch.cuda.is_available() else "cpu")
+        metas = prev.metadata(np.asarray(arrays.get("ids", prev.ids)))  # the new gallery's rows (remove: the kept ones)
+        info = with_default(info, model, {**arrays, "biases": b}, metas, ncl_val, {"biases": pb})
+    return b, info
+
+
+# ------------------------------------------------------------------ the per-index default (issue 28, must-have 4)
+def _window(x: Any) -> float | None:
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else round(float(x), 3)
+
+
+def validation_set(source: str | os.PathLike, metas: list[Mapping[str, Any]]) -> tuple[list[str], np.ndarray, str]:
+    """Validation captions whose videos are in the gallery: (captions, their gallery rows, a description).
+
+    ``source``: a caption manifest (.csv / .jsonl, used whole) or a `gare-train synth` folder (its test split, as
+    --tune-captions). ``metas``: the gallery's rows in order (path, start, end). A caption is matched to the row
+    with the same absolute path and window; captions of videos not indexed are left out (counted)."""
+    p = Path(source).expanduser().absolute()
+    if p.is_file():
+        rs = load_manifest(p, name="ncl-val")
+    elif p.is_dir() and (p / "test.csv").is_file() and (p / "MSRVTT_data.json").is_file():
+        rs = load_dataset({"kind": "synth", "root": str(p)}, "test")
+    else:
+        raise ValueError(f"--ncl-val {source}: not a caption manifest (.csv/.jsonl) or a `gare-train synth` folder")
+    where = {(str(Path(m["path"]).absolute()), _window(m.get("start")), _window(m.get("end"))): i for i, m in enumerate(metas)}
+    caps, rows, missing = [], [], 0
+    for text, ci in zip(rs.captions, rs.caption_clip, strict=True):
+        c = rs.clips[int(ci)]
+        row = where.get((str(Path(c.path).absolute()), _window(c.start), _window(c.end)))
+        if row is None:
+            missing += 1
+            continue
+        caps.append(text)
+        rows.append(row)
+    desc = f"{'manifest' if p.is_file() else 'synth test split'} {p.name}" + (f"; {missing} captions of videos not in the index left out" if missing else "")
+    return caps, np.asarray(rows, dtype=np.int64), desc
+
+
+def decide_default(model: Any, arrays: Mapping[str, Any], metas: list[Mapping[str, Any]], source: str | os.PathLike,
+                   k: int) -> dict[str, Any]:
+    """The index's NCL default (``biases.default`` in the manifest): psi vs psi + the version's biases on the
+    validation captions of ``source`` through the served search (stage-1 top ``k``, psi, + b), decided by
+    :func:`gare_build.served_biases.ncl_decision`; records the source so add can decide again."""
+    caps, rows, desc = validation_set(source, metas)
+    t0 = time.time()
+    if caps:
+        st = arrays.get("ann_units")
+        consts = arrays.get("psi_consts")
+        def val(x: Any) -> Any:
+            return np.load(x.path, mmap_mode="r") if isinstance(x, ExistingFile) else x
+        r_psi, r_b = validation_ranks(model, encode_captions(model, caps), rows, np.asarray(val(arrays["biases"])),
+                                      units=val(arrays["units"]), norms=np.asarray(val(arrays["norms"])),
+                                      frames=val(arrays["frames"]), masks=np.asarray(val(arrays["masks"])),
+                                      stage1=None if st is None else np.asarray(val(st), dtype=np.float32), k=k,
+                                      consts=None if consts is None else val(consts))
+    else:
+        r_psi = r_b = np.zeros(0, np.int64)
+    dec = ncl_decision(r_psi, r_b, desc)
+    log.info("%s (%.1fs)", dec["reason"], time.time() - t0)
+    return {**dec, "source": str(Path(source).expanduser().absolute()), "k": int(k)}
+
+
+def with_default(binfo: dict[str, Any], model: Any, arrays: Mapping[str, Any], metas: list[Mapping[str, Any]],
+                 source: str | os.PathLike | None, prev: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``binfo`` with its ``default`` decided (:func:`decide_default`) on ``source``, or on the validation captions
+    the previous version decided on (add/remove keep deciding); unchanged when there are none or no biases."""
+    src = source or (((prev or {}).get("biases") or {}).get("default") or {}).get("source")
+    if not src or binfo.get("source") in ("none", "deferred"):
+        return binfo
+    return {**binfo, "default": decide_default(model, arrays, metas, src, DEFAULT_BIAS_K)}

@@ -19,6 +19,7 @@ from gare_build.pipeline.biases import (
     compute_biases,
     served_inputs,
     traffic_binfo,
+    with_default,
 )
 from gare_build.pipeline.options import BuildOptions, RunReport, progress_enabled
 from gare_build.pipeline.plan import Plan
@@ -26,8 +27,9 @@ from gare_build.tuning.stage1 import encode_captions, tune_version_ann
 from gare_index import psi_consts
 from gare_index.ann import AnnIndex, build_index
 from gare_index.ann_params import AnnParams, choose_index_type
-from gare_index.describe import STAGE1_KEY
+from gare_index.describe import STAGE1_KEY, index_ncl_default
 from gare_index.store import ExistingFile, IndexVersion, write_version
+from gare_search.search import NCL_DEFAULT
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +114,8 @@ def finish(p: Plan, entries: list[Entry], arrays: dict[str, Any], opts: BuildOpt
         binfo = traffic_binfo(binfo, tinfo)
     if binfo["source"] == "none":
         report.notes.append("the checkpoint has no text query queue: video biases are zero")
+    # issue 28: on validation captions, are the biases on by default for this index (biases.default)?
+    binfo = with_default(binfo, p.model, arrays, [e.meta for e in entries], opts.ncl_val, pman if mode == "add" else None)
     report.biases = binfo
     report.ncl_stage1 = p.post["ncl_stage1"] is not None
     stage1 = arrays.get("ann_units", arrays["units"])
@@ -128,7 +132,7 @@ def finish(p: Plan, entries: list[Entry], arrays: dict[str, Any], opts: BuildOpt
         ann, ainfo = make_ann(stage1, ids, opts, None, requested, incremental=False,
                                drop_ids=np.zeros(0, np.int64), new_rows=np.zeros(0, np.int64))
     ann, ainfo = _tune_stage1(ann, ainfo, stage1, ids, arrays, p.model, ckpt_queue, opts, requested,
-                              time.time() - t_ann)
+                              time.time() - t_ann, ncl_on=(index_ncl_default({"biases": binfo}) or (NCL_DEFAULT,))[0])
     report.stage1 = ainfo.get(STAGE1_KEY)
     report.index_type = ann.params.index_type
     extra = {
@@ -150,8 +154,9 @@ def finish(p: Plan, entries: list[Entry], arrays: dict[str, Any], opts: BuildOpt
 
 def _tune_stage1(ann: AnnIndex, ainfo: dict[str, Any], units: Any, ids: np.ndarray, arrays: dict[str, Any],
                  model: Any, queue: np.ndarray | None, opts: BuildOptions, requested: str, build_s: float,
-                 ) -> tuple[AnnIndex, dict[str, Any]]:
-    """Meet the recall target and choose the default K (gare_build.tuning.stage1); ainfo gains manifest["stage1"]."""
+                 *, ncl_on: bool = NCL_DEFAULT) -> tuple[AnnIndex, dict[str, Any]]:
+    """Meet the recall target and choose the default K (gare_build.tuning.stage1); ainfo gains manifest["stage1"].
+    K is chosen for the score served by default: psi + biases when ``ncl_on``, else psi alone (issue 28)."""
     if not opts.stage1.enabled:
         return ann, {**ainfo, STAGE1_KEY: None}
     def arr(v: Any) -> Any:  # a fresh array, or the previous version's file (memmapped)
@@ -159,9 +164,10 @@ def _tune_stage1(ann: AnnIndex, ainfo: dict[str, Any], units: Any, ids: np.ndarr
 
     caps = encode_captions(model, list(opts.tune_captions)) if opts.tune_captions else None
     tuned, entry = tune_version_ann(arr(units), ids, frames=arr(arrays["frames"]), masks=arr(arrays["masks"]),
-                                    biases=arr(arrays["biases"]), model=model, queue=queue, captions=caps, ann=ann,
+                                    biases=arr(arrays["biases"]) if ncl_on else np.zeros(len(ids), np.float32), model=model, queue=queue, captions=caps, ann=ann,
                                     build_s=build_s, requested_type=requested, options=opts.stage1,
                                     progress=progress_enabled(opts.progress))
     same = tuned.cpu_index is ann.cpu_index
     return tuned, {**ainfo, "ann_params": tuned.params.to_dict(),
-                   "ann_trained_n": ainfo.get("ann_trained_n") if same else int(units.shape[0]), STAGE1_KEY: entry}
+                   "ann_trained_n": ainfo.get("ann_trained_n") if same else int(units.shape[0]),
+                   STAGE1_KEY: {**entry, "ncl_default": ncl_on} if entry else entry}

@@ -72,6 +72,9 @@ class BuildOptions:
     # training captions can be read (bias_captions, else the checkpoint's data), else stale; add: as the index
     bias_queue: str | None = None
     bias_captions: str | None = None
+    # validation captions (manifest or synth folder) on which psi vs psi + biases decides the index's NCL default
+    # (biases.default); None: no decision (add: the previous version's captions, when it had a decision)
+    ncl_val: str | None = None
     # stage-1 tuning (gare_build.tuning.stage1): recall target, latency budget, psi coverage -> default K
     stage1: Stage1Options = field(default_factory=Stage1Options)
     tune_captions: Sequence[str] | None = None  # caption texts for the sample queries (--tune-captions)

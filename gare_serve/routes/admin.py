@@ -2,7 +2,7 @@
 
 from fastapi import APIRouter, Depends, HTTPException
 
-from gare_index.describe import describe_biases, index_default_candidates
+from gare_index.describe import describe_biases, index_default_candidates, index_ncl_default, public_biases
 from gare_search.search import NCL_DEFAULT, NCL_DEFAULT_REASON
 from gare_serve.deps import StateDep, require_admin, require_search
 from gare_serve.presentation import API_VERSION
@@ -24,9 +24,11 @@ async def index_info(state: StateDep) -> IndexInfo:
                 "name": state.checkpoint_path.name if state.checkpoint_path else None,
                 "sha256": state.checkpoint_sha, "model_config": None if m.checkpoint is None else m.checkpoint.model_cfg,
             },
-            biases=m.biases, biases_description=describe_biases(m.biases),
+            biases=public_biases(m.biases), biases_description=describe_biases(m.biases),
             device=str(state.device), precision=state.precision,
-            ncl_default=NCL_DEFAULT, ncl_default_reason=NCL_DEFAULT_REASON,
+            # the index's own default (biases.default, decided at build time on validation captions), else the search's
+            ncl_default=(index_ncl_default(m) or (NCL_DEFAULT, NCL_DEFAULT_REASON))[0],
+            ncl_default_reason=(index_ncl_default(m) or (NCL_DEFAULT, NCL_DEFAULT_REASON))[1],
             default_candidates=index_default_candidates(m) or state.settings.default_candidates,
             stage1=None if not m.stage1 else {k: x for k, x in m.stage1.items() if k != "trials"},
         )

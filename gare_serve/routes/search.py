@@ -13,7 +13,7 @@ from fastapi import APIRouter, Depends, File, Form, HTTPException, Response, Upl
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from gare_index.describe import index_default_candidates
+from gare_index.describe import index_default_candidates, index_ncl_default
 from gare_index.ncl_ann import Stage1Unavailable
 from gare_search import by_example as E
 from gare_search import search as S
@@ -34,6 +34,13 @@ from gare_serve.settings import Settings
 from gare_serve.state import ServiceState
 
 _NO_BATCH = BatchInfo(size=0, queue_s=0.0, run_s=0.0)  # a result-cache answer: it never entered the micro-batch queue
+
+
+def served_defaults(manifest: Any) -> tuple[int | None, bool]:
+    """What a request that leaves them out gets from the served index: its chosen K and its NCL default (issue 28:
+    decided at build time on validation captions; else the search's NCL_DEFAULT)."""
+    own = index_ncl_default(manifest)
+    return index_default_candidates(manifest), S.NCL_DEFAULT if own is None else own[0]
 
 
 async def run_queries(state: ServiceState, version: Any, queries: list[str], opts: S.SearchOptions,
@@ -121,11 +128,11 @@ def make_router(settings: Settings) -> APIRouter:
         with state.use_version() as version:
             ids = body.example_ids()
             if ids is not None:  # more like this: stage 1 with the videos' mean v̂, rerank by s_vv
-                opts = body.options(index_default_candidates(version.manifest))
+                opts = body.options(*served_defaults(version.manifest))
                 opts = S.SearchOptions(k=opts.k, candidates=opts.candidates, rerank=opts.rerank, ncl=False)
                 return _json(await run_example(state, version, state.search_by_videos, version, ids, opts=opts,
                                                example={"kind": "videos", "ids": ids}, t_start=t_start))
-            res = await run_queries(state, version, [body.query], body.options(index_default_candidates(version.manifest)),
+            res = await run_queries(state, version, [body.query], body.options(*served_defaults(version.manifest)),
                                     t_start)
             return _json(res[0])
 
@@ -189,7 +196,7 @@ def make_router(settings: Settings) -> APIRouter:
         t_start = time.perf_counter()
         with state.use_version() as version:
             res = await run_queries(state, version, list(body.queries),
-                                    body.options(index_default_candidates(version.manifest)), t_start)
+                                    body.options(*served_defaults(version.manifest)), t_start)
             return _json(BatchSearchResponse(
                 index_version=version.name, results=res,
                 timings_ms={"total": round((time.perf_counter() - t_start) * 1000, 3)},

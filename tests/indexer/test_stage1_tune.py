@@ -81,8 +81,9 @@ def test_build_coverage_equals_gare_train_eval(gallery, capsys):
 
 
 def test_queue_queries_and_biases_match_a_naive_reference(gallery):
-    """With a queue the sample queries are the queue rows, and the coverage counts the exhaustive psi + NCL
-    biases top-10 (here recomputed with model.score, the unfolded psi) inside the ANN (flat: exact) top-K."""
+    """With a queue the sample queries are the queue rows, and the coverage counts the exhaustive top-10 of the
+    score served by default (psi, + NCL biases when the index's default is on; here recomputed with model.score,
+    the unfolded psi) inside the ANN (flat: exact) top-K."""
     out = gallery["root"] / "IDX_queue"
     assert _build(gallery["ckpt_q"], gallery["manifest"], out, "--tune-captions", gallery["manifest"]) == 0
     v = open_index(out)
@@ -94,7 +95,9 @@ def test_queue_queries_and_biases_match_a_naive_reference(gallery):
     with torch.no_grad():
         psi = model.score(t, torch.from_numpy(np.asarray(v.frames, dtype=np.float32)),
                           torch.from_numpy(np.asarray(v.masks))).numpy()
-    final = psi + np.asarray(v.biases)[None, :]
+    # the top-10 of the score served by default (issue 28): psi + b only when the index's NCL default is on
+    assert st["ncl_default"] is False  # no validation captions: the search's default, off
+    final = psi + (np.asarray(v.biases)[None, :] if st["ncl_default"] else 0.0)
     assert np.abs(v.biases).max() > 1e-3
     truth = np.argsort(-final, axis=1, kind="stable")[:, :10]
     dual = np.argsort(-(q.numpy() @ np.asarray(v.units).T), axis=1, kind="stable")
