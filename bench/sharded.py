@@ -74,6 +74,7 @@ from gare_search.sharded import (  # noqa: E402
     search_sharded_by_videos,
     shard_candidates,
 )
+from gare_serve.shard_server import load_shard_model  # noqa: E402
 from gare_serve.versions import advise_random_access  # noqa: E402
 
 SHARD_COUNTS = (1, 2, 4)
@@ -150,15 +151,15 @@ def status_kib(field: str) -> int:
 
 
 def replica_memory(ckpt_path: str, root: str, shard: int, t: np.ndarray, threads: int) -> dict[str, int]:
-    """(In a child process.) Hold one shard as a Ray shard replica does (the model, the shard's version
-    memory-mapped, the fold prepared, the kernel compiled) and answer every query of t (a, d): RSS before opening,
-    after opening and after the queries, anonymous (private: model, runtime) and file-backed (mapped index pages,
-    shared with the page cache)."""
+    """(In a child process.) Hold one shard as a Ray shard replica does (psi alone, loaded by
+    gare_serve.shard_server.load_shard_model; the shard's version memory-mapped, the fold prepared, the kernel
+    compiled) and answer every query of t (a, d): RSS before opening, after opening and after the queries,
+    anonymous (private: model, runtime) and file-backed (mapped index pages, shared with the page cache)."""
     torch.set_num_threads(threads)
     import faiss
 
     faiss.omp_set_num_threads(threads)
-    model, _ = load_model(ckpt_path, "cpu")
+    model = load_shard_model(ckpt_path, "cpu")
     rerank.warm_up(model.device)
     out = {"anon_model": status_kib("RssAnon"), "file_model": status_kib("RssFile")}
     gen = current_generation(root)
@@ -215,6 +216,103 @@ def exactness(model, tower, single, sharded: dict[int, Any], gids: dict[int, np.
         got = [search_sharded_by_image(model, sh, im, opts).hits for im in images]
         tally("by image (random pixels)", c, list(zip(ref, got, strict=True)))
     return out
+
+
+# ------------------------------------------------------------------------------------------ exactness, benchmark corpus
+CORPUS_K, CORPUS_TOP = 64, 10  # K < the test gallery (200 videos): the merged stage 1 must find the single index's K
+
+
+def corpus_exactness(corpus: Path, ckpt_path: Path, work: Path, workers: int) -> dict[str, Any]:
+    """The test split of the benchmark corpus indexed with the trained model by ``gare-index build`` (one flat
+    index) and ``gare-index build --shards N`` (N = 1, 2, 4: NCL biases fitted over the whole gallery); every test
+    caption as a text query (NCL off and on) and every test video as a "more like this" example, on each: counts of
+    answers equal to the single index's (the same files in the same order, scores within TOL)."""
+    from gare_build.build import BuildOptions, build  # noqa: PLC0415 - only this check builds indexes
+    from gare_build.sharded import build_sharded  # noqa: PLC0415
+
+    started, load_start = time.time(), loadavg()
+    rows = [json.loads(x) for x in (corpus / "captions_test.jsonl").read_text().splitlines() if x.strip()]
+    videos = [str((corpus / r["video"]).resolve()) for r in rows]
+    captions = [c for r in rows for c in r["captions"]]
+    listing = work / "corpus_test_videos.csv"
+    listing.write_text("video\n" + "".join(f"{p}\n" for p in videos))
+    build_s: dict[str, float] = {}
+    t0 = time.perf_counter()
+    build(str(ckpt_path), str(listing), work / "corpus-single", BuildOptions(workers=workers, progress=False,
+                                                                             index_type="flat"))
+    build_s["single"] = round(time.perf_counter() - t0, 1)
+    for c in SHARD_COUNTS:
+        t0 = time.perf_counter()
+        rep = build_sharded(str(ckpt_path), str(listing), work / f"corpus-n{c}",
+                            BuildOptions(workers=workers, progress=False, index_type="flat"), n_shards=c)
+        assert rep.exit_code == 0 and rep.n_videos == len(videos), rep.summary()
+        name = f"{c} shard{'s' if c > 1 else ''}"
+        build_s[name] = round(time.perf_counter() - t0, 1)
+        print(f"   built {name} in {build_s[name]} s", flush=True)
+    model, _ = load_model(ckpt_path, "cpu")
+    single = open_index(work / "corpus-single")
+    single_name = {int(r["id"]): Path(r["path"]).name for r in single.all_metadata()}
+    results: dict[str, dict[str, Any]] = {}
+
+    def tally(kind: str, c: int, names: dict[int, str], pairs: list[tuple[list[Any], list[Any]]]) -> None:
+        oks = []
+        for want, got in pairs:
+            same_files = [single_name[h.id] for h in want] == [names[h.id] for h in got]
+            d = max((abs(a.score - b.score) for a, b in zip(want, got, strict=True)), default=0.0) if same_files \
+                else float("inf")
+            oks.append((same_files and d <= TOL, d))
+        results.setdefault(kind, {})[str(c)] = {"queries": len(oks), "equal": sum(ok for ok, _ in oks),
+                                                "max_score_diff": max((d for _, d in oks), default=0.0)}
+
+    refs = {ncl: [r.hits for s in range(0, len(captions), 64) for r in
+                  search_batch(model, single, captions[s:s + 64], SearchOptions(k=CORPUS_TOP, candidates=CORPUS_K,
+                                                                                ncl=ncl))]
+            for ncl in (False, True)}
+    ex_opts = SearchOptions(k=CORPUS_TOP, candidates=CORPUS_K)
+    by_file = {n: i for i, n in single_name.items()}
+    ex_ref = [by_example.search_by_videos(single, [by_file[Path(v).name]], ex_opts).hits for v in videos]
+    for c in SHARD_COUNTS:
+        with open_sharded(work / f"corpus-n{c}") as sh:
+            names = {int(g): Path(r["path"]).name for s in range(c)
+                     for g, r in zip(sh.global_ids(s), sh.shards[s].all_metadata(), strict=True)}
+            for ncl in (False, True):
+                opts = SearchOptions(k=CORPUS_TOP, candidates=CORPUS_K, ncl=ncl)
+                got = [r.hits for s in range(0, len(captions), 64)
+                       for r in search_sharded(model, sh, captions[s:s + 64], opts)]
+                tally(f"text, NCL {'on' if ncl else 'off'}", c, names, list(zip(refs[ncl], got, strict=True)))
+            gid = {n: g for g, n in names.items()}
+            got = [search_sharded_by_videos(sh, [gid[Path(v).name]], ex_opts).hits for v in videos]
+            tally("by example (each test video)", c, names, list(zip(ex_ref, got, strict=True)))
+    single.close()
+    return {"corpus": str(corpus), "checkpoint": str(ckpt_path), "checkpoint_sha256": file_sha256(ckpt_path),
+            "n_videos": len(videos), "n_captions": len(captions), "k": CORPUS_TOP, "candidates": CORPUS_K, "tol": TOL,
+            "build_s": build_s, "results": results, "load_start": load_start, "load_end": loadavg(),
+            "wall_s": round(time.time() - started, 1)}
+
+
+def corpus_md(x: dict[str, Any]) -> str:
+    """The benchmark-corpus section, rendered from its JSON alone."""
+    kinds = list(x["results"])
+    tot = sum(v["queries"] for k in kinds for v in x["results"][k].values())
+    eq = sum(v["equal"] for k in kinds for v in x["results"][k].values())
+    L = ["## Exactness on the benchmark corpus (the trained model)\n",
+         f"Command: `{x['command']}`; commit {x.get('commit', UNKNOWN_COMMIT)}; {x['date']}; {x['cpu']}; wall time "
+         f"{x['wall_s']:.0f} s; load average at start {x['load_start']}, at end {x['load_end']}.\n",
+         f"Gallery: the {x['n_videos']} test videos of `{x['corpus']}`, indexed with `{x['checkpoint']}` (sha256 "
+         f"{x['checkpoint_sha256'][:12]}) with exact (flat) stage 1 by `gare-index build` (one index) and by "
+         "`gare-index build --shards N` (each shard a normal index; NCL biases fitted once over the whole gallery). "
+         f"Queries: every test caption ({x['n_captions']}) as a text query, NCL off and on, and every test video as a "
+         f"\"more like this\" example; k = {x['k']}, K = {x['candidates']} candidates (fewer than the gallery, so the "
+         "merged stage 1 must pick the single index's K). Equal: the same files in the same order, every score within "
+         f"{x['tol']:g}. Build seconds: {', '.join(f'{k} {v}' for k, v in x['build_s'].items())}.\n",
+         "| queries | " + " | ".join(f"{c} shard{'s' if int(c) > 1 else ''}" for c in x["results"][kinds[0]]) + " |",
+         "|---|" + "---|" * len(x["results"][kinds[0]])]
+    for k in kinds:
+        L.append(f"| {k} | " + " | ".join(f"{v['equal']}/{v['queries']} (max \\|Δscore\\| {v['max_score_diff']:.1e})"
+                                           for v in x["results"][k].values()) + " |")
+    L.append(f"\nSharded answers equal single-index answers on the benchmark corpus: {eq}/{tot} (target 100%): "
+             f"{'met' if eq == tot else 'NOT met'}.")
+    return "\n".join(L)
 
 
 # ------------------------------------------------------------------------------------------ timing
@@ -448,6 +546,8 @@ def markdown(data: dict[str, Any]) -> str:
     L.append("\n## Targets\n")
     L += [f"- {x}" for x in data["targets"]]
     L.append("\n" + plan_md(data["plan"], data))
+    if data.get("corpus_exactness"):  # written by a full run, or alone by --corpus-only
+        L.append("\n" + corpus_md(data["corpus_exactness"]))
     return "\n".join(L) + "\n"
 
 
@@ -457,8 +557,9 @@ def plan_md(p: dict[str, Any], data: dict[str, Any]) -> str:
          "Measured costs (least-squares fits over the " f"{c['points']} shards of the 1-, 2- and 4-shard runs, n = "
          "videos in a shard; seq mode, so each shard's times are its own, without contention):\n",
          f"- files per shard: {c['bytes']['a'] / 2**20:.1f} MiB + {c['bytes']['b']:.0f} bytes x n",
-         (f"- replica process, anonymous RSS ({c['rss_points']} replica(s) measured; the whole GARE model is loaded "
-          f"in each): {c['anon_bytes']['a'] / 2**20:.0f} MiB + {c['anon_bytes']['b']:.1f} bytes x n"
+         (f"- replica process, anonymous RSS ({c['rss_points']} replica(s) measured; "
+          f"{data.get('replica_model', 'the whole GARE model is loaded in each')}): "
+          f"{c['anon_bytes']['a'] / 2**20:.0f} MiB + {c['anon_bytes']['b']:.1f} bytes x n"
           if c["anon_bytes"] else "- replica process RSS: not measured"),
          f"- stage 1 (flat) p50: {c['ann_ms']['a']:.2f} ms + {c['ann_ms']['b'] * 1e6:.2f} ms per million videos; "
          f"rerank of K = {K} p50: {c['rerank_ms']['a']:.2f} ms + {c['rerank_ms']['b'] * 1e6:.2f} ms per million; "
@@ -542,6 +643,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default="/tmp/gare-sharded-bench", help="scratch folder (deleted after)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "sharded"))
     ap.add_argument("--render", type=Path, help="rewrite the .md beside this saved JSON from it; run nothing")
+    c = ap.add_argument_group("exactness on the benchmark corpus (the trained model)")
+    c.add_argument("--corpus-only", action="store_true",
+                   help="run only this check; its section replaces the one in the saved JSON (--out), the .md is "
+                        "re-rendered, the other sections are kept as they were measured")
+    c.add_argument("--no-corpus", action="store_true", help="a full run without this check (no such section)")
+    c.add_argument("--corpus", type=Path, default=REPO / "runs" / "bench-corpus")
+    c.add_argument("--checkpoint", type=Path, default=REPO / "runs" / "bench-train" / "best.safetensors")
+    c.add_argument("--corpus-workers", type=int, default=1, help="decode worker processes of the builds")
     g = ap.add_argument_group("capacity plan assumptions")
     g.add_argument("--plan-sizes", default="10000000,100000000")
     g.add_argument("--host-ram-gib", type=float, default=64.0)
@@ -555,6 +664,8 @@ def main(argv: list[str] | None = None) -> int:
         args.render.with_suffix(".md").write_text(markdown(json.loads(args.render.read_text())))
         print(f"wrote {args.render.with_suffix('.md')}")
         return 0
+    if args.corpus_only:
+        return corpus_only(args, argv)
     if args.quick:
         args.videos, args.rounds, args.per_round, args.check_queries = 10_000, 2, 10, 40
         args.check_examples, args.check_images, args.rss_queries, args.rss = 10, 3, 20, "one"
@@ -572,7 +683,10 @@ def main(argv: list[str] | None = None) -> int:
                             "commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "machine": machine(),
                             "load_start": loadavg(), "n": args.videos, "shard_counts": list(SHARD_COUNTS),
                             "text_encoder": DEFAULT_CPU_TEXT_ENCODER, "ncl": SearchOptions().ncl,
-                            "rounds": args.rounds, "per_round": args.per_round}
+                            "rounds": args.rounds, "per_round": args.per_round,
+                            "replica_model": "each holds psi alone, as a Ray shard replica does "
+                                             "(gare_serve.shard_server.load_shard_model; the CLIP towers only in the "
+                                             "ingress)"}
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -651,6 +765,11 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append({"n": n_s, "files": files})
             data["memory"][str(c)] = rows
             print(f"   {c} shards: {[(r['n'], sum(r['files'].values()), r.get('rss')) for r in rows]}", flush=True)
+        if not args.no_corpus:
+            print("exactness on the benchmark corpus", flush=True)
+            data["corpus_exactness"] = {**corpus_exactness(args.corpus, args.checkpoint, work, args.corpus_workers),
+                                        "command": data["command"], "commit": data["commit"], "date": data["date"],
+                                        "cpu": data["machine"]["cpu"]}
     finally:
         shutil.rmtree(work, ignore_errors=True)
     data["load_end"] = loadavg()
@@ -666,6 +785,33 @@ def main(argv: list[str] | None = None) -> int:
     out.with_suffix(".md").write_text(markdown(json.loads(out.with_suffix(".json").read_text())))
     print("\n".join(data["targets"]))
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+    return 0
+
+
+def corpus_only(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """--corpus-only: the benchmark-corpus check alone, written into the saved JSON's own section."""
+    out = Path(args.out).with_suffix(".json")
+    if not out.is_file():
+        raise SystemExit(f"{out}: no saved run to add the section to; run bench/sharded.py without --corpus-only")
+    for p in (args.corpus / "captions_test.jsonl", args.checkpoint):
+        if not p.is_file():
+            raise SystemExit(f"{p}: not found (--corpus / --checkpoint)")
+    data = json.loads(out.read_text())
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    torch.set_num_threads(args.threads)
+    try:
+        x = corpus_exactness(args.corpus, args.checkpoint, work, args.corpus_workers)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    data["corpus_exactness"] = {**x, "command": command_line() if argv is None else
+                                "python bench/sharded.py " + " ".join(argv), "commit": git_commit(),
+                                "date": time.strftime("%Y-%m-%d"), "cpu": cpu_name()}
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown(json.loads(out.read_text())))
+    print(corpus_md(data["corpus_exactness"]))
+    print(f"wrote the corpus section of {out} and {out.with_suffix('.md')}")
     return 0
 
 
