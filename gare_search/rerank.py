@@ -103,7 +103,8 @@ def _fold_pairs(model: Any, version: Any, t: torch.Tensor, rows: np.ndarray, siz
     query shares; each query's candidates are ids into it. Either way K is padded to the batch's largest."""
     dev = t.device
     fold = psi_consts.fold_of(model)
-    consts = psi_consts.served(model, version)
+    # the stored constants when valid (fold_of once: its check walks psi's parameters, ~0.2 ms), else served()
+    consts = version.psi_consts if psi_consts.fold_status(version, fold) is None else psi_consts.served(model, version)
     q = QUERY_FOLDS.fold(t, fold, model.cfg.temp)
     if dev.type == "cpu" and kernel_reads(version, consts):
         s = psi_fold_cpu.pair_scores(q, version.frames, consts, padded(rows, sizes), vrows=version.units,
