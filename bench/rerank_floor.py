@@ -115,11 +115,12 @@ def main() -> None:
     def stage_now(j: int, threads: int, cached: bool) -> float:
         if not cached:
             R.QUERY_FOLDS = QueryFoldCache(4096)  # a query met the first time
-        torch.set_num_threads(threads)
+        # the rerank's own threads only: changing torch's thread count between rows would rebuild its pool
+        R.RERANK_THREADS = threads
         try:
             res = S.search_batch(model, v, [qs[j]], opts, encoder=lambda _m, j=j: ts[j])
         finally:
-            torch.set_num_threads(1)
+            R.RERANK_THREADS = None
         return res[0].timings["rerank"]
 
     def stage_base(j: int) -> float:

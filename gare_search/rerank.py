@@ -34,10 +34,14 @@ log = logging.getLogger(__name__)
 QUERY_FOLDS = QueryFoldCache(4096)
 
 
+RERANK_THREADS: int | None = None  # None: the torch intra-op threads (see rerank_threads)
+
+
 def rerank_threads() -> int:
-    """Threads one rerank may use: the torch intra-op threads this process was given (gare-serve sets usable
-    cores // workers, so a worker spreads its rerank only over cores no other worker was given)."""
-    return max(1, torch.get_num_threads())
+    """Threads one rerank may use: RERANK_THREADS when set, else the torch intra-op threads this process was
+    given (gare-serve sets usable cores // workers, so a worker spreads its rerank only over cores no other
+    worker was given)."""
+    return max(1, RERANK_THREADS or torch.get_num_threads())
 
 
 def fold_usable(model: Any, version: Any) -> bool:

@@ -88,6 +88,10 @@ class Settings(BaseSettings):
     )
     use_gpu_ann: bool | None = Field(None, description="search FAISS on the GPU (default: when faiss has one)")
     verify_index: bool = Field(False, description="re-hash every index file when opening a version")
+    warm_index_bytes: int = Field(
+        1 << 30, ge=0, description="at load and reload, ask the kernel to read this much of the index into the page "
+        "cache, hottest first (the ANN index, stage-1 vectors, psi constants, then frames; gare_serve.startup.warm_index)"
+    )
     library_root: Path | None = Field(
         None, description="paths in responses are shown relative to this folder (default: file name only)"
     )

@@ -37,7 +37,7 @@ from gare_serve.query_cache import QueryCache, make_normalizer
 from gare_serve.querybank import QueryBank
 from gare_serve.result_cache import ResultCache
 from gare_serve.settings import Settings, load_api_key_hashes
-from gare_serve.startup import StartupError, resolve_checkpoint
+from gare_serve.startup import StartupError, resolve_checkpoint, warm_index
 from gare_serve.thumbnails import ThumbnailCache
 from gare_serve.versions import VersionHandle, advise_random_access
 from gare_serve.workers import WorkerBoard
@@ -178,6 +178,7 @@ class ServiceState:
                 f"the model has embed_dim={cfg.embed_dim}, max_frames={cfg.max_frames}"
             )
         rerank.prepare(self.model, version)
+        warm_index(version, self.settings.warm_index_bytes)  # the first searches after a load: no disk read per page
 
     def publish_index(self, version: Any) -> None:
         """The served version in the metrics (gare_index_info)."""
