@@ -20,8 +20,9 @@ from gare_build.build import carry_manifest, prev_files, reported
 from gare_build.pipeline.biases import checkpoint_gamma_and_queue
 from gare_build.pipeline.options import BUILD_LOCK, RunReport, progress_enabled
 from gare_build.tuning.stage1 import Stage1Options, encode_captions, tune_version_ann
-from gare_index.describe import STAGE1_KEY
+from gare_index.describe import STAGE1_KEY, index_ncl_default
 from gare_index.store import ExistingFile, IndexMismatchError, index_lock, open_index, write_version
+from gare_search.search import NCL_DEFAULT
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +51,11 @@ def retune(out: str | os.PathLike, *, options: Stage1Options | None = None, chec
             caps = encode_captions(model, list(captions)) if captions else None
             requested = index_type or m.index_type_requested or "auto"
             units = prev.stage1_units
+            # K for the score served by default (issue 28): psi + b only when the index's NCL default is on
+            ncl_on = (index_ncl_default(m) or (NCL_DEFAULT,))[0]
             ann, entry = tune_version_ann(
-                units, np.asarray(prev.ids), frames=prev.frames, masks=prev.masks, biases=prev.biases, model=model,
+                units, np.asarray(prev.ids), frames=prev.frames, masks=prev.masks,
+                biases=prev.biases if ncl_on else np.zeros(prev.n, np.float32), model=model,
                 queue=queue, captions=caps, ann=prev.ann, requested_type=requested, options=opts,
                 progress=progress_enabled(progress),
             )
@@ -60,7 +64,8 @@ def retune(out: str | os.PathLike, *, options: Stage1Options | None = None, chec
             files = m.files
             same = ann.cpu_index is prev.ann.cpu_index
             extra = carry_manifest(m) | {
-                "ann_params": ann.params.to_dict(), STAGE1_KEY: entry, "builder": {"command": "tune"},
+                "ann_params": ann.params.to_dict(), STAGE1_KEY: {**entry, "ncl_default": ncl_on},
+                "builder": {"command": "tune"},
                 "ann_trained_n": m.ann_trained_n if same else prev.n,
             }
             if requested != m.index_type_requested:

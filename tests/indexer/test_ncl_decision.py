@@ -113,6 +113,10 @@ def test_biases_command_where_they_win_records_on(env, ckpt, corpus):
     assert d["on"] is False and d["source"] == str(env["lose"])
     report = json.loads((out / "report.json").read_text())
     assert report["biases"]["default"]["on"] is False
+    # the stage-1 entry still says what K was tuned for; `gare-index tune` tunes it again for the new default
+    assert open_index(out).manifest["stage1"]["ncl_default"] is True
+    assert main(["tune", "--out", str(out)]) == 0
+    assert open_index(out).manifest["stage1"]["ncl_default"] is False
 
 
 def test_no_validation_captions_no_decision(env):
