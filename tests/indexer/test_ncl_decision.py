@@ -96,6 +96,14 @@ def test_build_where_the_biases_lose_records_off_and_tunes_K_for_psi(env, ckpt, 
     # the biases are the plain build's (the decision does not change them)
     np.testing.assert_allclose(np.asarray(open_index(out).biases), np.asarray(open_index(env["plain"]).biases), atol=1e-6)
     assert m["stage1"]["ncl_default"] is False  # K was chosen for psi alone, the score served by default
+    # remove decides again on the same captions, over the videos left (captions of the removed one drop out)
+    v = open_index(out)
+    gone = v.metadata(np.asarray(v.ids[:1]))[0]["path"]
+    n_gone = sum(1 for row in csv.DictReader(open(env["lose"])) if row["video"] == gone)
+    assert main(["remove", "--out", str(out), gone]) == 0
+    d2 = open_index(out).manifest["biases"]["default"]
+    assert d2["n_captions"] == env["n"] - n_gone and d2["source"] == str(env["lose"])
+    assert "left out" in d2["validation"] or n_gone == 0
 
 
 def test_biases_command_where_they_win_records_on(env, ckpt, corpus):
