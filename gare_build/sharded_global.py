@@ -136,8 +136,8 @@ def global_step(root: Path, n_shards: int, report: RunReport, g: GlobalStep) -> 
                               score=g.score, k=g.k, queue_kind=g.queue_kind, captions=g.captions)
         binfo = {**binfo, "scope": {"n_shards": n_shards, "n_videos": int(len(b))}}
         report.biases = binfo
-        tuner = _Tuner(g.tune, g.checkpoint or (shards[0].manifest.checkpoint.path or None)) \
-            if g.tune is not None else None
+        ck = shards[0].manifest.checkpoint
+        tuner = _Tuner(g.tune, g.checkpoint or (ck.path if ck else None)) if g.tune is not None else None
         names = []
         for s, v in enumerate(shards):
             names.append(_write_shard(v, b[cuts[s]:cuts[s + 1]], binfo, s, fresh[s], inv, tuner, report))
@@ -155,7 +155,10 @@ class _Tuner:
         self.opts = opts
         self.enabled = opts.stage1.enabled
         if self.enabled:
-            self.model, ckpt = load_model(Path(str(checkpoint)).expanduser(), "cpu")
+            path = Path(str(checkpoint or "")).expanduser()
+            if not checkpoint or not path.is_file():
+                raise ValueError(f"stage-1 tuning of the shards: checkpoint {checkpoint} not found; pass --checkpoint")
+            self.model, ckpt = load_model(path, "cpu")
             _, self.queue = checkpoint_gamma_and_queue(ckpt, raw=True)  # raw rows: psi needs |t|
             self.captions = encode_captions(self.model, list(opts.tune_captions)) if opts.tune_captions else None
 
