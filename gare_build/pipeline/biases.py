@@ -256,11 +256,12 @@ def validation_set(source: str | os.PathLike, metas: list[Mapping[str, Any]]) ->
         rs = load_dataset({"kind": "synth", "root": str(p)}, "test")
     else:
         raise ValueError(f"--ncl-val {source}: not a caption manifest (.csv/.jsonl) or a `gare-train synth` folder")
-    where = {(str(Path(m["path"]).absolute()), _window(m.get("start")), _window(m.get("end"))): i for i, m in enumerate(metas)}
+    # real paths on both sides: a caption file may name a video through a symlink the index did not
+    where = {(os.path.realpath(m["path"]), _window(m.get("start")), _window(m.get("end"))): i for i, m in enumerate(metas)}
     caps, rows, missing = [], [], 0
     for text, ci in zip(rs.captions, rs.caption_clip, strict=True):
         c = rs.clips[int(ci)]
-        row = where.get((str(Path(c.path).absolute()), _window(c.start), _window(c.end)))
+        row = where.get((os.path.realpath(c.path), _window(c.start), _window(c.end)))
         if row is None:
             missing += 1
             continue

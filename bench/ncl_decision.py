@@ -1,0 +1,80 @@
+"""The per-index NCL decision on real corpora (issue 28, must-have 4): `gare-index build --ncl-val` on each corpus's
+test videos, and what the manifest records (biases.default: on/off, why, R@1/R@5/R@10 of psi vs psi + biases on the
+validation captions through the served search) and the K stage 1 chose for the score served by default.
+
+Validation captions: the synth folder's test split (its videos are the gallery; the synth corpora hold no other
+videos with captions in a gallery), one caption per video. The queue is the fresh one (the checkpoint's training
+captions re-encoded) unless ``--bias-queue stale``.
+
+  python bench/ncl_decision.py --checkpoint CKPT --synth CORPUS [--synth CORPUS2 ...] --name NAME [--bias-queue stale]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from index_common import RESULTS, table, write_results
+from support import git_commit
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--synth", required=True, nargs="+")
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--bias-queue", choices=("fresh", "stale"), default="fresh")
+    args = ap.parse_args()
+
+    import csv
+
+    from gare_build.cli import main as gare_index
+    from gare_index.store import open_index
+
+    started = time.time()
+    rows: list[list[Any]] = []
+    data: dict[str, Any] = {}
+    for corpus in args.synth:
+        root = Path(corpus)
+        with tempfile.TemporaryDirectory() as tmp:
+            videos = Path(tmp) / "videos.csv"  # the test split's videos: the gallery
+            with open(root / "test.csv", newline="") as fh, open(videos, "w", newline="") as out:
+                w = csv.writer(out)
+                w.writerow(["video"])
+                for r in csv.DictReader(fh):
+                    w.writerow([str((root / "videos" / f"{r['video_id']}.mp4").absolute())])
+            idx = Path(tmp) / "INDEX"
+            t0 = time.time()
+            rc = gare_index(["build", "--checkpoint", args.checkpoint, "--videos", str(videos), "--out", str(idx),
+                             "--workers", "1", "--no-progress", "--bias-queue", args.bias_queue, "--ncl-val", str(root)])
+            secs = time.time() - t0
+            if rc != 0:
+                raise SystemExit(f"gare-index build failed on {corpus} (exit {rc})")
+            m = open_index(idx).manifest
+            d, st, q = m["biases"]["default"], m["stage1"] or {}, m["biases"]["queue"]
+        rows.append([corpus, f"{q['kind']} ({q['n']})", d["n_captions"], f"{d['psi']['R1']:.1f} / {d['psi_biases']['R1']:.1f}",
+                     f"{d['psi']['R5']:.1f} / {d['psi_biases']['R5']:.1f}", f"{d['psi']['R10']:.1f} / {d['psi_biases']['R10']:.1f}",
+                     "**on**" if d["on"] else "**off**", st.get("default_candidates"), st.get("ncl_default"), round(secs)])
+        data[corpus] = {"default": d, "stage1_default_candidates": st.get("default_candidates"),
+                        "stage1_ncl_default": st.get("ncl_default"), "queue": q, "build_s": secs}
+        print(corpus, d["reason"], flush=True)
+    body = (
+        f"Checkpoint `{args.checkpoint}`; for each corpus: `gare-index build` over its test videos with `--bias-queue "
+        f"{args.bias_queue} --ncl-val CORPUS` (the test split's captions, one per video, through the served search: "
+        "stage-1 top 256, psi, + b). Rule: on iff psi + biases >= psi alone in R@1 and R@5.\n\n"
+        + table(["corpus", "queue", "validation captions", "R@1 psi / + b", "R@5 psi / + b", "R@10 psi / + b",
+                 "biases by default", "stage-1 K", "K tuned for psi + b"], [r[:-1] for r in rows])
+        + "\nReasons recorded in the manifests:\n\n"
+        + "\n".join(f"- `{c}`: {v['default']['reason']}" for c, v in data.items()) + "\n"
+    )
+    (RESULTS / "ncl_served").mkdir(parents=True, exist_ok=True)
+    write_results(f"ncl_served/decision_{args.name}", f"The per-index NCL decision: {args.name}", body,
+                  {"checkpoint": args.checkpoint, "corpora": data, "bias_queue": args.bias_queue, "commit": git_commit()},
+                  started)
+
+
+if __name__ == "__main__":
+    main()
