@@ -169,11 +169,24 @@ def ncl_decision(ranks_psi: np.ndarray, ranks_biased: np.ndarray, validation: st
 
     a, b = recalls(ranks_psi), recalls(ranks_biased)
     on = bool(n) and b["R1"] >= a["R1"] and b["R5"] >= a["R5"]
+    ci = {f"dR{k}": paired_interval(ranks_psi <= k, ranks_biased <= k) for k in (1, 5)}
     nums = (f"R@1 {b['R1']:.1f} vs {a['R1']:.1f}, R@5 {b['R5']:.1f} vs {a['R5']:.1f}, R@10 {b['R10']:.1f} vs "
-            f"{a['R10']:.1f} (psi + biases vs psi alone) on {n} validation captions ({validation})")
+            f"{a['R10']:.1f} (psi + biases vs psi alone) on {n} validation captions ({validation}); 95% intervals of "
+            f"the change: R@1 [{ci['dR1'][0]:+.1f}, {ci['dR1'][1]:+.1f}], R@5 [{ci['dR5'][0]:+.1f}, {ci['dR5'][1]:+.1f}]"
+            + (" (both include 0: these captions cannot tell the two apart)"
+               if all(lo <= 0 <= hi for lo, hi in ci.values()) else ""))
     reason = (f"NCL biases on by default for this index: psi + biases kept t2v R@1 and R@5 at least as high as psi alone: "
               f"{nums}" if on else f"NCL biases off by default for this index: psi + biases lowered t2v R@1 or R@5: {nums}")
     if not n:
         reason = f"NCL biases off by default for this index: no validation caption matched an indexed video ({validation})"
     return {"on": on, "reason": reason, "rule": "on iff R@1 and R@5 of psi + biases >= psi alone", "validation": validation,
-            "n_captions": n, "psi": a, "psi_biases": b}
+            "n_captions": n, "psi": a, "psi_biases": b, "intervals": ci}
+
+
+def paired_interval(hit_a: np.ndarray, hit_b: np.ndarray, n_boot: int = 1000, seed: int = 0) -> list[float]:
+    """Seeded paired bootstrap 95% interval (points) of mean(hit_b - hit_a), resampling the captions."""
+    d = np.asarray(hit_b, dtype=np.float64) - np.asarray(hit_a, dtype=np.float64)
+    if not d.size:
+        return [0.0, 0.0]
+    means = d[np.random.default_rng(seed).integers(0, d.size, size=(n_boot, d.size))].mean(axis=1) * 100.0
+    return [round(float(np.percentile(means, 2.5)), 3), round(float(np.percentile(means, 97.5)), 3)]

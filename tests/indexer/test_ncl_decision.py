@@ -46,6 +46,12 @@ def test_decision_rule():
     d = ncl_decision(r_psi, np.array([2, 2, 3, 7, 20]), "v")
     assert d["on"] is False and "lowered" in d["reason"]
     assert ncl_decision(np.zeros(0), np.zeros(0), "v")["on"] is False
+    # the paired intervals: a change every caption shares has a point interval; one caption of five is not sure
+    d = ncl_decision(np.array([1, 1, 1, 1]), np.array([2, 2, 2, 2]), "v")
+    assert d["intervals"]["dR1"] == [-100.0, -100.0] and d["on"] is False
+    d = ncl_decision(np.array([1, 2, 1, 2, 1]), np.array([1, 1, 1, 2, 1]), "v")
+    lo, hi = d["intervals"]["dR1"]
+    assert lo == 0.0 and hi > 0 and d["on"] is True and "[+0.0, +" in d["reason"]
 
 
 def test_validation_ranks_equal_the_exhaustive_ranks(env, ckpt):
