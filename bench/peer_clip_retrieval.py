@@ -512,6 +512,11 @@ def markdown(d: dict[str, Any]) -> str:
                  f"{m.get('qps_min', '-')} / {m.get('qps_median', '-')} / {m.get('qps_max', '-')} | "
                  f"{m.get('p50_ms_median', '-')} | {m.get('p99_ms_median', '-')} |")
     L += ["", "Ratios (this run):", "", *ratio_lines(d["summary"]), ""]
+    loads = {}
+    for r in d["runs"]:
+        loads.setdefault(r["server"], []).append(r["load_before"][0])
+    L += ["1-minute load average before the runs of each server (other jobs share the machine; the servers ran one "
+          "after another): " + "; ".join(f"{k} {min(v)}-{max(v)}" for k, v in loads.items()) + ".", ""]
     if d.get("gare_stage_ms"):
         L += ["gare-serve's own stage timings (`timings_ms`, median over one client's requests after the runs, ms):", "",
               "| server | " + " | ".join(k for k in next(iter(d["gare_stage_ms"].values())) if k != "n") + " | n |",
@@ -529,7 +534,7 @@ def markdown(d: dict[str, Any]) -> str:
               "the entries; the HNSW's cost grows slowly), the encoder's cost does not."]
     if d.get("plot"):
         L += ["", f"![q/s per server]({d['plot']})"]
-    L += ["", d["notes"].strip(), ""]
+    L += ["", NOTES.strip(), ""]  # the renderer's prose (a JSON written before a change of it may hold older words)
     return "\n".join(L)
 
 
@@ -561,8 +566,12 @@ Nothing of its code was patched; three of its own options, and a local weights f
   positions; gare-serve trims the padding after the longest text of a micro-batch (the range above), which is
   exact for CLIP's causal text tower (the tower check above) and costs ~5x fewer positions here.
 - **Precision.** Both fp32 in the fp32 rows; gare-serve's default is its int8 (dynamic quantization) tower.
-- **Batching.** gare-serve gathers concurrent requests into micro-batches (one tower call for several queries);
-  clip-retrieval encodes each request alone.
+- **Batching.** gare-serve gathers concurrent requests into micro-batches, but what a batch saves depends on the
+  tower: the int8 tower packs the batch's texts into one call, while the fp32 option runs the model's own tower on
+  each text alone at its own length (`gare_search.query.encode_queries` -> `gare.text_quant.encode_each`, so that
+  a text's embedding is the same bits alone or in any batch, issue 24). So at 32 clients the fp32 tower costs
+  per query what it costs at one client (the weights are read once per text), which caps gare-serve fp32's
+  32-client q/s; clip-retrieval also encodes each request alone (with both cores inside one process).
 - **Web server and processes.** clip-retrieval runs Flask's development server (werkzeug, one process, a thread per
   request, torch using every core inside one process); gare-serve runs uvicorn with 2 worker processes (a
   SO_REUSEPORT socket each, 1 torch thread each). Neither is tuned beyond its defaults here.
@@ -661,7 +670,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": lscpu_model(), "cores": os.cpu_count(),
         "kernel": os.uname().release, "torch": torch.__version__, "faiss": faiss.__version__, "uvicorn": uvicorn.__version__,
         "load_start": loadavg(), "netns": in_private_netns(), "n": args.n, "duration_s": args.duration,
-        "runs_requested": args.runs, "runs": [], "notes": NOTES,
+        "runs_requested": args.runs, "runs": [],
     }
     t_all = time.perf_counter()
     d["prepare"] = prepare(work, args.n, peer_venv)

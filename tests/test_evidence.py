@@ -27,6 +27,7 @@ if str(BENCH) not in sys.path:
 
 from bench import (  # noqa: E402
     gpu_bench,
+    peer_clip_retrieval,
     quickstart,
     ray_faults,
     robustness,
@@ -54,6 +55,8 @@ REPORTS: list[tuple[str, Callable[[dict], str], Path, Path]] = [
     ("serve_http", serve_http.markdown, RESULTS / "serve_http.json", RESULTS / "serve_http.md"),
     ("sharded", sharded.markdown, RESULTS / "sharded.json", RESULTS / "sharded.md"),
     ("worker_spread", worker_spread.markdown, RESULTS / "worker_spread.json", RESULTS / "worker_spread.md"),
+    ("peer_clip_retrieval", peer_clip_retrieval.markdown, RESULTS / "peer_clip_retrieval.json",
+     RESULTS / "peer_clip_retrieval.md"),
     ("robustness", robustness.results_md, RESULTS / "robustness.json", RESULTS / "robustness.md"),
     ("ray_faults", ray_faults.markdown, RESULTS / "ray_faults.json", RESULTS / "ray_faults.md"),
 ]
