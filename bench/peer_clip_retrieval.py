@@ -18,7 +18,8 @@ What both serve (built by ``--prepare``, once, in ``--work``):
   clip-retrieval would build, ``peer_index/image.index`` (+ ``metadata/``).
 
 clip-retrieval runs in its own virtual environment (``--peer-venv``, default ``~/.cache/gare/peer-venv``:
-``pip install clip-retrieval==2.45.0 torch==2.14.1 torchvision==0.29.1``), so the project's stays untouched. What
+``pip install clip-retrieval==2.45.0 torch==2.14.1 torchvision==0.29.1`` then ``pip install "setuptools<81"``: its
+clip-anytorch imports ``pkg_resources``), so the project's stays untouched. What
 had to be adapted for it to run offline, all through its own options (nothing patched):
 ``--clip_model open_clip:ViT-B-32-quickgelu/<the local weights file>`` (all_clip passes what follows the first
 ``/`` to open_clip as ``pretrained``, and open_clip loads a local file), ``--enable_mclip_option False`` (else it
@@ -553,7 +554,9 @@ Nothing of its code was patched; three of its own options, and a local weights f
   downloaded during the run. Its index is built by its own `clip-retrieval index` from the gallery's unit vectors
   (`img_emb/img_emb_0.npy`, a link to gare's `units.npy`) and a parquet file of paths (`metadata/`).
 - Installed in its own venv: `pip install clip-retrieval==2.45.0 torch==2.14.1 torchvision==0.29.1` (pip chose
-  the rest within clip-retrieval's pins: numpy < 2, open-clip-torch < 3, ...).
+  the rest within clip-retrieval's pins: numpy < 2, open-clip-torch < 3, ...), then `pip install "setuptools<81"`:
+  its dependency clip-anytorch imports `pkg_resources`, which the newest setuptools no longer ships (without the pin
+  `clip-retrieval index` and `back` fail at import).
 
 ## What differs in the work each does
 
