@@ -63,7 +63,7 @@ def _unit(x: np.ndarray) -> np.ndarray:
     return (x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)).astype(np.float32)
 
 
-class _Space:
+class Space:
     """The shared geometry: latent spectrum, basis, cone means, cluster centres and their weights."""
 
     def __init__(self, n: int, cfg: ClipLikeConfig, seed: int) -> None:
@@ -105,7 +105,7 @@ def clip_like(
     ``query_target[i]`` is the gallery row the i-th query was written from (its "video").  Deterministic in
     (n, n_queries, seed, cfg) and independent of ``chunk``... except for floating-point summation order."""
     cfg = cfg or ClipLikeConfig()
-    space = _Space(n, cfg, seed)
+    space = Space(n, cfg, seed)
     x = np.empty((n, cfg.d), dtype=np.float32)
     z_all = np.empty((n, cfg.intrinsic), dtype=np.float32)  # kept (n x 64 floats) to write the queries
     starts = range(0, n, chunk)

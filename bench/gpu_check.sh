@@ -1,23 +1,65 @@
 #!/usr/bin/env bash
-# The GPU checks, for a lent GPU machine (the `device` tool; it has torch and CUDA but none of our other
-# packages and no network). Carry .gpuwheels (faiss-cpu, open_clip_torch, ftfy, wcwidth, pydantic and its
-# parts, as wheels) and .gpuassets (`python bench/gpu_bench.py --prepare .gpuassets ...`), then:
+# The GPU checks, for a lent GPU machine (the `device` tool): it has torch and CUDA 13 but none of our other packages,
+# no CUDA 12 libraries and no network. Prepare here with `bash bench/gpu_carry.sh WORK` (the small wheels into
+# .gpuwheels, faiss-gpu 1.15.1 with the CUDA 12 runtime and cuBLAS 12 as parts); send the parts over earlier calls
+# into /tmp/gpuparts there (GPU_PARTS), then, in the repository root there:
 #
-#     bash bench/gpu_check.sh COMMIT
+#     bash bench/gpu_check.sh COMMIT [bench/gpu_bench.py options]
 #
-# It runs the CUDA tests (tests/test_cuda.py and the CUDA Sinkhorn test) and bench/gpu_bench.py, and leaves
-# their logs and bench/results-style JSON/Markdown in $OUT (default /tmp/gpu-check). Exit status: the tests'.
+# 1. installs the wheels and faiss-gpu (the wheel's files, as `pip install --target` lays them out) into /tmp/site,
+#    with libcudart.so.12 / libcublas(Lt).so.12 where faiss's loader looks for them (nvidia/<name>/lib) and
+#    libcurand.so.10, which that loader also opens (libfaiss.so does not link it), from the machine's CUDA 13 curand;
+# 2. runs every `gpu`-marked test (CUDA: the fold, build-time constants, the served scorer, the text towers, a
+#    training step, Sinkhorn; FAISS GPU: flat, IVF-Flat with an HNSW coarse quantiser, the nprobe limit, add/remove,
+#    save/load, the tuner's choices, the GPU-assisted IVF build, each against the CPU index);
+# 3. runs bench/gpu_bench.py (stage 1 at 1M/10M, `gare-index build`, HTTP at 1M, then the earlier sections), which
+#    writes its JSON/Markdown after every section, into $OUT (default /tmp/gpu-check).
+# Exit status: the tests'. The logs say what failed; a failed install is reported with its error, the rest still runs.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-check}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpuwheels/*.whl \
+SITE=${GPU_SITE:-/tmp/site}
+PARTS=${GPU_PARTS:-/tmp/gpuparts}
+mkdir -p "$OUT" "$SITE"
+unxz_to() {  # unxz_to SRC DEST: xz if the machine has it, else Python's lzma
+    if command -v xz >/dev/null; then xz -T0 -dc "$1" > "$2"; else
+        python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'), 1 << 24)" "$1" "$2"; fi
+}
+t0=$(date +%s)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .gpuwheels/*.whl \
     || { echo "could not install the carried wheels"; exit 2; }
-export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 GARE_COMMIT=${1:-unknown}
+if ls "$PARTS"/payload.tar.part* >/dev/null 2>&1; then
+    rm -rf /tmp/payload && mkdir -p /tmp/payload
+    cat "$PARTS"/payload.tar.part* | tar -C /tmp/payload -xf - && (cd /tmp/payload && sha256sum -c --quiet SHA256SUMS) \
+        || echo "FAISS-GPU INSTALL: the carried parts are incomplete or corrupt ($(ls "$PARTS" | tr '\n' ' '))"
+    mkdir -p "$SITE/nvidia/cuda_runtime/lib" "$SITE/nvidia/cublas/lib" "$SITE/nvidia/curand/lib"
+    # our nvidia/ is a regular package first on the path; extend_path adds the machine's nvidia/ (cu13, cudnn, ...)
+    printf 'from pkgutil import extend_path\n\n__path__ = extend_path(__path__, __name__)\n' > "$SITE/nvidia/__init__.py"
+    touch "$SITE/nvidia/cuda_runtime/__init__.py" "$SITE/nvidia/cublas/__init__.py" "$SITE/nvidia/curand/__init__.py"
+    cp /tmp/payload/libcudart.so.12 "$SITE/nvidia/cuda_runtime/lib/"
+    unxz_to /tmp/payload/libcublas.so.12.xz "$SITE/nvidia/cublas/lib/libcublas.so.12" & p1=$!
+    unxz_to /tmp/payload/libcublasLt.so.12.xz "$SITE/nvidia/cublas/lib/libcublasLt.so.12" & p2=$!
+    unxz_to /tmp/payload/faiss_gpu_tree.tar.xz /tmp/payload/faiss_gpu_tree.tar & p3=$!
+    wait $p1 $p2 $p3 || echo "FAISS-GPU INSTALL: decompressing the payload failed"
+    rm -rf "$SITE/faiss" && tar -C "$SITE" -xf /tmp/payload/faiss_gpu_tree.tar
+    curand=$(python3 -c "
+import glob, sys
+hits = [h for p in sys.path for h in glob.glob(p + '/nvidia/*/lib/libcurand.so.10')]
+print(hits[0] if hits else '')")
+    if [ -n "$curand" ]; then ln -sf "$curand" "$SITE/nvidia/curand/lib/libcurand.so.10"; echo "libcurand.so.10: $curand"
+    else  # libfaiss.so does not link curand; an empty library satisfies the loader's dlopen, and the log says so
+        echo "FAISS-GPU INSTALL: no libcurand.so.10 on this machine: an empty stand-in is used"
+        echo "" > /tmp/empty.c && gcc -shared -fPIC -o "$SITE/nvidia/curand/lib/libcurand.so.10" /tmp/empty.c; fi
+else
+    echo "FAISS-GPU INSTALL: no parts under $PARTS: faiss is not installed; the FAISS sections fail and say so"
+fi
+export PYTHONPATH=$SITE:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 GARE_COMMIT=${1:-unknown}
+echo "install: $(( $(date +%s) - t0 )) s"
+python3 -c "import faiss; print('faiss', faiss.__version__, 'GPUs seen by faiss:', faiss.get_num_gpus())" 2>&1 | tail -3
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$OUT/nvidia-smi.txt"
-python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/training/test_sinkhorn.py::test_cuda_matches_cpu \
-    tests/indexer/test_ann_gpu_plan.py \
-    2>&1 | tee "$OUT/pytest_cuda.log"
+python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_cuda.py tests/training/test_sinkhorn.py \
+    tests/training/test_text_determinism.py tests/indexer/test_ann_gpu_plan.py 2>&1 | tee "$OUT/pytest_gpu.log"
 tests=${PIPESTATUS[0]}
+echo "tests: $(( $(date +%s) - t0 )) s"
 python3 bench/gpu_bench.py --out "$OUT/gpu_bench" "${@:2}" 2>&1 | tee "$OUT/gpu_bench.log"
-echo "CUDA tests exit status: $tests"
+echo "GPU tests exit status: $tests; total $(( $(date +%s) - t0 )) s"
 exit "$tests"
