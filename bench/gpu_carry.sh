@@ -25,7 +25,7 @@ python3 -m pip download -q --no-deps "${PLAT[@]}" -d "$REPO/.gpuwheels" open_cli
     wcwidth==0.9.4 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
     pydantic-settings==2.16.3 python-dotenv==1.2.4 fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 \
     itsdangerous==2.2.0 cachetools==8.0.2 python-multipart==0.0.34 fastapi_offline==1.7.7 decord==0.6.0 \
-    typing_extensions==4.16.0
+    typing_extensions==4.16.0 opentelemetry-api==1.45.2
 # each large file compressed on its own (a re-run reuses what is already compressed)
 (cd "$WORK/faisswheel" && unzip -q -o "$WORK"/dl/faiss_gpu-1.15.1-*.whl)
 [ -f "$WORK/payload/faiss_gpu_tree.tar.xz" ] || tar -C "$WORK/faisswheel" -cf - . | xz -3 -T0 > "$WORK/payload/faiss_gpu_tree.tar.xz"
@@ -37,4 +37,27 @@ done
 rm -rf "$REPO/.gpuparts" "$WORK/parts" && mkdir -p "$WORK/parts"
 tar -C "$WORK/payload" -cf - SHA256SUMS libcudart.so.12 libcublas.so.12.xz faiss_gpu_tree.tar.xz libcublasLt.so.12.xz \
     | split -b 56M -d -a 2 - "$WORK/parts/payload.tar.part"
+# the device has Python 3.12 and the packages listed in /work/.library/device/KINDS.md; check here that the
+# carried wheels' own requirements are met by them plus each other (a missing one -- opentelemetry-api, pulled in
+# by fastapi 0.165 -- cost a GPU run once)
+python3 - "$REPO/.gpuwheels" <<'PY'
+import re, sys, zipfile, pathlib
+have = {"numpy", "torch", "torchvision", "anyio", "annotated-doc", "h11", "click", "huggingface-hub", "regex", "tqdm",
+        "timm", "safetensors", "packaging", "pillow", "httpx", "pyyaml", "prometheus-client", "numba", "sniffio",
+        "idna", "matplotlib", "zipp"}
+norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
+wheels = list(pathlib.Path(sys.argv[1]).glob("*.whl"))
+names = {norm(w.name.split("-")[0]) for w in wheels}
+missing = set()
+for w in wheels:
+    meta = next(n for n in zipfile.ZipFile(w).namelist() if n.endswith(".dist-info/METADATA"))
+    for line in zipfile.ZipFile(w).read(meta).decode().splitlines():
+        if line.startswith("Requires-Dist:") and "extra ==" not in line and "python_version < " not in line:
+            dep = norm(re.split(r"[ ;<>=!~\[(]", line.split(":", 1)[1].strip())[0])
+            if dep not in names and dep not in have:
+                missing.add(f"{dep} (for {w.name})")
+if missing:
+    sys.exit("missing wheels: " + ", ".join(sorted(missing)))
+print("every requirement of the carried wheels is carried or on the device")
+PY
 ls -la "$WORK/parts" "$REPO/.gpuwheels"

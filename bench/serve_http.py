@@ -133,7 +133,7 @@ def serve(index: Path, workers: int, cache: bool, threads: int | None,
             "--result-cache-entries", "10000" if cache else "0", "--text-encoder", text_encoder]
     if threads:
         args += ["--torch-threads", str(threads)]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600
