@@ -10,6 +10,7 @@ a video that failed or changed while it was being indexed (nothing partial enter
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import threading
@@ -145,6 +146,16 @@ def _meta_row(c: Clip, frames_used: int) -> dict[str, Any]:
     }
 
 
+def decode_batch_size(n_jobs: int, batch_size: int, workers: int) -> int:
+    """Videos per decoded batch: ``batch_size``, or fewer when the library is too small to give every decode worker
+    a batch (iter_decoded hands whole batches to workers: 300 videos in batches of 64 kept 5 of 16 workers busy on
+    a GPU machine, bench/results/gpu_bench.md), so that all ``workers`` decode at once; ``workers`` 0 decodes in
+    this process (one stream: the batch stays as configured)."""
+    if n_jobs < 1 or batch_size < 1 or workers < 0:
+        raise ValueError(f"n_jobs and batch_size must be >= 1 and workers >= 0, got {n_jobs}, {batch_size}, {workers}")
+    return max(1, min(batch_size, math.ceil(n_jobs / max(workers, 1))))
+
+
 class Encoder:
     """Runs the jobs through the local or Dask engine; every finished batch goes to the work cache."""
 
@@ -193,7 +204,8 @@ class Encoder:
                 cfg = model.cfg
                 for batch in iter_decoded(
                     jobs, max_frames=cfg.max_frames, framerate=cfg.video_framerate, image_size=cfg.image_size,
-                    batch_size=self.opts.batch_size, num_workers=self.opts.workers, timeout=self.opts.decode_timeout,
+                    batch_size=decode_batch_size(len(jobs), self.opts.batch_size, self.opts.workers),
+                    num_workers=self.opts.workers, timeout=self.opts.decode_timeout,
                 ):
                     failed = {k: r for k, r in batch["failed"]}
                     shard, bad, nf = encode_batch(model, device, precision, batch)
