@@ -122,7 +122,8 @@ def _build_locked(checkpoint: Any, videos: Any, root: Path, opts: BuildOptions, 
         return
     staging = root / WORK_DIR / f".staging-{os.getpid()}"
     try:
-        arrays = assemble(entries, p.f, p.d, p.prev, p.cache, staging, kv_fn(p.model) if p.store_kv else None)
+        arrays = assemble(entries, p.f, p.d, p.prev, p.cache, staging, kv_fn(p.model) if p.store_kv else None,
+                          frames_dtype=p.frames_dtype)
         name = finish(p, entries, arrays, opts, report, todo_ids=todo_ids, kept_ids=kept_ids, staging=staging)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -135,6 +136,8 @@ def _build_locked(checkpoint: Any, videos: Any, root: Path, opts: BuildOptions, 
 def prev_files(prev: IndexVersion, names: Sequence[str]) -> dict[str, ExistingFile]:
     """The current version's files ``names`` (those it has) as ExistingFile links for the new version."""
     files = prev.manifest.files
+    if "frames" in names:  # int8 frames go with their per-frame scales (gare_index.frame_quant)
+        names = [*names, "frame_scales"]
     return {n: ExistingFile(prev.path / f"{n}.npy", files[f"{n}.npy"]["sha256"]) for n in names if f"{n}.npy" in files}
 
 

@@ -171,6 +171,9 @@ def _add_encode_args(p: argparse.ArgumentParser, *, build: bool) -> None:
                    help="encoder autocast (default fp32; bf16 on CPUs with AVX512-bf16 or GPUs; fp16 on CUDA only)")
     # --store-kv is gone (issue 12): the fold's stored constants rerank faster than stored K/V at a fraction of
     # their bytes (docs/index-format.md). `add` keeps the K/V of an index that has them.
+    g.add_argument("--frames-dtype", choices=("float16", "int8"), default=None,
+                   help="how frames.npy stores the frame features psi reranks: float16 (default for build) or int8 with "
+                        "a scale per frame (half the bytes; bench/results/frames_int8.md); add keeps the index's")
     g.add_argument("--decode-timeout", type=_positive_float, default=300.0, help="seconds before a stuck decoder is killed")
     g.add_argument("--n-iters", type=_positive_int, default=4, help="Sinkhorn iterations for the NCL biases (default 4)")
     _add_bias_score_args(g, build=build)

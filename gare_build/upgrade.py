@@ -56,7 +56,7 @@ def upgrade(out: str | os.PathLike, *, checkpoint: str | os.PathLike | None = No
             else:
                 log.info("upgrading %s: %s", prev.name, why or "forced")
                 arrays = prev_files(prev, ["ids", "norms", "units", "frames", "masks", "biases", "keys", "values",
-                                            "ann_units"])
+                                            "ann_units", "frame_scales"])  # int8 frames keep their scales
                 staging = root / WORK_DIR / f".staging-upgrade-{os.getpid()}"
                 try:
                     entry = psi_consts.attach(arrays, model, None, checkpoint_sha=sha, staging=staging, device=dev)

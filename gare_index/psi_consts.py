@@ -36,6 +36,7 @@ from tqdm import tqdm
 from gare.checkpoint import file_sha256, load_model
 from gare.psi_fold_videos import VideoConstants, fold_videos, packed_width
 from gare.psi_fold_weights import PsiFold, fold_weights
+from gare_index.frame_quant import frames_view
 from gare_index.npy import ExistingFile, alloc_npy
 
 log = logging.getLogger(__name__)
@@ -46,23 +47,46 @@ _BLOCK = 4096  # videos per fold_videos call: ~4096·12·512·4 B = 100 MB of fl
 
 
 # ------------------------------------------------------------------------------------------ weights
-def _psi_key(psi: Any) -> tuple:
-    return tuple((p.data_ptr(), p._version, p.device) for p in psi.parameters())
+class _FoldEntry:
+    """One cached fold: psi (weakly), its parameter slots and their (version, data pointer) at fold time."""
+
+    __slots__ = ("fold", "psi", "slots", "stamp")
+
+    def __init__(self, psi: Any) -> None:
+        self.psi = weakref.ref(psi)
+        # (the owning module's _parameters dict, name, tensor): a slot rebound to another tensor is seen by an
+        # identity test, an in-place change by the tensor's _version, a move (.to) by its data pointer
+        self.slots = [(mod._parameters, name, p) for mod in psi.modules() for name, p in mod._parameters.items()
+                      if p is not None]
+        self.stamp = [(p._version, p.data_ptr()) for _, _, p in self.slots]
+        self.fold = fold_weights(psi)
+
+    def valid_for(self, psi: Any) -> bool:
+        """Whether psi is the module folded and none of its parameters changed (~4 us for psi's 20 tensors,
+        against ~20 us for a walk of psi.parameters(); the served rerank asks once per request)."""
+        if self.psi() is not psi:
+            return False
+        for (params, name, p), (ver, ptr) in zip(self.slots, self.stamp, strict=True):
+            if params.get(name) is not p or p._version != ver or p.data_ptr() != ptr:
+                return False
+        return True
 
 
-_FOLDS: dict[int, tuple[tuple, PsiFold]] = {}
+_FOLDS: dict[int, _FoldEntry] = {}  # id(psi) -> its fold; at most 8 (one per checkpoint loaded)
+FOLD_COUNT = [0]  # how many times fold_of walked and folded psi (tests: an unchanged model does not re-fold)
 
 
 def fold_of(model: Any) -> PsiFold:
-    """fold_weights(model.psi), cached while psi's parameters are unchanged (once per checkpoint)."""
+    """fold_weights(model.psi), cached while psi's parameters are unchanged (once per checkpoint): a parameter
+    changed in place, rebound or moved gives a new fold."""
     psi = model.psi
-    key = _psi_key(psi)
     hit = _FOLDS.get(id(psi))
-    if hit is None or hit[0] != key:
-        hit = _FOLDS[id(psi)] = (key, fold_weights(psi))
+    if hit is None or not hit.valid_for(psi):
+        hit = _FOLDS[id(psi)] = _FoldEntry(psi)
+        FOLD_COUNT[0] += 1
         if len(_FOLDS) > 8:
             _FOLDS.pop(next(iter(_FOLDS)))
-    return hit[1]
+    return hit.fold
 
 
 def reference_padding(model: Any) -> bool:
@@ -84,7 +108,8 @@ def _vbar(units: Any, norms: Any, s0: int, s1: int) -> np.ndarray:
 def compute_rows(fold: PsiFold, frames: Any, masks: Any, units: Any, norms: Any, out: np.ndarray, rows: np.ndarray | None = None,
                  *, device: Any = None, progress: bool = False, reference_padding: bool = False) -> None:
     """Fill out[rows] (default: every row) with the folded constants of those rows, block by block
-    (frames (n, f, d) float16 memmap, masks (n, f), units (n, d), norms (n,)); on the GPU when present."""
+    (frames (n, f, d) float16 memmap or int8 QuantFrames, masks (n, f), units (n, d), norms (n,)); on the GPU
+    when present."""
     dev = _default_device(device)
     fw = fold.to(dev)
     rows = np.arange(out.shape[0]) if rows is None else np.asarray(rows, dtype=np.int64)
@@ -117,7 +142,9 @@ def attach(arrays: dict[str, Any], model: Any, prev: Any = None, *, checkpoint_s
         return np.load(x.path, mmap_mode="r", allow_pickle=False) if isinstance(x, ExistingFile) else x
 
     fold = fold_of(model)
-    frames, masks, units, norms = (val(arrays[k]) for k in ("frames", "masks", "units", "norms"))
+    # int8 frames (with frame_scales) read as float32: an int8 index's constants are folded from its stored frames
+    frames = frames_view(arrays)
+    masks, units, norms = (val(arrays[k]) for k in ("masks", "units", "norms"))
     ids = np.asarray(val(arrays["ids"]), dtype=np.int64)
     n, f = frames.shape[0], frames.shape[1]
     w = packed_width(f)

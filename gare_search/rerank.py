@@ -63,16 +63,19 @@ def warm_up(device: torch.device | str) -> None:
 
 
 def kernel_reads(version: Any, consts: np.ndarray) -> bool:
-    """Whether the CPU kernel can read this version's arrays as stored (float16/float32 frames and
-    constants, float32 units and norms) and numba is importable."""
+    """Whether the CPU kernel can read this version's arrays as stored (float16/float32 frames, or int8 frames
+    with their per-frame scales; float16/float32 constants, float32 units and norms) and numba is importable."""
     ok = (np.float16, np.float32)
-    return (version.frames.dtype in ok and consts.dtype in ok and version.units.dtype == np.float32
+    fr = version.frames.q if getattr(version, "frame_scales", None) is not None else version.frames
+    return ((fr.dtype in ok or fr.dtype == np.int8) and consts.dtype in ok and version.units.dtype == np.float32
             and np.asarray(version.norms).dtype == np.float32 and psi_fold_cpu.available())
 
 
 def padded(ids: np.ndarray, sizes: list[int]) -> np.ndarray:
     """Flat per-query ids (the queries' runs of `sizes`) -> (len(sizes), max K) int64, each row padded with its
     first id (a valid row; the pads' scores are dropped by :func:`unpad`)."""
+    if len(sizes) == 1:  # one query (the common request): no padding, no copy
+        return np.asarray(ids, dtype=np.int64).reshape(1, -1)
     out = np.zeros((len(sizes), max(sizes, default=0)), dtype=np.int64)
     offs = np.cumsum([0] + sizes)
     for i, (a, b) in enumerate(zip(offs[:-1], offs[1:], strict=True)):
@@ -93,7 +96,7 @@ def psi_scores(model: Any, version: Any, t: torch.Tensor, cand_ids: np.ndarray |
     offs = np.cumsum([0] + sizes)
     if offs[-1] == 0:
         return [np.zeros(0, np.float32) for _ in lists]
-    rows = version.rows(np.concatenate(lists))
+    rows = version.rows(lists[0] if len(lists) == 1 else np.concatenate(lists))
     with torch.inference_mode():
         flat = _fold_pairs(model, version, t, rows, sizes)
     return [flat[a:b] for a, b in zip(offs[:-1], offs[1:], strict=True)]
@@ -107,12 +110,14 @@ def _fold_pairs(model: Any, version: Any, t: torch.Tensor, rows: np.ndarray, siz
     query shares; each query's candidates are ids into it. Either way K is padded to the batch's largest."""
     dev = t.device
     fold = psi_consts.fold_of(model)
-    # the stored constants when valid (fold_of once: its check walks psi's parameters, ~0.2 ms), else served()
+    # the stored constants when valid (fold_of once per request: its check is ~4 us), else served()
     consts = version.psi_consts if psi_consts.fold_status(version, fold) is None else psi_consts.served(model, version)
     q = QUERY_FOLDS.fold(t, fold, model.cfg.temp)
     if dev.type == "cpu" and kernel_reads(version, consts):
-        s = psi_fold_cpu.pair_scores(q, version.frames, consts, padded(rows, sizes), vrows=version.units,
-                                     vscale=version.norms, threads=rerank_threads())
+        fscale = getattr(version, "frame_scales", None)  # int8 frames: the kernel scales frame g of row c by fscale[c, g]
+        frames = version.frames if fscale is None else version.frames.q
+        s = psi_fold_cpu.pair_scores(q, frames, consts, padded(rows, sizes), vrows=version.units,
+                                     vscale=version.norms, fscale=fscale, threads=rerank_threads())
         return unpad(s, sizes)
     uniq, inv = np.unique(rows, return_inverse=True)
     v = psi_consts.gather(version, uniq, fold, dev, consts=consts)

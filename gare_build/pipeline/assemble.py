@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from gare_build.work import WorkCache, units_norms
+from gare_index.frame_quant import FRAME_SCALES_ARRAY, QuantFrames, dequantize, quantize
 from gare_index.npy import alloc_npy
 from gare_index.store import ExistingFile, IndexVersion
 
@@ -24,14 +25,27 @@ class Entry:
 
 
 
+def _put(frames: np.ndarray, scales: np.ndarray | None, dst: np.ndarray, fr: Any) -> None:
+    """Float frames (m, f, d) into rows `dst` of the staged frames, quantised per frame when they are int8."""
+    if scales is not None:
+        frames[dst], scales[dst] = quantize(fr)
+    else:
+        frames[dst] = fr
+
+
 def assemble(entries: list[Entry], f: int, d: int, prev: IndexVersion | None, cache: WorkCache | None,
               staging: Path, kv_fn: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]] | None,
-              chunk: int = 8192) -> dict[str, Any]:
-    """Gather every entry's features into new arrays (frames and K/V staged as .npy files on disk)."""
+              chunk: int = 8192, frames_dtype: str | None = None) -> dict[str, Any]:
+    """Gather every entry's features into new arrays (frames and K/V staged as .npy files on disk).
+
+    `frames_dtype`: "float16", or "int8" (per-frame scales, gare_index.frame_quant: rows of an int8 `prev` are
+    copied as stored, the others quantised); None: prev's (float16 without one)."""
     staging.mkdir(parents=True, exist_ok=True)
     n = len(entries)
     ids = np.array([e.meta["id"] for e in entries], dtype=np.int64)
-    frames = alloc_npy(staging / "frames.npy", np.float16, (n, f, d))
+    int8 = (frames_dtype or (prev.frame_dtype if prev is not None else "float16")) == "int8"
+    frames = alloc_npy(staging / "frames.npy", np.int8 if int8 else np.float16, (n, f, d))
+    scales = alloc_npy(staging / f"{FRAME_SCALES_ARRAY}.npy", np.float32, (n, f)) if int8 else None
     units = np.zeros((n, d), dtype=np.float32)
     norms = np.zeros(n, dtype=np.float32)
     masks = np.zeros((n, f), dtype=np.uint8)
@@ -50,7 +64,10 @@ def assemble(entries: list[Entry], f: int, d: int, prev: IndexVersion | None, ca
             dst, src = prev_dst[s : s + chunk], prev_src[s : s + chunk]
             order = np.argsort(src, kind="stable")  # sorted reads from the memmaps
             dst, src = dst[order], src[order]
-            frames[dst] = prev.frames[src]
+            if int8 and prev.frame_scales is not None:  # int8 rows as stored (their psi constants stay valid)
+                frames[dst], scales[dst] = prev.frames.q[src], prev.frame_scales[src]
+            else:
+                _put(frames, scales, dst, prev.frames[src])
             units[dst] = prev.units[src]
             norms[dst] = prev.norms[src]
             masks[dst] = prev.masks[src]
@@ -68,7 +85,7 @@ def assemble(entries: list[Entry], f: int, d: int, prev: IndexVersion | None, ca
         dst = np.array([p[0] for p in pairs], dtype=np.int64)
         src = np.array([p[1] for p in pairs], dtype=np.int64)
         u, nn = units_norms(sh.vbar[src])
-        frames[dst] = sh.frames[src]
+        _put(frames, scales, dst, sh.frames[src])
         units[dst] = u
         norms[dst] = nn
         masks[dst] = sh.masks[src]
@@ -76,17 +93,19 @@ def assemble(entries: list[Entry], f: int, d: int, prev: IndexVersion | None, ca
         todo = np.flatnonzero(~kv_done)
         for s in range(0, todo.size, 1024):
             rows = todo[s : s + 1024]
-            k, v = kv_fn(np.asarray(frames[rows]))
+            k, v = kv_fn(dequantize(frames[rows], scales[rows]) if int8 else np.asarray(frames[rows]))
             keys[rows] = k
             values[rows] = v
-    for arr in (frames, keys, values):
+    for arr in (frames, scales, keys, values):
         if isinstance(arr, np.memmap):
             arr.flush()
     out: dict[str, Any] = {
         "ids": ids, "norms": norms, "units": units, "frames": ExistingFile(staging / "frames.npy"),
         "masks": masks,
     }
-    del frames
+    del frames, scales
+    if int8:
+        out["frames"] = QuantFrames.from_files(out["frames"], ExistingFile(staging / f"{FRAME_SCALES_ARRAY}.npy"))
     if want_kv:
         del keys, values
         out["keys"] = ExistingFile(staging / "keys.npy")

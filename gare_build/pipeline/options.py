@@ -50,6 +50,7 @@ class BuildOptions:
     dask_workers: int = 2
     shard_size: int = 64
     store_kv: bool | None = None  # None: off for build, as the index for add
+    frames_dtype: str | None = None  # "float16" | "int8" (gare_index.frame_quant); None: float16 for build, as the index for add
     keep: int = 3
     n_iters: int = 4
     progress: bool | None = None  # None: when stderr is a terminal

@@ -21,6 +21,7 @@ from gare_build.discover import Clip, Skip, discover, expand_segments, fmt_time,
 from gare_build.invgc import invgc_refs, select_invgc
 from gare_build.pipeline.options import BuildOptions, RunReport, progress_enabled
 from gare_build.work import WorkCache, model_key
+from gare_index.frame_quant import DEFAULT_FRAME_DTYPE, check_frame_dtype
 from gare_index.store import (
     WORK_DIR,
     IndexFormatError,
@@ -48,6 +49,7 @@ class Plan:
     precision: str
     store_kv: bool
     segment: float | None
+    frames_dtype: str  # how frames.npy is stored: "float16" | "int8"
     overlap: float
     device: Any
     model: Any
@@ -204,6 +206,11 @@ def plan(checkpoint: Any, videos: Any, root: Path, opts: BuildOptions, mode: str
     store_kv = opts.store_kv if opts.store_kv is not None else (bool(pman.get("kv")) if mode == "add" else False)
     if mode == "add" and store_kv != bool(pman.get("kv")):
         raise ValueError(f"the index was built {'with' if pman.get('kv') else 'without'} --store-kv; add must keep it")
+    have_dtype = pman.get("frame_dtype", DEFAULT_FRAME_DTYPE)
+    frames_dtype = check_frame_dtype(opts.frames_dtype) if opts.frames_dtype else (have_dtype if mode == "add" else DEFAULT_FRAME_DTYPE)
+    if mode == "add" and frames_dtype != have_dtype:
+        raise ValueError(f"the index stores {have_dtype} frames; add keeps them (got --frames-dtype {frames_dtype}): "
+                         "rebuild with `gare-index build --frames-dtype` to change it")
     segment = opts.segment if opts.segment is not None else ((pman.get("segment") or {}).get("seconds") if mode == "add" else None)
     overlap = opts.overlap if opts.segment is not None else ((pman.get("segment") or {}).get("overlap", 0.0) if mode == "add" else 0.0)
 
@@ -269,6 +276,6 @@ def plan(checkpoint: Any, videos: Any, root: Path, opts: BuildOptions, mode: str
     log.info("%d clips to index: %d to encode, %d in the work cache, %d reused from %s",
              len(todo), len(jobs), n_cached_keys, len(todo) - len(jobs) - n_cached_keys, report.previous_version)
     return Plan(mode=mode, root=root, prev=prev, pman=pman, ckpt_path=ckpt_path, sha=sha, precision=precision,
-                store_kv=store_kv, segment=segment, overlap=overlap, device=device, model=model, ckpt=ckpt, post=post,
+                store_kv=store_kv, frames_dtype=frames_dtype, segment=segment, overlap=overlap, device=device, model=model, ckpt=ckpt, post=post,
                 prev_rows=prev_rows, todo=todo, kept=kept, next_id=next_id, prev_by_key=prev_by_key, cache=cache,
                 jobs=jobs)

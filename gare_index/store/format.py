@@ -19,6 +19,7 @@ import numpy as np
 
 from gare.atomic import atomic_write
 from gare.psi_fold_videos import packed_width
+from gare_index.frame_quant import FRAME_SCALES_ARRAY
 from gare_index.ncl_ann import NCL_ANN_FILE
 from gare_index.psi_consts import PSI_CONSTS_ARRAY
 
@@ -53,8 +54,11 @@ OPTIONAL_ARRAYS: dict[str, tuple[np.dtype, int]] = {
     "values": (np.dtype(np.float16), 3),
     "ann_units": (np.dtype(np.float32), 2),  # InvGC-corrected stage-1 vectors (n, d)
     "psi_consts": (np.dtype(np.float32), 2),  # psi folded per video (n, 10f + 5f² + 2), gare.psi_fold
+    FRAME_SCALES_ARRAY: (np.dtype(np.float32), 2),  # int8 frames' per-frame scales (n, f), gare_index.frame_quant
 }
-MMAP_ARRAYS = ("frames", "units", "keys", "values", "ann_units", "psi_consts")
+# frames.npy's dtype per manifest frame_dtype (int8 goes with frame_scales.npy)
+FRAME_NP_DTYPES = {"float16": np.dtype(np.float16), "int8": np.dtype(np.int8)}
+MMAP_ARRAYS = ("frames", "units", "keys", "values", "ann_units", "psi_consts", FRAME_SCALES_ARRAY)
 ROW_DIM_ARRAYS = ("units", "ann_units")  # 2-D arrays of width d (the others are (n, f), psi_consts below)
 
 

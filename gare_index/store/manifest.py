@@ -115,7 +115,7 @@ class IndexManifest(_Closed):
     n: int
     dim: int
     max_frames: int
-    frame_dtype: Literal["float16"]
+    frame_dtype: Literal["float16", "int8"]  # int8: frame_scales.npy too (gare_index.frame_quant)
     kv: bool
     index_type: str
     ann_params: Record

@@ -21,6 +21,7 @@ from gare.sinkhorn import fold_query
 from gare_index.ann import AnnIndex
 from gare_index.ann_gpu import GpuIndexError
 from gare_index.ann_params import AnnParams
+from gare_index.frame_quant import FRAME_SCALES_ARRAY, QuantFrames
 from gare_index.metadb import check_meta_db
 from gare_index.ncl_ann import FoldedRows, Stage1Unavailable
 from gare_index.store.format import (
@@ -30,6 +31,7 @@ from gare_index.store.format import (
     CURRENT_FILE,
     FORMAT,
     FORMAT_VERSION,
+    FRAME_NP_DTYPES,
     MANIFEST_FILE,
     META_COLUMNS,
     META_FILE,
@@ -131,7 +133,8 @@ def _load_array(path: Path, name: str, mmap: bool) -> np.ndarray:
 
 @dataclass(eq=False)
 class IndexVersion:
-    """One opened, immutable index version. Arrays are in `ids` row order; `frames` is a float16 memmap."""
+    """One opened, immutable index version. Arrays are in `ids` row order; `frames` is a float16 memmap, or for
+    an int8 index (manifest frame_dtype "int8") a :class:`QuantFrames` whose slices are float32."""
 
     root: Path
     name: str
@@ -140,7 +143,7 @@ class IndexVersion:
     ids: np.ndarray
     norms: np.ndarray
     units: np.ndarray
-    frames: np.ndarray
+    frames: np.ndarray | QuantFrames
     masks: np.ndarray
     biases: np.ndarray
     ann: AnnIndex
@@ -153,6 +156,7 @@ class IndexVersion:
     psi_consts: np.ndarray | None = None  # psi folded per video (n, 10f+5f²+2) float32 memmap (gare_index.psi_consts)
     _sorted_ids: np.ndarray = field(init=False, repr=False)
     _sorted_rows: np.ndarray = field(init=False, repr=False)
+    _lut: np.ndarray | None = field(init=False, repr=False, default=None)  # id -> row (-1: none) for compact ids
     _conn: sqlite3.Connection | None = field(init=False, repr=False, default=None)
     _lock: threading.Lock = field(init=False, repr=False, default_factory=threading.Lock)
 
@@ -164,6 +168,22 @@ class IndexVersion:
         ids = np.asarray(self.ids, dtype=np.int64)
         order = np.argsort(ids, kind="stable")
         self._sorted_ids, self._sorted_rows = ids[order], order.astype(np.int64)
+        # ids are 0..next_id with gaps left by removals: a dense table (8 bytes per id up to the largest) turns the
+        # per-request id -> row lookup (K = 256 ids) into one gather, ~5x the binary search
+        if ids.size and int(self._sorted_ids[0]) >= 0 and int(self._sorted_ids[-1]) < 4 * ids.size + 1024:
+            lut = np.full(int(self._sorted_ids[-1]) + 1, -1, dtype=np.int64)
+            lut[self._sorted_ids] = self._sorted_rows
+            self._lut = lut
+
+    @property
+    def frame_dtype(self) -> str:
+        """How frames.npy is stored: "float16" or "int8" (then with per-frame scales, :attr:`frame_scales`)."""
+        return self.manifest.frame_dtype
+
+    @property
+    def frame_scales(self) -> np.ndarray | None:
+        """The int8 frames' per-frame scales (n, f) float32 memmap, or None for float16 frames."""
+        return self.frames.scales if isinstance(self.frames, QuantFrames) else None
 
     @property
     def n(self) -> int:
@@ -194,6 +214,13 @@ class IndexVersion:
         if missing not in ("raise", "mask"):
             raise ValueError(f"missing must be 'raise' or 'mask', got {missing!r}")
         q = np.asarray(ids, dtype=np.int64)
+        lut = self._lut
+        if lut is not None and q.size and 0 <= int(q.min()) and int(q.max()) < lut.size:
+            rows = lut[q]
+            if missing == "raise" and (rows < 0).any():
+                bad = np.unique(q[rows < 0])
+                raise KeyError(f"ids not in index {self.name}: {bad[:20].tolist()}{' ...' if bad.size > 20 else ''}")
+            return rows
         if self._sorted_ids.size == 0:
             found = np.zeros(q.shape, dtype=bool)
             rows = np.full(q.shape, -1, dtype=np.int64)
@@ -306,7 +333,12 @@ class IndexVersion:
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
+        if isinstance(self.frames, QuantFrames):
+            f = self.frames
+            self.frames = QuantFrames(np.empty((0, *f.q.shape[1:]), np.int8), np.empty((0, f.q.shape[1]), np.float32))
         for name in MMAP_ARRAYS:
+            if name == FRAME_SCALES_ARRAY:
+                continue
             arr = getattr(self, name, None)
             mm = getattr(arr, "_mmap", None)
             if mm is not None:
@@ -353,11 +385,19 @@ def open_version(
             continue
         arr = _load_array(path, aname, mmap=aname in MMAP_ARRAYS)
         expect = expected_shape(aname, n, d, f)
+        if aname == "frames":
+            dtype = FRAME_NP_DTYPES[manifest.frame_dtype]
         if arr.shape != expect or arr.dtype != dtype:
             raise IndexFormatError(
                 f"{path / (aname + '.npy')}: {arr.dtype} {arr.shape}, manifest implies {dtype} {expect}"
             )
         arrays[aname] = arr
+    if (manifest.frame_dtype == "int8") != (FRAME_SCALES_ARRAY in arrays):
+        raise IndexFormatError(f"{path}: frame_dtype {manifest.frame_dtype} and {FRAME_SCALES_ARRAY}.npy "
+                               f"({'present' if FRAME_SCALES_ARRAY in arrays else 'missing'}) do not go together")
+    frames = arrays["frames"]
+    if manifest.frame_dtype == "int8":
+        frames = QuantFrames(frames, arrays[FRAME_SCALES_ARRAY])
     params = AnnParams.from_dict(manifest.ann_params or {"index_type": manifest.index_type})
     stage1 = arrays.get("ann_units", arrays["units"])  # ivfpq re-scores with the vectors the ANN was built on
     try:
@@ -384,7 +424,7 @@ def open_version(
                                    f"manifest says n={n}, d+1={d + 1}")
     version = IndexVersion(
         root=root, name=name, path=path, manifest=manifest,
-        ids=arrays["ids"], norms=arrays["norms"], units=arrays["units"], frames=arrays["frames"],
+        ids=arrays["ids"], norms=arrays["norms"], units=arrays["units"], frames=frames,
         masks=arrays["masks"], biases=arrays["biases"], ann=ann, dim=d, max_frames=f,
         keys=arrays.get("keys"), values=arrays.get("values"), ann_units=arrays.get("ann_units"), ann_ncl=ann_ncl,
         psi_consts=arrays.get("psi_consts"),

@@ -143,12 +143,18 @@ def verify_index(
                 # v̄ must be the all-rows mean of the stored frames (float16 storage: ~5e-4 of the frames' scale)
                 f32 = fr.astype(np.float32)
                 err = np.abs(f32.mean(axis=1) - v.vbar(np.arange(s, s + len(fr)))).max(axis=1)
-                if (err > 2e-3 * np.maximum(np.abs(f32).max(axis=(1, 2)), 1e-6)).any():
+                # int8 frames: each value within scale / 2 = max / 254 of the encoder's, so the mean too
+                tol = 2e-3 + (1 / 254 if v.frame_scales is not None else 0.0)
+                if (err > tol * np.maximum(np.abs(f32).max(axis=(1, 2)), 1e-6)).any():
                     problems.append(f"norms.npy/units.npy: v̄ is not the mean over all rows of frames.npy, as "
                                     f"reference_padding requires (rows {s}..)")
                     break
             if not np.all(np.isfinite(fr)):
                 problems.append(f"frames.npy: non-finite values (rows {s}..)")
+                break
+            sc = None if v.frame_scales is None else np.asarray(v.frame_scales[s : s + 4096])
+            if sc is not None and not (np.all(np.isfinite(sc)) and (sc >= 0).all()):
+                problems.append(f"frame_scales.npy: negative or non-finite scales (rows {s}..)")
                 break
         if not np.all(np.isfinite(np.asarray(v.biases))):
             problems.append("biases.npy: non-finite biases")

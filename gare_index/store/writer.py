@@ -19,6 +19,13 @@ import numpy as np
 from gare.checkpoint import file_sha256
 from gare_index.ann import AnnIndex, build_index
 from gare_index.ann_params import AnnParams, choose_index_type
+from gare_index.frame_quant import (
+    FRAME_SCALES_ARRAY,
+    QuantFrames,
+    check_frame_dtype,
+    frame_dtype_of,
+    quantize_to,
+)
 from gare_index.ncl_ann import build_ncl_ann, ncl_ann_params
 from gare_index.npy import ExistingFile
 from gare_index.store.format import (
@@ -28,6 +35,7 @@ from gare_index.store.format import (
     CURRENT_FILE,
     FORMAT,
     FORMAT_VERSION,
+    FRAME_NP_DTYPES,
     MANIFEST_FILE,
     META_COLUMNS,
     META_FILE,
@@ -35,6 +43,7 @@ from gare_index.store.format import (
     OPTIONAL_ARRAYS,
     TMP_PREFIX,
     VERSIONS_DIR,
+    WORK_DIR,
     HashingWriter,
     IndexFormatError,
     atomic_write_text,
@@ -206,7 +215,9 @@ def write_version(
     """Write a complete new version and make it current; returns its name ("v000004").
 
     `arrays`: ids, norms, units, frames, masks, biases (optionally keys, values) as numpy arrays (any
-    dtype castable to the format's) or :class:`ExistingFile`. `metadata_rows`: one mapping per id with the
+    dtype castable to the format's) or :class:`ExistingFile`. Frames are float16, or int8 (a
+    :class:`~gare_index.frame_quant.QuantFrames`, or int8 frames with ``frame_scales``);
+    ``manifest_extra["frame_dtype"] = "int8"`` quantises float frames per frame here. `metadata_rows`: one mapping per id with the
     META_COLUMNS (status defaults to "ok"). `manifest_extra`: checkpoint, biases, ann_params, ... merged into
     the manifest. `ann`: an AnnIndex or faiss index over (units, ids); built from `ann_params` (or the
     automatic type) when None; over `ann_units` (InvGC-corrected stage-1 vectors) when that array is given.
@@ -216,6 +227,45 @@ def write_version(
     a version in `protect`: a shard's versions that live generations name, gare_index.shards.live_versions).
     """
     root = Path(root)
+    arrays, frame_dtype, quant_dir = _frames_as_stored(root, arrays, manifest_extra.get("frame_dtype"))
+    try:
+        return _write_version(root, arrays, metadata_rows, manifest_extra, frame_dtype, ann=ann, keep=keep,
+                              file_hashes=file_hashes, ann_ncl=ann_ncl, protect=protect)
+    finally:
+        if quant_dir is not None:
+            shutil.rmtree(quant_dir, ignore_errors=True)
+
+
+def _frames_as_stored(root: Path, arrays: Mapping[str, Any], requested: str | None) -> tuple[dict[str, Any], str, Path | None]:
+    """(arrays with frames as written: float16, or int8 + frame_scales; the frame dtype; a scratch directory to
+    remove after the write or None). Float frames are quantised here when `requested` is "int8" (per frame,
+    gare_index.frame_quant); int8 frames go with their scales; QuantFrames are split into the two files."""
+    arrays = dict(arrays)
+    quant_dir = None
+    fr = arrays.get("frames")
+    if fr is None:
+        return arrays, check_frame_dtype(requested or "float16"), None
+    have = frame_dtype_of(fr)
+    if requested is not None and check_frame_dtype(requested) == "int8" and have != "int8":
+        quant_dir = root / WORK_DIR / f".staging-frames-int8-{os.getpid()}"
+        shutil.rmtree(quant_dir, ignore_errors=True)
+        src = np.load(fr.path, mmap_mode="r", allow_pickle=False) if isinstance(fr, ExistingFile) else fr
+        fr, have = quantize_to(src, quant_dir if np.prod(src.shape) > 1 << 26 else None), "int8"
+    if requested is not None and check_frame_dtype(requested) != have:
+        raise ValueError(f"write_version: frame_dtype {requested!r} asked for {have} frames (an int8 index cannot take "
+                         "float16 frames back; rebuild with --frames-dtype float16)")
+    if isinstance(fr, QuantFrames):
+        arrays["frames"], arrays[FRAME_SCALES_ARRAY] = fr.files if fr.files else (fr.q, fr.scales)
+    elif have == "int8" and FRAME_SCALES_ARRAY not in arrays:
+        raise ValueError(f"write_version: int8 frames need {FRAME_SCALES_ARRAY} (their per-frame scales)")
+    if have != "int8" and FRAME_SCALES_ARRAY in arrays:
+        raise ValueError(f"write_version: {FRAME_SCALES_ARRAY} goes with int8 frames only, got {have} frames")
+    return arrays, have, quant_dir
+
+
+def _write_version(root: Path, arrays: Mapping[str, Any], metadata_rows: Iterable[Mapping[str, Any]] | ExistingFile,
+                   manifest_extra: Mapping[str, Any], frame_dtype: str, *, ann: Any, keep: int | None,
+                   file_hashes: Mapping[str, str] | None, ann_ncl: Any, protect: Iterable[str]) -> str:
     missing = [k for k in ARRAY_SPECS if k not in arrays]
     if missing:
         raise ValueError(f"write_version: arrays missing {missing}")
@@ -252,6 +302,7 @@ def write_version(
     unknown = sorted(k for k in extra if IndexManifest._attr(k) is None)
     if unknown:  # before anything is written (the manifest is validated again, whole, before it is written)
         raise ValueError(f"write_version: unknown manifest fields {unknown} (not part of format_version {FORMAT_VERSION})")
+    extra.pop("frame_dtype", None)  # decided by _frames_as_stored
     ann_params_d = extra.pop("ann_params", None)
     index_type = extra.pop("index_type", None)
     ncl_req = extra.pop("ncl_stage1", None)
@@ -270,7 +321,7 @@ def write_version(
         try:
             files: dict[str, dict[str, Any]] = {}
             for k, v in arrays.items():
-                dtype = (ARRAY_SPECS.get(k) or OPTIONAL_ARRAYS[k])[0]
+                dtype = FRAME_NP_DTYPES[frame_dtype] if k == "frames" else (ARRAY_SPECS.get(k) or OPTIONAL_ARRAYS[k])[0]
                 if isinstance(v, ExistingFile) and v.sha256 is None and k in file_hashes:
                     v = ExistingFile(v.path, file_hashes[k])
                 files[f"{k}.npy"] = _write_npy(tmp / f"{k}.npy", v, dtype)
@@ -306,7 +357,7 @@ def write_version(
                 "n": int(n),
                 "dim": int(d),
                 "max_frames": int(f),
-                "frame_dtype": "float16",
+                "frame_dtype": frame_dtype,
                 "kv": "keys" in arrays,
                 "index_type": params.index_type,
                 "ann_params": params.to_dict(),
