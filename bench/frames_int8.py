@@ -30,6 +30,8 @@ import numpy as np
 from support import git_commit  # bench/ is on sys.path
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
 RESULTS = REPO / "bench" / "results"
 # int8 becomes the default only if, on the benchmark model's test captions, R@1 and R@5 (psi ranking and
 # served search) change by at most 0.5 point and the psi scores move by at most 1e-3 on average, 1e-2 at most
