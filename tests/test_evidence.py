@@ -26,6 +26,7 @@ if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
 from bench import (  # noqa: E402
+    frames_int8,
     gpu_bench,
     peer_clip_retrieval,
     quickstart,
@@ -59,6 +60,7 @@ REPORTS: list[tuple[str, Callable[[dict], str], Path, Path]] = [
      RESULTS / "peer_clip_retrieval.md"),
     ("robustness", robustness.results_md, RESULTS / "robustness.json", RESULTS / "robustness.md"),
     ("ray_faults", ray_faults.markdown, RESULTS / "ray_faults.json", RESULTS / "ray_faults.md"),
+    ("frames_int8", frames_int8.markdown, RESULTS / "frames_int8.json", RESULTS / "frames_int8.md"),
 ]
 
 

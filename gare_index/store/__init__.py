@@ -11,7 +11,10 @@ Layout (see docs/index-format.md)::
          norms.npy (n,) float32    |v̄|
          units.npy (n,d) float32   v̄/|v̄|
          frames.npy (n,f,d) float16 frame features F (padded rows zero, or their features when the
-                                   checkpoint has reference_padding), opened with mmap_mode="r"
+                                   checkpoint has reference_padding), opened with mmap_mode="r"; int8 with
+                                   --frames-dtype int8 (manifest frame_dtype), read through QuantFrames
+         frame_scales.npy (n,f) float32 int8 frames only: frame g of video j is scale[j, g] * frames[j, g]
+                                   (gare_index.frame_quant; bench/results/frames_int8.md)
          masks.npy (n,f) uint8
          biases.npy (n,) float32   NCL video biases b_j (zeros when the checkpoint has no query queue)
          keys.npy, values.npy      optional (n,f,d) float16: psi's per-video K/V projections (--store-kv)
