@@ -91,7 +91,7 @@ def resolve_checkpoint(settings: Settings) -> tuple[Path, str, IndexManifest]:
 # What a first search reads, hottest first: stage 1 reads the whole ANN index (and, for ivfpq / flat, the
 # vectors it re-scores), the rerank the constants, v̄ rows and frames of only K candidates per query.
 WARM_ORDER = (ANN_FILE, ANN_NCL_FILE, "ann_units.npy", "units.npy", "norms.npy", "biases.npy", "psi_consts.npy",
-              "frames.npy")
+              "frame_scales.npy", "frames.npy")  # frame_scales: an int8-frames index (gare_index.frame_quant)
 
 
 def warm_index(version: Any, budget_bytes: int) -> dict[str, int]:

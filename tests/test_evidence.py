@@ -128,6 +128,13 @@ def test_cuda_text_encoder_default_is_the_fastest_faithful_one_measured():
     assert DEFAULT_CUDA_TEXT_ENCODER == min(cost, key=cost.get), cost
 
 
+def test_frames_default_is_the_measured_choice():
+    """A new index stores its frames as bench/results/frames_int8.md chose by its stated rule."""
+    from gare_index.frame_quant import DEFAULT_FRAME_DTYPE
+
+    assert DEFAULT_FRAME_DTYPE == _json(RESULTS / "frames_int8.json")["choice"]["default"]
+
+
 def test_ncl_default_follows_the_served_bias_measurements():
     """`ncl` is on only if + psi + NCL(served dense) >= + psi in t2v R@1 and R@5 on both benchmark corpora
     (bench/ncl_served.py accuracy)."""

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from gare_build.work import WorkCache, units_norms
-from gare_index.frame_quant import FRAME_SCALES_ARRAY, QuantFrames, dequantize, quantize
+from gare_index.frame_quant import DEFAULT_FRAME_DTYPE, FRAME_SCALES_ARRAY, QuantFrames, dequantize, quantize
 from gare_index.npy import alloc_npy
 from gare_index.store import ExistingFile, IndexVersion
 
@@ -39,11 +39,11 @@ def assemble(entries: list[Entry], f: int, d: int, prev: IndexVersion | None, ca
     """Gather every entry's features into new arrays (frames and K/V staged as .npy files on disk).
 
     `frames_dtype`: "float16", or "int8" (per-frame scales, gare_index.frame_quant: rows of an int8 `prev` are
-    copied as stored, the others quantised); None: prev's (float16 without one)."""
+    copied as stored, the others quantised); None: prev's (DEFAULT_FRAME_DTYPE without one, as bench/results/frames_int8.md chose)."""
     staging.mkdir(parents=True, exist_ok=True)
     n = len(entries)
     ids = np.array([e.meta["id"] for e in entries], dtype=np.int64)
-    int8 = (frames_dtype or (prev.frame_dtype if prev is not None else "float16")) == "int8"
+    int8 = (frames_dtype or (prev.frame_dtype if prev is not None else DEFAULT_FRAME_DTYPE)) == "int8"
     frames = alloc_npy(staging / "frames.npy", np.int8 if int8 else np.float16, (n, f, d))
     scales = alloc_npy(staging / f"{FRAME_SCALES_ARRAY}.npy", np.float32, (n, f)) if int8 else None
     units = np.zeros((n, d), dtype=np.float32)
