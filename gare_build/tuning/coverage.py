@@ -57,7 +57,8 @@ def psi_fold_scorer(model: Any, frames: np.ndarray, masks: np.ndarray, biases: n
                     unit_queries: np.ndarray, raw_queries: np.ndarray) -> Scorer:
     """Exhaustive ``psi(t, video) + b_video`` over gallery ids, with the exact fold of gare.psi_fold.
 
-    frames (n, f, d) float16 (a memmap is fine), masks (n, f), biases (n,), ids (n,) in row order: the index's
+    frames (n, f, d) float16 (a memmap is fine) or the index's int8 frames (gare_index.frame_quant.QuantFrames, read
+    as float32, as the served rerank reads them), masks (n, f), biases (n,), ids (n,) in row order: the index's
     stored arrays. ``unit_queries`` (a, d) are what coverage_at_k passes (and the ANN searches);
     ``raw_queries`` (a, d) the matching rows psi scores (un-normalised caption embeddings; queue rows and
     perturbed gallery vectors are unit already). Each call folds its block of videos once (three d x d
@@ -78,7 +79,8 @@ def psi_fold_scorer(model: Any, frames: np.ndarray, masks: np.ndarray, biases: n
             raise ValueError("psi_fold_scorer: called with a query that is not one of its sample queries") from None
         rows = order[np.searchsorted(sorted_ids, np.asarray(gids, dtype=np.int64))]
         srt = np.argsort(rows, kind="stable")  # sorted reads from the memmap
-        fr = torch.from_numpy(np.asarray(frames[rows[srt]], dtype=np.float16))
+        fr = np.asarray(frames[rows[srt]])  # float16 as stored; float32 from int8 frames (QuantFrames dequantises)
+        fr = torch.from_numpy(fr if fr.dtype == np.float16 else fr.astype(np.float32, copy=False))
         mk = torch.from_numpy(np.asarray(masks[rows[srt]]))
         vc = fold_videos(fr, mk, fold, reference_padding=ref_pad)
         sub = dataclasses.replace(qv, u=qv.u[torch.from_numpy(qi)], sc=qv.sc[torch.from_numpy(qi)])

@@ -161,3 +161,31 @@ def test_writer_quantises_float_frames_and_refuses_mismatches(model_and_index, t
         write_version(tmp_path / "x", {**arrays, "frames": q}, meta, {})
     with pytest.raises(ValueError, match="--frames-dtype|frames-dtype"):
         write_version(tmp_path / "y", arrays, meta, {"frame_dtype": "int4"})
+
+
+def test_coverage_scorer_reads_int8_frames_as_served():
+    """Stage-1 tuning's exhaustive psi over int8 frames scores the dequantised float32 frames, not a float16
+    rounding of them: the scorer over QuantFrames equals the scorer over those float32 frames exactly."""
+    import torch
+
+    from gare.config import get_model_config
+    from gare.model import GARE
+    from gare_build.tuning.coverage import psi_fold_scorer
+
+    torch.manual_seed(0)
+    model = GARE.build(get_model_config("gare-test-tiny", pretrained="none")).eval()
+    rng = np.random.default_rng(0)
+    n, f, d = 40, model.cfg.max_frames, model.cfg.embed_dim
+    x = rng.standard_normal((n, f, d)).astype(np.float32)
+    q8, sc = quantize(x)
+    qf = QuantFrames(q8, sc)
+    masks = np.ones((n, f), np.uint8)
+    ids = np.arange(n, dtype=np.int64) * 3
+    raw = rng.standard_normal((5, d)).astype(np.float32)
+    unit = raw / np.linalg.norm(raw, axis=1, keepdims=True)
+    zeros = np.zeros(n, np.float32)
+    got = psi_fold_scorer(model, qf, masks, zeros, ids, unit, raw)(unit, ids[::2])
+    want = psi_fold_scorer(model, dequantize(q8, sc).astype(np.float32), masks, zeros, ids, unit, raw)(unit, ids[::2])
+    np.testing.assert_array_equal(got, want)
+    as16 = psi_fold_scorer(model, dequantize(q8, sc).astype(np.float16), masks, zeros, ids, unit, raw)(unit, ids[::2])
+    assert not np.array_equal(got, as16)  # the float16 cast the scorer used to make does change the scores
