@@ -130,7 +130,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     over = {"model": args.model, "out_dir": args.out, "epochs": args.epochs, "max_steps": args.max_steps,
             "batch_size": args.batch_size, "lr": args.lr, "precision": args.precision, "device": args.device,
             "num_workers": args.num_workers, "seed": args.seed, "save_every": args.save_every,
-            "ncl_train": True if args.ncl_train else None, "queue_size": args.queue_size,
+            "ncl_train": True if args.ncl_train else None, "ncl_train_mode": args.ncl_train_mode, "queue_size": args.queue_size,
             "init_checkpoint": args.init_checkpoint, "preset": args.preset,
             "early_stop_patience": args.early_stop_patience, "cache_frames": True if args.cache_frames else None,
             "optimizer": args.optimizer}
@@ -199,6 +199,9 @@ def _register_train_commands(sub) -> None:
     fit.add_argument("--save-every", type=int)
     fit.add_argument("--queue-size", type=int)
     fit.add_argument("--ncl-train", action="store_true", help="train with Sinkhorn-adjusted logits")
+    fit.add_argument("--ncl-train-mode", choices=("batch", "queue"), default=None,
+                     help="with --ncl-train: the biases of the current batch's scores, text and video (batch: the NCL "
+                          "paper, default) or video biases from the text queue's cosines (queue: the earlier form)")
     fit.add_argument("--optimizer", choices=["adamw", "bertadam"],
                      help="adamw (default) | bertadam: the authors' optimizer and warm-up cosine (exact reproduction)")
     fit.add_argument("--early-stop-patience", type=int, metavar="N",

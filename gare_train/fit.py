@@ -27,7 +27,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 import yaml
 
 from gare.annotations import carve_validation, load_dataset
@@ -35,13 +34,13 @@ from gare.checkpoint import CheckpointError, load_tree, read_checkpoint, save_ch
 from gare.config import LossConfig, get_model_config
 from gare.encoded_set import encode_set
 from gare.model import GARE, autocast, resolve_device
-from gare.sinkhorn import sinkhorn_biases
 from gare.strict import strict_from_dict
 from gare.video_loader import collate_clips
 from gare_train.data import REFERENCE_RANDAUGMENT, PairDataset, collate_pairs, decode_to_memory, epoch_order
 from gare_train.distributed import average_gradients, gather
 from gare_train.evaluate import evaluate_encoded
 from gare_train.loss import gare_loss
+from gare_train.ncl_logits import NCL_TRAIN_MODES, batch_adjusted, queue_adjusted
 from gare_train.optim import build_optimizer, build_scheduler
 
 log = logging.getLogger(__name__)
@@ -69,6 +68,7 @@ class TrainConfig:
     queue_size: int = 16384
     ncl_train: bool = False  # train with Sinkhorn-adjusted logits (NCL §3.3)
     ncl_iters: int = 4
+    ncl_train_mode: str = "batch"  # "batch": the paper's biases of the current batch; "queue": the earlier form
     precision: str = "fp32"  # fp32 | bf16 | fp16 (CUDA)
     device: str = "auto"
     num_workers: int = 2
@@ -104,6 +104,8 @@ class TrainConfig:
             raise ValueError(f"early_stop_patience must be >= 0 (0: off), got {self.early_stop_patience}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.ncl_train_mode not in NCL_TRAIN_MODES:
+            raise ValueError(f"ncl_train_mode must be one of {', '.join(NCL_TRAIN_MODES)}, got {self.ncl_train_mode!r}")
 
     def fingerprint(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -335,12 +337,12 @@ class Trainer:
         mask = batch["mask"].to(dev)
         t, Fv, vbar, mask = gather(t.float()), gather(Fv.float()), gather(vbar.float()), gather(mask)
         s, delta = model.pair_logits(t, Fv, mask, vbar)
-        if self.cfg.ncl_train and self.text_queue.n > 0:
-            # NCL §3.3: add detached Sinkhorn video biases (from the queue of past queries) to the logits.
+        if self.cfg.ncl_train:  # NCL §3.3: Sinkhorn-adjusted logits (gare_train.ncl_logits)
             gamma = float(1.0 / model.clip.logit_scale.exp())
-            q = torch.cat([self.text_queue.tensor().to(dev), t.detach()])
-            _, b = sinkhorn_biases(F.normalize(q, dim=-1), F.normalize(vbar.detach(), dim=-1), gamma, self.cfg.ncl_iters)
-            s = s + b.to(dev)[None, :]
+            if self.cfg.ncl_train_mode == "batch":
+                s = batch_adjusted(s, gamma, self.cfg.ncl_iters)
+            elif self.text_queue.n > 0:
+                s = queue_adjusted(s, self.text_queue.tensor(), t, vbar, gamma, self.cfg.ncl_iters)
         terms = gare_loss(s, delta, model.clip.logit_scale, self.loss_cfg)
         self.optimizer.zero_grad(set_to_none=True)
         terms["total"].backward()

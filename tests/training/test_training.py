@@ -180,12 +180,15 @@ def test_dataset_kinds(corpus):
 
 
 def test_ncl_adjusted_training_logits(corpus, tmp_path):
-    plain, ncl = tmp_path / "plain", tmp_path / "ncl"
+    plain, ncl, batch = tmp_path / "plain", tmp_path / "ncl", tmp_path / "batch"
     assert _fit(plain, corpus, "--max-steps", "3") == 0
-    assert _fit(ncl, corpus, "--max-steps", "3", "--ncl-train") == 0
+    assert _fit(ncl, corpus, "--max-steps", "3", "--ncl-train", "--ncl-train-mode", "queue") == 0
+    assert _fit(batch, corpus, "--max-steps", "3", "--ncl-train") == 0  # the paper's per-batch biases (default)
     hp, hn = json.loads((plain / "history.json").read_text()), json.loads((ncl / "history.json").read_text())
-    assert hp[0]["info"] == pytest.approx(hn[0]["info"], abs=1e-6)  # empty queue at step 1: no adjustment
+    hb = json.loads((batch / "history.json").read_text())
+    assert hp[0]["info"] == pytest.approx(hn[0]["info"], abs=1e-6)  # queue mode, empty queue at step 1: no adjustment
     assert abs(hp[2]["info"] - hn[2]["info"]) > 1e-5  # then the Sinkhorn biases change the logits
+    assert abs(hp[0]["info"] - hb[0]["info"]) > 1e-5  # batch mode adjusts from the first step
     assert read_checkpoint(ncl / "last.safetensors").queues["text"].shape[0] == 12
 
 
