@@ -25,7 +25,6 @@ import math
 import os
 import shutil
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -283,6 +282,7 @@ def section_index_build(ctx: dict[str, Any]) -> dict[str, Any]:
 def section_http_search(ctx: dict[str, Any]) -> dict[str, Any]:
     from serve_bench import make_queries, write_gallery
     from serve_http import closed_loop, serve
+    from support import stop_process
 
     from gare.checkpoint import file_sha256, save_checkpoint
     from gare.psi_fold_weights import fold_weights
@@ -316,11 +316,7 @@ def section_http_search(ctx: dict[str, Any]) -> dict[str, Any]:
         return out
     finally:
         if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_process(proc, 30)
         shutil.rmtree(work, ignore_errors=True)
 
 

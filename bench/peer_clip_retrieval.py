@@ -60,7 +60,7 @@ for p in (str(REPO), str(BENCH)):
         sys.path.insert(0, p)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from support import free_port, git_commit  # noqa: E402 - bench/ is on sys.path only from here
+from support import free_port, git_commit, stop_process  # noqa: E402 - bench/ is on sys.path only from here
 
 OUT = BENCH / "results" / "peer_clip_retrieval"
 PEER_VERSION = "2.45.0"
@@ -310,13 +310,7 @@ class Server:
         raise RuntimeError(f"{self.name} not ready in {limit_s} s: {self.log.read_text(errors='replace')[-4000:]}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 def peer_args(peer_venv: Path, work: Path, port: int) -> list[str]:

@@ -46,7 +46,7 @@ for p in (str(REPO), str(BENCH)):
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from serve_bench import loadavg, machine, make_queries, resident_fraction, summary_ms, timed, write_gallery  # noqa: E402
-from support import free_port, git_commit  # noqa: E402
+from support import free_port, git_commit, stop_process  # noqa: E402
 from zipf_queries import zipf_stream  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -394,11 +394,7 @@ def main(argv: list[str] | None = None) -> int:
                             "qps": round(hi["qps"] / lo["qps"], 2) if lo["qps"] else None,
                             "p99": round(hi["latency_p99"] / lo["latency_p99"], 2) if lo["latency_p99"] else None}
                 finally:
-                    proc.terminate()
-                    try:
-                        proc.wait(30)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
+                    stop_process(proc, 30)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

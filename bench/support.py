@@ -59,6 +59,17 @@ def git_commit() -> str:
     return COMMIT_AT_START
 
 
+def stop_process(proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    """Stop a server started by a benchmark: SIGTERM (it drains), SIGKILL if it is still up after ``timeout`` s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

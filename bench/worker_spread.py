@@ -44,7 +44,7 @@ for p in (str(REPO), str(BENCH)):
         sys.path.insert(0, p)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from support import burst, git_commit, worker_requests  # noqa: E402 - bench/ is on sys.path only from here
+from support import burst, git_commit, stop_process, worker_requests  # noqa: E402 - bench/ is on sys.path only from here
 
 MODES = ("shared", "reuseport")
 TICK = os.sysconf("SC_CLK_TCK")
@@ -112,13 +112,7 @@ class Server:
         raise RuntimeError(f"gare-serve ({self.mode}) not ready: {self.log.read_text()[-3000:]}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 def measure(srv: Server, queries: list[str], clients: int, requests: int) -> dict[str, Any]:

@@ -120,6 +120,7 @@ def build_index(
     n, d = check_vectors(vectors, ids)
     ids = ids.astype(np.int64, copy=False)
     t = params.index_type
+    assigner: faiss.Index | None = None  # a (GPU) flat index that places IVF-Flat's rows in their cells
     if t == "flat":
         index = faiss.IndexIDMap2(faiss.IndexFlatIP(d))
     elif t == "hnsw":
@@ -152,14 +153,13 @@ def build_index(
         # assigned to their cells there too (exact; on the CPU both are an (n x nlist) product: minutes at 10M).
         accel = ann_gpu.coarse_accelerator(d, use_gpu if assign_on_gpu is None else assign_on_gpu)
         train_ivf(index, _training_sample(vectors, nlist, per_cell=params.train_per_cell), clustering_index=accel)
-        if t == "ivf" and accel is not None:
-            apply_search_params(index, params)
-            add_assigned(index, vectors, ids, accel)
-            vectors = vectors[:0]  # added
+        assigner = accel if t == "ivf" else None
     else:  # pragma: no cover - AnnParams validates
         raise ValueError(t)
     apply_search_params(index, params)
-    if vectors.shape[0]:
+    if assigner is not None:
+        add_assigned(index, vectors, ids, assigner)
+    else:
         _add(index, vectors, ids)
     plan = ann_gpu.gpu_plan(index, params, use_gpu=use_gpu)
     if plan.error:
