@@ -113,9 +113,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
         opts.invgc_k, opts.invgc_grid, opts.ncl_c = args.invgc_k, args.invgc_grid, args.ncl_c
     if args.shards is not None and (Path(args.out) / "CURRENT").is_file():
         raise ValueError(f"--out {args.out!r} is a single index; --shards needs a new folder (or a sharded index)")
-    if args.shards is not None or is_sharded(args.out):
-        if args.ncl_val:  # the shards defer their biases to one global fit, which does not decide a default yet
-            raise ValueError("--ncl-val is not supported on a sharded index yet (issue 28): build without it")
+    if args.shards is not None or is_sharded(args.out):  # --ncl-val: decided once over the whole gallery
         report = build_sharded(args.checkpoint, args.videos, args.out, opts, n_shards=args.shards, mode=args.cmd)
     else:
         report = build(args.checkpoint, args.videos, args.out, opts, mode=args.cmd)
@@ -172,12 +170,10 @@ def _cmd_remove(args: argparse.Namespace) -> int:
 
 def _cmd_biases(args: argparse.Namespace) -> int:
     run = biases_sharded if is_sharded(args.out) else recompute_biases
-    if run is biases_sharded and args.ncl_val:
-        raise ValueError("--ncl-val is not supported on a sharded index yet (issue 28)")
     report = run(args.out, checkpoint=args.checkpoint, keep=args.keep, n_iters=args.n_iters,
                  traffic=args.from_traffic, traffic_weight=args.traffic_weight,
                  score=args.bias_score or "served", k=args.bias_k, queue_kind=args.bias_queue,
-                 captions=args.bias_captions, **({"ncl_val": args.ncl_val} if run is recompute_biases else {}))
+                 captions=args.bias_captions, ncl_val=args.ncl_val)
     b = report.biases
     msg = report.summary() + f"; biases from {b.get('source')} ({b.get('n_queries')} queries, gamma={b.get('gamma')}, " \
                              f"fitted to the {'psi (served)' if b.get('score') == 'served' else 'dual-tower'} score)"

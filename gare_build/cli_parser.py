@@ -126,7 +126,8 @@ def _add_bias_score_args(g: argparse._ActionsContainer, *, build: bool) -> None:
     g.add_argument("--ncl-val", metavar="MANIFEST|SYNTH_DIR",
                    help="validation captions of indexed videos (a caption manifest, used whole, or a `gare-train synth` "
                         "folder, its test split): psi vs psi + biases on them (R@1, R@5, R@10) decides whether the "
-                        "service adds the biases by default for this index (manifest biases.default); default: "
+                        "service adds the biases by default for this index (manifest biases.default; on a sharded "
+                        "index decided once over the whole gallery and recorded in every shard); default: "
                         + ("no decision (the service's default)" if build else "the captions the index decided on"))
     g.add_argument("--bias-captions", metavar="MANIFEST|SYNTH_DIR",
                    help="the training captions of the fresh queue: a caption manifest (.csv/.jsonl, used whole) or a "

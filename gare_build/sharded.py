@@ -8,10 +8,11 @@ Every change runs in three steps, under the root's build lock:
    shard (atomic, kill-safe), with what only the whole gallery can give left to step 2: no NCL fit
    (``BuildOptions.defer_biases``: the biases are fitted once per change), no InvGC on build (its means come from
    the gallery), no stage-1 tuning (it measures coverage with the biases);
-2. the global parts (:mod:`gare_build.sharded_global`): InvGC's means (``build --invgc``) and the NCL biases
+2. the global parts (:mod:`gare_build.sharded_global`): InvGC's means (``build --invgc``), the NCL biases and,
+   with validation captions (``--ncl-val``, or those the index decided on), the NCL default (``biases.default``)
    computed once over the whole gallery (every shard's videos, in shard order) by the single-index code, each
-   shard's slice stored in one more version of that shard, with its ANN over its stage-1 vectors and, for build
-   and add, its stage-1 tuning and psi coverage;
+   shard's slice stored in one more version of that shard (the same default record in every shard), with its ANN
+   over its stage-1 vectors and, for build and add, its stage-1 tuning and psi coverage;
 3. the commit point: :func:`gare_index.shards.write_generation` names those versions and switches GENERATION.
 
 A run killed before step 3 leaves the previous generation current and served: its shard versions are never
@@ -47,6 +48,7 @@ from gare_build.pipeline.plan import postprocess_setup
 from gare_build.pipeline.stats import stats
 from gare_build.sharded_global import DEFERRED, GlobalStep, RowConcat, global_step
 from gare_index.shards import (
+    agreed_ncl_default,
     current_generation,
     live_versions,
     shard_of,
@@ -124,7 +126,8 @@ def _step1_options(opts: BuildOptions) -> BuildOptions:
     """A shard's build/add options in step 1: every shard version kept (gc runs after the switch), the NCL fit
     and the stage-1 tuning left to step 2 (they need the whole gallery's biases), InvGC off for build (step 2
     computes it over the whole gallery; add keeps the index's recorded correction, applied to new videos)."""
-    o = dataclasses.replace(opts, keep=_KEEP_ALL, defer_biases=True,
+    # ncl_val: the NCL default is decided in step 2 over the whole gallery (a deferred fit has nothing to decide on)
+    o = dataclasses.replace(opts, keep=_KEEP_ALL, defer_biases=True, ncl_val=None,
                             stage1=dataclasses.replace(opts.stage1, enabled=False))
     if opts.invgc:
         o = dataclasses.replace(o, invgc=False, invgc_val=None, invgc_r_g=None, invgc_r_q=None)
@@ -250,11 +253,12 @@ def build_sharded(checkpoint: Any, videos: str | os.PathLike, out: str | os.Path
             log.info("shard %d of %d: %s", s, n, sub.summary())
         # steps 2 and 3: the global parts, then the generation switch (the commit point)
         step = GlobalStep(invgc=invgc, tune=opts, checkpoint=checkpoint, n_iters=opts.n_iters,
-                          queue_kind=opts.bias_queue, captions=opts.bias_captions)
+                          queue_kind=opts.bias_queue, captions=opts.bias_captions, ncl_val=opts.ncl_val)
         if mode == "build":  # a single build's fit: the options' score and K, no traffic bank
             step.score, step.k, step.carry_traffic = opts.bias_score or "served", opts.bias_k, False
             _commit(root, global_step(root, n, report, step), report, opts.keep, fits)
-        else:  # a single add's: the index's score and K unless --bias-score is given, its traffic bank carried
+        else:  # a single add's: the index's score and K unless --bias-score is given, its traffic bank carried,
+            # and its NCL default decided again on the captions it was decided on (unless --ncl-val names others)
             step.score, step.k = opts.bias_score, (opts.bias_k if opts.bias_score else None)
             with _previous(root, gen) as v0:
                 step.defaults = v0
@@ -303,7 +307,8 @@ def remove_sharded(out: str | os.PathLike, items: Sequence[str], *, checkpoint: 
         for s, local in sorted(_route_items(root, gen, items).items()):
             fits += _absorb(report, remove(shard_root(root, s), local, checkpoint=checkpoint, keep=_KEEP_ALL,
                                            defer_biases=True), s)
-        # a single remove's fit: the index's score, K, iterations and traffic bank (the generation's shard 0)
+        # a single remove's fit: the index's score, K, iterations, traffic bank and validation captions (the NCL
+        # default decided again over the videos left), as the generation's shard 0 records them
         with _previous(root, gen) as v0:
             versions = global_step(root, gen.n_shards, report, GlobalStep(checkpoint=checkpoint, defaults=v0))
         _commit(root, versions, report, keep, fits)
@@ -312,9 +317,11 @@ def remove_sharded(out: str | os.PathLike, items: Sequence[str], *, checkpoint: 
 
 def biases_sharded(out: str | os.PathLike, *, checkpoint: Any = None, keep: int = 3, n_iters: int | None = None,
                    traffic: Any = None, traffic_weight: float = 0.5, score: str | None = "served",
-                   k: int | None = None, queue_kind: str | None = None, captions: Any = None) -> RunReport:
+                   k: int | None = None, queue_kind: str | None = None, captions: Any = None,
+                   ncl_val: Any = None) -> RunReport:
     """`gare-index biases` on a sharded root: the biases refitted over the whole gallery, a new generation
-    (`queue_kind` / `captions`: the NCL queue, as `gare-index biases --bias-queue / --bias-captions`)."""
+    (`queue_kind` / `captions`: the NCL queue, as `gare-index biases --bias-queue / --bias-captions`; `ncl_val`:
+    validation captions deciding the NCL default over the whole gallery, default those the index decided on)."""
     root = _root(out)
     report = RunReport(command="biases", index=str(root))
     with reported(root, report), index_lock(root, BUILD_LOCK, blocking=False):
@@ -324,7 +331,8 @@ def biases_sharded(out: str | os.PathLike, *, checkpoint: Any = None, keep: int 
         _reset_shards(root, gen)
         report.previous_version = f"g{gen.number:06d}"
         step = GlobalStep(checkpoint=checkpoint, n_iters=n_iters, traffic=traffic, traffic_weight=traffic_weight,
-                          score=score, k=k, carry_traffic=False, queue_kind=queue_kind, captions=captions)
+                          score=score, k=k, carry_traffic=False, queue_kind=queue_kind, captions=captions,
+                          ncl_val=ncl_val)
         _commit(root, global_step(root, gen.n_shards, report, step), report, keep, 0)
     return report
 
@@ -332,7 +340,8 @@ def biases_sharded(out: str | os.PathLike, *, checkpoint: Any = None, keep: int 
 def verify_sharded(out: str | os.PathLike, *, rehash: bool = True, expect_checkpoint_sha: str | None = None,
                    check_files: bool = False) -> list[str]:
     """Problems of the current generation: every shard's version (gare_index.store.verify_index), every video in
-    the shard its checksum names, no file in two shards, one checkpoint and one bias fit for all shards."""
+    the shard its checksum names, no file in two shards, one checkpoint, one bias fit and one NCL default
+    (biases.default) for all shards."""
     root = _root(out)
     try:
         gen = _require_generation(root)
@@ -342,6 +351,7 @@ def verify_sharded(out: str | os.PathLike, *, rehash: bool = True, expect_checkp
     seen: dict[str, int] = {}
     fits: set[str] = set()
     invgcs: set[str] = set()
+    manifests: list[Any] = []
     for s, name in enumerate(gen.versions):
         sroot = shard_root(root, s)
         problems += [f"shard {s} ({name}): {p}" for p in verify_index(sroot, name=name, rehash=rehash,
@@ -352,6 +362,7 @@ def verify_sharded(out: str | os.PathLike, *, rehash: bool = True, expect_checkp
         except IndexFormatError:
             continue  # reported by verify_index
         with v:
+            manifests.append(v.manifest)
             for r in v.all_metadata():
                 want = shard_of(r["checksum"], gen.n_shards) if r.get("checksum") else None
                 if want != s:
@@ -368,6 +379,10 @@ def verify_sharded(out: str | os.PathLike, *, rehash: bool = True, expect_checkp
         problems.append(f"the shards' biases do not come from one fit over the whole gallery: {sorted(fits)}")
     if len(invgcs) > 1:  # one correction for the whole gallery, or the stage-1 vectors are not a single index's
         problems.append(f"the shards' InvGC corrections differ ({', '.join(_INVGC_KEYS)}): {sorted(invgcs)}")
+    try:  # one NCL default over the whole gallery, or the served default would depend on which shard is read
+        agreed_ncl_default(manifests)
+    except IndexFormatError as e:
+        problems.append(str(e))
     return problems
 
 

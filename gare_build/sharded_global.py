@@ -11,11 +11,16 @@ answer is what one index over the same videos gives.
 2. The NCL biases: fitted once over the whole gallery by the single-index fitter
    (:func:`gare_build.pipeline.biases.biases_for`, whose served-score candidates come from the stage-1 vectors of
    step 1), each shard storing its slice. The shard commands of step 1 ran with their own fit deferred
-   (``BuildOptions.defer_biases``), so a sharded change fits its biases once.
+   (``BuildOptions.defer_biases``), so a sharded change fits its biases once. With validation captions
+   (``--ncl-val``, or those the previous generation decided on) the same call decides the index's NCL default
+   (``biases.default``, :func:`gare_build.pipeline.biases.with_default`) on the whole gallery (every shard's rows
+   in shard order, their metadata the captions are matched to): the single index's decision on the same videos,
+   written as one record into every shard's manifest.
 3. Each shard's ANN (rebuilt over the InvGC vectors when they changed) and, for build and add, its stage-1
-   tuning and psi coverage with the global biases (:func:`gare_build.tuning.stage1.tune_version_ann`, as the
-   finish stage of a single build runs it; the step-1 shard builds skip it), written as one new version per shard
-   (the other files hard-linked).
+   tuning and psi coverage with the global biases, K chosen for the score served by default (psi + biases when
+   the decision says on, else psi alone; :func:`gare_build.tuning.stage1.tune_version_ann`, as the finish stage
+   of a single build runs it; the step-1 shard builds skip it), written as one new version per shard (the other
+   files hard-linked).
 """
 
 from __future__ import annotations
@@ -35,9 +40,10 @@ from gare_build.pipeline.biases import biases_for, checkpoint_gamma_and_queue
 from gare_build.pipeline.finish import make_ann
 from gare_build.pipeline.options import progress_enabled
 from gare_build.tuning.stage1 import encode_captions, tune_version_ann
-from gare_index.describe import STAGE1_KEY
+from gare_index.describe import STAGE1_KEY, index_ncl_default
 from gare_index.shards import shard_root
 from gare_index.store import ExistingFile, IndexVersion, open_index, write_version
+from gare_search.search import NCL_DEFAULT
 
 __all__ = ["GlobalStep", "RowConcat", "global_step", "DEFERRED"]
 
@@ -98,6 +104,8 @@ class GlobalStep:
     carry_traffic: bool = True
     queue_kind: str | None = None  # the NCL queue (fresh / stale, gare_build.pipeline.biases.bias_queue) and the
     captions: Any = None  # captions a fresh one re-encodes; None: as the `defaults` version's record says
+    # validation captions deciding the NCL default (--ncl-val); None: those the `defaults` version decided on, if any
+    ncl_val: Any = None
     # the version whose manifest gives the fit's defaults (score, K, iterations, a traffic bank to carry): the
     # previous generation's shard 0 for add / remove; None: the new shard 0 (build: the explicit values above)
     defaults: IndexVersion | None = None
@@ -131,16 +139,21 @@ def global_step(root: Path, n_shards: int, report: RunReport, g: GlobalStep) -> 
                                   "frames": RowConcat([v.frames for v in shards])}
         if all(v.psi_consts is not None for v in shards):
             arrays["psi_consts"] = RowConcat([v.psi_consts for v in shards])
+        # the single index's metadata rows in the same order: the validation captions' true videos are rows of it
+        metas = [r for v in shards for r in v.metadata(np.asarray(v.ids))]
         b, binfo = biases_for(g.defaults or shards[0], arrays, g.checkpoint, g.n_iters, traffic=g.traffic,
                               traffic_weight=g.traffic_weight, report=report, carry_traffic=g.carry_traffic,
-                              score=g.score, k=g.k, queue_kind=g.queue_kind, captions=g.captions)
+                              score=g.score, k=g.k, queue_kind=g.queue_kind, captions=g.captions, ncl_val=g.ncl_val,
+                              metas=metas)
         binfo = {**binfo, "scope": {"n_shards": n_shards, "n_videos": int(len(b))}}
         report.biases = binfo
         ck = shards[0].manifest.checkpoint
         tuner = _Tuner(g.tune, g.checkpoint or (ck.path if ck else None)) if g.tune is not None else None
+        # the score served by default (the decision, else the search's default): what stage 1's K is tuned for
+        ncl_on = (index_ncl_default({"biases": binfo}) or (NCL_DEFAULT,))[0]
         names = []
         for s, v in enumerate(shards):
-            names.append(_write_shard(v, b[cuts[s]:cuts[s + 1]], binfo, s, fresh[s], inv, tuner, report))
+            names.append(_write_shard(v, b[cuts[s]:cuts[s + 1]], binfo, s, fresh[s], inv, tuner, report, ncl_on))
         return names
     finally:
         for v in shards:
@@ -162,22 +175,26 @@ class _Tuner:
             _, self.queue = checkpoint_gamma_and_queue(ckpt, raw=True)  # raw rows: psi needs |t|
             self.captions = encode_captions(self.model, list(opts.tune_captions)) if opts.tune_captions else None
 
-    def tune(self, v: IndexVersion, stage1: np.ndarray, ann: Any, biases: np.ndarray) -> tuple[Any, dict[str, Any]]:
+    def tune(self, v: IndexVersion, stage1: np.ndarray, ann: Any, biases: np.ndarray, ncl_on: bool
+             ) -> tuple[Any, dict[str, Any]]:
+        """``ncl_on``: the index's NCL default; K is chosen for psi + biases when on, else psi alone (as
+        gare_build.pipeline.finish tunes a single build), and the entry records which (``ncl_default``)."""
         if not self.enabled:  # --no-tune: the built ANN as it is, nothing recorded (as a single build)
             return ann, {STAGE1_KEY: None}
         requested = v.manifest.index_type_requested or "auto"
-        tuned, entry = tune_version_ann(stage1, np.asarray(v.ids), frames=v.frames, masks=v.masks, biases=biases,
+        ref = biases if ncl_on else np.zeros(len(biases), np.float32)  # (n_shard,) the exhaustive reference's b
+        tuned, entry = tune_version_ann(stage1, np.asarray(v.ids), frames=v.frames, masks=v.masks, biases=ref,
                                         model=self.model, queue=self.queue, captions=self.captions, ann=ann,
                                         requested_type=requested, options=self.opts.stage1,
                                         progress=progress_enabled(self.opts.progress))
-        out = {"ann_params": tuned.params.to_dict(), STAGE1_KEY: entry}
+        out = {"ann_params": tuned.params.to_dict(), STAGE1_KEY: {**entry, "ncl_default": ncl_on} if entry else entry}
         if tuned.cpu_index is not ann.cpu_index:
             out["ann_trained_n"] = int(stage1.shape[0])
         return tuned, out
 
 
 def _write_shard(prev: IndexVersion, b: np.ndarray, binfo: dict[str, Any], shard: int, fresh: np.ndarray | None,
-                 inv: dict[str, Any] | None, tuner: _Tuner | None, report: RunReport) -> str:
+                 inv: dict[str, Any] | None, tuner: _Tuner | None, report: RunReport, ncl_on: bool) -> str:
     """A new version of one shard with its slice of the global biases (and of the InvGC vectors, an ANN over them,
     a re-tuned stage 1); every unchanged file hard-linked (ann_ncl.faiss, which folds the biases into stage 1, is
     rebuilt by write_version)."""
@@ -201,7 +218,7 @@ def _write_shard(prev: IndexVersion, b: np.ndarray, binfo: dict[str, Any], shard
                                     new_rows=np.zeros(0, np.int64))
             extra |= ainfo
         if tuner is not None:
-            index, tinfo = tuner.tune(prev, stage1, index, arrays["biases"])
+            index, tinfo = tuner.tune(prev, stage1, index, arrays["biases"], ncl_on)
             extra |= tinfo
             if shard == 0:
                 report.stage1 = tinfo.get(STAGE1_KEY)

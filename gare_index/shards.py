@@ -41,7 +41,7 @@ from gare_index.store import (
 __all__ = ["SHARDS_DIR", "GENERATIONS_DIR", "GENERATION_FILE", "shard_of", "global_id", "split_id", "shard_name",
            "shard_root", "generation_file_name", "Generation", "list_generations", "read_generation",
            "current_generation", "previous_generation", "live_versions", "is_sharded", "write_generation",
-           "ShardedIndex", "open_sharded"]
+           "ShardedIndex", "open_sharded", "agreed_ncl_default"]
 
 SHARDS_DIR = "shards"
 GENERATIONS_DIR = "generations"
@@ -215,6 +215,27 @@ def write_generation(root: str | os.PathLike, versions: Sequence[str]) -> Genera
 
 
 # ------------------------------------------------------------------------------------------ reading
+def agreed_ncl_default(manifests: Sequence[Any]) -> dict[str, Any] | None:
+    """The NCL default of a generation (issue 28): the ``biases.default`` record that every shard's manifest holds
+    (the builder decides it once over the whole gallery and writes the same record into every shard), or None
+    when no shard has one. ``manifests``: an IndexManifest or its JSON dict per shard, in shard order.
+    IndexFormatError naming the shards when their records differ (the generation mixes decisions)."""
+    recs = []
+    for m in manifests:
+        b = (m.biases if hasattr(m, "biases") else (m or {}).get("biases")) or {}
+        recs.append(b.get("default"))
+    keys = [json.dumps(r, sort_keys=True, default=str) for r in recs]
+    if len(set(keys)) > 1:
+        groups: dict[str, list[int]] = {}
+        for s, k in enumerate(keys):
+            groups.setdefault(k, []).append(s)
+        said = "; ".join(f"shards {v}: " + ("none" if recs[v[0]] is None else f"on={recs[v[0]].get('on')}")
+                         for v in groups.values())
+        raise IndexFormatError(f"the shards' NCL defaults (biases.default) differ ({said}): one generation must "
+                               "hold one decision over the whole gallery; run `gare-index biases` on the root")
+    return recs[0] if recs else None
+
+
 @dataclass(eq=False)
 class ShardedIndex:
     """One opened version of every shard, pinned to one generation; close it (or use it as a context manager)."""

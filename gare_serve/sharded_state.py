@@ -31,7 +31,14 @@ from fastapi import HTTPException
 from starlette.concurrency import run_in_threadpool
 
 from gare_index.ncl_ann import Stage1Unavailable
-from gare_index.shards import Generation, current_generation, global_id, shard_root, split_id
+from gare_index.shards import (
+    Generation,
+    agreed_ncl_default,
+    current_generation,
+    global_id,
+    shard_root,
+    split_id,
+)
 from gare_index.store import VERSIONS_DIR, IndexFormatError, IndexManifest, read_manifest
 from gare_search import by_example as E
 from gare_search import sharded as SH
@@ -79,6 +86,10 @@ class ShardedView:
             manifests.append(m)
         self.manifests = manifests
         first = manifests[0]
+        # The NCL default a request without `ncl` gets (issue 28): the one decision over the whole gallery that every
+        # shard records (biases.default); the routes read it from self.manifest as they read a single index's, so
+        # shard 0's biases record stands for the generation once the shards are known to agree (else IndexFormatError)
+        agreed_ncl_default(manifests)
         # The default K: one K for the whole gallery (the merge keeps the global top K), the largest any shard chose
         ks = [int((m.stage1 or {}).get("default_candidates") or 0) for m in manifests]
         stage1 = {**(first.stage1 or {}), "default_candidates": max(ks)} if max(ks) > 0 else first.stage1

@@ -181,13 +181,15 @@ def biases_for(prev: IndexVersion, arrays: dict[str, Any], checkpoint: str | os.
                 *, traffic: str | os.PathLike | None = None, traffic_weight: float = 0.5,
                 report: RunReport | None = None, carry_traffic: bool = False, score: str | None = None,
                 k: int | None = None, queue_kind: str | None = None, captions: str | os.PathLike | None = None,
-                ncl_val: str | os.PathLike | None = None) -> tuple[np.ndarray, dict[str, Any]]:
+                ncl_val: str | os.PathLike | None = None, metas: list[Mapping[str, Any]] | None = None
+                ) -> tuple[np.ndarray, dict[str, Any]]:
     """Recompute the biases of a gallery (`arrays`: units, norms, frames, masks, optional ann_units) with the
     index's checkpoint (its queue and logit scale), mixed with a bank of served queries when `traffic` is given
     (or when the previous biases came from one: remove). `score`/`k`: default the previous version's;
     `queue_kind`/`captions`: the queue (:func:`bias_queue`; default the previous version's, else fresh);
     `ncl_val`: validation captions deciding the index's NCL default (:func:`with_default`; default the previous
-    version's, when it had a decision)."""
+    version's, when it had a decision); `metas`: the gallery's rows in order (path, start, end) that the validation
+    captions are matched to, default ``prev``'s rows of ``arrays["ids"]`` (a sharded root's global fit: every shard's)."""
     units = np.asarray(arrays["units"], dtype=np.float32)
     score = score or bias_score_of(prev.manifest)
     if score not in ("served", "dual"):
@@ -233,7 +235,8 @@ def biases_for(prev: IndexVersion, arrays: dict[str, Any], checkpoint: str | os.
     if ncl_val or (pb.get("default") or {}).get("source"):
         if model is None:
             model, _ = load_model(path, "cuda" if torch.cuda.is_available() else "cpu")
-        metas = prev.metadata(np.asarray(arrays.get("ids", prev.ids)))  # the new gallery's rows (remove: the kept ones)
+        if metas is None:  # the new gallery's rows (remove: the kept ones)
+            metas = prev.metadata(np.asarray(arrays.get("ids", prev.ids)))
         info = with_default(info, model, {**arrays, "biases": b}, metas, ncl_val, {"biases": pb})
     return b, info
 

@@ -136,10 +136,3 @@ def test_biases_command_where_they_win_records_on(env, ckpt, corpus):
 def test_no_validation_captions_no_decision(env):
     m = open_index(env["plain"]).manifest
     assert "default" not in m["biases"] and index_ncl_default(m) is None
-
-
-def test_sharded_builds_refuse_ncl_val(env, ckpt, corpus, tmp_path, capsys):
-    """The shards defer their biases to one global fit, which does not decide a default yet: a clear refusal."""
-    assert _build(tmp_path / "SH", ckpt, corpus, "--shards", "2", "--ncl-val", str(env["win"])) != 0
-    assert "--ncl-val is not supported on a sharded index" in capsys.readouterr().err
-    assert not (tmp_path / "SH").exists() or not any((tmp_path / "SH").iterdir())
