@@ -24,6 +24,13 @@ make approximate search hard or easy on them (all steps seeded by ``seed``; d = 
    norm), plus its own ambient noise.  Query-to-own-video cosines come out ~0.3-0.5 and query-to-gallery
    cosines are shifted as a whole, like CLIP text-video scores.
 
+6. **Held-out queries from another distribution** (:func:`clip_like_sets`): a topic chosen uniformly (a row's
+   weight is 1 / its topic's size, so the many small topics are asked about as often as the few large ones) and
+   noisier captions (``held_noise``, default 1.0): what a tuner's sample of queries does not show it.
+
+``HARD`` is a harder gallery than the default (the "hard data" of issue 29): a quarter of it near-duplicates, tighter
+and more unequal topics, a larger modality gap and noisier captions.
+
 All outputs are unit float32 rows.  The gallery is generated in chunks straight into one (n, d) float32
 array (1M x 512 = 2 GB, no second copy).  ``describe`` reports the statistics the docstring promises
 (mean pairwise cosine, query-to-own-video cosine, participation ratio of the spectrum) so a reader can
@@ -37,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ClipLikeConfig", "clip_like", "describe"]
+__all__ = ["ClipLikeConfig", "HARD", "clip_like", "clip_like_sets", "describe"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,11 @@ class ClipLikeConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# Many near-duplicates (25% of the gallery), tighter topics (within 0.45) with a heavier size tail (alpha 0.9),
+# a larger modality gap (1.5) and noisier captions (0.9): the gallery issue 29 calls hard.
+HARD = ClipLikeConfig(dup_frac=0.25, within=0.45, pareto_alpha=0.9, gap=1.5, query_noise=0.9)
 
 
 def _unit(x: np.ndarray) -> np.ndarray:
@@ -104,10 +116,22 @@ def clip_like(
 
     ``query_target[i]`` is the gallery row the i-th query was written from (its "video").  Deterministic in
     (n, n_queries, seed, cfg) and independent of ``chunk``... except for floating-point summation order."""
+    sets = clip_like_sets(n, n_queries, 0, seed=seed, cfg=cfg, chunk=chunk, progress=progress)
+    return sets["x"], sets["q"], sets["target"]
+
+
+def clip_like_sets(
+    n: int, n_queries: int, n_held: int, *, seed: int = 0, cfg: ClipLikeConfig | None = None,
+    held_noise: float = 1.0, chunk: int = 65_536, progress: bool = False,
+) -> dict[str, np.ndarray]:
+    """The gallery ``x`` (n, d), ``n_queries`` caption-like queries ``q`` of random gallery rows (``target``), and
+    ``n_held`` held-out queries ``q_held`` (``target_held``) from another distribution: a topic chosen uniformly,
+    caption noise ``held_noise``.  ``x``, ``q`` and ``target`` equal :func:`clip_like`'s for the same arguments."""
     cfg = cfg or ClipLikeConfig()
     space = Space(n, cfg, seed)
     x = np.empty((n, cfg.d), dtype=np.float32)
     z_all = np.empty((n, cfg.intrinsic), dtype=np.float32)  # kept (n x 64 floats) to write the queries
+    cl_all = np.empty(n, dtype=np.int64)  # each row's topic (held-out queries pick topics uniformly)
     starts = range(0, n, chunk)
     if progress:
         from tqdm import tqdm
@@ -116,8 +140,8 @@ def clip_like(
     for s in starts:
         e = min(n, s + chunk)
         rng = np.random.default_rng([seed, 1, s])
-        z, _ = space.latent(rng, e - s)
-        z_all[s:e] = z
+        z, cl = space.latent(rng, e - s)
+        z_all[s:e], cl_all[s:e] = z, cl
         x[s:e] = space.embed(rng, z, space.mu_v)
     # near-duplicates: row i becomes a noisy copy of an earlier/later row j (in place; j itself unchanged)
     rng = np.random.default_rng([seed, 2])
@@ -132,13 +156,23 @@ def clip_like(
             noise = rng.standard_normal((e - s, cfg.d)).astype(np.float32) * (cfg.dup_noise / np.sqrt(cfg.d))
             x[dst[s:e]] = _unit(x[src[s:e]] + noise)
             z_all[dst[s:e]] = z_all[src[s:e]]
+            cl_all[dst[s:e]] = cl_all[src[s:e]]
     # queries: a caption of a random gallery video, in the text cone
     rng = np.random.default_rng([seed, 3])
     target = rng.integers(0, n, size=n_queries).astype(np.int64)
     zq = z_all[target] + cfg.query_noise * rng.standard_normal((n_queries, cfg.intrinsic)).astype(
         np.float32) * space.scale
     q = space.embed(rng, zq.astype(np.float32), space.mu_t)
-    return x, q, target
+    # held out: every topic equally likely (a row's weight = 1 / its topic's size), noisier captions
+    rng = np.random.default_rng([seed, 4])
+    size = np.bincount(cl_all, minlength=space.centres.shape[0]).astype(np.float64)
+    w_row = 1.0 / size[cl_all]
+    target_held = rng.choice(n, size=n_held, p=w_row / w_row.sum()).astype(np.int64)
+    zh = z_all[target_held] + held_noise * rng.standard_normal((n_held, cfg.intrinsic)).astype(
+        np.float32) * space.scale
+    q_held = space.embed(rng, zh.astype(np.float32), space.mu_t)
+    return {"x": x, "q": q, "target": target, "q_held": q_held, "target_held": target_held,
+            "topics": np.asarray(space.centres.shape[0])}
 
 
 def describe(x: np.ndarray, q: np.ndarray, target: np.ndarray, seed: int = 0, sample: int = 2000) -> dict[str, float]:

@@ -107,8 +107,13 @@ def describe_params(p: AnnParams) -> str:
     return s
 
 
-def build_candidate(kind: str, units: np.ndarray, ids: np.ndarray, cfg: TuneConfig, gpu: bool) -> AnnIndex:
-    """Build one rung of the ladder (``kind``: flat, ivf, hnsw, ivfpq or ivfpq-fs) over ``units`` with first knobs."""
+def build_candidate(kind: str, units: np.ndarray, ids: np.ndarray, cfg: TuneConfig, gpu: bool,
+                    built: list[AnnIndex] | None = None) -> tuple[AnnIndex, str | None]:
+    """Build one rung of the ladder (``kind``: flat, ivf, hnsw, ivfpq or ivfpq-fs) over ``units`` with first knobs.
+
+    ``built``: the candidates built before; an IVF one with the same cells lends its trained coarse quantiser
+    (``build_index(coarse_from=...)``), so IVF-PQ after IVF-Flat trains only its product quantiser.  Returns the
+    index and the type of the candidate whose quantiser it copied (None: trained its own)."""
     n = units.shape[0]
     nlist = int(cfg.nlist or default_nlist(n))
     if kind == "flat":
@@ -127,13 +132,20 @@ def build_candidate(kind: str, units: np.ndarray, ids: np.ndarray, cfg: TuneConf
     p = AnnParams.from_dict({**p.to_dict(), "nlist": nlist if p.index_type in ("ivf", "ivfpq") else None})
     if p.index_type in ("ivf", "ivfpq"):
         p = dataclasses.replace(p, coarse=coarse_kind(p, min(nlist, n)))
-    index = build_index(units, ids, p, use_gpu=gpu if p.index_type in ("flat", "ivf") else False)
+    donor: AnnIndex | None = None
+    if p.index_type in ("ivf", "ivfpq"):
+        donor = next((b for b in built or [] if b.params.index_type in ("ivf", "ivfpq")
+                      and b.params.coarse == p.coarse and int(faiss.extract_index_ivf(b.cpu_index).nlist) == min(nlist, n)
+                      and b.ntotal == n), None)
+    index = build_index(units, ids, p, use_gpu=gpu if p.index_type in ("flat", "ivf") else False,
+                        coarse_from=None if donor is None else donor.cpu_index)
+    lent = None if donor is None else donor.params.index_type
     if p.index_type == "ivfpq":
         a = AnnIndex(index, p, units, vector_ids=None if np.array_equal(ids, np.arange(n)) else ids,
                      use_gpu=False)
     else:
         a = AnnIndex(index, p, use_gpu=gpu if p.index_type in ("flat", "ivf") else False)
-    return a
+    return a, lent
 
 
 def with_params(a: AnnIndex, p: AnnParams, units: np.ndarray, vec_ids: np.ndarray | None,

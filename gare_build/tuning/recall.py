@@ -227,16 +227,18 @@ def tune_ann(
     chosen: AnnIndex | None = None
     chosen_tr: Trial | None = None
     queue: list[AnnIndex | str] = ([ann] if ann is not None else []) + ladder
+    candidates: list[AnnIndex] = []  # every index tried, in order (later IVF builds reuse a trained quantiser)
     for item in queue:
         if isinstance(item, AnnIndex):
             a = item
         else:
             t0 = time.perf_counter()
-            a = build_candidate(item, units, ids, cfg, gpu)
+            a, lent = build_candidate(item, units, ids, cfg, gpu, built=candidates)
             total_build += time.perf_counter() - t0
-            builds.append({"index_type": item, "seconds": time.perf_counter() - t0})
+            builds.append({"index_type": item, "seconds": time.perf_counter() - t0, "coarse_from": lent})
             if progress:
                 print(f"  built {item} in {time.perf_counter() - t0:.1f} s", flush=True)
+        candidates.append(a)
         n_before = len(within)
         chosen = tune_one(a)
         chosen_tr = trials[-1] if chosen is not None else None
