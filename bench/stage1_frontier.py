@@ -94,7 +94,9 @@ def ivfpq_sharing(coarse: faiss.Index, x: np.ndarray, pq_m: int, nlist: int) -> 
 
 
 def frontier(name: str, sets: dict[str, Any], args: argparse.Namespace, rows: list[dict[str, Any]],
-             flush: Any) -> None:
+             flush: Any, tune: Any) -> None:
+    """Every type's settings into ``rows``; ``tune(ivf_index, build_s)`` runs the tuner on the IVF-Flat index built
+    here (as ``gare-index build`` hands the tuner the index it built) before HNSW's build needs the memory."""
     x = sets["x"]
     n = x.shape[0]
     nlist = args.nlist or default_nlist(n)
@@ -135,8 +137,12 @@ def frontier(name: str, sets: dict[str, Any], args: argparse.Namespace, rows: li
                         first = False
                 flush()
                 del index
+        if not args.no_tune:
+            tune(ivf, ivf_s)
         del ivf
         gc.collect()
+    elif not args.no_tune:
+        tune(None, 0.0)
     if "hnsw" in args.types:
         for m in args.hnsw_m:
             t0 = time.perf_counter()
@@ -151,6 +157,20 @@ def frontier(name: str, sets: dict[str, Any], args: argparse.Namespace, rows: li
             flush()
             del index
             gc.collect()
+
+
+def tune(g: str, sets: dict[str, Any], args: argparse.Namespace, ivf: faiss.Index | None, ivf_s: float) -> dict[str, Any]:
+    """The tuner given only the sample (and the IVF-Flat index built for the frontier, as ``gare-index build`` hands
+    it the index it built): its choice, times, and the choice's recall on the evaluation and held-out sets."""
+    given = None if ivf is None else AnnIndex(ivf, AnnParams.from_index(ivf), use_gpu=False)
+    ann, res = tune_ann(sets["x"], sets["q_sample"], query_source=f"{g} captions (sample)", ann=given, build_s=ivf_s,
+                        config=TuneConfig(latency_budget_ms=args.budget_ms, strict=False), progress=True)
+    rec = {"gallery": g, "choice": f"{res.index_type} {describe_params(AnnParams.from_dict(res.params))}",
+           "met": res.met, "build_s": res.build_s, "tuning_s": res.tuning_s, "message": res.message,
+           "builds": res.builds, "recall_eval": float("nan"), "recall_held": float("nan"), "p50_ms": res.p50_ms}
+    if ann is not None:
+        rec.update(evaluate(ann, sets, args.latency_queries))
+    return rec
 
 
 def best_within(rows: list[dict[str, Any]], gallery: str, kind: str, budget: float) -> dict[str, Any] | None:
@@ -277,17 +297,9 @@ def main() -> None:
         sets["gt_eval"] = exact_topk(sets["x"], sets["q_eval"], TOP)[1]
         sets["gt_held"] = exact_topk(sets["x"], sets["q_held"], TOP)[1]
         print(f"{g}: generated and ground truth in {time.time() - t0:.0f} s; {stats[g]}", flush=True)
-        frontier(g, sets, args, rows, report)
-        if not args.no_tune:
-            ann, res = tune_ann(sets["x"], sets["q_sample"], query_source=f"{g} captions (sample)",
-                                config=TuneConfig(latency_budget_ms=args.budget_ms, strict=False), progress=True)
-            rec = {"gallery": g, "choice": f"{res.index_type} {describe_params(AnnParams.from_dict(res.params))}",
-                   "met": res.met, "build_s": res.build_s, "tuning_s": res.tuning_s, "message": res.message,
-                   "builds": res.builds, "recall_eval": float("nan"), "recall_held": float("nan"), "p50_ms": res.p50_ms}
-            if ann is not None:
-                rec.update(evaluate(ann, sets, args.latency_queries))
-            tuned.append(rec)
-            del ann
+
+        frontier(g, sets, args, rows, report,
+                 lambda ivf, ivf_s, g=g, sets=sets: tuned.append(tune(g, sets, args, ivf, ivf_s)) or report())
         del sets, s
         gc.collect()
         report()

@@ -23,7 +23,7 @@ from gare_index.ann import AnnIndex, build_index
 from gare_index.ann_gpu import GPU_MAX_K
 from gare_index.ann_params import FLAT_MAX, IVFPQ_MIN, AnnParams, coarse_kind, default_nlist, default_nprobe
 
-__all__ = ["TuneConfig", "auto_ladder", "build_candidate", "with_params", "nprobe_cap", "frac_cap", "step_up",
+__all__ = ["TuneConfig", "auto_ladder", "rung_params", "same_rung", "build_candidate", "with_params", "nprobe_cap", "frac_cap", "step_up",
            "predict_nprobe", "describe_params"]
 
 
@@ -107,14 +107,8 @@ def describe_params(p: AnnParams) -> str:
     return s
 
 
-def build_candidate(kind: str, units: np.ndarray, ids: np.ndarray, cfg: TuneConfig, gpu: bool,
-                    built: list[AnnIndex] | None = None) -> tuple[AnnIndex, str | None]:
-    """Build one rung of the ladder (``kind``: flat, ivf, hnsw, ivfpq or ivfpq-fs) over ``units`` with first knobs.
-
-    ``built``: the candidates built before; an IVF one with the same cells lends its trained coarse quantiser
-    (``build_index(coarse_from=...)``), so IVF-PQ after IVF-Flat trains only its product quantiser.  Returns the
-    index and the type of the candidate whose quantiser it copied (None: trained its own)."""
-    n = units.shape[0]
+def rung_params(kind: str, n: int, cfg: TuneConfig, gpu: bool) -> AnnParams:
+    """The first knobs of one rung of the ladder (``kind``: flat, ivf, hnsw, ivfpq or ivfpq-fs) over n rows."""
     nlist = int(cfg.nlist or default_nlist(n))
     if kind == "flat":
         p = AnnParams("flat")
@@ -131,11 +125,35 @@ def build_candidate(kind: str, units: np.ndarray, ids: np.ndarray, cfg: TuneConf
                          "ivfpq-fs)")
     p = AnnParams.from_dict({**p.to_dict(), "nlist": nlist if p.index_type in ("ivf", "ivfpq") else None})
     if p.index_type in ("ivf", "ivfpq"):
-        p = dataclasses.replace(p, coarse=coarse_kind(p, min(nlist, n)))
+        p = dataclasses.replace(p, nlist=min(nlist, n), coarse=coarse_kind(p, min(nlist, n)))
+    return p
+
+
+def same_rung(a: AnnIndex, p: AnnParams) -> bool:
+    """Whether ``a`` is the index rung ``p`` would build (same type, and for IVF the same cells and quantiser kind;
+    IVF-PQ also the same code kind): tuning its knobs again would repeat the trials."""
+    b = a.params
+    if b.index_type != p.index_type:
+        return False
+    if p.index_type in ("ivf", "ivfpq"):
+        same = b.coarse == p.coarse and int(faiss.extract_index_ivf(a.cpu_index).nlist) == p.nlist
+        return same and (p.index_type == "ivf" or b.fastscan == p.fastscan)
+    return p.index_type != "hnsw" or b.hnsw_m == p.hnsw_m
+
+
+def build_candidate(kind: str, units: np.ndarray, ids: np.ndarray, cfg: TuneConfig, gpu: bool,
+                    built: list[AnnIndex] | None = None) -> tuple[AnnIndex, str | None]:
+    """Build one rung of the ladder (``kind``, :func:`rung_params`) over ``units`` with first knobs.
+
+    ``built``: the candidates built before; an IVF one with the same cells lends its trained coarse quantiser
+    (``build_index(coarse_from=...)``), so IVF-PQ after IVF-Flat trains only its product quantiser.  Returns the
+    index and the type of the candidate whose quantiser it copied (None: trained its own)."""
+    n = units.shape[0]
+    p = rung_params(kind, n, cfg, gpu)
     donor: AnnIndex | None = None
     if p.index_type in ("ivf", "ivfpq"):
         donor = next((b for b in built or [] if b.params.index_type in ("ivf", "ivfpq")
-                      and b.params.coarse == p.coarse and int(faiss.extract_index_ivf(b.cpu_index).nlist) == min(nlist, n)
+                      and b.params.coarse == p.coarse and int(faiss.extract_index_ivf(b.cpu_index).nlist) == p.nlist
                       and b.ntotal == n), None)
     index = build_index(units, ids, p, use_gpu=gpu if p.index_type in ("flat", "ivf") else False,
                         coarse_from=None if donor is None else donor.cpu_index)

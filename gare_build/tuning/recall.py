@@ -37,6 +37,8 @@ from gare_build.tuning.ladder import (
     frac_cap,
     nprobe_cap,
     predict_nprobe,
+    rung_params,
+    same_rung,
     step_up,
     with_params,
 )
@@ -231,6 +233,8 @@ def tune_ann(
     for item in queue:
         if isinstance(item, AnnIndex):
             a = item
+        elif ann is not None and same_rung(ann, rung_params(item, n, cfg, gpu)):
+            continue  # the given index is this rung: its knobs were tuned already
         else:
             t0 = time.perf_counter()
             a, lent = build_candidate(item, units, ids, cfg, gpu, built=candidates)

@@ -86,3 +86,20 @@ def test_the_tuner_builds_ivfpq_on_the_ivf_cells(data):
     assert _lists(pq.cpu_index) == _lists(ivf.cpu_index)
     hnsw, lent3 = build_candidate("hnsw", x, ids, cfg, False, built=[ivf, pq])
     assert lent3 is None and hnsw.params.index_type == "hnsw"
+
+
+def test_a_given_index_is_not_built_again_and_lends_its_cells(data):
+    x, ids = data
+    q = perturbed_queries(x, 200, seed=3, noise=0.6)
+    cfg = TuneConfig(target=0.999, k=10, candidates=10, latency_budget_ms=1000.0, n_queries=200, latency_queries=3,
+                     index_types=("ivf", "ivfpq-fs"), nlist=60, max_nprobe_frac=0.02, strict=False)
+    p = AnnParams("ivf", nlist=60, coarse="flat")
+    given = AnnIndex(build_index(x, ids, p, use_gpu=False), p)
+    _, res = tune_ann(x, q, ids=ids, config=cfg, ann=given, build_s=1.0)
+    # the ladder's "ivf" rung is the given index (same cells, same quantiser kind): skipped, not rebuilt
+    assert [(b["index_type"], b.get("coarse_from")) for b in res.builds] == [("ivf", None), ("ivfpq-fs", "ivf")]
+    assert res.builds[0]["given"] is True
+    other = AnnParams("ivf", nlist=30, coarse="flat")  # other cells: the ladder's rung is a different index
+    given2 = AnnIndex(build_index(x, ids, other, use_gpu=False), other)
+    _, res2 = tune_ann(x, q, ids=ids, config=cfg, ann=given2, build_s=1.0)
+    assert [b["index_type"] for b in res2.builds] == ["ivf", "ivf", "ivfpq-fs"]

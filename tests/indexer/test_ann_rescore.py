@@ -1,4 +1,4 @@
-"""The exact re-scoring of an IVF-PQ shortlist (``AnnIndex._rescore`` over ``_VectorStore.scores``) against a naive
+"""The exact re-scoring of an IVF-PQ shortlist (``gare_index.rescore.rescore`` over ``VectorStore.scores``, as ``AnnIndex`` calls it) against a naive
 reference: every candidate's vector looked up one by one, scored, and fully sorted (stable: ties keep the
 shortlist's order), with exact ties, missing ids, -1 padding, added rows and ids that are not row numbers."""
 
@@ -7,8 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gare_index.ann import AnnIndex, _rank_keys, build_index
+from gare_index.ann import AnnIndex, build_index
 from gare_index.ann_params import AnnParams
+from gare_index.rescore import rank_keys
 
 
 def _unit(x: np.ndarray) -> np.ndarray:
@@ -61,6 +62,6 @@ def test_rescore_equals_a_naive_stable_sort(setup):
 
 def test_rank_keys_order_scores_then_columns():
     sc = np.array([[0.5, -0.0, 0.0, -np.inf, 0.5, -1.25, 3e-39, -3e-39, np.inf]], np.float32)
-    order = np.argsort(_rank_keys(sc)[0])
+    order = np.argsort(rank_keys(sc)[0])
     want = np.array(sorted(range(sc.shape[1]), key=lambda j: (-float(sc[0, j]), j)))
     np.testing.assert_array_equal(order, want)
