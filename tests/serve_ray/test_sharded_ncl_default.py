@@ -1,0 +1,135 @@
+"""Issue 28 on a sharded index, the serving half: gare-serve's app over a sharded index (the Ray ingress's app:
+gare_serve.sharded_state with its shards in this process, gare_serve.shard_server.LocalShards) follows the NCL
+default the builder recorded in every shard (biases.default) when a request leaves `ncl` out, exactly as the
+single-index service does; a request's `ncl` overrides it either way, and GET /v1/index says which default applies
+and why. A generation whose shards hold different decisions is refused. Over Ray Serve itself:
+test_ray_ingress_follows_the_recorded_default.
+
+The two decisions are made by the real decide path (`gare-index build --shards 2 --ncl-val`, then `gare-index
+biases --ncl-val` on a copy) on validation captions built so that the biases win or lose
+(tests/indexer/ncl_support.py, from the single index over the same videos, whose biases the global fit
+reproduces); nothing here writes a manifest field."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import shutil
+from pathlib import Path
+
+import pytest
+
+from gare.checkpoint import load_model
+from gare_build.cli import main as gare_index
+from gare_index.shards import current_generation, write_generation
+from gare_index.store import IndexFormatError
+from gare_serve.app import create_app
+from gare_serve.shard_server import LocalShards, ShardWorker
+from gare_serve.sharded_state import ShardedServiceState, ShardedView
+from tests.indexer.ncl_support import flip_manifests
+from tests.serve_ray.test_ray_serve import run_ray
+from tests.service.support import free_port, running_app, settings
+
+QUERY = "a red circle moves left"
+
+
+@pytest.fixture(scope="module")
+def decided(service_env, tmp_path_factory):
+    """{"on": a 2-shard root whose recorded default is on, "off": one recorded off, "mixed": a generation naming
+    shard 0 of the "on" decision and shard 1 of the "off" one}."""
+    root = tmp_path_factory.mktemp("sharded-ncl-serve")
+    lose, win, _ = flip_manifests(service_env["checkpoint"], service_env["index"], root / "val")
+    on = root / "on"
+    rc = gare_index(["build", "--checkpoint", str(service_env["checkpoint"]), "--videos", str(service_env["videos"]),
+                     "--out", str(on), "--shards", "2", "--index-type", "flat", "--batch-size", "4", "--workers", "0",
+                     "--no-progress", "--ncl-val", str(win)])
+    assert rc == 0
+    off = shutil.copytree(on, root / "off", symlinks=True)
+    assert gare_index(["biases", "--out", str(off), "--ncl-val", str(lose)]) == 0
+    mixed = shutil.copytree(off, root / "mixed", symlinks=True)
+    g_off = current_generation(mixed)
+    # the "on" decision's shard 0 version is the off root's previous generation's (gc keeps it)
+    g_on = current_generation(on)
+    write_generation(mixed, [g_on.versions[0], g_off.versions[1]])
+    return {"on": on, "off": off, "mixed": mixed, "checkpoint": service_env["checkpoint"]}
+
+
+@contextlib.asynccontextmanager
+async def sharded_client(root: Path, ckpt: Path):
+    model, _ = load_model(ckpt, "cpu")
+    gen = current_generation(root)
+    shards = LocalShards([ShardWorker(root, s, model) for s in range(gen.n_shards)])
+    app = create_app(settings(root, recall_sample_rate=0.0),
+                     state_factory=functools.partial(ShardedServiceState, client=shards))
+    try:
+        async with running_app(app) as client:
+            yield client
+    finally:
+        shards.close()
+
+
+def biased(hits: list[tuple[float, float, float]]) -> bool:
+    """(score, psi, bias) per hit: True when every score is psi + bias, False when every score is psi alone (the
+    biases are not all ~0, so the two can be told apart)."""
+    added = [abs(s - (p + b)) < 1e-4 for s, p, b in hits]
+    alone = [abs(s - p) < 1e-4 for s, p, _ in hits]
+    assert hits and (all(added) or all(alone)), hits
+    assert any(abs(b) > 1e-4 for _, _, b in hits)
+    return all(added)
+
+
+def hits_of(r: dict) -> list[tuple[float, float, float]]:
+    return [(h["score"], h["psi_score"], h["bias"]) for h in r["results"]]
+
+
+def recorded(root: Path) -> dict:
+    """The decision the generation records, as the ingress reads it (gare_serve.sharded_state.ShardedView: every
+    shard's manifest, checked to agree); the builder's output read back."""
+    view = ShardedView(root, current_generation(root), client=None, expect_sha=None)  # type: ignore[arg-type]
+    return view.manifest.biases["default"]
+
+
+@pytest.mark.parametrize("name", ["on", "off"])
+def test_sharded_service_follows_the_recorded_default(decided, name):
+    d = recorded(decided[name])
+    assert d["on"] is (name == "on")
+
+    async def go():
+        async with sharded_client(decided[name], decided["checkpoint"]) as c:
+            info = (await c.get("/v1/index")).json()
+            plain = (await c.post("/v1/search", json={"query": QUERY})).json()
+            forced = [(await c.post("/v1/search", json={"query": QUERY, "ncl": x})).json() for x in (True, False)]
+            batch = (await c.post("/v1/search/batch", json={"queries": [QUERY, "a blue square rises"]})).json()
+            return info, plain, forced, batch
+
+    info, plain, (yes, no), batch = asyncio.run(go())
+    assert info["version"] == ("g000001" if name == "on" else "g000002")
+    assert info["ncl_default"] is d["on"] and info["ncl_default_reason"] == d["reason"]
+    assert "source" not in info["biases"]["default"]  # GET /v1/index keeps the server's paths to itself
+    assert biased(hits_of(plain)) is d["on"] and plain["ncl"] is d["on"]
+    assert biased(hits_of(yes)) is True and yes["ncl"] is True  # the request's flag overrides, either way
+    assert biased(hits_of(no)) is False and no["ncl"] is False
+    assert [biased(hits_of(x)) for x in batch["results"]] == [d["on"], d["on"]]
+
+
+def test_a_generation_of_two_decisions_is_not_served(decided):
+    with pytest.raises(IndexFormatError, match=r"NCL defaults \(biases.default\) differ"):
+        ShardedView(decided["mixed"], current_generation(decided["mixed"]), client=None, expect_sha=None)  # type: ignore[arg-type]
+
+
+def test_ray_ingress_follows_the_recorded_default(decided, tmp_path):
+    """The same over Ray Serve (tests.serve_ray.ray_run: two nodes bound to 127.0.0.1 (a CPU per replica), in a private network
+    namespace when root): the "on" index (the search's own default is off) serves psi + biases when the request
+    leaves ncl out, psi alone when it says false."""
+    reqs = [{"query": QUERY, "k": 5}, {"query": QUERY, "k": 5, "ncl": False}, {"query": QUERY, "k": 5, "ncl": True}]
+    cfg = {"port": free_port(), "nodes": 2, "num_cpus": 2, "timeout_s": 300,
+           "app": {"index": str(decided["on"]), "shard_replicas": 1, "allow_partial": False, "shard_timeout_s": 10},
+           "steps": [{"do": "ask", "name": "answers", "requests": reqs}]}
+    out, _ = run_ray(tmp_path, cfg)
+    got = out["steps"]["answers"]["answers"]
+    assert all(a["status"] == 200 and a["partial"] is False for a in got), got
+    # a hit: [file name, id, score, ann, psi, bias]
+    plain, no, yes = ([(h[2], h[4], h[5]) for h in a["hits"]] for a in got)
+    assert recorded(decided["on"])["on"] is True
+    assert biased(plain) is True and biased(no) is False and biased(yes) is True
