@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from gare_index.describe import index_ncl_default
 from gare_index.store import (
     VERSIONS_DIR,
     IndexFormatError,
@@ -252,6 +253,12 @@ class ShardedIndex:
     def n(self) -> int:
         """Videos in all shards."""
         return sum(v.n for v in self.shards)
+
+    def ncl_default(self) -> tuple[bool, str] | None:
+        """The generation's own NCL default and why (the biases.default every shard records, checked to agree:
+        :func:`agreed_ncl_default`), as :func:`gare_index.describe.index_ncl_default` reads a single index's; None
+        without a decision (the search's default applies)."""
+        return index_ncl_default({"biases": {"default": agreed_ncl_default([v.manifest for v in self.shards])}})
 
     def global_ids(self, shard: int) -> np.ndarray:
         """The global ids of shard ``shard``'s videos, in its row order (int64)."""

@@ -21,7 +21,13 @@ import pytest
 from gare_build.cli import main
 from gare_build.sharded import verify_sharded
 from gare_index.describe import index_ncl_default
-from gare_index.shards import agreed_ncl_default, current_generation, shard_root, write_generation
+from gare_index.shards import (
+    agreed_ncl_default,
+    current_generation,
+    open_sharded,
+    shard_root,
+    write_generation,
+)
 from gare_index.store import IndexFormatError, open_index, open_version
 from tests.indexer.ncl_support import flip_manifests
 
@@ -76,6 +82,8 @@ def test_sharded_build_decides_once_as_the_single_index(env, capsys):
         assert d == single
         assert (d["psi"]["R1"], d["psi_biases"]["R1"]) == ((100.0, 0.0) if not on else (0.0, 100.0))
         assert index_ncl_default(shard_manifests(env["root"] / f"SH_{name}")[1]) == (on, d["reason"])
+        with open_sharded(env["root"] / f"SH_{name}", use_gpu=False) as sh:  # the in-process reader says the same
+            assert sh.ncl_default() == (on, d["reason"])
         report = json.loads((env["root"] / f"SH_{name}" / "report.json").read_text())
         assert report["biases"]["default"] == d and report["biases"]["fits"] == {"global": 1, "shards": 0}
 
@@ -133,5 +141,7 @@ def test_verify_reports_shards_that_disagree(env, tmp_path):
     assert "shards [0]: on=True" in problems[0] and "shards [1, 2]: on=False" in problems[0]
     with pytest.raises(IndexFormatError, match="differ"):
         agreed_ncl_default(shard_manifests(sh))
+    with open_sharded(sh, use_gpu=False) as opened, pytest.raises(IndexFormatError, match="differ"):
+        opened.ncl_default()
     # a generation without any decision agrees on none
     assert agreed_ncl_default([{"biases": {"source": "checkpoint-queue"}}] * 2) is None
