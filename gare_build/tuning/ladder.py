@@ -65,15 +65,16 @@ class TuneConfig:
 
 def auto_ladder(n: int, *, gpu: bool = False) -> tuple[str, ...]:
     """Index types tried in order.  CPU: flat below FLAT_MAX (then hnsw if flat is too slow); IVF-Flat (cheap
-    to build, supports removal), then HNSW, then fast-scan IVF-PQ with exact re-scoring up to IVFPQ_MIN;
-    fast-scan IVF-PQ then HNSW beyond (float vectors stop fitting in RAM).
+    to build, supports removal), then fast-scan IVF-PQ with exact re-scoring on the same cells (its build trains
+    only the product quantiser, and it supports removal too), then HNSW (the costliest build, and no removal) up to
+    IVFPQ_MIN; fast-scan IVF-PQ then HNSW beyond (float vectors stop fitting in RAM).
     ("ivfpq-fs" is ``ivfpq`` with ``fastscan=True``.)  GPU: IVF-Flat on the GPU, then flat."""
     if gpu:
         return ("ivf", "flat")
     if n < FLAT_MAX:
         return ("flat", "hnsw")
     if n < IVFPQ_MIN:
-        return ("ivf", "hnsw", "ivfpq-fs")
+        return ("ivf", "ivfpq-fs", "hnsw")
     return ("ivfpq-fs", "hnsw")
 
 
