@@ -67,7 +67,7 @@ class VectorStore:
 
     def scores(self, ids: np.ndarray, q: np.ndarray) -> np.ndarray:
         """Exact inner products (b, kk) float32 of each query row ``q[i]`` (b, d) with the vectors of ``ids[i]``
-        (b, kk); -inf where an id is missing.  The base rows are read once each (sorted, memmap friendly); the dot
+        (b, kk); -inf where an id is missing.  Each query's base rows are read once each (sorted, memmap friendly); the dot
         products are numpy's own einsum loops, not BLAS: a (u, d) @ (d, 1) product through a multi-threaded BLAS
         costs milliseconds on a busy machine (7 ms vs 0.16 ms for 1,024 x 512 at load 4 on 2 cores)."""
         b, kk = ids.shape
@@ -77,14 +77,14 @@ class VectorStore:
         in_extra, pos, ok, rows = self._locate(flat)
         if in_extra.any():
             out[in_extra] = np.einsum("md,md->m", self._extra_vecs[pos[in_extra]], q[qrow[in_extra]])
-        if ok.any():
-            uniq, inv = np.unique(rows[ok], return_inverse=True)
-            vecs = np.asarray(self.base[uniq], dtype=np.float32)  # (u, d)
-            if b == 1:  # one query: score the unique rows once
-                out[ok] = np.einsum("ud,d->u", vecs, q[0])[inv]
-            else:
-                out[ok] = np.einsum("md,md->m", vecs[inv], q[qrow[ok]])
-        return out.reshape(b, kk)
+        out = out.reshape(b, kk)
+        ok, rows = ok.reshape(b, kk), rows.reshape(b, kk)
+        for i in range(b):  # query by query: (kk, d) rows at a time, never a (b * kk, d) copy
+            if ok[i].any():
+                uniq, inv = np.unique(rows[i][ok[i]], return_inverse=True)
+                vecs = np.asarray(self.base[uniq], dtype=np.float32)  # (u, d), u <= kk
+                out[i][ok[i]] = np.einsum("ud,d->u", vecs, q[i])[inv]
+        return out
 
     def _locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Where each id (m,) lives: (in the added rows, its position there, in the base and not added, its base row)."""
