@@ -26,6 +26,7 @@ queries; the tuner's measuring time < 10% of its builds.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import time
@@ -63,7 +64,7 @@ def one_thread_latency(ann: AnnIndex, q: np.ndarray, n_lat: int) -> dict[str, fl
         t0 = time.perf_counter()
         for s in range(0, m, 32):
             ann.search(q[s : s + 32], K)
-        batch_ms = 1000 * (time.perf_counter() - t0) / max(1, m)
+        batch_ms = 1000 * (time.perf_counter() - t0) / m if m else float("nan")
     finally:
         faiss.omp_set_num_threads(threads)
     return {"p50_ms": 1000 * float(np.median(lat)), "p95_ms": 1000 * float(np.percentile(lat, 95)),
@@ -95,8 +96,9 @@ def ivfpq_sharing(coarse: faiss.Index, x: np.ndarray, pq_m: int, nlist: int) -> 
 
 def frontier(name: str, sets: dict[str, Any], args: argparse.Namespace, rows: list[dict[str, Any]],
              flush: Any, tune: Any) -> None:
-    """Every type's settings into ``rows``; ``tune(ivf_index, build_s)`` runs the tuner on the IVF-Flat index built
-    here (as ``gare-index build`` hands the tuner the index it built) before HNSW's build needs the memory."""
+    """Every type's settings into ``rows``; ``tune(index, build_s)`` runs the tuner on the IVF-Flat index built here
+    (as ``gare-index build`` hands the tuner the index it built) before HNSW's build needs the memory, or on the
+    first HNSW graph when no IVF type is measured."""
     x = sets["x"]
     n = x.shape[0]
     nlist = args.nlist or default_nlist(n)
@@ -141,8 +143,7 @@ def frontier(name: str, sets: dict[str, Any], args: argparse.Namespace, rows: li
             tune(ivf, ivf_s)
         del ivf
         gc.collect()
-    elif not args.no_tune:
-        tune(None, 0.0)
+    tuned = args.no_tune or "ivf" in args.types or "ivfpq-fs" in args.types
     if "hnsw" in args.types:
         for m in args.hnsw_m:
             t0 = time.perf_counter()
@@ -155,14 +156,23 @@ def frontier(name: str, sets: dict[str, Any], args: argparse.Namespace, rows: li
                 record("hnsw", describe_params(pp), h_s if i == 0 else None, AnnIndex(index, pp, use_gpu=False),
                        {"hnsw_m": m, "ef_search": ef})
             flush()
+            if not tuned:  # no IVF measured: the tuner starts from this graph (then its own ladder)
+                tune(index, h_s)
+                tuned = True
             del index
             gc.collect()
+    if not tuned:
+        tune(None, 0.0)
 
 
 def tune(g: str, sets: dict[str, Any], args: argparse.Namespace, ivf: faiss.Index | None, ivf_s: float) -> dict[str, Any]:
-    """The tuner given only the sample (and the IVF-Flat index built for the frontier, as ``gare-index build`` hands
-    it the index it built): its choice, times, and the choice's recall on the evaluation and held-out sets."""
-    given = None if ivf is None else AnnIndex(ivf, AnnParams.from_index(ivf), use_gpu=False)
+    """The tuner given only the sample (and the index built for the frontier, IVF-Flat or else HNSW, as ``gare-index
+    build`` hands it the index it built): its choice, times, and the choice's recall on the evaluation and held-out
+    sets."""
+    given = None
+    if ivf is not None:  # the frontier left its last knobs on the index: the tuner starts from the first ones
+        gp = AnnParams.from_index(ivf)
+        given = AnnIndex(ivf, dataclasses.replace(gp, ef_search=K) if gp.index_type == "hnsw" else gp, use_gpu=False)
     ann, res = tune_ann(sets["x"], sets["q_sample"], query_source=f"{g} captions (sample)", ann=given, build_s=ivf_s,
                         config=TuneConfig(latency_budget_ms=args.budget_ms, strict=False), progress=True)
     rec = {"gallery": g, "choice": f"{res.index_type} {describe_params(AnnParams.from_dict(res.params))}",
@@ -218,7 +228,7 @@ def main() -> None:
     ap.add_argument("--pq-m", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--rescores", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--hnsw-m", type=int, nargs="+", default=[32])
-    ap.add_argument("--ef-construction", type=int, default=100)
+    ap.add_argument("--ef-construction", type=int, default=200, help="HNSW build depth (the product default)")
     ap.add_argument("--ef-search", type=int, nargs="+", default=[256, 512, 1024])
     ap.add_argument("--budget-ms", type=float, default=BUDGET_MS, help="the tuner's p50 budget")
     ap.add_argument("--no-tune", action="store_true", help="frontier only")

@@ -186,18 +186,27 @@ def tune_ann(
             consider(a, tr)
             return a if tr.p50_ms <= cfg.latency_budget_ms else None
         if t == "hnsw":
-            ef = max(K, p.ef_search)
+            # double efSearch until the aim holds; when a doubling breaks the budget, bisect between the last
+            # efSearch within it and that one (a setting between may reach the target within the budget)
+            ef, lo, hi = max(K, p.ef_search), None, None
             while True:
                 a = with_params(a, dataclasses.replace(p, ef_search=ef), units, vec_ids, cfg)
-                tr = measure(a)
+                tr = measure(a, "(bisecting)" if hi is not None else "")
                 consider(a, tr)
                 if tr.p50_ms > cfg.latency_budget_ms:
-                    return None
-                if tr.recall >= goal:
+                    hi = ef
+                elif tr.recall >= goal:
                     return a
-                if ef >= cfg.max_ef:
+                else:
+                    lo = ef
+                if hi is None:
+                    if ef >= cfg.max_ef:
+                        return None
+                    ef = min(cfg.max_ef, ef * 2)
+                    continue
+                if lo is None or hi - lo <= max(8, lo // 8):
                     return None
-                ef = min(cfg.max_ef, ef * 2)
+                ef = (lo + hi) // 2
         # ivf / ivfpq: start at the nprobe the cell ranks predict, then raise
         cap = nprobe_cap(a, cfg, gpu)
         gpu_capped = cap < frac_cap(a, cfg)

@@ -179,3 +179,25 @@ def test_new_index_variants_round_trip_and_match_exact(tmp_path, data, params):
     _, got = back.search(q[:100], 10)
     np.testing.assert_array_equal(got, ann.search(q[:100], 10)[1])
     assert recall_of_topk(got, gt) > 0.5  # approximate, but clearly searching the right neighbourhood
+
+
+def test_hnsw_bisects_efsearch_when_a_doubling_breaks_the_budget(data, monkeypatch):
+    """The search strategy under a latency that grows with efSearch: the measured p50 is replaced by a known
+    function of efSearch (0.01 ms per unit; a budget of 3 ms admits efSearch <= 300), so the test is not timed.
+    After efSearch 160 -> 320 breaks the budget the tuner tries between them, not stopping at 160."""
+    import gare_build.tuning.recall as recall_mod
+
+    monkeypatch.setattr(recall_mod, "p50_ms", lambda a, q, K, n, gpu: 0.01 * a.params.ef_search)
+    x, q, _ = data
+    cfg = TuneConfig(target=1.0, k=10, candidates=10, latency_budget_ms=3.0, n_queries=200, latency_queries=1,
+                     index_types=("hnsw",), strict=False)
+    p = AnnParams("hnsw", hnsw_m=4, ef_construction=16, ef_search=10)  # a weak graph: recall 1.0 needs a deep search
+    ann = AnnIndex(build_index(x, np.arange(N), p, use_gpu=False), p)
+    _, res = tune_ann(x, q, config=cfg, ann=ann)
+    mine = [t for t in res.trials if t.params["hnsw_m"] == 4]  # the given graph's trials (then the ladder's M=32 rung)
+    efs = [t.params["ef_search"] for t in mine]
+    assert efs[:6] == [10, 20, 40, 80, 160, 320], efs  # doubling until the budget breaks (the premise)
+    assert all(t.recall < 1.0 for t in mine), "the weak graph reached the aim: no bisection to test"
+    # bisection between 160 (within budget) and 320 (over it): 240, 280, 300, then the interval is small enough
+    assert efs[6:] == [240, 280, 300], efs
+    assert [t.params["hnsw_m"] for t in res.trials[len(mine):]] == [32] * (len(res.trials) - len(mine))
