@@ -54,17 +54,6 @@ class VectorStore:
         pos = np.clip(np.searchsorted(sorted_ids, ids), 0, sorted_ids.size - 1)
         return sorted_ids[pos] == ids, pos
 
-    def get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(vectors (m, d) float32, found (m,) bool) for ids (m,); later additions take precedence."""
-        ids = np.asarray(ids, dtype=np.int64)
-        out = np.zeros((ids.shape[0], self.d or 0), dtype=np.float32)
-        in_extra, pos, ok, rows = self._locate(ids)
-        out[in_extra] = self._extra_vecs[pos[in_extra]]
-        if ok.any():
-            uniq, inv = np.unique(rows[ok], return_inverse=True)  # sorted reads: memmap friendly
-            out[ok] = np.asarray(self.base[uniq], dtype=np.float32)[inv]
-        return out, in_extra | ok
-
     def scores(self, ids: np.ndarray, q: np.ndarray) -> np.ndarray:
         """Exact inner products (b, kk) float32 of each query row ``q[i]`` (b, d) with the vectors of ``ids[i]``
         (b, kk); -inf where an id is missing.  Each query's base rows are read once each (sorted, memmap friendly); the dot
