@@ -1,4 +1,4 @@
-"""The text towers a search can run instead of the model's own: int8 on the CPU, fp16 weights on CUDA.
+"""The text towers a search can run instead of the model's own: int8 and packed fp32 on the CPU, fp16 on CUDA.
 
 The query path needs only CLIP's text tower (token embedding, causal transformer, ln_final, projection at
 the EOT token; :func:`gare.backbone.encode_text_tokens`). :class:`TextTower` is a stand-alone copy of
@@ -9,6 +9,10 @@ Towers (:func:`build_text_encoder`, ``kind``), one per device, each the measured
 - ``"int8"`` (CPU): :class:`Int8TextTower`, the tower with every block Linear (q/k/v, out, c_fc, c_proj) an
   :class:`Int8Linear`: weights 7-bit int8 per output channel, activations quantised per token at run time,
   the products summed exactly in int32 (``torch._int_mm``) and rescaled in float32;
+- ``"fp32-packed"`` (CPU): the float32 tower on packed rows (``gare.text_packed``): the model's weights and
+  arithmetic, each text's rows in GEMMs over the whole batch (of 16 to 256 rows), so a batch of texts costs a
+  fraction of the texts one at a time; it rounds like a 16+-row product, not like the model's own tower on one
+  text (~1e-6 apart);
 - ``"fp16"`` (CUDA): :class:`TextTower` with its weights stored in half precision on the model's GPU (no
   autocast casts per layer: at the service's batch sizes the tower is launch-bound, and autocast's casts made
   fp16 slower than fp32 there); the projection to t stays fp32.
@@ -25,11 +29,11 @@ scale taken over the batch depends on the other texts; so "alone" and "in a batc
 computation by construction, not by measurement:
 - fp16 (and the model's own encoder, :func:`encode_each`): every text runs alone at its own length (a batch of
   one, L = its EOT position + 1), the same shapes as when it is sent alone;
-- int8: the texts' tokens are packed back to back without padding (T rows); every op on the packed rows
-  computes each row on its own (LayerNorm's per-row kernel, the row max), or each element with one correctly
-  rounded float op (add, mul, div, round), or is exact (the int8 products summed in int32); what mixes rows or
-  calls a transcendental function (attention, the MLP activation, the final projection) runs per text on that
-  text's rows. This keeps the int8 tower's batching, which a batch of one would lose.
+- int8 and fp32-packed: the texts' tokens are packed back to back without padding (T rows); every op on the
+  packed rows computes each row on its own, and what mixes rows runs per text (``gare.text_packed``). int8's
+  products are exact integer sums, so its rows are independent by construction; fp32-packed's float GEMMs are
+  checked for it on the machine when the tower is built, and a tower that fails the check runs each text alone
+  (as fp16) instead, with a warning. This keeps the towers' batching, which a batch of one would lose.
 The guarantee is per machine and thread count (a different CPU or ``torch.set_num_threads`` may round
 differently, for a text alone as in a batch).
 """
@@ -45,9 +49,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gare.text_packed import Fp32RowLinear, PackedTextTower, rows_independent, token_lengths
+
 log = logging.getLogger(__name__)
 
-TEXT_ENCODERS = ("int8", "fp16")  # the towers built here; "fp32" is the model's own tower
+TEXT_ENCODERS = ("int8", "fp32-packed", "fp16")  # the towers built here; "fp32" is the model's own tower
 CUDA_TEXT_ENCODERS = ("fp16",)  # half-precision weights on the GPU; int8 runs on the CPU
 # The measured defaults, each the winner of its device's rule (speed side by side, and R@1 within 0.5 point of the
 # model's fp32 tower on every evaluated split); tests/test_evidence.py checks them against the committed
@@ -63,13 +69,7 @@ DEFAULT_CUDA_TEXT_ENCODER = "fp16"
 QMAX = 63
 
 __all__ = ["TEXT_ENCODERS", "CUDA_TEXT_ENCODERS", "DEFAULT_CPU_TEXT_ENCODER", "DEFAULT_CUDA_TEXT_ENCODER", "QMAX", "half_tower", "TextTower",
-           "Int8Linear", "Int8TextTower", "token_lengths", "encode_each", "build_text_encoder", "quantize_int8"]
-
-
-def token_lengths(tokens: torch.Tensor) -> list[int]:
-    """Each text's own length in tokens (a, L) -> [L_i]: its EOT position + 1 (EOT has the largest id, as
-    ``encode_text_tokens`` reads it); nothing after EOT can change the text's embedding (causal mask)."""
-    return (tokens.argmax(dim=-1) + 1).tolist()
+           "Int8Linear", "Int8TextTower", "fp32_packed_encoder", "token_lengths", "encode_each", "build_text_encoder", "quantize_int8"]
 
 
 def encode_each(encode: Callable[[torch.Tensor], torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
@@ -201,60 +201,12 @@ class Int8Linear(nn.Module):
         return y
 
 
-class _Int8Block(nn.Module):
-    """A :class:`_Block` on packed rows (T, w): int8 Linears on all rows, attention and activation per text."""
-
-    def __init__(self, blk: _Block) -> None:
-        super().__init__()
-        self.ln_1, self.ls_1, self.ln_2, self.ls_2 = blk.ln_1, blk.ls_1, blk.ln_2, blk.ls_2
-        self.heads = blk.attn.heads
-        self.qkv, self.out = Int8Linear(blk.attn.qkv), Int8Linear(blk.attn.out)
-        self.c_fc, self.act, self.c_proj = Int8Linear(blk.mlp.c_fc), blk.mlp.gelu, Int8Linear(blk.mlp.c_proj)
-
-    def attend(self, qkv: torch.Tensor, lens: list[int], mask: torch.Tensor) -> torch.Tensor:
-        """qkv (T, 3w) packed -> (T, w): causal attention within each text, one text at a time (its own L)."""
-        w = qkv.shape[1] // 3
-        out = []
-        for part, n in zip(qkv.split(lens), lens, strict=True):
-            q, k, v = part.view(1, n, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)  # 3 x (1, h, n, w/h)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:n, :n])  # (1, h, n, w/h)
-            out.append(y.transpose(1, 2).reshape(n, w))
-        return torch.cat(out)
-
-    def forward(self, x: torch.Tensor, lens: list[int], mask: torch.Tensor) -> torch.Tensor:
-        """x (T, w) the texts' rows back to back, lens their lengths (sum T), mask (ctx, ctx) additive."""
-        x = x + self.ls_1(self.out(self.attend(self.qkv(self.ln_1(x)), lens, mask)))
-        # the activation per text: its vectorised and scalar-tail code paths may round differently, and which
-        # elements take the tail depends on the tensor's size (and the threads' split of it)
-        h = torch.cat([self.act(part) for part in self.c_fc(self.ln_2(x)).split(lens)])  # (T, 4w)
-        return x + self.ls_2(self.c_proj(h))
-
-
-class Int8TextTower(nn.Module):
-    """:class:`TextTower` with int8 block Linears, batch-invariant by construction (module docstring)."""
+class Int8TextTower(PackedTextTower):
+    """:class:`TextTower` with int8 block Linears on packed rows, batch-invariant by construction (module
+    docstring; the packing is ``gare.text_packed``'s)."""
 
     def __init__(self, tower: TextTower) -> None:
-        super().__init__()
-        tower = copy.deepcopy(tower)
-        self.token_embedding = tower.token_embedding
-        self.register_buffer("positional_embedding", tower.positional_embedding)
-        self.register_buffer("attn_mask", tower.attn_mask)
-        self.blocks = nn.ModuleList(_Int8Block(b) for b in tower.blocks)
-        self.ln_final = tower.ln_final
-        self.register_buffer("text_projection", tower.text_projection)
-        self.eval()
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (a, L), any padding after each EOT -> t (a, d) float32."""
-        lens = token_lengths(tokens)
-        own = torch.arange(tokens.shape[1]) < torch.tensor(lens)[:, None]  # (a, L): each text's own tokens
-        pos = torch.arange(tokens.shape[1]).expand_as(tokens)[own]  # (T,) position within its text
-        x = self.token_embedding(tokens[own]) + self.positional_embedding[pos]  # (T, w), row-major: texts in order
-        for blk in self.blocks:
-            x = blk(x, lens, self.attn_mask)
-        x = self.ln_final(x[torch.tensor(lens).cumsum(0) - 1])  # (a, w): each text's EOT row
-        # the projection per text: a batched (a, w) @ (w, d) could round row i differently for another a
-        return torch.cat([row @ self.text_projection for row in x.split(1)])  # (a, d)
+        super().__init__(tower, Int8Linear)
 
 
 def quantize_int8(tower: TextTower) -> Int8TextTower:
@@ -276,6 +228,16 @@ class _TorchEncoder:
         tokens = tokens.to(self.device)
         with torch.inference_mode():
             return (encode_each(self.tower, tokens) if self.per_text else self.tower(tokens)).float()
+
+
+def fp32_packed_encoder(tower: PackedTextTower) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The fp32-packed encoder of a packed float32 tower: batched when this machine's GEMM passes
+    ``rows_independent``, else one text at a time (``encoder.per_text``), invariant either way."""
+    failures = rows_independent(tower)
+    if failures:  # this machine's GEMM rounds a row by its batch: one text at a time keeps the guarantee
+        log.warning("text encoder fp32-packed: this CPU's float GEMM is not row-independent (%s); encoding one "
+                    "text at a time (the same bits, without the batching's speed)", failures[0])
+    return _TorchEncoder(tower, "fp32-packed", per_text=bool(failures))
 
 
 def half_tower(model: nn.Module, kind: str) -> TextTower:
@@ -302,6 +264,8 @@ def build_text_encoder(model: nn.Module, kind: str = DEFAULT_CPU_TEXT_ENCODER) -
         tower = half_tower(model, kind)
         return _TorchEncoder(tower, kind, tower.text_projection.device)
     _check_cpu(model, kind)
+    if kind == "fp32-packed":
+        return fp32_packed_encoder(PackedTextTower(TextTower.from_model(model), Fp32RowLinear))
     return _TorchEncoder(quantize_int8(TextTower.from_model(model)), kind, per_text=False)
 
 

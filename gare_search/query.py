@@ -66,7 +66,7 @@ def encode_queries(
 
     Batch-invariant: a text's embedding is the same bits alone or in any batch (issue 24; the scheme is in
     gare.text_quant's docstring), so the service's micro-batches, its query cache and this offline path
-    agree. `tower`: a gare.text_quant encoder (int8, fp16: batch-invariant themselves) instead
+    agree. `tower`: a gare.text_quant encoder (int8, fp32-packed, fp16: batch-invariant themselves) instead
     of the model's own encoder, which runs each text alone at its own length under `precision`'s autocast.
     `trim=False` (the model's own encoder only): the whole batch in one call at the full context length,
     what training computes; not batch-invariant, a reference for comparisons.

@@ -88,8 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-sockets", choices=["auto", "reuseport", "shared"],
                    help="with --workers N: reuseport = a listening socket per worker (SO_REUSEPORT: the kernel spreads "
                         "connections evenly), shared = one socket for all; auto (default) = reuseport on Linux")
-    p.add_argument("--text-encoder", choices=["auto", "fp32", "int8", "fp16"],
-                   help="query text tower (int8 is the CPU option, fp16 the CUDA one; "
+    p.add_argument("--text-encoder", choices=["auto", "fp32", "int8", "fp32-packed", "fp16"],
+                   help="query text tower (int8 and fp32-packed are CPU options, fp16 the CUDA one; "
                         "fp32 = the model's own at --precision; default auto: the measured default of the device at fp32)")
     p.add_argument("--query-cache-entries", type=int, help="query embedding cache size (0 = off)")
     p.add_argument("--result-cache-entries", type=int, help="search result cache size (0 = off)")

@@ -59,10 +59,11 @@ class Settings(BaseSettings):
         "auto", description="text encoder precision; auto = fp32 on CPU and on CUDA (measured fastest at the service's "
         "batch sizes); fp16 is CUDA-only. The psi rerank (the fold) always runs in fp32"
     )
-    text_encoder: Literal["auto", "fp32", "int8", "fp16"] = Field(
+    text_encoder: Literal["auto", "fp32", "int8", "fp32-packed", "fp16"] = Field(
         "auto",
         description="query text tower: fp32 = the model's own (at `precision`); int8 (per-token activation and "
-        "per-channel weight scales, exact integer sums: gare.text_quant) is the CPU option; fp16 (the tower with "
+        "per-channel weight scales, exact integer sums: gare.text_quant) and fp32-packed (float32, a micro-batch's "
+        "texts in shared GEMMs: gare.text_packed) are the CPU options; fp16 (the tower with "
         f"half-precision weights) the CUDA option; auto = {DEFAULT_CPU_TEXT_ENCODER} on the CPU and "
         f"{DEFAULT_CUDA_TEXT_ENCODER} on CUDA (the measured defaults) at fp32 precision, else fp32",
     )

@@ -28,12 +28,16 @@ from tests.training.test_text_quant import trained_tiny
 
 # the 1k-A test captions of MSR-VTT, next to the repository (../shared/data/msrvtt)
 CAPTIONS_CSV = Path(__file__).resolve().parents[3] / "shared" / "data" / "msrvtt" / "MSRVTT_JSFUSION_test.csv"
-CPU_TOWERS = [k for k in TEXT_ENCODERS if k not in CUDA_TEXT_ENCODERS]  # int8
-SERVICE_CPU_TOWERS = ["fp32", "int8"]  # the service's fp32 is the model's own encoder
+CPU_TOWERS = [k for k in TEXT_ENCODERS if k not in CUDA_TEXT_ENCODERS]  # int8, fp32-packed
+SERVICE_CPU_TOWERS = ["fp32", "int8", "fp32-packed"]  # the service's fp32 is the model's own encoder
 
 
 @pytest.fixture(scope="module")
 def captions() -> list[str]:
+    return load_captions()
+
+
+def load_captions() -> list[str]:
     """32 real captions of mixed lengths, shuffled: every 31st of the test split sorted by length (3 to 19
     words: the longest fill the tiny model's 16-token context, the shortest leave most of it padding)."""
     require(CAPTIONS_CSV.exists(), f"the MSR-VTT test captions at {CAPTIONS_CSV}")
