@@ -25,6 +25,7 @@ import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -56,6 +57,7 @@ def _build() -> Any:
     import numba
     from llvmlite import ir
     from numba import types
+    from numba.core import cgutils
     from numba.extending import intrinsic, overload
 
     f16c = _has_f16c()
@@ -79,6 +81,27 @@ def _build() -> Any:
         def codegen(context, builder, signature, args):
             return builder.bitcast(args[0], ir.FloatType())
         return types.float32(types.uint32), codegen
+
+    @intrinsic
+    def prefetch(typingctx, arr, c, off):
+        """Hint the cache to fetch byte `off` of row c of arr (C-contiguous rows): LLVM's prefetch, read, L1."""
+        if not isinstance(arr, types.Array) or not isinstance(c, types.Integer) or not isinstance(off, types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            ary = context.make_array(signature.args[0])(context, builder, args[0])
+            i64 = ir.IntType(64)
+            stride = builder.extract_value(ary.strides, 0)
+            byte = builder.add(builder.mul(context.cast(builder, args[1], signature.args[1], types.intp), stride),
+                               context.cast(builder, args[2], signature.args[2], types.intp))
+            addr = builder.add(builder.ptrtoint(ary.data, i64), byte)
+            ptr = ir.IntType(8).as_pointer()
+            i32 = ir.IntType(32)
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [ptr, i32, i32, i32]),
+                                                "llvm.prefetch.p0")
+            builder.call(fn, [builder.inttoptr(addr, ptr), i32(0), i32(3), i32(1)])
+            return context.get_dummy_value()
+        return types.void(arr, c, off), codegen
 
     def as_f32(x):  # pragma: no cover - replaced by the overload below
         raise NotImplementedError
@@ -145,10 +168,28 @@ def _build() -> Any:
         ninf = np.float32(-np.inf)
         tiny = np.float32(np.finfo(np.float32).tiny)
         scaled = fscale.shape[0] > 0
+        fbytes = f * d * frames.itemsize
+        pbytes = W * packed.itemsize
+        vbytes = d * 4
         for i in range(a):
             tt, ctt, tsum, tk2, tm0, tm1 = sc[i, 0], sc[i, 1], sc[i, 2], sc[i, 3], sc[i, 4], sc[i, 5]
             for j in range(j0, j1):
                 c = idx[i, j]
+                # the next candidate's rows (frames, constants, v̄ row: ~17 KB at f = 12, d = 512) are requested
+                # now, so their fetch from memory overlaps this candidate's arithmetic: the rows lie anywhere in
+                # the store, and without the hint each row's first lines wait on memory (~25% of a cold rerank)
+                if j + 1 < j1:
+                    cn = idx[i, j + 1]
+                    for o in range(0, fbytes, 64):
+                        prefetch(frames, cn, o)
+                    prefetch(frames, cn, fbytes - 1)
+                    for o in range(0, pbytes, 64):
+                        prefetch(packed, cn, o)
+                    prefetch(packed, cn, pbytes - 1)
+                    if vrows.shape[0] > 0:
+                        for o in range(0, vbytes, 64):
+                            prefetch(vrows, cn, o)
+                        prefetch(vrows, cn, vbytes - 1)
                 pk = const_row(packed, c, buf)
                 for g in range(f):
                     # the 3 dots of frame g, widened in registers (no float32 copy of the frames), 3 FMAs per
@@ -314,17 +355,26 @@ def _pool(workers: int) -> ThreadPoolExecutor:
         return _POOL
 
 
-def pair_scores(q: Any, frames: Any, packed: Any, idx: Any, *, vrows: Any = None, vscale: Any = None,
-                fscale: Any = None, threads: int = 1) -> np.ndarray:
-    """Folded psi scores (a, K) float32 for the candidates idx (a, K) (rows into frames/packed, repeats allowed).
+@dataclass(frozen=True)
+class KernelArrays:
+    """An index's arrays as the kernel reads them, checked once (`kernel_arrays`): read-only views, float16 as
+    its uint16 bits; empty vr/vs/fs mean "none". A search keeps one per index version, so a request converts
+    and checks nothing but its query vectors and candidate rows."""
 
-    q: `gare.psi_fold_queries.QueryVectors` (CPU); frames (N, f, d) and packed (N, 10f + 5f² + 2), float16 or
-    float32, numpy (memmaps welcome: only the candidates' rows are read) or CPU tensors; frames may be int8
-    with fscale (N, f) float32, frame g of row c being ``fscale[c, g] * frames[c, g]`` (an index's
-    ``--frames-dtype int8``); vrows (N, d) float32 and vscale (N,) float32 give v̄ = vscale · vrows (the
-    index's norm · unit; vscale None = 1), else v̄ is Σ ω_f F_f as the constants were folded. `threads` > 1
-    splits the candidates over that many threads (the kernel releases the GIL), each taking at least
-    MIN_PAIRS_PER_THREAD pairs. Equal to `gare.psi_fold.pair_scores` to float32 rounding."""
+    fr: np.ndarray  # (N, f, d) uint16 | float32 | int8
+    fs: np.ndarray  # (N, f) float32 for int8 frames, else (0, 0)
+    pk: np.ndarray  # (N, 10f + 5f² + 2) uint16 | float32
+    vr: np.ndarray  # (N, d) float32 or (0, d)
+    vs: np.ndarray  # (N,) float32 or (0,)
+
+    @property
+    def n(self) -> int:
+        return int(self.fr.shape[0])
+
+
+def kernel_arrays(frames: Any, packed: Any, *, vrows: Any = None, vscale: Any = None,
+                  fscale: Any = None) -> KernelArrays:
+    """The arguments of `pair_scores` (see there) checked and converted once (memmaps are not copied)."""
     fr = _as_kernel_array(frames, "frames", 3, int8=True)
     pk = _as_kernel_array(packed, "packed", 2)
     n, f, d = fr.shape
@@ -339,26 +389,48 @@ def pair_scores(q: Any, frames: Any, packed: Any, idx: Any, *, vrows: Any = None
         raise ValueError(f"fscale goes with int8 frames only, got {fr.dtype} frames")
     else:
         fs = np.zeros((0, 0), np.float32)
-    if threads < 1:
-        raise ValueError(f"threads must be >= 1, got {threads}")
-    a = q.u.shape[0]
-    ix = _ro(np.ascontiguousarray(np.asarray(idx, dtype=np.int64)))
-    if ix.ndim != 2 or ix.shape[0] != a:
-        raise ValueError(f"idx must be ({a}, K) candidate rows, got {ix.shape}")
-    if ix.size and (int(ix.min()) < 0 or int(ix.max()) >= n):
-        raise ValueError(f"candidate rows must lie in [0, {n}), got [{int(ix.min())}, {int(ix.max())}]")
     vr = np.zeros((0, d), np.float32) if vrows is None else _f32_arg(vrows)
     if vrows is not None and (vr.shape != (n, d) or vr.dtype != np.float32):
         raise ValueError(f"vrows must be float32 ({n}, {d}), got {vr.dtype} {vr.shape}")
     vs = np.zeros(0, np.float32) if vscale is None else _f32_arg(vscale)
     if vscale is not None and (vrows is None or vs.shape != (n,) or vs.dtype != np.float32):
         raise ValueError(f"vscale must be float32 ({n},) with vrows, got {vs.dtype} {vs.shape}")
+    return KernelArrays(fr=fr, fs=_ro(np.ascontiguousarray(fs)), pk=pk, vr=_ro(np.ascontiguousarray(vr)),
+                        vs=_ro(np.ascontiguousarray(vs)))
+
+
+def pair_scores(q: Any, frames: Any, packed: Any, idx: Any, *, vrows: Any = None, vscale: Any = None,
+                fscale: Any = None, threads: int = 1) -> np.ndarray:
+    """Folded psi scores (a, K) float32 for the candidates idx (a, K) (rows into frames/packed, repeats allowed).
+
+    q: `gare.psi_fold_queries.QueryVectors` (CPU); frames (N, f, d) and packed (N, 10f + 5f² + 2), float16 or
+    float32, numpy (memmaps welcome: only the candidates' rows are read) or CPU tensors; frames may be int8
+    with fscale (N, f) float32, frame g of row c being ``fscale[c, g] * frames[c, g]`` (an index's
+    ``--frames-dtype int8``); vrows (N, d) float32 and vscale (N,) float32 give v̄ = vscale · vrows (the
+    index's norm · unit; vscale None = 1), else v̄ is Σ ω_f F_f as the constants were folded. `threads` > 1
+    splits the candidates over that many threads (the kernel releases the GIL), each taking at least
+    MIN_PAIRS_PER_THREAD pairs. Equal to `gare.psi_fold.pair_scores` to float32 rounding."""
+    return scores(q, kernel_arrays(frames, packed, vrows=vrows, vscale=vscale, fscale=fscale), idx, threads=threads)
+
+
+def scores(q: Any, arrays: KernelArrays, idx: Any, *, threads: int = 1) -> np.ndarray:
+    """`pair_scores` on arrays already checked by `kernel_arrays` (what the served rerank calls per request)."""
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    n, d = arrays.n, arrays.fr.shape[2]
+    a = q.u.shape[0]
+    ix = idx if isinstance(idx, np.ndarray) and idx.dtype == np.int64 and idx.flags.c_contiguous else \
+        np.ascontiguousarray(np.asarray(idx, dtype=np.int64))
+    if ix.ndim != 2 or ix.shape[0] != a:
+        raise ValueError(f"idx must be ({a}, K) candidate rows, got {ix.shape}")
+    if ix.size and (int(ix.min()) < 0 or int(ix.max()) >= n):
+        raise ValueError(f"candidate rows must lie in [0, {n}), got [{int(ix.min())}, {int(ix.max())}]")
     u, sc, wsc = (_ro(np.ascontiguousarray(x.detach().cpu().numpy(), dtype=np.float32)) for x in (q.u, q.sc, q.wsc))
     if u.shape[1:] != (3, d):
         raise ValueError(f"query vectors {u.shape} do not match frames of width {d}")
     out = np.empty(ix.shape, np.float32)
-    args = (u, sc, wsc, _ro(np.asarray(q.eps, np.float64)), np.float32(q.inv_temp), fr, _ro(np.ascontiguousarray(fs)),
-            pk, _ro(np.ascontiguousarray(vr)), _ro(np.ascontiguousarray(vs)), ix)
+    args = (u, sc, wsc, _ro(np.asarray(q.eps, np.float64)), np.float32(q.inv_temp), arrays.fr, arrays.fs,
+            arrays.pk, arrays.vr, arrays.vs, _ro(ix))
     kernel = _kernel()[0]
     k = ix.shape[1]
     parts = max(1, min(threads, (a * k) // MIN_PAIRS_PER_THREAD))

@@ -12,8 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
+from gare import psi_fold_cpu, psi_fold_cpu_queries
 from gare.psi import Psi
 from gare.psi_fold_weights import PsiFold, as_fold
+
+# Up to this many queries the CPU fold is one compiled call per row (gare.psi_fold_cpu_queries.fold_query_rows); a
+# larger batch (exhaustive scoring, benchmarks) is one torch matrix product, faster there.
+KERNEL_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,12 @@ def fold_queries(t: torch.Tensor, psi: Psi | PsiFold, temp: float) -> QueryVecto
     dev = t.device
     fw = fold.to(dev) if fold.device != dev else fold
     d = fold.dim
+    if dev.type == "cpu" and t.shape[0] <= KERNEL_ROWS and psi_fold_cpu.available():
+        # one compiled call (u, sc) instead of ~12 torch ops: at one query their dispatch, not the (d, 2d + 3)
+        # product, was most of the fold (~0.3 of ~0.45 ms on a cold cache)
+        u, sc = psi_fold_cpu_queries.fold_query_rows(t.detach().to(torch.float32).contiguous().numpy(), fw.query_map.numpy())
+        return QueryVectors(u=torch.from_numpy(u), sc=torch.from_numpy(sc), wsc=fw.scalars, eps=fold.eps,
+                            inv_temp=1.0 / float(temp), fingerprint=fold.fingerprint)
     with torch.no_grad():
         t = t.to(torch.float32)
         y = t @ fw.query_map  # (a, 2d + 3): u1, u2, t·k2, t·m0, t·m1
@@ -84,7 +95,8 @@ class QueryFoldCache:
         if self.max_entries == 0 or t.device.type != "cpu" or t.ndim != 2:
             return fold_queries(t, fold, temp)
         rows = t.detach().to(torch.float32).contiguous()
-        keys = [(fold.fingerprint, float(temp), r.numpy().tobytes()) for r in rows]
+        tn = rows.numpy()  # keys from numpy rows: iterating a tensor costs a tensor per row
+        keys = [(fold.fingerprint, float(temp), tn[i].tobytes()) for i in range(tn.shape[0])]
         with self._lock:
             got = [self._rows.get(k) for k in keys]
             for k, g in zip(keys, got, strict=True):
@@ -94,7 +106,7 @@ class QueryFoldCache:
         self.hits += len(keys) - len(miss)
         self.misses += len(miss)
         if miss:
-            q = fold_queries(rows[miss], fold, temp)
+            q = fold_queries(rows if len(miss) == len(keys) else rows[miss], fold, temp)
             with self._lock:
                 for j, i in enumerate(miss):
                     got[i] = (q.u[j], q.sc[j])
@@ -103,7 +115,10 @@ class QueryFoldCache:
                     self._rows.popitem(last=False)
             if len(miss) == len(keys):
                 return q
-        u = torch.stack([g[0] for g in got])  # type: ignore[index]
-        sc = torch.stack([g[1] for g in got])  # type: ignore[index]
+        if len(got) == 1:  # one query (the common request): views, no copy
+            u, sc = got[0][0][None], got[0][1][None]  # type: ignore[index]
+        else:
+            u = torch.stack([g[0] for g in got])  # type: ignore[index]
+            sc = torch.stack([g[1] for g in got])  # type: ignore[index]
         return QueryVectors(u=u, sc=sc, wsc=fold.scalars, eps=fold.eps, inv_temp=1.0 / float(temp),
                             fingerprint=fold.fingerprint)

@@ -15,6 +15,8 @@ WARNING naming ``gare-index upgrade`` (:func:`gare_index.psi_consts.served`).
 from __future__ import annotations
 
 import logging
+import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from gare import psi_fold as pf
-from gare import psi_fold_cpu
+from gare import psi_fold_cpu, psi_fold_cpu_queries
 from gare.psi_fold_queries import QueryFoldCache, fold_queries
 from gare_index import psi_consts
 
@@ -34,6 +36,7 @@ log = logging.getLogger(__name__)
 QUERY_FOLDS = QueryFoldCache(4096)
 
 
+_ARRAYS_LOCK = threading.Lock()
 RERANK_THREADS: int | None = None  # None: the torch intra-op threads (see rerank_threads)
 
 
@@ -56,10 +59,11 @@ def prepare(model: Any, version: Any) -> None:
 
 
 def warm_up(device: torch.device | str) -> None:
-    """Compile the CPU kernel of the rerank (a few seconds, once per process) when `device` will use it, so
+    """Compile the CPU kernels of the rerank and its query fold (a few seconds, once per process) when `device` will use it, so
     that no request pays for it."""
     if torch.device(device).type == "cpu" and psi_fold_cpu.available():
         psi_fold_cpu.warm_up()
+        psi_fold_cpu_queries.warm_up()
 
 
 def kernel_reads(version: Any, consts: np.ndarray) -> bool:
@@ -69,6 +73,37 @@ def kernel_reads(version: Any, consts: np.ndarray) -> bool:
     fr = version.frames.q if getattr(version, "frame_scales", None) is not None else version.frames
     return ((fr.dtype in ok or fr.dtype == np.int8) and consts.dtype in ok and version.units.dtype == np.float32
             and np.asarray(version.norms).dtype == np.float32 and psi_fold_cpu.available())
+
+
+# id(version) -> (weak reference to it, the arrays it was made from, their kernel views or None when the kernel
+# cannot read them): the kernel's checks and views of an index's arrays once per version, not per request
+_ARRAYS: dict[int, tuple[Any, tuple[Any, ...], psi_fold_cpu.KernelArrays | None]] = {}
+_ARRAYS_MAX = 16
+
+
+def _kernel_arrays(version: Any, consts: np.ndarray) -> psi_fold_cpu.KernelArrays | None:
+    """The version's arrays as the CPU kernel reads them (kept per version while it and its arrays live), or
+    None when the kernel cannot read them (see :func:`kernel_reads`)."""
+    fscale = getattr(version, "frame_scales", None)  # int8 frames: the kernel scales frame g of row c by fscale[c, g]
+    src = (version.frames, consts, version.units, version.norms, fscale)
+    got = _ARRAYS.get(id(version))
+    if got is not None and got[0]() is version and all(a is b for a, b in zip(got[1], src, strict=True)):
+        return got[2]
+    ka = None
+    if kernel_reads(version, consts):
+        ka = psi_fold_cpu.kernel_arrays(version.frames if fscale is None else version.frames.q, consts,
+                                        vrows=version.units, vscale=version.norms, fscale=fscale)
+    try:
+        ref = weakref.ref(version)
+    except TypeError:  # an object without weak references (tests' stand-ins): not kept
+        return ka
+    key = id(version)
+    with _ARRAYS_LOCK:
+        while len(_ARRAYS) >= _ARRAYS_MAX:
+            _ARRAYS.pop(next(iter(_ARRAYS)))
+        _ARRAYS[key] = (ref, src, ka)
+    weakref.finalize(version, _ARRAYS.pop, key, None)  # the views hold the memmaps: dropped with the version
+    return ka
 
 
 def padded(ids: np.ndarray, sizes: list[int]) -> np.ndarray:
@@ -91,6 +126,12 @@ def unpad(s: np.ndarray, sizes: list[int]) -> np.ndarray:
 
 def psi_scores(model: Any, version: Any, t: torch.Tensor, cand_ids: np.ndarray | Sequence[np.ndarray]) -> list[np.ndarray]:
     """psi scores s_tj for each query's candidates: t (a, d); cand_ids[i] (K_i,) valid ids -> list of (K_i,)."""
+    if len(cand_ids) == 1:  # one query (the common request): no offsets, no concatenation
+        c = np.asarray(cand_ids[0], dtype=np.int64).reshape(-1)
+        if c.size == 0:
+            return [np.zeros(0, np.float32)]
+        with torch.inference_mode():
+            return [_fold_pairs(model, version, t, version.rows(c), [c.size])]
     lists = [np.asarray(c, dtype=np.int64).reshape(-1) for c in cand_ids]
     sizes = [c.size for c in lists]
     offs = np.cumsum([0] + sizes)
@@ -113,11 +154,9 @@ def _fold_pairs(model: Any, version: Any, t: torch.Tensor, rows: np.ndarray, siz
     # the stored constants when valid (fold_of once per request: its check is ~4 us), else served()
     consts = version.psi_consts if psi_consts.fold_status(version, fold) is None else psi_consts.served(model, version)
     q = QUERY_FOLDS.fold(t, fold, model.cfg.temp)
-    if dev.type == "cpu" and kernel_reads(version, consts):
-        fscale = getattr(version, "frame_scales", None)  # int8 frames: the kernel scales frame g of row c by fscale[c, g]
-        frames = version.frames if fscale is None else version.frames.q
-        s = psi_fold_cpu.pair_scores(q, frames, consts, padded(rows, sizes), vrows=version.units,
-                                     vscale=version.norms, fscale=fscale, threads=rerank_threads())
+    ka = _kernel_arrays(version, consts) if dev.type == "cpu" else None
+    if ka is not None:
+        s = psi_fold_cpu.scores(q, ka, padded(rows, sizes), threads=rerank_threads())
         return unpad(s, sizes)
     uniq, inv = np.unique(rows, return_inverse=True)
     v = psi_consts.gather(version, uniq, fold, dev, consts=consts)
@@ -154,6 +193,7 @@ def rerank_shortlists(model: Any, version: Any, t: torch.Tensor, ids: Sequence[n
     psi: list[np.ndarray | None] = [None] * len(opts)
     need = [i for i, o in enumerate(opts) if o.rerank]
     if need:
-        for i, s in zip(need, psi_scores(model, version, t[need], [ids[i] for i in need]), strict=True):
+        tn = t if len(need) == len(opts) else t[need]  # every query reranked (the common case): no gather
+        for i, s in zip(need, psi_scores(model, version, tn, [ids[i] for i in need]), strict=True):
             psi[i] = s
     return psi

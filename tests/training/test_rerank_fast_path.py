@@ -1,0 +1,107 @@
+"""The served rerank's fast path (issue 29): the compiled query fold against the torch product in float64, the
+kernel on arrays checked once per version against `pair_scores` and the psi reference, and the per-version
+cache of those arrays (kept while the version and its arrays live, rebuilt when an array is replaced)."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+
+from gare import psi_fold_cpu as pc
+from gare import psi_fold_cpu_queries as pfcq
+from gare import psi_fold_queries as pfq
+from gare import psi_fold_videos as pfv
+from gare_search import rerank
+from tests.training.test_psi_fold import TOL, random_psi, reference
+
+
+def _fold64(t: torch.Tensor, fold: pfq.PsiFold) -> tuple[torch.Tensor, torch.Tensor]:
+    """The query side of the fold in float64 with plain torch ops (what fold_queries computes in float32)."""
+    t = t.double()
+    d = fold.dim
+    y = t @ fold.query_map.double()
+    u = torch.cat([t, y[:, : 2 * d]], dim=1).view(-1, 3, d)
+    ct = t - t.mean(-1, keepdim=True)
+    sc = torch.cat([t.pow(2).sum(-1, keepdim=True), ct.pow(2).sum(-1, keepdim=True), t.sum(-1, keepdim=True),
+                    y[:, 2 * d :], torch.zeros_like(t[:, :1])], dim=1)
+    return u, sc
+
+
+@pytest.mark.parametrize("d", [16, 18])  # 18: a width the 4-row unrolled product does not divide
+def test_compiled_query_fold_equals_the_float64_fold(d):
+    psi = random_psi(d, 3)
+    fold = pfq.as_fold(psi)
+    t = torch.randn(5, d, generator=torch.Generator().manual_seed(d))
+    q = pfq.fold_queries(t, fold, 0.5)  # 5 <= KERNEL_ROWS: the compiled fold
+    u64, sc64 = _fold64(t, fold)
+    torch.testing.assert_close(q.u.double(), u64, atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(q.sc.double(), sc64, atol=2e-5, rtol=2e-6)
+    assert q.inv_temp == 2.0 and q.fingerprint == fold.fingerprint and q.u.dtype == torch.float32
+    # every row folded on its own (a batch changes at most the rounding of its sums: row alignment)
+    for i in range(5):
+        one = pfq.fold_queries(t[i : i + 1], fold, 0.5)
+        torch.testing.assert_close(one.u[0], q.u[i], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(one.sc[0], q.sc[i], atol=1e-5, rtol=1e-6)
+    # a batch over KERNEL_ROWS takes the torch product: the same vectors to float32 rounding
+    big = pfq.fold_queries(t.repeat(pfq.KERNEL_ROWS // 5 + 1, 1), fold, 0.5)
+    torch.testing.assert_close(big.u[:5], q.u, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(big.sc[:5], q.sc, atol=1e-5, rtol=1e-6)
+
+
+def test_compiled_query_fold_refuses_mismatched_shapes():
+    with pytest.raises(ValueError, match=r"do not match: \(1, 8\), \(8, 16\)"):
+        pfcq.fold_query_rows(np.zeros((1, 8), np.float32), np.zeros((8, 16), np.float32))
+
+
+@pytest.mark.parametrize("with_vbar", [False, True])
+def test_scores_on_checked_arrays_equal_pair_scores_and_the_reference(with_vbar):
+    psi = random_psi(16, 2)
+    g = torch.Generator().manual_seed(5)
+    frames = torch.randn(40, 4, 16, generator=g).half()
+    mask = torch.ones(40, 4, dtype=torch.bool)
+    mask[::3, 3:] = False
+    v = pfv.fold_videos(frames, mask, psi)
+    t = torch.randn(2, 16, generator=g)
+    q = pfq.fold_queries(t, psi, 0.5)
+    idx = torch.randint(0, 40, (2, 37), generator=g).numpy()  # repeats, any order: the prefetch follows idx
+    kw = {}
+    if with_vbar:
+        vbar = (frames.float() * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+        kw = {"vrows": (vbar / vbar.norm(dim=1, keepdim=True)).numpy(), "vscale": vbar.norm(dim=1).numpy()}
+    ka = pc.kernel_arrays(v.frames.numpy(), v.packed.numpy(), **kw)
+    got = pc.scores(q, ka, idx)
+    assert np.array_equal(got, pc.pair_scores(q, v.frames, v.packed, idx, **kw))
+    for i in range(2):
+        want = reference(psi, t[i : i + 1], frames[idx[i]].float(), mask[idx[i]], 0.5)[0]
+        np.testing.assert_allclose(got[i], want.numpy(), atol=TOL, rtol=0)
+    with pytest.raises(ValueError, match=r"candidate rows must lie in \[0, 40\), got \[0, 40\]"):
+        pc.scores(q, ka, np.array([[0, 40], [1, 2]]))
+
+
+class _Version:
+    """The fields of an index version the rerank's array cache reads."""
+
+    def __init__(self, n: int, f: int, d: int) -> None:
+        self.frames = np.zeros((n, f, d), np.float16)
+        self.units = np.zeros((n, d), np.float32)
+        self.norms = np.ones(n, np.float32)
+
+
+def test_kernel_arrays_are_kept_per_version_and_follow_its_arrays():
+    v = _Version(6, 2, 4)
+    consts = np.zeros((6, pfv.packed_width(2)), np.float32)
+    first = rerank._kernel_arrays(v, consts)
+    assert first is not None and first.fr.dtype == np.uint16 and first.vr.shape == (6, 4)
+    assert rerank._kernel_arrays(v, consts) is first  # checked once, not per request
+    v.frames = np.ones((6, 2, 4), np.float16)  # an array replaced: new views
+    second = rerank._kernel_arrays(v, consts)
+    assert second is not first and second.fr[0, 0, 0] == np.float16(1).view(np.uint16)
+    assert rerank._kernel_arrays(v, consts.astype(np.float64)) is None  # constants the kernel cannot read
+    key = id(v)
+    assert key in rerank._ARRAYS
+    del v
+    gc.collect()
+    assert key not in rerank._ARRAYS  # the views (and the memmaps behind them) go with the version
