@@ -165,7 +165,9 @@ def _build() -> Any:
         d2 = np.empty(f, np.float32)
         aw = np.empty(f, np.float32)
         ww = np.empty(f, np.float32)
+        oaa, oaw, oww = np.empty(f * f, np.float32), np.empty(f * f, np.float32), np.empty(f * f, np.float32)
         ninf = np.float32(-np.inf)
+        z = np.float32(0.0)
         tiny = np.float32(np.finfo(np.float32).tiny)
         scaled = fscale.shape[0] > 0
         fbytes = f * d * frames.itemsize
@@ -191,23 +193,35 @@ def _build() -> Any:
                             prefetch(vrows, cn, o)
                         prefetch(vrows, cn, vbytes - 1)
                 pk = const_row(packed, c, buf)
-                for g in range(f):
-                    # the 3 dots of frame g, widened in registers (no float32 copy of the frames), 3 FMAs per
-                    # element; written out here, not called: a call per frame costs more than its 512 elements
-                    x0 = np.float32(0.0)
-                    x1 = np.float32(0.0)
-                    x2 = np.float32(0.0)
+                # the 3 dots of each frame, widened in registers (no float32 copy of the frames), four frames per
+                # pass over u so each load of u feeds 4 FMAs (one frame per pass: the loads of u, not the FMAs,
+                # bounded the loop); written out here, not called: a call per frame costs more than its work
+                for g0 in range(0, f, 4):
+                    nb = min(4, f - g0)
+                    g1, g2, g3 = g0 + min(1, nb - 1), g0 + min(2, nb - 1), g0 + min(3, nb - 1)  # repeats past f
+                    x00, x01, x02, x10, x11, x12 = z, z, z, z, z, z
+                    x20, x21, x22, x30, x31, x32 = z, z, z, z, z, z
                     for k in range(d):
-                        xk = as_f32(frames[c, g, k])
-                        x0 += xk * u[i, 0, k]
-                        x1 += xk * u[i, 1, k]
-                        x2 += xk * u[i, 2, k]
-                    if scaled:  # int8 frames: the dots of q·s are s times the dots of q
-                        sg = fscale[c, g]
-                        x0, x1, x2 = x0 * sg, x1 * sg, x2 * sg
-                    dt[g] = x0
-                    d1[g] = x1
-                    d2[g] = x2
+                        ua, ub, uc = u[i, 0, k], u[i, 1, k], u[i, 2, k]
+                        y0, y1 = as_f32(frames[c, g0, k]), as_f32(frames[c, g1, k])
+                        y2, y3 = as_f32(frames[c, g2, k]), as_f32(frames[c, g3, k])
+                        x00 += y0 * ua
+                        x01 += y0 * ub
+                        x02 += y0 * uc
+                        x10 += y1 * ua
+                        x11 += y1 * ub
+                        x12 += y1 * uc
+                        x20 += y2 * ua
+                        x21 += y2 * ub
+                        x22 += y2 * uc
+                        x30 += y3 * ua
+                        x31 += y3 * ub
+                        x32 += y3 * uc
+                    for gg, (e0, e1, e2) in enumerate(((x00, x01, x02), (x10, x11, x12), (x20, x21, x22), (x30, x31, x32))):
+                        if gg < nb:
+                            g = g0 + gg
+                            sg = fscale[c, g] if scaled else np.float32(1.0)  # int8: the dots of q·s are s x those of q
+                            dt[g], d1[g], d2[g] = e0 * sg, e1 * sg, e2 * sg
                 # packed row: rs, bias, le, lg, omega, g2, mu0, mu1, pi0, pi1 (f each); G1, G2, G3, P, H (f x f); cvv, vsum
                 if vrows.shape[0] > 0:
                     vt = dot(vrows[c], u[i, 0]) * (vscale[c] if vscale.shape[0] > 0 else np.float32(1.0))
@@ -240,37 +254,38 @@ def _build() -> Any:
                 for g in range(f):
                     aw[g] /= za
                     ww[g] /= zw
-                # quadratic forms aᵀG1a, aᵀG2a, aᵀG3a, wᵀHw; (aᵀP)_g; linear forms a·g2, a·μ0, a·μ1; Σ a_f u2·F_f/σ_f
-                m0 = _N_VEC * f
-                q1, q2, q3, q5 = np.float32(0.0), np.float32(0.0), np.float32(0.0), np.float32(0.0)
-                l0, l1, l2, ad2 = np.float32(0.0), np.float32(0.0), np.float32(0.0), np.float32(0.0)
+                # quadratic forms aᵀG1a, aᵀG2a, aᵀG3a, aᵀPw, wᵀHw as flat dots of the f x f matrices with the outer
+                # products a⊗a, a⊗w, w⊗w: one vectorised pass over the 5f² constants and one horizontal sum per form
+                # (per row r and form, a sum of f terms cost a horizontal sum each: ~40% of the hot kernel)
+                ff, m0 = f * f, _N_VEC * f
                 for r in range(f):
-                    ar, wr = aw[r], ww[r]
-                    b1, b2, b3, b5 = np.float32(0.0), np.float32(0.0), np.float32(0.0), np.float32(0.0)
                     for g in range(f):
-                        o = r * f + g
-                        b1 += pk[m0 + o] * aw[g]
-                        b2 += pk[m0 + f * f + o] * aw[g]
-                        b3 += pk[m0 + 2 * f * f + o] * aw[g]
-                        b5 += pk[m0 + 4 * f * f + o] * ww[g]
-                    q1 += ar * b1
-                    q2 += ar * b2
-                    q3 += ar * b3
-                    q5 += wr * b5
+                        oaa[r * f + g] = aw[r] * aw[g]
+                        oaw[r * f + g] = aw[r] * ww[g]
+                        oww[r * f + g] = ww[r] * ww[g]
+                q1, q2, q3, q4, q5 = z, z, z, z, z
+                for o in range(ff):
+                    q1 += pk[m0 + o] * oaa[o]
+                    q2 += pk[m0 + ff + o] * oaa[o]
+                    q3 += pk[m0 + 2 * ff + o] * oaa[o]
+                    q4 += pk[m0 + 3 * ff + o] * oaw[o]
+                    q5 += pk[m0 + 4 * ff + o] * oww[o]
+                # linear forms a·g2, a·μ0, a·μ1, Σ a_f u2·F_f/σ_f, w·(t·F + π1), w·π0
+                l0, l1, l2, ad2, w1, w0 = z, z, z, z, z, z
+                for r in range(f):
+                    ar = aw[r]
                     l0 += pk[5 * f + r] * ar
                     l1 += pk[6 * f + r] * ar
                     l2 += pk[7 * f + r] * ar
                     ad2 += ar * d2[r] * pk[r]
-                s2 = np.float32(math.sqrt(max(q1, np.float32(0.0)) / fd + eps2))
-                s3 = np.float32(math.sqrt(max(q2 / (s2 * s2) + np.float32(2.0) * l0 / s2 + cz0, np.float32(0.0)) / fd + eps3))
+                    w1 += ww[r] * (dt[r] + pk[9 * f + r])
+                    w0 += ww[r] * pk[8 * f + r]
+                s2 = np.float32(math.sqrt(max(q1, z) / fd + eps2))
+                s3 = np.float32(math.sqrt(max(q2 / (s2 * s2) + np.float32(2.0) * l0 / s2 + cz0, z) / fd + eps3))
                 t_delta = ((ad2 + tk2) / s2 + tm0) / s3 + tm1
                 ddl = (q3 / (s2 * s2) + np.float32(2.0) * l1 / s2 + m00) / (s3 * s3) + np.float32(2.0) * (l2 / s2 + m01) / s3 + m11
-                tdp = np.float32(0.0)
-                for g in range(f):
-                    ap = np.float32(0.0)  # (aᵀP)_g
-                    for r in range(f):
-                        ap += aw[r] * pk[m0 + 3 * f * f + r * f + g]
-                    tdp += ww[g] * (dt[g] + (ap / s2 + pk[8 * f + g]) / s3 + pk[9 * f + g])
+                # Σ_g w_g (t·F_g + ((aᵀP)_g / s2 + π0_g) / s3 + π1_g), the sums over g taken term by term
+                tdp = w1 + (q4 / s2 + w0) / s3
                 nx = np.float32(math.sqrt(max(tt + np.float32(2.0) * t_delta + ddl, np.float32(0.0))))
                 npp = np.float32(math.sqrt(max(q5, np.float32(0.0))))
                 out[i, j] = tdp / (max(nx, np.float32(_COS_EPS)) * max(npp, np.float32(_COS_EPS)))
