@@ -429,7 +429,8 @@ def pair_scores(q: Any, frames: Any, packed: Any, idx: Any, *, vrows: Any = None
 
 
 def scores(q: Any, arrays: KernelArrays, idx: Any, *, threads: int = 1) -> np.ndarray:
-    """`pair_scores` on arrays already checked by `kernel_arrays` (what the served rerank calls per request)."""
+    """`pair_scores` on arrays already checked by `kernel_arrays` (what the served rerank calls per request);
+    q's u, sc and wsc may be numpy arrays (the served path) or CPU tensors (QueryVectors)."""
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     n, d = arrays.n, arrays.fr.shape[2]
@@ -440,7 +441,7 @@ def scores(q: Any, arrays: KernelArrays, idx: Any, *, threads: int = 1) -> np.nd
         raise ValueError(f"idx must be ({a}, K) candidate rows, got {ix.shape}")
     if ix.size and (int(ix.min()) < 0 or int(ix.max()) >= n):
         raise ValueError(f"candidate rows must lie in [0, {n}), got [{int(ix.min())}, {int(ix.max())}]")
-    u, sc, wsc = (_ro(np.ascontiguousarray(x.detach().cpu().numpy(), dtype=np.float32)) for x in (q.u, q.sc, q.wsc))
+    u, sc, wsc = (_ro(np.ascontiguousarray(_f32_arg(x), dtype=np.float32)) for x in (q.u, q.sc, q.wsc))
     if u.shape[1:] != (3, d):
         raise ValueError(f"query vectors {u.shape} do not match frames of width {d}")
     out = np.empty(ix.shape, np.float32)

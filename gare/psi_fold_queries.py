@@ -10,6 +10,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from gare import psi_fold_cpu, psi_fold_cpu_queries
@@ -81,7 +82,7 @@ class QueryFoldCache:
         if max_entries < 0:
             raise ValueError(f"max_entries must be >= 0, got {max_entries}")
         self.max_entries = max_entries
-        self._rows: OrderedDict[tuple[str, float, bytes], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._rows: OrderedDict[tuple[str, float, bytes], tuple[np.ndarray, np.ndarray]] = OrderedDict()  # u (3, d), sc (7,)
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -107,18 +108,38 @@ class QueryFoldCache:
         self.misses += len(miss)
         if miss:
             q = fold_queries(rows if len(miss) == len(keys) else rows[miss], fold, temp)
+            qu, qs = q.u.numpy(), q.sc.numpy()
             with self._lock:
                 for j, i in enumerate(miss):
-                    got[i] = (q.u[j], q.sc[j])
+                    got[i] = (qu[j], qs[j])
                     self._rows[keys[i]] = got[i]
                 while len(self._rows) > self.max_entries:
                     self._rows.popitem(last=False)
             if len(miss) == len(keys):
                 return q
-        if len(got) == 1:  # one query (the common request): views, no copy
-            u, sc = got[0][0][None], got[0][1][None]  # type: ignore[index]
-        else:
-            u = torch.stack([g[0] for g in got])  # type: ignore[index]
-            sc = torch.stack([g[1] for g in got])  # type: ignore[index]
+        u = torch.from_numpy(np.stack([g[0] for g in got]))  # type: ignore[index]
+        sc = torch.from_numpy(np.stack([g[1] for g in got]))  # type: ignore[index]
         return QueryVectors(u=u, sc=sc, wsc=fold.scalars, eps=fold.eps, inv_temp=1.0 / float(temp),
                             fingerprint=fold.fingerprint)
+
+    def fold_one(self, t: np.ndarray, fold: PsiFold, temp: float) -> tuple[np.ndarray, np.ndarray]:
+        """One query's vectors as numpy, the served rerank's path (no tensors): t (d,) float32 -> u (1, 3, d),
+        sc (1, 7) as `fold` gives them for that row (the same cache). `fold` must live on the CPU."""
+        if t.ndim != 1 or t.dtype != np.float32 or t.shape[0] != fold.dim:
+            raise ValueError(f"t must be float32 ({fold.dim},), got {t.dtype} {t.shape}")
+        key = (fold.fingerprint, float(temp), t.tobytes())
+        with self._lock:
+            g = self._rows.get(key)
+            if g is not None:
+                self._rows.move_to_end(key)
+        if g is not None:
+            self.hits += 1
+            return g[0][None], g[1][None]
+        self.misses += 1
+        u, sc = psi_fold_cpu_queries.fold_query_rows(t[None], fold.query_map.numpy())
+        if self.max_entries > 0:
+            with self._lock:
+                self._rows[key] = (u[0], sc[0])
+                while len(self._rows) > self.max_entries:
+                    self._rows.popitem(last=False)
+        return u, sc

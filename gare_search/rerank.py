@@ -18,6 +18,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -153,8 +154,13 @@ def _fold_pairs(model: Any, version: Any, t: torch.Tensor, rows: np.ndarray, siz
     fold = psi_consts.fold_of(model)
     # the stored constants when valid (fold_of once per request: its check is ~4 us), else served()
     consts = version.psi_consts if psi_consts.fold_status(version, fold) is None else psi_consts.served(model, version)
-    q = QUERY_FOLDS.fold(t, fold, model.cfg.temp)
     ka = _kernel_arrays(version, consts) if dev.type == "cpu" else None
+    if ka is not None and len(sizes) == 1 and fold.device.type == "cpu":
+        # one query (the common request): its vectors as numpy straight into the kernel, no tensors between
+        u, sc = QUERY_FOLDS.fold_one(t.detach()[0].to(torch.float32).numpy(), fold, model.cfg.temp)
+        qa = SimpleNamespace(u=u, sc=sc, wsc=fold.scalars.numpy(), eps=fold.eps, inv_temp=1.0 / float(model.cfg.temp))
+        return psi_fold_cpu.scores(qa, ka, padded(rows, sizes), threads=rerank_threads())[0]
+    q = QUERY_FOLDS.fold(t, fold, model.cfg.temp)
     if ka is not None:
         s = psi_fold_cpu.scores(q, ka, padded(rows, sizes), threads=rerank_threads())
         return unpad(s, sizes)

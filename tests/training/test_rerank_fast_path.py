@@ -105,3 +105,21 @@ def test_kernel_arrays_are_kept_per_version_and_follow_its_arrays():
     del v
     gc.collect()
     assert key not in rerank._ARRAYS  # the views (and the memmaps behind them) go with the version
+
+
+def test_fold_one_shares_the_cache_with_fold_and_equals_it():
+    psi = random_psi(16, 3)
+    fold = pfq.as_fold(psi)
+    cache = pfq.QueryFoldCache(4)
+    t = torch.randn(3, 16, generator=torch.Generator().manual_seed(9))
+    u, sc = cache.fold_one(t[0].numpy(), fold, 0.5)  # a miss: folded and kept
+    assert u.shape == (1, 3, 16) and sc.shape == (1, 7) and (cache.misses, cache.hits) == (1, 0)
+    want = pfq.fold_queries(t[:1], fold, 0.5)
+    assert np.array_equal(u, want.u.numpy()) and np.array_equal(sc, want.sc.numpy())
+    got = cache.fold(t[:2], fold, 0.5)  # row 0 hits the row fold_one kept
+    assert (cache.misses, cache.hits) == (2, 1)
+    assert np.array_equal(got.u[0].numpy(), u[0]) and np.array_equal(got.sc[0].numpy(), sc[0])
+    u1, _ = cache.fold_one(t[1].numpy(), fold, 0.5)  # kept by fold: a hit
+    assert cache.hits == 2 and np.array_equal(u1[0], got.u[1].numpy())
+    with pytest.raises(ValueError, match=r"t must be float32 \(16,\), got float64 \(16,\)"):
+        cache.fold_one(t[0].double().numpy(), fold, 0.5)
