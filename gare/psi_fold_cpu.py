@@ -103,6 +103,12 @@ def _build() -> Any:
             return context.get_dummy_value()
         return types.void(arr, c, off), codegen
 
+    @numba.njit(inline="always", nogil=True, boundscheck=False)
+    def prefetch_row(arr, c, nbytes):
+        for o in range(0, nbytes, 64):  # every cache line of the row's nbytes, its last byte included
+            prefetch(arr, c, o)
+        prefetch(arr, c, nbytes - 1)
+
     def as_f32(x):  # pragma: no cover - replaced by the overload below
         raise NotImplementedError
 
@@ -170,9 +176,6 @@ def _build() -> Any:
         z = np.float32(0.0)
         tiny = np.float32(np.finfo(np.float32).tiny)
         scaled = fscale.shape[0] > 0
-        fbytes = f * d * frames.itemsize
-        pbytes = W * packed.itemsize
-        vbytes = d * 4
         for i in range(a):
             tt, ctt, tsum, tk2, tm0, tm1 = sc[i, 0], sc[i, 1], sc[i, 2], sc[i, 3], sc[i, 4], sc[i, 5]
             for j in range(j0, j1):
@@ -182,16 +185,10 @@ def _build() -> Any:
                 # the store, and without the hint each row's first lines wait on memory (~25% of a cold rerank)
                 if j + 1 < j1:
                     cn = idx[i, j + 1]
-                    for o in range(0, fbytes, 64):
-                        prefetch(frames, cn, o)
-                    prefetch(frames, cn, fbytes - 1)
-                    for o in range(0, pbytes, 64):
-                        prefetch(packed, cn, o)
-                    prefetch(packed, cn, pbytes - 1)
+                    prefetch_row(frames, cn, f * d * frames.itemsize)
+                    prefetch_row(packed, cn, W * packed.itemsize)
                     if vrows.shape[0] > 0:
-                        for o in range(0, vbytes, 64):
-                            prefetch(vrows, cn, o)
-                        prefetch(vrows, cn, vbytes - 1)
+                        prefetch_row(vrows, cn, d * 4)
                 pk = const_row(packed, c, buf)
                 # the 3 dots of each frame, widened in registers (no float32 copy of the frames), four frames per
                 # pass over u so each load of u feeds 4 FMAs (one frame per pass: the loads of u, not the FMAs,
@@ -349,6 +346,13 @@ def _as_kernel_array(x: Any, name: str, ndim: int, *, int8: bool = False) -> np.
     return _ro(np.ascontiguousarray(arr))
 
 
+def _ro_f32(x: Any) -> np.ndarray:
+    """x (numpy or a CPU tensor) as a read-only C-contiguous float32 array; one already so is used as is."""
+    if isinstance(x, np.ndarray) and x.dtype == np.float32 and not x.flags.writeable and x.flags.c_contiguous:
+        return x
+    return _ro(np.ascontiguousarray(_f32_arg(x), dtype=np.float32))
+
+
 def _f32_arg(x: Any) -> np.ndarray:
     return np.asarray(x.detach().cpu().numpy() if hasattr(x, "detach") else x)
 
@@ -381,10 +385,6 @@ class KernelArrays:
     pk: np.ndarray  # (N, 10f + 5f² + 2) uint16 | float32
     vr: np.ndarray  # (N, d) float32 or (0, d)
     vs: np.ndarray  # (N,) float32 or (0,)
-
-    @property
-    def n(self) -> int:
-        return int(self.fr.shape[0])
 
 
 def kernel_arrays(frames: Any, packed: Any, *, vrows: Any = None, vscale: Any = None,
@@ -433,7 +433,7 @@ def scores(q: Any, arrays: KernelArrays, idx: Any, *, threads: int = 1) -> np.nd
     q's u, sc and wsc may be numpy arrays (the served path) or CPU tensors (QueryVectors)."""
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
-    n, d = arrays.n, arrays.fr.shape[2]
+    n, d = arrays.fr.shape[0], arrays.fr.shape[2]
     a = q.u.shape[0]
     ix = idx if isinstance(idx, np.ndarray) and idx.dtype == np.int64 and idx.flags.c_contiguous else \
         np.ascontiguousarray(np.asarray(idx, dtype=np.int64))
@@ -441,12 +441,12 @@ def scores(q: Any, arrays: KernelArrays, idx: Any, *, threads: int = 1) -> np.nd
         raise ValueError(f"idx must be ({a}, K) candidate rows, got {ix.shape}")
     if ix.size and (int(ix.min()) < 0 or int(ix.max()) >= n):
         raise ValueError(f"candidate rows must lie in [0, {n}), got [{int(ix.min())}, {int(ix.max())}]")
-    u, sc, wsc = (_ro(np.ascontiguousarray(_f32_arg(x), dtype=np.float32)) for x in (q.u, q.sc, q.wsc))
+    u, sc, wsc = (_ro_f32(x) for x in (q.u, q.sc, q.wsc))
     if u.shape[1:] != (3, d):
         raise ValueError(f"query vectors {u.shape} do not match frames of width {d}")
     out = np.empty(ix.shape, np.float32)
-    args = (u, sc, wsc, _ro(np.asarray(q.eps, np.float64)), np.float32(q.inv_temp), arrays.fr, arrays.fs,
-            arrays.pk, arrays.vr, arrays.vs, _ro(ix))
+    eps = q.eps if isinstance(q.eps, np.ndarray) and not q.eps.flags.writeable else _ro(np.asarray(q.eps, np.float64))
+    args = (u, sc, wsc, eps, np.float32(q.inv_temp), arrays.fr, arrays.fs, arrays.pk, arrays.vr, arrays.vs, _ro(ix))
     kernel = _kernel()[0]
     k = ix.shape[1]
     parts = max(1, min(threads, (a * k) // MIN_PAIRS_PER_THREAD))

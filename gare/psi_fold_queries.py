@@ -71,6 +71,38 @@ def fold_queries(t: torch.Tensor, psi: Psi | PsiFold, temp: float) -> QueryVecto
                         fingerprint=fold.fingerprint)
 
 
+@dataclass(frozen=True)
+class FoldArrays:
+    """A PsiFold's arrays the CPU query fold and kernel read, as read-only numpy (see `fold_arrays`)."""
+
+    query_map: np.ndarray  # (d, 2d + 3) float32
+    scalars: np.ndarray  # (4,) float32
+    eps: np.ndarray  # (3,) float64
+
+
+_FOLD_ARRAYS: OrderedDict[str, FoldArrays] = OrderedDict()  # psi fingerprint -> its arrays; a few checkpoints at most
+
+
+def fold_arrays(fold: PsiFold) -> FoldArrays:
+    """fold's query map, scalars and eps as read-only numpy on the CPU, made once per psi fingerprint: a
+    request reads them without a tensor call (each ~20-70 us with the caches cold after stage 1)."""
+    got = _FOLD_ARRAYS.get(fold.fingerprint)
+    if got is None:
+        arrs = [np.ascontiguousarray(x.detach().to("cpu", torch.float32).numpy()) for x in (fold.query_map, fold.scalars)]
+        arrs.append(np.asarray(fold.eps, np.float64))
+        for a in arrs:
+            a.flags.writeable = False
+        got = FoldArrays(*arrs)
+        with _FOLD_ARRAYS_LOCK:
+            _FOLD_ARRAYS[fold.fingerprint] = got
+            while len(_FOLD_ARRAYS) > 8:
+                _FOLD_ARRAYS.popitem(last=False)
+    return got
+
+
+_FOLD_ARRAYS_LOCK = threading.Lock()
+
+
 class QueryFoldCache:
     """The query side of the fold, kept per query text embedding (bounded LRU, thread-safe): a query met
     again (the service's query-embedding cache hands back the same t) skips its (d, 2d + 3) product.
@@ -124,7 +156,7 @@ class QueryFoldCache:
 
     def fold_one(self, t: np.ndarray, fold: PsiFold, temp: float) -> tuple[np.ndarray, np.ndarray]:
         """One query's vectors as numpy, the served rerank's path (no tensors): t (d,) float32 -> u (1, 3, d),
-        sc (1, 7) as `fold` gives them for that row (the same cache). `fold` must live on the CPU."""
+        sc (1, 7) read-only, as `fold` gives them for that row (the same cache)."""
         if t.ndim != 1 or t.dtype != np.float32 or t.shape[0] != fold.dim:
             raise ValueError(f"t must be float32 ({fold.dim},), got {t.dtype} {t.shape}")
         key = (fold.fingerprint, float(temp), t.tobytes())
@@ -136,7 +168,8 @@ class QueryFoldCache:
             self.hits += 1
             return g[0][None], g[1][None]
         self.misses += 1
-        u, sc = psi_fold_cpu_queries.fold_query_rows(t[None], fold.query_map.numpy())
+        u, sc = psi_fold_cpu_queries.fold_query_rows(t[None], fold_arrays(fold).query_map)
+        u.flags.writeable = sc.flags.writeable = False  # shared by every request of this query: the kernel reads them as is
         if self.max_entries > 0:
             with self._lock:
                 self._rows[key] = (u[0], sc[0])

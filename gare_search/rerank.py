@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from gare import psi_fold as pf
 from gare import psi_fold_cpu, psi_fold_cpu_queries
-from gare.psi_fold_queries import QueryFoldCache, fold_queries
+from gare.psi_fold_queries import QueryFoldCache, fold_arrays, fold_queries
 from gare_index import psi_consts
 
 log = logging.getLogger(__name__)
@@ -131,42 +131,58 @@ def psi_scores(model: Any, version: Any, t: torch.Tensor, cand_ids: np.ndarray |
         c = np.asarray(cand_ids[0], dtype=np.int64).reshape(-1)
         if c.size == 0:
             return [np.zeros(0, np.float32)]
-        with torch.inference_mode():
-            return [_fold_pairs(model, version, t, version.rows(c), [c.size])]
+        return [_fold_pairs(model, version, t, version.rows(c), [c.size])]
     lists = [np.asarray(c, dtype=np.int64).reshape(-1) for c in cand_ids]
     sizes = [c.size for c in lists]
     offs = np.cumsum([0] + sizes)
     if offs[-1] == 0:
         return [np.zeros(0, np.float32) for _ in lists]
     rows = version.rows(lists[0] if len(lists) == 1 else np.concatenate(lists))
-    with torch.inference_mode():
-        flat = _fold_pairs(model, version, t, rows, sizes)
+    flat = _fold_pairs(model, version, t, rows, sizes)
     return [flat[a:b] for a, b in zip(offs[:-1], offs[1:], strict=True)]
+
+
+def _row_f32(t: torch.Tensor) -> np.ndarray:
+    """t (1, d) on the CPU -> its row as float32 numpy (d,), a view when t is float32 (one tensor call: with the
+    caches cold after stage 1, each torch call costs ~20-70 us on the 2-core VM, numpy's ~5)."""
+    try:
+        row = t.detach().numpy()[0]
+    except TypeError:  # bfloat16 and other dtypes numpy lacks
+        row = t.detach().to(torch.float32).numpy()[0]
+    return row if row.dtype == np.float32 else row.astype(np.float32)
 
 
 def _fold_pairs(model: Any, version: Any, t: torch.Tensor, rows: np.ndarray, sizes: list[int]) -> np.ndarray:
     """Folded psi for the pairs (query i, rows of its candidates), flat in the callers' order.
 
-    On the CPU the compiled kernel reads each candidate's rows straight from the memory-mapped arrays. Elsewhere
-    the batch's candidate rows are read once, ascending (memmap friendly), into one VideoConstants that every
-    query shares; each query's candidates are ids into it. Either way K is padded to the batch's largest."""
+    On the CPU the compiled kernel reads each candidate's rows straight from the memory-mapped arrays; one query
+    (the common request) goes from t to the scores through numpy arrays only, no tensor op between (each costs
+    ~20-70 us on a cold cache). Elsewhere the batch's candidate rows are read once, ascending (memmap friendly),
+    into one VideoConstants that every query shares; each query's candidates are ids into it. Either way K is
+    padded to the batch's largest."""
     dev = t.device
     fold = psi_consts.fold_of(model)
     # the stored constants when valid (fold_of once per request: its check is ~4 us), else served()
-    consts = version.psi_consts if psi_consts.fold_status(version, fold) is None else psi_consts.served(model, version)
+    if psi_consts.fold_status(version, fold) is None:
+        consts = version.psi_consts
+    else:
+        with torch.inference_mode():
+            consts = psi_consts.served(model, version)
     ka = _kernel_arrays(version, consts) if dev.type == "cpu" else None
-    if ka is not None and len(sizes) == 1 and fold.device.type == "cpu":
-        # one query (the common request): its vectors as numpy straight into the kernel, no tensors between
-        u, sc = QUERY_FOLDS.fold_one(t.detach()[0].to(torch.float32).numpy(), fold, model.cfg.temp)
-        qa = SimpleNamespace(u=u, sc=sc, wsc=fold.scalars.numpy(), eps=fold.eps, inv_temp=1.0 / float(model.cfg.temp))
-        return psi_fold_cpu.scores(qa, ka, padded(rows, sizes), threads=rerank_threads())[0]
-    q = QUERY_FOLDS.fold(t, fold, model.cfg.temp)
-    if ka is not None:
-        s = psi_fold_cpu.scores(q, ka, padded(rows, sizes), threads=rerank_threads())
-        return unpad(s, sizes)
-    uniq, inv = np.unique(rows, return_inverse=True)
-    v = psi_consts.gather(version, uniq, fold, dev, consts=consts)
-    s = pf.pair_scores(q, v, torch.from_numpy(padded(inv.reshape(-1), sizes)).to(dev)).cpu().numpy()
+    if ka is not None and len(sizes) == 1:
+        temp = model.cfg.temp
+        u, sc = QUERY_FOLDS.fold_one(_row_f32(t), fold, temp)
+        fa = fold_arrays(fold)
+        qa = SimpleNamespace(u=u, sc=sc, wsc=fa.scalars, eps=fa.eps, inv_temp=1.0 / float(temp))
+        return psi_fold_cpu.scores(qa, ka, rows.reshape(1, -1), threads=rerank_threads())[0]
+    with torch.inference_mode():
+        q = QUERY_FOLDS.fold(t, fold, model.cfg.temp)
+        if ka is not None:
+            s = psi_fold_cpu.scores(q, ka, padded(rows, sizes), threads=rerank_threads())
+            return unpad(s, sizes)
+        uniq, inv = np.unique(rows, return_inverse=True)
+        v = psi_consts.gather(version, uniq, fold, dev, consts=consts)
+        s = pf.pair_scores(q, v, torch.from_numpy(padded(inv.reshape(-1), sizes)).to(dev)).cpu().numpy()
     return unpad(s, sizes)
 
 
