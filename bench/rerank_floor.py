@@ -5,7 +5,8 @@ the int8 text encoder, side by side in one run.
     python bench/rerank_floor.py --quick         # smoke run
 
 One process, ViT-B/32 sizes (d = 512, f = 12, fp16 frames), K = 256 stage-1 candidates of distinct queries,
-interleaved query by query so a slow spell of the shared machine hits every row alike:
+interleaved query by query so a slow spell of the shared machine hits every row alike (the order rotated
+by one row per query, so no row always meets the candidates first after the others read them):
 - the int8 text encoder for one query (the CPU default tower), one torch thread;
 - the `rerank` stage as `gare_search.search.search_batch` records it (wall time of `rerank_shortlists`: the
   query-side fold, the kernel reading the candidates from the memory-mapped index, the bookkeeping), now, with
@@ -13,7 +14,12 @@ interleaved query by query so a slow spell of the shared machine hits every row 
   fold cached);
 - the same stage as it was at --baseline (its `gare_search/rerank.py`, `gare/psi_fold_cpu.py` and
   `gare/psi_fold_queries.py` loaded from git), one thread;
-- the kernel alone (query vectors ready), now and at --baseline.
+- the kernel alone (query vectors ready), now and at --baseline, and now on 32 rows read again and again
+  (cache-resident: its arithmetic alone); the query-side fold alone (`QueryFoldCache.fold_one`, a new cache);
+- the memory floor: the bytes the stage must read (the query fold's (d, 2d + 3) float32 map, each candidate's
+  fp16 frames, constants row and unit row) read by a plain compiled loop, no arithmetic.
+Every timed row starts with the core's L2 cache flushed (a 16 MiB buffer read), as after the text encoder
+in a request, so no row finds the rows an earlier row of the same query read (the L3 is not flushed).
 The gallery is `bench/serve_bench.write_gallery` (the real index format, psi constants stored, random
 ViT-B/32 weights: timing only). Scores of now and baseline are compared (max |diff|).
 Results: bench/results/rerank_floor.{md,json}.
@@ -51,6 +57,31 @@ def baseline_module(commit: str, path: str, name: str, patch: dict[str, Any] | N
     exec(compile(src, mod.__file__, "exec"), mod.__dict__)
     mod.__dict__.update(patch or {})
     return mod
+
+
+def read_floor_fn() -> Any:
+    """A compiled loop reading the stage's bytes (sums them, so nothing is optimised away)."""
+    import numba
+
+    @numba.njit(nogil=True, boundscheck=False, fastmath=True)
+    def read_floor(qmap: Any, frames: Any, consts: Any, units: Any, rows: Any) -> float:
+        acc = np.float32(0.0)
+        for k in range(qmap.shape[0]):
+            for j in range(qmap.shape[1]):
+                acc += qmap[k, j]
+        iacc = 0
+        for c in rows:
+            fr = frames[c]
+            for g in range(fr.shape[0]):
+                for k in range(fr.shape[1]):
+                    iacc += fr[g, k]
+            for k in range(consts.shape[1]):
+                acc += consts[c, k]
+            for k in range(units.shape[1]):
+                acc += units[c, k]
+        return acc + iacc
+
+    return read_floor
 
 
 def main() -> None:
@@ -134,11 +165,44 @@ def main() -> None:
         R.psi_fold_cpu.pair_scores(qv, v.frames, consts, rows, vrows=v.units, vscale=v.norms)
         return time.perf_counter() - t0
 
+    def kernel_resident(j: int, qv: Any) -> float:
+        rows = np.resize(v.rows(ids[j])[:32], (1, K))  # 32 distinct rows, each 8 times: ~0.5 MiB, in L2 once read
+        R.psi_fold_cpu.pair_scores(qv, v.frames, consts, rows, vrows=v.units, vscale=v.norms)
+        t0 = time.perf_counter()
+        R.psi_fold_cpu.pair_scores(qv, v.frames, consts, rows, vrows=v.units, vscale=v.norms)
+        return time.perf_counter() - t0
+
+    def fold_first(j: int) -> float:
+        cache = QueryFoldCache(4096)
+        tj = ts[j][0].numpy()
+        t0 = time.perf_counter()
+        cache.fold_one(tj, fold, model.cfg.temp)
+        return time.perf_counter() - t0
+
     def kernel_base(j: int, qv: Any) -> float:
         rows = v.rows(ids[j])[None]
         t0 = time.perf_counter()
         base_cpu.pair_scores(qv, v.frames, consts, rows, vrows=v.units, vscale=v.norms)
         return time.perf_counter() - t0
+
+    read_floor = read_floor_fn()
+    qmap = fold.query_map.numpy()
+    fr16 = np.asarray(v.frames).view(np.uint16)
+    read_floor(qmap, fr16, consts, v.units, v.rows(ids[0]))  # compile
+
+    def floor(j: int) -> float:
+        rows = v.rows(ids[j])
+        t0 = time.perf_counter()
+        read_floor(qmap, fr16, consts, v.units, rows)
+        return time.perf_counter() - t0
+
+    flush_buf = np.ones(16 << 20, np.uint8)
+
+    def flushed(fn: Any) -> Any:
+        def run(j: int) -> float:
+            flush_buf.sum()  # evicts this core's L2 (2 MiB here) of what the previous row read
+            return fn(j)
+        return run
 
     def encoder(j: int) -> float:
         t0 = time.perf_counter()
@@ -154,15 +218,20 @@ def main() -> None:
         f"rerank stage now, first time for the query ({cores} threads)": lambda j: stage_now(j, cores, False),
         f"kernel alone at {args.baseline} (1 thread)": lambda j: kernel_base(j, qv[j]),
         "kernel alone now (1 thread)": lambda j: kernel_now(j, qv[j]),
+        "query-side fold alone now, first time for the query (1 thread)": fold_first,
+        "kernel alone now, candidates' rows cache-resident: arithmetic only (1 thread)": lambda j: kernel_resident(j, qv[j]),
+        "memory floor: the stage's bytes read by a plain loop (1 thread)": floor,
     }
+    rows_spec = {k: flushed(fn) for k, fn in rows_spec.items()}
     qv = [fold_queries(t, fold, model.cfg.temp) for t in ts]
     times: dict[str, list[float]] = {k: [] for k in rows_spec}
     load_start = loadavg()
     with torch.inference_mode():
         for j in range(len(qs)):
             stage_now(j, 1, True)  # warm: the query fold cached for the 'repeated' row
-            for name, fn in rows_spec.items():
-                times[name].append(fn(j))
+            names = list(rows_spec)
+            for name in names[j % len(names):] + names[: j % len(names)]:  # each row first as often as the others
+                times[name].append(rows_spec[name](j))
         # the scores: now vs the baseline rerank, and the threaded split vs one thread
         diffs = []
         for j in range(len(qs)):
@@ -176,25 +245,37 @@ def main() -> None:
     per_query = {k: statistics.median(a / b for a, b in zip(x, times["int8 text encoder, one query (1 thread)"], strict=True))
                  for k, x in times.items()}
     stage1t = med["rerank stage now, first time for the query (1 thread)"]
+    floor_key = "memory floor: the stage's bytes read by a plain loop (1 thread)"
+    fold_key = "query-side fold alone now, first time for the query (1 thread)"
+    resident_key = "kernel alone now, candidates' rows cache-resident: arithmetic only (1 thread)"
     base_stage = med[f"rerank stage at {args.baseline} (1 thread)"]
     targets = {
         "rerank stage (1 thread, query met the first time) <= 10% of the int8 text encoder": (per_query["rerank stage now, first time for the query (1 thread)"], per_query["rerank stage now, first time for the query (1 thread)"] <= 0.10),
         "rerank stage <= 0.5 ms (1 thread, query met the first time)": (stage1t, stage1t <= 0.5),
+        "memory floor (the stage's bytes, read only) <= 0.5 ms": (med[floor_key], med[floor_key] <= 0.5),
     }
-    results = {"commit": git_commit(), "baseline": args.baseline, "n": args.n, "K": K, "queries": len(qs),
+    floor_bytes = qmap.nbytes + K * (fr16[0].nbytes + consts[0].nbytes + v.units[0].nbytes)
+    results = {"commit": git_commit(), "floor_bytes": int(floor_bytes), "baseline": args.baseline, "n": args.n, "K": K, "queries": len(qs),
                "usable_cores": cores, "load_start": load_start, "load_end": load_end,
                "median_ms": med, "median_per_query_ratio_to_encoder": per_query, "times_s": times,
                "max_abs_score_diff_now_vs_baseline": max(diffs), "targets": {k: {"value": a, "met": b} for k, (a, b) in targets.items()}}
     body = (f"Commit `{results['commit']}`, baseline `{args.baseline}`; {args.n:,}-entry gallery (bench/serve_bench.write_gallery, "
             f"d = 512, f = 12, fp16 frames, psi constants stored), K = {K}, {len(qs)} distinct queries, every row timed "
-            f"once per query, interleaved query by query. Load average (1/5/15 min) at start {load_start}, at end {load_end} on "
+            f"once per query, interleaved query by query (the order rotated by one row per query), each after a flush of the core's L2 (16 MiB read). Load average (1/5/15 min) at start {load_start}, at end {load_end} on "
             f"{os.cpu_count()} cores ({cores} usable): other jobs shared the machine; compare the ratios of this run, not "
             "absolute times. Wall-clock times (the stage timing the service records is wall time).\n\n")
     body += table(["row", "median ms", "ratio of medians to the int8 encoder"], ratio_rows)
     body += (f"\nThe rerank stage now / at {args.baseline} (1 thread, first time for the query): "
              f"{stage1t / base_stage:.3f} (medians); kernel alone now / baseline: "
              f"{med['kernel alone now (1 thread)'] / med[f'kernel alone at {args.baseline} (1 thread)']:.3f}. "
-             f"Max |score now - score at {args.baseline}| over every candidate: {max(diffs):.2e}.\n\n")
+             f"Max |score now - score at {args.baseline}| over every candidate: {max(diffs):.2e}. "
+             f"The rerank stage / its memory floor: {stage1t / med[floor_key]:.2f} (medians): the floor reads "
+             f"{floor_bytes / 2**20:.2f} MiB per query (query map {qmap.nbytes / 2**20:.2f} MiB, candidates' rows "
+             f"{(floor_bytes - qmap.nbytes) / 2**20:.2f} MiB), {floor_bytes / med[floor_key] / 1e6:.1f} GB/s on one core. "
+             f"Where the stage goes (medians, 1 thread, first time for the query): the query-side fold "
+             f"{med[fold_key]:.3f} ms, the kernel {med['kernel alone now (1 thread)']:.3f} ms (of which arithmetic "
+             f"{med[resident_key]:.3f} ms, the rest waiting on memory), the rest (id -> row lookup, fold check, "
+             f"Python between them) {stage1t - med[fold_key] - med['kernel alone now (1 thread)']:.3f} ms.\n\n")
     body += "Median over the queries of the per-query ratio to the int8 encoder (same query, same moment):\n\n"
     body += table(["row", "ratio"], [[k, round(x, 4)] for k, x in per_query.items()])
     body += "\n## Targets (issue 29; reported, not asserted)\n\n"
