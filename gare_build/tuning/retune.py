@@ -59,8 +59,10 @@ def retune(out: str | os.PathLike, *, options: Stage1Options | None = None, chec
                 queue=queue, captions=caps, ann=prev.ann, requested_type=requested, options=opts,
                 progress=progress_enabled(progress),
             )
+            # every array but the ANN is the current version's, psi's stored constants included (the manifest's
+            # psi_fold entry is carried with them: without the file each server would fold every video at start)
             arrays = prev_files(prev, ["ids", "norms", "units", "frames", "masks", "biases", "keys", "values",
-                                        "ann_units"])
+                                        "ann_units", "psi_consts"])
             files = m.files
             same = ann.cpu_index is prev.ann.cpu_index
             extra = carry_manifest(m) | {

@@ -12,6 +12,7 @@ import pytest
 from gare.checkpoint import file_sha256, load_model
 from gare_build.cli import main
 from gare_build.tuning.stage1 import build_deviation
+from gare_index import psi_consts
 from gare_index.store import current_version_name, open_index
 from gare_serve.querybank import QueryBank
 from tests.service.support import copy_index
@@ -51,8 +52,11 @@ def test_tune_from_bank_records_the_bank_as_the_query_source(service_env, tmp_pa
     assert dev["delta_mean_abs"] == pytest.approx(st["deviation"]["delta_mean_abs"], rel=1e-6)
     assert dev["delta_p95_abs"] == pytest.approx(st["deviation"]["delta_p95_abs"], rel=1e-6)
     old = json.loads((idx / "versions" / "v000001" / "manifest.json").read_text())["files"]
-    for name in ("units.npy", "frames.npy", "biases.npy"):  # nothing re-encoded
+    assert "psi_consts.npy" in old
+    for name in ("units.npy", "frames.npy", "biases.npy", "psi_consts.npy"):  # nothing re-encoded or re-folded
         assert v2.manifest["files"][name]["sha256"] == old[name]["sha256"]
+    # psi's stored constants serve as they are: the tuned version's rerank folds nothing at load
+    assert psi_consts.fold_status(v2, psi_consts.fold_of(model)) is None
     v2.close()
     # --tune-queries bounds the distinct rows used (a seeded sample)
     assert main(["tune", "--out", str(idx), "--from-bank", str(tmp_path / "bank.npy"), "--tune-queries", "10"]) == 0
