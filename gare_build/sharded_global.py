@@ -39,7 +39,7 @@ from gare_build.invgc import invgc_vectors
 from gare_build.pipeline.biases import biases_for, checkpoint_gamma_and_queue
 from gare_build.pipeline.finish import make_ann
 from gare_build.pipeline.options import progress_enabled
-from gare_build.tuning.stage1 import encode_captions, tune_version_ann
+from gare_build.tuning.stage1 import encode_captions, stored_consts, tune_version_ann
 from gare_index.describe import STAGE1_KEY, index_ncl_default
 from gare_index.shards import shard_root
 from gare_index.store import ExistingFile, IndexVersion, open_index, write_version
@@ -186,7 +186,8 @@ class _Tuner:
         tuned, entry = tune_version_ann(stage1, np.asarray(v.ids), frames=v.frames, masks=v.masks, biases=ref,
                                         model=self.model, queue=self.queue, captions=self.captions, ann=ann,
                                         requested_type=requested, options=self.opts.stage1,
-                                        progress=progress_enabled(self.opts.progress))
+                                        progress=progress_enabled(self.opts.progress),
+                                        stored=stored_consts(v, self.model))
         out = {"ann_params": tuned.params.to_dict(), STAGE1_KEY: {**entry, "ncl_default": ncl_on} if entry else entry}
         if tuned.cpu_index is not ann.cpu_index:
             out["ann_trained_n"] = int(stage1.shape[0])

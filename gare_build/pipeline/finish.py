@@ -23,6 +23,7 @@ from gare_build.pipeline.biases import (
 )
 from gare_build.pipeline.options import BuildOptions, RunReport, progress_enabled
 from gare_build.pipeline.plan import Plan
+from gare_build.tuning.coverage import StoredConsts
 from gare_build.tuning.stage1 import encode_captions, tune_version_ann
 from gare_index import psi_consts
 from gare_index.ann import AnnIndex, build_index
@@ -132,7 +133,8 @@ def finish(p: Plan, entries: list[Entry], arrays: dict[str, Any], opts: BuildOpt
         ann, ainfo = make_ann(stage1, ids, opts, None, requested, incremental=False,
                                drop_ids=np.zeros(0, np.int64), new_rows=np.zeros(0, np.int64))
     ann, ainfo = _tune_stage1(ann, ainfo, stage1, ids, arrays, p.model, ckpt_queue, opts, requested,
-                              time.time() - t_ann, ncl_on=(index_ncl_default({"biases": binfo}) or (NCL_DEFAULT,))[0])
+                              time.time() - t_ann, ncl_on=(index_ncl_default({"biases": binfo}) or (NCL_DEFAULT,))[0],
+                              psi_fold=psi_fold)
     report.stage1 = ainfo.get(STAGE1_KEY)
     report.index_type = ann.params.index_type
     extra = {
@@ -154,19 +156,24 @@ def finish(p: Plan, entries: list[Entry], arrays: dict[str, Any], opts: BuildOpt
 
 def _tune_stage1(ann: AnnIndex, ainfo: dict[str, Any], units: Any, ids: np.ndarray, arrays: dict[str, Any],
                  model: Any, queue: np.ndarray | None, opts: BuildOptions, requested: str, build_s: float,
-                 *, ncl_on: bool = NCL_DEFAULT) -> tuple[AnnIndex, dict[str, Any]]:
+                 *, ncl_on: bool = NCL_DEFAULT, psi_fold: dict[str, Any] | None = None) -> tuple[AnnIndex, dict[str, Any]]:
     """Meet the recall target and choose the default K (gare_build.tuning.stage1); ainfo gains manifest["stage1"].
-    K is chosen for the score served by default: psi + biases when ``ncl_on``, else psi alone (issue 28)."""
+    K is chosen for the score served by default: psi + biases when ``ncl_on``, else psi alone (issue 28).
+    ``psi_fold``: the manifest entry of the psi constants just attached (the coverage reads them)."""
     if not opts.stage1.enabled:
         return ann, {**ainfo, STAGE1_KEY: None}
     def arr(v: Any) -> Any:  # a fresh array, or the previous version's file (memmapped)
         return np.load(v.path, mmap_mode="r", allow_pickle=False) if isinstance(v, ExistingFile) else v
 
     caps = encode_captions(model, list(opts.tune_captions)) if opts.tune_captions else None
+    stored = None
+    if psi_fold and psi_consts.PSI_CONSTS_ARRAY in arrays:  # folded for this model a moment ago (psi_consts.attach)
+        stored = StoredConsts(arr(arrays[psi_consts.PSI_CONSTS_ARRAY]), arr(arrays["units"]), arr(arrays["norms"]),
+                              psi_fold["fingerprint"])
     tuned, entry = tune_version_ann(arr(units), ids, frames=arr(arrays["frames"]), masks=arr(arrays["masks"]),
                                     biases=arr(arrays["biases"]) if ncl_on else np.zeros(len(ids), np.float32), model=model, queue=queue, captions=caps, ann=ann,
                                     build_s=build_s, requested_type=requested, options=opts.stage1,
-                                    progress=progress_enabled(opts.progress))
+                                    progress=progress_enabled(opts.progress), stored=stored)
     same = tuned.cpu_index is ann.cpu_index
     return tuned, {**ainfo, "ann_params": tuned.params.to_dict(),
                    "ann_trained_n": ainfo.get("ann_trained_n") if same else int(units.shape[0]),

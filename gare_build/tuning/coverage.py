@@ -18,12 +18,13 @@ import torch
 
 from gare.psi_fold import exhaustive
 from gare.psi_fold_queries import fold_queries
-from gare.psi_fold_videos import fold_videos
+from gare.psi_fold_videos import VideoConstants, fold_videos
 from gare.psi_fold_weights import fold_weights
 from gare_build.tuning.measure import recall_of_topk
 from gare_index.ann import AnnIndex
 
-__all__ = ["Scorer", "CoverageResult", "cosine_scorer", "psi_fold_scorer", "coverage_at_k", "choose_candidates"]
+__all__ = ["Scorer", "CoverageResult", "StoredConsts", "cosine_scorer", "psi_fold_scorer", "coverage_at_k",
+           "choose_candidates"]
 
 # scorer(queries (b, d) float32, ids (m,) int64) -> scores (b, m): what the exhaustive ranking sorts by
 Scorer = Callable[[np.ndarray, np.ndarray], np.ndarray]
@@ -53,18 +54,38 @@ def cosine_scorer(units: np.ndarray) -> Scorer:
     return score
 
 
+@dataclass(frozen=True)
+class StoredConsts:
+    """A version's psi constants (gare_index.psi_consts) and the v̄ = norms * units they were folded with, in row
+    order: packed (n, 10f + 5f² + 2) float32, units (n, d), norms (n,) (memmaps are fine), and ``fingerprint``, the
+    psi weights they were folded with (the manifest's ``psi_fold.fingerprint``): the scorer refuses constants of
+    other weights."""
+
+    packed: Any
+    units: Any
+    norms: Any
+    fingerprint: str
+
+
 def psi_fold_scorer(model: Any, frames: np.ndarray, masks: np.ndarray, biases: np.ndarray, ids: np.ndarray,
-                    unit_queries: np.ndarray, raw_queries: np.ndarray) -> Scorer:
+                    unit_queries: np.ndarray, raw_queries: np.ndarray, *, stored: StoredConsts | None = None) -> Scorer:
     """Exhaustive ``psi(t, video) + b_video`` over gallery ids, with the exact fold of gare.psi_fold.
 
     frames (n, f, d) float16 (a memmap is fine) or the index's int8 frames (gare_index.frame_quant.QuantFrames, read
     as float32, as the served rerank reads them), masks (n, f), biases (n,), ids (n,) in row order: the index's
     stored arrays. ``unit_queries`` (a, d) are what coverage_at_k passes (and the ANN searches);
     ``raw_queries`` (a, d) the matching rows psi scores (un-normalised caption embeddings; queue rows and
-    perturbed gallery vectors are unit already). Each call folds its block of videos once (three d x d
-    products per frame) and scores every given query against it: O(a · m · f · d)."""
+    perturbed gallery vectors are unit already).
+
+    With ``stored`` the videos' constants are the index's (what the served rerank reads, v̄ = norm * unit), and a
+    call only reads them and scores: O(a · m · f · d). Without it each call folds its block of videos first (three
+    d x d products per frame, v̄ the masked mean of the frames: ~5x the scoring's work at a = 200 queries), which
+    is what an index without stored constants needs."""
     ref_pad = bool(getattr(model.cfg, "reference_padding", False))  # the authors' padding: v̄ and psi over all rows
     fold = fold_weights(model.psi).to("cpu")  # the scoring runs on the CPU next to the memmapped frames
+    if stored is not None and stored.fingerprint != fold.fingerprint:
+        raise ValueError(f"stored psi constants were folded with psi {stored.fingerprint[:12]}, the model's psi is "
+                         f"{fold.fingerprint[:12]}: stale constants cannot score the coverage")
     qv = fold_queries(torch.from_numpy(np.ascontiguousarray(raw_queries, dtype=np.float32)), fold, model.cfg.temp)
     where = {np.ascontiguousarray(unit_queries[i], dtype=np.float32).tobytes(): i for i in range(unit_queries.shape[0])}
     ids = np.asarray(ids, dtype=np.int64)
@@ -81,8 +102,14 @@ def psi_fold_scorer(model: Any, frames: np.ndarray, masks: np.ndarray, biases: n
         srt = np.argsort(rows, kind="stable")  # sorted reads from the memmap
         fr = np.asarray(frames[rows[srt]])  # float16 as stored; float32 from int8 frames (QuantFrames dequantises)
         fr = torch.from_numpy(fr if fr.dtype == np.float16 else fr.astype(np.float32, copy=False))
-        mk = torch.from_numpy(np.asarray(masks[rows[srt]]))
-        vc = fold_videos(fr, mk, fold, reference_padding=ref_pad)
+        if stored is not None:
+            pk = torch.from_numpy(np.asarray(stored.packed[rows[srt]], dtype=np.float32))
+            vb = (np.asarray(stored.units[rows[srt]], dtype=np.float32)
+                  * np.asarray(stored.norms[rows[srt]], dtype=np.float32)[:, None])  # (m, d) the served v̄
+            vc = VideoConstants(frames=fr, packed=pk, fingerprint=fold.fingerprint, vbar=torch.from_numpy(vb))
+        else:
+            mk = torch.from_numpy(np.asarray(masks[rows[srt]]))
+            vc = fold_videos(fr, mk, fold, reference_padding=ref_pad)
         sub = dataclasses.replace(qv, u=qv.u[torch.from_numpy(qi)], sc=qv.sc[torch.from_numpy(qi)])
         s = np.empty((q.shape[0], rows.shape[0]), dtype=np.float32)
         s[:, srt] = exhaustive(sub, vc).numpy()

@@ -19,7 +19,7 @@ from gare.checkpoint import file_sha256, load_model
 from gare_build.build import carry_manifest, prev_files, reported
 from gare_build.pipeline.biases import checkpoint_gamma_and_queue
 from gare_build.pipeline.options import BUILD_LOCK, RunReport, progress_enabled
-from gare_build.tuning.stage1 import Stage1Options, encode_captions, tune_version_ann
+from gare_build.tuning.stage1 import Stage1Options, encode_captions, stored_consts, tune_version_ann
 from gare_index.describe import STAGE1_KEY, index_ncl_default
 from gare_index.store import ExistingFile, IndexMismatchError, index_lock, open_index, write_version
 from gare_search.search import NCL_DEFAULT
@@ -57,7 +57,7 @@ def retune(out: str | os.PathLike, *, options: Stage1Options | None = None, chec
                 units, np.asarray(prev.ids), frames=prev.frames, masks=prev.masks,
                 biases=prev.biases if ncl_on else np.zeros(prev.n, np.float32), model=model,
                 queue=queue, captions=caps, ann=prev.ann, requested_type=requested, options=opts,
-                progress=progress_enabled(progress),
+                progress=progress_enabled(progress), stored=stored_consts(prev, model),
             )
             # every array but the ANN is the current version's, psi's stored constants included (the manifest's
             # psi_fold entry is carried with them: without the file each server would fold every video at start)

@@ -35,18 +35,19 @@ import torch
 from gare.deviation import delta_deviation, deviation_summary
 from gare.model import autocast
 from gare.psi import masked_mean
-from gare_build.tuning.coverage import coverage_at_k, psi_fold_scorer
+from gare_build.tuning.coverage import StoredConsts, coverage_at_k, psi_fold_scorer
 from gare_build.tuning.ladder import TuneConfig, auto_ladder, describe_params
 from gare_build.tuning.queries import bank_queries, build_sample
 from gare_build.tuning.recall import tune_ann
 from gare_index.ann import AnnIndex
 from gare_index.ann_params import AnnParams
+from gare_index.psi_consts import fold_of, fold_status
 
 log = logging.getLogger(__name__)
 
 COVERAGE_KS = (16, 32, 64, 128, 256, 512, 1024)  # as gare_train.evaluate.COVERAGE_KS (the offline figure)
 
-__all__ = ["Stage1Options", "COVERAGE_KS", "encode_captions", "tune_version_ann", "build_deviation"]
+__all__ = ["Stage1Options", "COVERAGE_KS", "encode_captions", "stored_consts", "tune_version_ann", "build_deviation"]
 
 
 @dataclass
@@ -87,6 +88,15 @@ def encode_captions(model: Any, texts: Sequence[str], *, batch: int = 256) -> np
     return torch.cat(out).numpy().astype(np.float32)
 
 
+def stored_consts(version: Any, model: Any) -> StoredConsts | None:
+    """An index version's psi constants for the coverage scorer when they are valid for model.psi, else None
+    (the scorer then folds the frames itself)."""
+    fold = fold_of(model)
+    if fold_status(version, fold) is not None:
+        return None
+    return StoredConsts(version.psi_consts, version.units, version.norms, fold.fingerprint)
+
+
 def tune_version_ann(
     units: np.ndarray,
     ids: np.ndarray,
@@ -102,6 +112,7 @@ def tune_version_ann(
     requested_type: str = "auto",
     options: Stage1Options | None = None,
     progress: bool = False,
+    stored: StoredConsts | None = None,
 ) -> tuple[AnnIndex, dict[str, Any]]:
     """Tune stage 1 of a version and measure its psi coverage: (the AnnIndex to save, manifest["stage1"]).
 
@@ -109,7 +120,8 @@ def tune_version_ann(
     masks, biases: the version's arrays (the exhaustive psi + b reference). ``queue``: the checkpoint's text
     queue rows, ``captions``: raw caption embeddings (:func:`encode_captions`) or None. ``ann``: the index
     just built or grown (tuned first, kept when it meets the target); ``requested_type`` other than "auto"
-    keeps the tuner to that index type. Raises :class:`gare_build.tuning.recall.RecallTargetError` (its message says what
+    keeps the tuner to that index type. ``stored``: the version's psi constants (:func:`stored_consts`), which the
+    coverage then reads instead of folding every video again. Raises :class:`gare_build.tuning.recall.RecallTargetError` (its message says what
     was reached and what to change) when the target cannot be met within the latency budget."""
     opt = options or Stage1Options()
     opt.validate()
@@ -132,7 +144,7 @@ def tune_version_ann(
     tuned, res = tune_ann(units, unit_q, ids=ids, query_source=source, config=cfg, ann=ann, build_s=build_s,
                           progress=progress)
     t1 = time.perf_counter()
-    scorer = psi_fold_scorer(model, frames, masks, biases, ids, unit_q, raw)
+    scorer = psi_fold_scorer(model, frames, masks, biases, ids, unit_q, raw, stored=stored)
     ks = tuple(k for k in sorted(set(opt.coverage_ks)) if k >= 1)
     cov = coverage_at_k(tuned, unit_q, scorer, ids, ks, top=10, block=4096, query_batch=max(1, unit_q.shape[0]),
                         query_source=source, target=opt.coverage_target)
@@ -163,7 +175,9 @@ def tune_version_ann(
         "coverage": {str(k): v for k, v in cov.coverage.items()},
         "coverage_top": cov.top,
         "coverage_target": opt.coverage_target,
-        "coverage_scorer": "exhaustive psi (gare.psi_fold over the stored frames) + the index's NCL biases",
+        "coverage_scorer": ("exhaustive psi (the index's stored psi constants and frames) + the index's NCL biases"
+                            if stored is not None else
+                            "exhaustive psi (gare.psi_fold over the stored frames) + the index's NCL biases"),
         "default_candidates": chosen,
         "deviation": deviation,
         "tuning_s": round(t1 - t0, 3),
