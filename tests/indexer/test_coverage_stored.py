@@ -18,6 +18,7 @@ from gare_build.tuning import coverage
 from gare_build.tuning.coverage import StoredConsts, psi_fold_scorer
 from gare_build.tuning.stage1 import stored_consts
 from gare_index import psi_consts
+from gare_index.frame_quant import QuantFrames, dequantize, quantize
 from gare_index.store import open_index
 from tests.indexer.support import copy_videos, make_checkpoint
 
@@ -48,7 +49,10 @@ def model_and_gallery(tmp_path_factory):
                 consts=consts, biases=biases, raw=raw, unit_q=unit_q, ids=ids, fold=fold)
 
 
-def test_stored_scorer_equals_the_unfolded_psi_with_the_served_vbar(model_and_gallery, monkeypatch):
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_stored_scorer_equals_the_unfolded_psi_with_the_served_vbar(model_and_gallery, monkeypatch, path):
+    """Both ways of scoring stored constants (the compiled kernel over runs of videos; the torch ops where numba or
+    a numpy frame array is missing) equal the unfolded psi with v̄ = norm * unit, plus the biases."""
     m = model_and_gallery
     stored = StoredConsts(m["consts"], m["units"], m["norms"], m["fold"].fingerprint)
 
@@ -56,16 +60,43 @@ def test_stored_scorer_equals_the_unfolded_psi_with_the_served_vbar(model_and_ga
         raise AssertionError("the stored-constants scorer folded videos")
 
     monkeypatch.setattr(coverage, "fold_videos", no_fold)
+    calls = []
+    real_scores = coverage.psi_fold_cpu.scores
+    monkeypatch.setattr(coverage.psi_fold_cpu, "scores", lambda *a, **k: calls.append(a[2].shape) or real_scores(*a, **k))
+    if path == "torch":
+        monkeypatch.setattr(coverage, "_stored_kernel_arrays", lambda *a: None)
     scorer = psi_fold_scorer(m["model"], m["frames"], m["masks"], m["biases"], m["ids"], m["unit_q"], m["raw"],
                              stored=stored)
     gids = m["ids"][::-1][:97].copy()  # any order, any subset: rows are looked up by id
-    got = scorer(m["unit_q"][3:9], gids)
+    got = scorer(m["unit_q"][1:11], gids)  # 10 queries: gare.psi_fold.exhaustive takes its torch ops from 8 up
+    # the kernel takes runs of at most _KERNEL_VIDEOS videos x all 10 queries
+    assert calls == ([(10, coverage._KERNEL_VIDEOS), (10, 97 - coverage._KERNEL_VIDEOS)] if path == "kernel" else [])
     rows = gids - 1000
     vb = torch.from_numpy(m["units"][rows] * m["norms"][rows][:, None])
     with torch.no_grad():
-        want = m["model"].score(torch.from_numpy(m["raw"][3:9]), torch.from_numpy(m["frames"][rows]).float(),
+        want = m["model"].score(torch.from_numpy(m["raw"][1:11]), torch.from_numpy(m["frames"][rows]).float(),
                                 torch.from_numpy(m["masks"][rows]), vbar=vb).numpy() + m["biases"][rows][None, :]
-    assert got.shape == (6, 97)
+    assert got.shape == (10, 97)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+
+
+def test_int8_frames_are_scored_as_the_served_rerank_reads_them(model_and_gallery):
+    """An index with --frames-dtype int8: the kernel reads the int8 frames with their per-frame scales, the same
+    scores as the torch ops over the dequantised frames."""
+    m = model_and_gallery
+    q8, scales = quantize(m["frames"])
+    qf = QuantFrames(q8, scales)
+    deq = dequantize(q8, scales)
+    consts = np.empty_like(m["consts"])
+    psi_consts.compute_rows(m["fold"], deq, m["masks"], m["units"], m["norms"], consts, device="cpu")
+    stored = StoredConsts(consts, m["units"], m["norms"], m["fold"].fingerprint)
+    assert coverage._stored_kernel_arrays(qf, stored).fr.dtype == np.int8
+    got = psi_fold_scorer(m["model"], qf, m["masks"], m["biases"], m["ids"], m["unit_q"], m["raw"], stored=stored)(
+        m["unit_q"], m["ids"])
+    vb = torch.from_numpy(m["units"] * m["norms"][:, None])
+    with torch.no_grad():
+        want = m["model"].score(torch.from_numpy(m["raw"]), torch.from_numpy(deq).float(), torch.from_numpy(m["masks"]),
+                                vbar=vb).numpy() + m["biases"][None, :]
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
 
 
