@@ -176,7 +176,7 @@ def components(index: Path, reps: int) -> dict[str, Any]:
     Q.encode_queries(model, [qs[0]])
     out = {
         "text encoder fp32 (model)": summary_ms(timed(lambda: Q.encode_queries(model, [qs[next(it) % reps]]), reps)),
-        "text encoder int8 (torch.ao dynamic)": summary_ms(timed(lambda: int8(tok[next(it) % reps]), reps)),
+        "text encoder int8 (packed int8 tower, the CPU default)": summary_ms(timed(lambda: int8(tok[next(it) % reps]), reps)),
     }
     cache = QueryCache(1000, 1 << 26)
     cache.encode([qs[0]], "sha", lambda m: Q.encode_queries(model, m))
