@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 from index_common import table, write_results  # bench/ is on sys.path
-from serve_bench import loadavg, make_queries, write_gallery
+from serve_bench import loadavg, make_queries, write_random_gallery
 from support import git_commit
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,11 +95,8 @@ def main() -> None:
     if args.quick:
         args.n, args.queries = 3000, 8
     started = time.time()
-    from gare.checkpoint import file_sha256, load_model, save_checkpoint
-    from gare.config import get_model_config
-    from gare.model import GARE
+    from gare.checkpoint import load_model
     from gare.psi_fold_queries import QueryFoldCache, fold_queries
-    from gare.psi_fold_weights import fold_weights
     from gare.text_quant import build_text_encoder
     from gare_index import psi_consts
     from gare_index.store import open_index
@@ -111,16 +108,7 @@ def main() -> None:
 
     cores = usable_cores()
     work = Path(args.work)
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    torch.manual_seed(0)
-    cfg = get_model_config("gare-vit-b-32", pretrained="none")
-    ck = work / "gare-vit-b-32-random.safetensors"
-    m = GARE.build(cfg).eval()
-    save_checkpoint(ck, m, queues={})
-    write_gallery(work / "g", args.n, {"path": str(ck), "sha256": file_sha256(ck), "model_config": cfg.to_dict()},
-                  fold_weights(m.psi))
-    del m
+    ck = write_random_gallery(work, args.n)
     v = open_index(work / "g" / "index")
     model, _ = load_model(ck, "cpu")
     torch.set_num_threads(1)

@@ -101,6 +101,27 @@ class _HashedNpy:
         return self.h.hexdigest()
 
 
+def write_random_gallery(work: Path, n: int) -> Path:
+    """A fresh folder ``work`` with a random-weight ViT-B/32 GARE checkpoint and a gallery of n entries written by
+    :func:`write_gallery` with psi's constants folded (timing only); returns the checkpoint's path (the index is
+    ``work / "g" / "index"``)."""
+    from gare.checkpoint import file_sha256, save_checkpoint
+    from gare.config import get_model_config
+    from gare.model import GARE
+    from gare.psi_fold_weights import fold_weights
+
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    torch.manual_seed(0)
+    cfg = get_model_config("gare-vit-b-32", pretrained="none")
+    ck = work / "gare-vit-b-32-random.safetensors"
+    m = GARE.build(cfg).eval()
+    save_checkpoint(ck, m, queues={})
+    write_gallery(work / "g", n, {"path": str(ck), "sha256": file_sha256(ck), "model_config": cfg.to_dict()},
+                  fold_weights(m.psi))
+    return ck
+
+
 def write_gallery(root: Path, n: int, ckpt: dict[str, Any], fold: Any = None, *, seed: int = 0, chunk: int = 32768,
                   device: Any = "cpu", index_type: str | None = None) -> dict[str, Any]:
     """Synthetic clustered gallery of n entries written as a real index version; returns timings.

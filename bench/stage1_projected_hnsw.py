@@ -26,7 +26,7 @@ import numpy as np
 from clip_like import HARD, clip_like_sets
 from index_common import table, write_results
 
-from gare_build.tuning.measure import recall_of_topk
+from gare_build.tuning.measure import p50_ms, recall_of_topk
 
 K, TOP = 256, 10
 
@@ -57,19 +57,7 @@ def measure(ref: Any, hnsw: Any, qs: dict[str, np.ndarray], gt: dict[str, np.nda
     hnsw.hnsw.efSearch = efs
     ref.k_factor = max(1.0, efs / K)  # every candidate the graph returns is re-scored exactly
     out = {f"recall_{k}": recall_of_topk(ref.search(q, K)[1], gt[k]) for k, q in qs.items()}
-    threads = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(1)
-    try:
-        q = qs["eval"]
-        ref.search(q[:1], K)
-        lat = []
-        for i in range(min(n_lat, q.shape[0])):
-            t0 = time.perf_counter()
-            ref.search(q[i : i + 1], K)
-            lat.append(time.perf_counter() - t0)
-    finally:
-        faiss.omp_set_num_threads(threads)
-    out["p50_ms"] = 1000 * float(np.median(lat))
+    out["p50_ms"] = p50_ms(ref, qs["eval"], K, n_lat, gpu=False)  # one query per call on one thread
     return out
 
 

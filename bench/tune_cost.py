@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import resource
-import shutil
 import statistics
 import subprocess
 import sys
@@ -35,30 +34,18 @@ from typing import Any
 import numpy as np
 import torch
 from index_common import table, write_results  # bench/ is on sys.path
-from serve_bench import loadavg, make_queries, write_gallery
+from serve_bench import loadavg, make_queries, write_random_gallery
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def make_gallery(work: Path, n: int, n_queries: int) -> tuple[Path, Path]:
     """A fresh gallery of n entries and a bank of n_queries unit query rows; (index, bank)."""
-    from gare.checkpoint import file_sha256, load_model, save_checkpoint
-    from gare.config import get_model_config
-    from gare.model import GARE
-    from gare.psi_fold_weights import fold_weights
+    from gare.checkpoint import load_model
     from gare.text_quant import build_text_encoder
     from gare_search.query import encode_queries, unit_rows
 
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    torch.manual_seed(0)
-    cfg = get_model_config("gare-vit-b-32", pretrained="none")
-    ck = work / "gare-vit-b-32-random.safetensors"
-    m = GARE.build(cfg).eval()
-    save_checkpoint(ck, m, queues={})
-    write_gallery(work / "g", n, {"path": str(ck), "sha256": file_sha256(ck), "model_config": cfg.to_dict()},
-                  fold_weights(m.psi))
-    del m
+    ck = write_random_gallery(work, n)
     model, _ = load_model(ck, "cpu")
     bank = unit_rows(encode_queries(model, make_queries(n_queries, seed=5), tower=build_text_encoder(model, "int8")))
     np.save(work / "bank.npy", bank.astype(np.float32))
