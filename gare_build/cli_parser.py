@@ -210,6 +210,9 @@ def _add_tune_args(p: argparse.ArgumentParser, *, tune_cmd: bool = False) -> Non
                    help="caption manifest (CSV video,caption / JSONL) or a `gare-train synth` folder (test split) whose "
                         "caption embeddings are the sample queries when the checkpoint has no NCL text queue")
     g.add_argument("--tune-queries", type=_positive_int, default=1000, metavar="N", help="sample queries (default 1000)")
+    g.add_argument("--coverage-queries", type=_positive_int, default=None, metavar="N",
+                   help="sample queries the psi coverage scores against every video (default: all of them while "
+                        "queries x videos <= 200M, else a seeded subsample of 200M / videos, at least 100)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -46,8 +46,14 @@ from gare_index.psi_consts import fold_of, fold_status
 log = logging.getLogger(__name__)
 
 COVERAGE_KS = (16, 32, 64, 128, 256, 512, 1024)  # as gare_train.evaluate.COVERAGE_KS (the offline figure)
+# query x video pairs the psi coverage scores by default: ~100 s at 0.5 µs per pair on 2 cores (tune_cost.md). A larger
+# gallery gets a seeded subsample of the sample queries (at least COVERAGE_MIN_QUERIES), so the step stays bounded
+# where the build grows with n: all 1,000 queries up to 200k videos, 200 at 1M.
+COVERAGE_PAIRS = 200_000_000
+COVERAGE_MIN_QUERIES = 100
 
-__all__ = ["Stage1Options", "COVERAGE_KS", "encode_captions", "stored_consts", "tune_version_ann", "build_deviation"]
+__all__ = ["Stage1Options", "COVERAGE_KS", "COVERAGE_PAIRS", "encode_captions", "coverage_sample", "stored_consts",
+           "tune_version_ann", "build_deviation"]
 
 
 @dataclass
@@ -59,6 +65,9 @@ class Stage1Options:
     n_queries: int = 1000  # sample queries (half tune, half held out; all of them for the coverage)
     coverage_target: float = 0.995  # the default K is the smallest K with this share of the psi top-10
     coverage_ks: tuple[int, ...] = COVERAGE_KS
+    # queries the psi coverage scores against every video: None = all of the sample while queries x videos stays
+    # within COVERAGE_PAIRS, else a seeded subsample (coverage_sample)
+    coverage_queries: int | None = None
     seed: int = 0
     # served-query bank (gare_serve.querybank: float32 (n, d) .npy of unit query embeddings): when given, its distinct
     # rows are the sample queries instead of the queue / captions / perturbed gallery (`gare-index tune --from-bank`)
@@ -73,6 +82,8 @@ class Stage1Options:
             raise ValueError(f"coverage target must be in (0, 1], got {self.coverage_target}")
         if self.n_queries < 2:
             raise ValueError(f"--tune-queries must be >= 2, got {self.n_queries}")
+        if self.coverage_queries is not None and self.coverage_queries < 1:
+            raise ValueError(f"--coverage-queries must be >= 1, got {self.coverage_queries}")
 
 
 def encode_captions(model: Any, texts: Sequence[str], *, batch: int = 256) -> np.ndarray:
@@ -86,6 +97,21 @@ def encode_captions(model: Any, texts: Sequence[str], *, batch: int = 256) -> np
     if not out:
         return np.zeros((0, model.cfg.embed_dim), np.float32)
     return torch.cat(out).numpy().astype(np.float32)
+
+
+def coverage_sample(n_queries: int, n_videos: int, requested: int | None = None, *, seed: int = 0) -> np.ndarray:
+    """Which of the n_queries sample queries the psi coverage scores (sorted positions): ``requested`` of them (all
+    when fewer), or with None all while n_queries x n_videos <= COVERAGE_PAIRS, else max(COVERAGE_MIN_QUERIES,
+    COVERAGE_PAIRS // n_videos). A subsample is drawn without replacement, seeded."""
+    if requested is not None:
+        m = min(int(requested), n_queries)
+    elif n_queries * max(n_videos, 1) <= COVERAGE_PAIRS:
+        m = n_queries
+    else:
+        m = min(n_queries, max(COVERAGE_MIN_QUERIES, COVERAGE_PAIRS // max(n_videos, 1)))
+    if m >= n_queries:
+        return np.arange(n_queries)
+    return np.sort(np.random.default_rng([seed, 29]).choice(n_queries, size=m, replace=False))
 
 
 def stored_consts(version: Any, model: Any) -> StoredConsts | None:
@@ -144,9 +170,11 @@ def tune_version_ann(
     tuned, res = tune_ann(units, unit_q, ids=ids, query_source=source, config=cfg, ann=ann, build_s=build_s,
                           progress=progress)
     t1 = time.perf_counter()
-    scorer = psi_fold_scorer(model, frames, masks, biases, ids, unit_q, raw, stored=stored)
+    pick = coverage_sample(unit_q.shape[0], n, opt.coverage_queries, seed=opt.seed)
+    cq, craw = unit_q[pick], raw[pick]
+    scorer = psi_fold_scorer(model, frames, masks, biases, ids, cq, craw, stored=stored)
     ks = tuple(k for k in sorted(set(opt.coverage_ks)) if k >= 1)
-    cov = coverage_at_k(tuned, unit_q, scorer, ids, ks, top=10, block=4096, query_batch=max(1, unit_q.shape[0]),
+    cov = coverage_at_k(tuned, cq, scorer, ids, ks, top=10, block=4096, query_batch=max(1, cq.shape[0]),
                         query_source=source, target=opt.coverage_target)
     t2 = time.perf_counter()
     deviation = build_deviation(model, raw, frames, masks, seed=opt.seed)
@@ -173,6 +201,7 @@ def tune_version_ann(
         "n_tune_queries": res.n_tune_queries,
         "n_holdout_queries": res.n_holdout_queries,
         "coverage": {str(k): v for k, v in cov.coverage.items()},
+        "coverage_queries": int(pick.size),  # of the n_queries sample queries (coverage_sample)
         "coverage_top": cov.top,
         "coverage_target": opt.coverage_target,
         "coverage_scorer": ("exhaustive psi (the index's stored psi constants and frames) + the index's NCL biases"

@@ -13,7 +13,7 @@ import torch
 
 from gare.checkpoint import load_model
 from gare_build.cli import main
-from gare_build.tuning.stage1 import COVERAGE_KS
+from gare_build.tuning.stage1 import COVERAGE_KS, COVERAGE_PAIRS, coverage_sample
 from gare_index.describe import index_default_candidates
 from gare_index.store import current_version_name, list_versions, open_index
 from tests.indexer.support import copy_videos, make_checkpoint
@@ -104,6 +104,45 @@ def test_queue_queries_and_biases_match_a_naive_reference(gallery):
     for K in COVERAGE_KS:
         hits = np.mean([np.isin(truth[i], dual[i, :K]).mean() for i in range(len(q))])
         assert abs(st["coverage"][str(K)] - hits) < 0.5 / (10 * len(q)), (K, st["coverage"][str(K)], hits)
+
+
+def test_coverage_sample_bounds_the_scored_pairs():
+    """All the sample queries while queries x videos <= COVERAGE_PAIRS, else COVERAGE_PAIRS // videos of them (at
+    least 100), seeded; --coverage-queries overrides."""
+    assert COVERAGE_PAIRS == 200_000_000
+    np.testing.assert_array_equal(coverage_sample(1000, 200_000), np.arange(1000))  # exactly at the budget
+    at_1m = coverage_sample(1000, 1_000_000)
+    assert at_1m.size == 200 and np.all(np.diff(at_1m) > 0) and at_1m.max() < 1000
+    np.testing.assert_array_equal(at_1m, coverage_sample(1000, 1_000_000))  # seeded
+    assert not np.array_equal(at_1m, coverage_sample(1000, 1_000_000, seed=1))
+    assert coverage_sample(1000, 10_000_000).size == 100  # the floor
+    np.testing.assert_array_equal(coverage_sample(60, 10_000_000), np.arange(60))  # fewer than the floor: all
+    assert coverage_sample(1000, 40, 30).size == 30
+    np.testing.assert_array_equal(coverage_sample(80, 40, 500), np.arange(80))
+
+
+def test_coverage_queries_subsample_matches_a_naive_reference(gallery):
+    """`--coverage-queries 40`: the coverage is the naive figure over exactly the 40 queue rows coverage_sample
+    picks (the recall tuning still uses all 256), and the manifest says how many."""
+    out = gallery["root"] / "IDX_cov40"
+    assert _build(gallery["ckpt_q"], gallery["manifest"], out, "--coverage-queries", "40") == 0
+    v = open_index(out)
+    st = v.manifest["stage1"]
+    assert st["n_queries"] == 256 and st["coverage_queries"] == 40
+    model, ck = load_model(gallery["ckpt_q"], "cpu")
+    rows = coverage_sample(256, v.n, 40, seed=0)
+    t = ck.queues["text"].float()[torch.from_numpy(rows)]
+    q = t / t.norm(dim=1, keepdim=True)
+    with torch.no_grad():
+        psi = model.score(t, torch.from_numpy(np.asarray(v.frames, dtype=np.float32)),
+                          torch.from_numpy(np.asarray(v.masks))).numpy()
+    final = psi + (np.asarray(v.biases)[None, :] if st["ncl_default"] else 0.0)
+    truth = np.argsort(-final, axis=1, kind="stable")[:, :10]
+    dual = np.argsort(-(q.numpy() @ np.asarray(v.units).T), axis=1, kind="stable")
+    for K in COVERAGE_KS:
+        hits = np.mean([np.isin(truth[i], dual[i, :K]).mean() for i in range(len(q))])
+        assert abs(st["coverage"][str(K)] - hits) < 0.5 / (10 * len(q)), (K, st["coverage"][str(K)], hits)
+    assert any(st["coverage"][str(K)] < 1.0 for K in COVERAGE_KS)  # a figure that can tell samples apart
 
 
 def test_failure_keeps_the_last_good_version(gallery, tmp_path, capsys):
