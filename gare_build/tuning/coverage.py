@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from gare import psi_fold_cpu
 from gare.psi_fold import exhaustive
@@ -164,6 +165,7 @@ def coverage_at_k(
     query_batch: int = 64,
     query_source: str = "",
     target: float | None = None,
+    progress: bool = False,
 ) -> CoverageResult:
     """Share of the exhaustive ``scorer`` top-``top`` found inside the ANN top-K, for each K in ``ks``.
 
@@ -171,7 +173,7 @@ def coverage_at_k(
     ranking does (the folded psi with biases; :func:`cosine_scorer` for the dual tower); it is called on
     ``gallery_ids`` in blocks of ``block`` ids and ``query_batch`` queries.  Ties at the top-``top`` boundary
     are broken by the lower position in ``gallery_ids``.  With ``target`` the result's ``chosen_K`` is
-    :func:`choose_candidates`."""
+    :func:`choose_candidates`. ``progress``: a progress bar over the gallery's blocks on stderr (minutes at 1M)."""
     ks = sorted({int(k) for k in ks})
     if not ks or ks[0] < 1:
         raise ValueError(f"ks must be positive, got {ks}")
@@ -180,6 +182,7 @@ def coverage_at_k(
     nq, n = q.shape[0], gallery_ids.shape[0]
     top = min(top, n)
     truth = np.empty((nq, top), dtype=np.int64)
+    bar = tqdm(total=-(-n // block) * -(-nq // query_batch), desc="psi coverage", unit="block", disable=not progress)
     for s in range(0, nq, query_batch):
         e = min(nq, s + query_batch)
         best_s = np.full((e - s, 0), -np.inf, dtype=np.float32)
@@ -193,7 +196,9 @@ def coverage_at_k(
             cp = np.concatenate([best_p, np.arange(g, h, dtype=np.int64)[None, :].repeat(e - s, 0)], axis=1)
             order = np.lexsort((cp, -cs), axis=1)[:, :top]
             best_s, best_p = np.take_along_axis(cs, order, 1), np.take_along_axis(cp, order, 1)
+            bar.update(1)
         truth[s:e] = gallery_ids[best_p]
+    bar.close()
     kmax = min(ks[-1], max(1, ann.ntotal))
     _, got = ann.search(q, kmax)
     cov = {k: recall_of_topk(got[:, : min(k, kmax)], truth) for k in ks}

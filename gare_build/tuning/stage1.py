@@ -175,7 +175,7 @@ def tune_version_ann(
     scorer = psi_fold_scorer(model, frames, masks, biases, ids, cq, craw, stored=stored)
     ks = tuple(k for k in sorted(set(opt.coverage_ks)) if k >= 1)
     cov = coverage_at_k(tuned, cq, scorer, ids, ks, top=10, block=4096, query_batch=max(1, cq.shape[0]),
-                        query_source=source, target=opt.coverage_target)
+                        query_source=source, target=opt.coverage_target, progress=progress)
     t2 = time.perf_counter()
     deviation = build_deviation(model, raw, frames, masks, seed=opt.seed)
     chosen = cov.chosen_K

@@ -139,3 +139,24 @@ def test_build_and_tune_score_the_coverage_with_the_stored_constants(tmp_path, c
     assert main(["tune", "--index", str(out), "--no-progress"]) == 0
     st = open_index(out).manifest["stage1"]
     assert st["coverage_scorer"].startswith("exhaustive psi (the index's stored psi constants")
+
+
+def test_coverage_shows_its_progress_and_the_same_figures(capsys):
+    """`progress=True` (gare-index tune / build with progress on): a bar over the gallery's blocks on stderr,
+    the same coverage as without it."""
+    from gare_build.tuning.coverage import cosine_scorer, coverage_at_k
+    from gare_index.ann import AnnIndex, build_index
+    from gare_index.ann_params import AnnParams
+
+    g = np.random.default_rng(3)
+    units = g.standard_normal((500, 16)).astype(np.float32)
+    units /= np.linalg.norm(units, axis=1, keepdims=True)
+    ids = np.arange(500, dtype=np.int64)
+    ann = AnnIndex(build_index(units, ids, AnnParams("hnsw", hnsw_m=4, ef_search=8, ef_construction=8), use_gpu=False))
+    q = units[:20] + 0.3 * g.standard_normal((20, 16)).astype(np.float32)
+    quiet = coverage_at_k(ann, q, cosine_scorer(units), ids, (4, 16), block=128)
+    assert capsys.readouterr().err == ""
+    shown = coverage_at_k(ann, q, cosine_scorer(units), ids, (4, 16), block=128, progress=True)
+    err = capsys.readouterr().err
+    assert "psi coverage" in err and "4/4" in err  # 500 videos in blocks of 128
+    assert shown.coverage == quiet.coverage and quiet.coverage[4] < 1.0
