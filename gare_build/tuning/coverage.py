@@ -125,8 +125,8 @@ def psi_fold_scorer(model: Any, frames: np.ndarray, masks: np.ndarray, biases: n
         except KeyError:
             raise ValueError("psi_fold_scorer: called with a query that is not one of its sample queries") from None
         rows = order[np.searchsorted(sorted_ids, np.asarray(gids, dtype=np.int64))]
+        sub = dataclasses.replace(qv, u=qv.u[torch.from_numpy(qi)], sc=qv.sc[torch.from_numpy(qi)])  # these queries
         if ka is not None:
-            sub = dataclasses.replace(qv, u=qv.u[torch.from_numpy(qi)], sc=qv.sc[torch.from_numpy(qi)])
             s = np.empty((q.shape[0], rows.shape[0]), dtype=np.float32)
             threads = max(1, torch.get_num_threads())
             for j0 in range(0, rows.shape[0], _KERNEL_VIDEOS):
@@ -145,7 +145,6 @@ def psi_fold_scorer(model: Any, frames: np.ndarray, masks: np.ndarray, biases: n
         else:
             mk = torch.from_numpy(np.asarray(masks[rows[srt]]))
             vc = fold_videos(fr, mk, fold, reference_padding=ref_pad)
-        sub = dataclasses.replace(qv, u=qv.u[torch.from_numpy(qi)], sc=qv.sc[torch.from_numpy(qi)])
         s = np.empty((q.shape[0], rows.shape[0]), dtype=np.float32)
         s[:, srt] = exhaustive(sub, vc).numpy()
         return s + b[rows][None, :]
