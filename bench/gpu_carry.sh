@@ -3,7 +3,7 @@
 # but no network and none of faiss-gpu's CUDA 12 libraries:
 #   .gpuwheels/   the small pure/CPU wheels the project needs there (open_clip, pydantic, fastapi, decord, ...)
 #   .gpuparts/    faiss-gpu 1.15.1 (its wheel's files) and the CUDA 12 runtime and cuBLAS 12 libraries from the
-#                 nvidia-cuda-runtime-cu12 / nvidia-cublas-cu12 wheels, xz-compressed into one tar split into
+#                 nvidia-cuda-runtime-cu12 / nvidia-cublas-cu12 wheels, xz -9 compressed (one device call fewer than -3) into one tar split into
 #                 parts of at most 56 MiB (a device call carries 64 MiB with the working tree)
 #
 #     bash bench/gpu_carry.sh WORK        # WORK: a scratch folder (about 1.5 GB)
@@ -28,10 +28,10 @@ python3 -m pip download -q --no-deps "${PLAT[@]}" -d "$REPO/.gpuwheels" open_cli
     typing_extensions==4.16.0 opentelemetry-api==1.45.2
 # each large file compressed on its own (a re-run reuses what is already compressed)
 (cd "$WORK/faisswheel" && unzip -q -o "$WORK"/dl/faiss_gpu-1.15.1-*.whl)
-[ -f "$WORK/payload/faiss_gpu_tree.tar.xz" ] || tar -C "$WORK/faisswheel" -cf - . | xz -3 -T0 > "$WORK/payload/faiss_gpu_tree.tar.xz"
+[ -f "$WORK/payload/faiss_gpu_tree.tar.xz" ] || tar -C "$WORK/faisswheel" -cf - . | xz -9 -T0 > "$WORK/payload/faiss_gpu_tree.tar.xz"
 unzip -q -o -j "$WORK"/dl/nvidia_cuda_runtime_cu12-*.whl 'nvidia/cuda_runtime/lib/libcudart.so.12' -d "$WORK/payload"
 for lib in libcublas.so.12 libcublasLt.so.12; do
-    [ -f "$WORK/payload/$lib.xz" ] || unzip -p "$WORK"/dl/nvidia_cublas_cu12-*.whl "nvidia/cublas/lib/$lib" | xz -3 -T0 > "$WORK/payload/$lib.xz"
+    [ -f "$WORK/payload/$lib.xz" ] || unzip -p "$WORK"/dl/nvidia_cublas_cu12-*.whl "nvidia/cublas/lib/$lib" | xz -9 -T0 > "$WORK/payload/$lib.xz"
 done
 (cd "$WORK/payload" && sha256sum faiss_gpu_tree.tar.xz libcublas.so.12.xz libcublasLt.so.12.xz libcudart.so.12 > SHA256SUMS)
 rm -rf "$REPO/.gpuparts" "$WORK/parts" && mkdir -p "$WORK/parts"

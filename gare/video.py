@@ -238,17 +238,36 @@ def probe_video(path: str | os.PathLike[str]) -> VideoInfo:
 @functools.lru_cache(maxsize=8)
 def clip_transform(image_size: int) -> Any:
     """The CLIP evaluation transform used by the reference (PIL image -> normalised CHW tensor)."""
-    from torchvision.transforms import CenterCrop, Compose, InterpolationMode, Normalize, Resize, ToTensor
+    from torchvision.transforms import Compose, Normalize, ToTensor
 
-    return Compose(
-        [
-            Resize(image_size, interpolation=InterpolationMode.BICUBIC),
-            CenterCrop(image_size),
-            _to_rgb,
-            ToTensor(),
-            Normalize(OPENAI_MEAN, OPENAI_STD),
-        ]
-    )
+    return Compose([clip_geometry(image_size), ToTensor(), Normalize(OPENAI_MEAN, OPENAI_STD)])
+
+
+@functools.lru_cache(maxsize=8)
+def clip_geometry(image_size: int) -> Any:
+    """The geometric half of :func:`clip_transform` (PIL image -> resized, centre-cropped RGB PIL image): what a
+    decode worker does when it hands on uint8 frames (``load_frames(..., as_uint8=True)``)."""
+    from torchvision.transforms import CenterCrop, Compose, InterpolationMode, Resize
+
+    return Compose([Resize(image_size, interpolation=InterpolationMode.BICUBIC), CenterCrop(image_size), _to_rgb])
+
+
+def normalize_frames(frames: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """uint8 frames (..., f, 3, S, S) from ``load_frames(..., as_uint8=True)`` -> the float32 frames
+    ``load_frames`` returns, bit for bit, on whatever device ``frames`` is on: ToTensor's ``/ 255`` and
+    Normalize's ``(x - mean) / std`` are the same IEEE operations in the same order, and the padded rows
+    (``mask`` 0, shape (..., f)) are zero as there.
+
+    Why: a float32 frame is 4x the bytes of its uint8 pixels; the build's decode workers send uint8 through the
+    worker pipes and the normalising runs where the encoder runs (the GPU, when there is one).
+    """
+    if frames.dtype != torch.uint8:
+        raise ValueError(f"normalize_frames takes uint8 frames, got {frames.dtype}")
+    mean = torch.tensor(OPENAI_MEAN, dtype=torch.float32, device=frames.device).view(3, 1, 1)
+    std = torch.tensor(OPENAI_STD, dtype=torch.float32, device=frames.device).view(3, 1, 1)
+    x = frames.to(torch.float32).div_(255).sub_(mean).div_(std)
+    keep = mask.to(device=frames.device, dtype=torch.bool)[..., None, None, None]
+    return x.where(keep, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def _to_rgb(image: Any) -> Any:
@@ -265,6 +284,7 @@ def load_frames(
     end: float | None = None,
     num_threads: int = 0,
     augment: Callable[[list[Any]], list[Any]] | None = None,
+    as_uint8: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode and preprocess one clip.
 
@@ -296,13 +316,19 @@ def load_frames(
     if raw.ndim != 4 or raw.shape[0] != len(positions) or raw.shape[-1] != 3:
         raise VideoDecodeError(path, f"decoder returned an unexpected array of shape {tuple(raw.shape)}")
 
-    tf = clip_transform(int(image_size))
-    frames = torch.zeros((max_frames, 3, image_size, image_size), dtype=torch.float32)
     images = [Image.fromarray(arr) for arr in raw]
     if augment is not None:
         images = augment(images)
-    for i, img in enumerate(images):
-        frames[i] = tf(img)
+    if as_uint8:
+        geo = clip_geometry(int(image_size))
+        frames = torch.zeros((max_frames, 3, image_size, image_size), dtype=torch.uint8)
+        for i, img in enumerate(images):
+            frames[i] = torch.from_numpy(np.array(geo(img))).permute(2, 0, 1)  # (S, S, 3) -> (3, S, S)
+    else:
+        tf = clip_transform(int(image_size))
+        frames = torch.zeros((max_frames, 3, image_size, image_size), dtype=torch.float32)
+        for i, img in enumerate(images):
+            frames[i] = tf(img)
     mask = torch.zeros(max_frames, dtype=torch.int64)
     mask[: len(positions)] = 1
     return frames, mask

@@ -51,11 +51,13 @@ class ClipDataset(torch.utils.data.Dataset):
     a failure comes back as a :class:`DecodedClip` with ``error`` set.
     """
 
-    def __init__(self, items: Iterable[Sequence[Any]], *, max_frames: int, framerate: float, image_size: int):
+    def __init__(self, items: Iterable[Sequence[Any]], *, max_frames: int, framerate: float, image_size: int,
+                 as_uint8: bool = False):
         self.items: list[Item] = [_as_item(it) for it in items]
         self.max_frames = int(max_frames)
         self.framerate = float(framerate)
         self.image_size = int(image_size)
+        self.as_uint8 = bool(as_uint8)  # uint8 frames (load_frames' as_uint8), normalised by the consumer
 
     def __len__(self) -> int:
         return len(self.items)
@@ -78,6 +80,7 @@ class ClipDataset(torch.utils.data.Dataset):
                 end=end,
                 num_threads=threads,
                 augment=augment,
+                as_uint8=self.as_uint8,
             )
         except VideoDecodeError as e:
             return DecodedClip(key, None, None, e.reason)
@@ -257,6 +260,7 @@ def iter_decoded(
     batch_size: int = 8,
     num_workers: int = 2,
     timeout: float = 300.0,
+    as_uint8: bool = False,
 ) -> Iterator[dict[str, Any]]:
     """Decode ``(key, path, start, end)`` items in batches, in order, in worker processes (:func:`_loader_run`).
 
@@ -264,12 +268,13 @@ def iter_decoded(
     If a worker process dies (e.g. the decoder crashes) or no batch arrives for ``timeout`` seconds,
     the batch in flight is retried one clip at a time in fresh workers, so that only the culprit is
     reported as failed, and decoding resumes after it. ``num_workers=0`` decodes in this process
-    (no crash or hang protection).
+    (no crash or hang protection). ``as_uint8``: the batches' frames are uint8 pixels, a quarter of the bytes
+    through the worker pipes; :func:`gare.video.normalize_frames` makes them the float32 frames exactly.
     """
     all_items = [_as_item(it) for it in items]
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    ds_kwargs = {"max_frames": max_frames, "framerate": framerate, "image_size": image_size}
+    ds_kwargs = {"max_frames": max_frames, "framerate": framerate, "image_size": image_size, "as_uint8": as_uint8}
     if num_workers <= 0:
         loader = torch.utils.data.DataLoader(
             ClipDataset(all_items, **ds_kwargs),

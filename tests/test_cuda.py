@@ -223,3 +223,17 @@ def test_half_precision_text_tower_on_cuda_stays_close_to_fp32(kind):
     assert got.device.type == "cuda" and got.dtype == torch.float32
     cos = F.cosine_similarity(got.cpu(), ref)
     assert cos.min() > 0.999, cos
+
+
+def test_uint8_frames_normalised_on_cuda_equal_the_cpu_float_frames():
+    """The build sends uint8 frames from its decode workers and normalises them on the encoder's device: on the
+    GPU the float32 frames are bit for bit load_frames' CPU ones (IEEE division and subtraction, same order)."""
+    from gare.video import normalize_frames
+
+    g = torch.Generator().manual_seed(0)
+    u8 = torch.randint(0, 256, (3, 5, 3, 32, 32), generator=g, dtype=torch.uint8)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0]])
+    cpu = normalize_frames(u8, mask)
+    gpu = normalize_frames(u8.to(CUDA), mask)
+    assert gpu.device.type == "cuda" and torch.equal(gpu.cpu(), cpu)
+    assert torch.equal(cpu[1, 2:], torch.zeros_like(cpu[1, 2:]))

@@ -23,6 +23,7 @@ import torch
 
 from gare.checkpoint import file_sha256, load_model
 from gare.model import autocast, resolve_device
+from gare.video import normalize_frames
 from gare.video_loader import iter_decoded
 from gare_build.discover import Clip, seg_of
 from gare_build.distributed import run_dask
@@ -67,8 +68,11 @@ def encode_batch(model: Any, device: torch.device, precision: str, batch: dict[s
     keys = list(batch["keys"])
     if not keys:
         return None, {}, 0
+    frames = batch["frames"]
+    if frames.dtype == torch.uint8:  # iter_decoded(as_uint8=True): normalised here, on the encoder's device
+        frames = normalize_frames(frames.to(device), batch["mask"])
     with autocast(device, precision):
-        feats, vbar = model.encode_video(batch["frames"], batch["mask"])
+        feats, vbar = model.encode_video(frames, batch["mask"])
     feats = feats.float().cpu().numpy()
     vbar = vbar.float().cpu().numpy()
     masks = batch["mask"].cpu().numpy().astype(np.uint8)
@@ -104,7 +108,7 @@ def encode_shard(
     # num_workers=0: a Dask worker may be a daemon process, which cannot start DataLoader workers.
     for batch in iter_decoded(
         list(items), max_frames=cfg.max_frames, framerate=cfg.video_framerate, image_size=cfg.image_size,
-        batch_size=batch_size, num_workers=0, timeout=decode_timeout,
+        batch_size=batch_size, num_workers=0, timeout=decode_timeout, as_uint8=True,
     ):
         failed.update({k: r for k, r in batch["failed"]})
         shard, bad, nf = encode_batch(model, dev, precision, batch)
@@ -205,7 +209,7 @@ class Encoder:
                 for batch in iter_decoded(
                     jobs, max_frames=cfg.max_frames, framerate=cfg.video_framerate, image_size=cfg.image_size,
                     batch_size=decode_batch_size(len(jobs), self.opts.batch_size, self.opts.workers),
-                    num_workers=self.opts.workers, timeout=self.opts.decode_timeout,
+                    num_workers=self.opts.workers, timeout=self.opts.decode_timeout, as_uint8=True,
                 ):
                     failed = {k: r for k, r in batch["failed"]}
                     shard, bad, nf = encode_batch(model, device, precision, batch)

@@ -42,3 +42,31 @@ def test_small_library_reaches_every_worker_in_order(tmp_path: Path):
     assert size == 2 and len(batches) == 3  # one batch per worker instead of one batch for one worker
     assert [k for b in batches for k in b["keys"]] == [p.name for p in videos]
     assert not any(b["failed"] for b in batches)
+
+
+def test_uint8_batches_encode_to_the_same_shard(tmp_path: Path):
+    """The builder decodes with as_uint8 (a quarter of the bytes through the worker pipes) and encode_batch
+    normalises on the encoder's device: the shard equals the one from float32 batches exactly."""
+    import numpy as np
+    import torch
+
+    from gare.config import get_model_config
+    from gare.model import GARE
+    from gare_build.pipeline.encode import encode_batch
+
+    torch.manual_seed(0)
+    model = GARE.build(get_model_config("gare-test-tiny")).eval()
+    videos = sorted(make_corpus(tmp_path, n=5).glob("*.mp4"))
+    items = [(p.name, str(p), None, None) for p in videos]
+    cfg = model.cfg
+    kw = {"max_frames": cfg.max_frames, "framerate": cfg.video_framerate, "image_size": cfg.image_size,
+          "batch_size": 5, "num_workers": 2}
+    (f32,) = list(iter_decoded(items, **kw))
+    (u8,) = list(iter_decoded(items, **kw, as_uint8=True))
+    assert u8["frames"].dtype == torch.uint8 and f32["frames"].dtype == torch.float32
+    dev = torch.device("cpu")
+    a, fa, na = encode_batch(model, dev, "fp32", f32)
+    b, fb, nb = encode_batch(model, dev, "fp32", u8)
+    assert a is not None and b is not None and fa == fb == {} and na == nb > 0
+    assert a.keys == b.keys == [p.name for p in videos]
+    assert np.array_equal(a.frames, b.frames) and np.array_equal(a.vbar, b.vbar) and np.array_equal(a.masks, b.masks)

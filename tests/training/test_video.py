@@ -413,3 +413,41 @@ def test_iter_decoded_early_break_and_empty(good_video):
         it.close()
     assert first["keys"] == [0, 1]
     assert multiprocessing.active_children() == []  # closing the iterator ends its workers
+
+
+@pytest.mark.parametrize("size", [32, 80, 16])  # downscale, upscale (bicubic both ways) and the crop
+def test_uint8_frames_normalise_to_the_float_frames_bit_for_bit(good_video, size):
+    """The build's decode workers send uint8 pixels (as_uint8) and the encoder's side normalises them:
+    the result is torch.equal to load_frames' float32 frames, padded rows included (max_frames 60 > 47
+    frames at framerate 10 leaves zero rows)."""
+    for max_frames, framerate in [(12, 1.0), (60, 10.0)]:
+        ref, ref_m = V.load_frames(good_video, max_frames=max_frames, framerate=framerate, image_size=size)
+        u8, m = V.load_frames(good_video, max_frames=max_frames, framerate=framerate, image_size=size, as_uint8=True)
+        assert u8.dtype == torch.uint8 and u8.shape == ref.shape and torch.equal(m, ref_m)
+        n = int(m.sum())
+        assert torch.count_nonzero(u8[n:]) == 0 and u8[:n].float().std() > 10  # real pixels, zero padding
+        got = V.normalize_frames(u8, m)
+        assert got.dtype == torch.float32 and torch.equal(got, ref), float((got - ref).abs().max())
+        if max_frames == 60:
+            assert n < max_frames and torch.equal(got[n:], torch.zeros_like(got[n:]))
+        # batched (b, f, 3, S, S) with its (b, f) mask, as encode_batch calls it
+        two = V.normalize_frames(torch.stack([u8, u8]), torch.stack([m, m]))
+        assert torch.equal(two, torch.stack([ref, ref]))
+
+
+def test_normalize_frames_refuses_float():
+    with pytest.raises(ValueError, match="uint8 frames, got torch.float32"):
+        V.normalize_frames(torch.zeros(2, 3, 4, 4), torch.ones(2))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_iter_decoded_uint8_batches(good_video, bad_videos, num_workers):
+    items = [("g0", good_video, None, None), ("bad", bad_videos["empty"], None, None), ("g1", good_video, 1.0, 2.0)]
+    with deadline(60):
+        ref = _run_all(items, batch_size=2, num_workers=num_workers, timeout=30)
+        u8 = _run_all(items, batch_size=2, num_workers=num_workers, timeout=30, as_uint8=True)
+    assert [b["keys"] for b in u8] == [b["keys"] for b in ref] == [["g0"], ["g1"]]
+    assert [b["failed"] for b in u8] == [b["failed"] for b in ref]
+    for a, b in zip(u8, ref, strict=True):
+        assert a["frames"].dtype == torch.uint8 and a["frames"].nbytes * 4 == b["frames"].nbytes
+        assert torch.equal(V.normalize_frames(a["frames"], a["mask"]), b["frames"])
