@@ -25,7 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from index_common import table, write_results  # noqa: E402
 
 
-def write_library(dest: Path, n: int, size: int, seconds: float = 12.0, fps: float = 8.0) -> None:
+def write_library(dest: Path, n: int, size: int, seconds: float = 12.0, fps: float = 8.0, opencv: bool = False) -> None:
+    if opencv:  # a machine with OpenCV but no PyAV (the lent GPU machine): gpu_stage1's MPEG-4 Part 2 writer
+        import gpu_stage1
+
+        gpu_stage1.write_videos(dest, n, size=size, seconds=seconds, fps=fps)
+        return
     from gare_train.synth import write_video
 
     t = int(seconds * fps)
@@ -62,6 +67,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--opencv", action="store_true", help="write the library with OpenCV (MPEG-4 Part 2), not PyAV")
     args = ap.parse_args()
     started = time.time()
     import open_clip  # noqa: F401 - imported before the workers fork, as in a build (the model is loaded first)
@@ -74,7 +80,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="gare-decode-") as tmp:
         lib = Path(tmp)
         t0 = time.perf_counter()
-        write_library(lib, args.videos, args.size)
+        write_library(lib, args.videos, args.size, opencv=args.opencv)
         print(f"wrote {args.videos} videos in {time.perf_counter() - t0:.1f}s", flush=True)
         items = [(p.name, str(p)) for p in sorted(lib.glob("*.mp4"))]
         batch = decode_batch_size(len(items), args.batch, args.workers)  # as the build splits a small library
@@ -96,7 +102,8 @@ def main() -> None:
     rows = [[m, f"{med[m]['videos_per_s']:.1f}", f"{med[m]['frames_per_s']:.0f}",
              " / ".join(f"{x['videos_per_s']:.1f}" for x in runs[m]), f"{med[m]['bytes_per_frame_slot']:,.0f}"]
             for m in ("float32", "uint8")]
-    body = (f"{args.videos} H.264 mp4s ({args.size}x{args.size}, 12 s at 8 fps), 12 frames each at 1 fps through the CLIP "
+    codec = "MPEG-4 Part 2 (OpenCV)" if args.opencv else "H.264"
+    body = (f"{args.videos} {codec} mp4s ({args.size}x{args.size}, 12 s at 8 fps), 12 frames each at 1 fps through the CLIP "
             f"transform at 224; `iter_decoded` with {args.workers} worker processes, batches of {batch} videos (decode_batch_size); "
             f"{args.rounds} rounds, the two modes alternating. Median of the rounds.\n\n"
             + table(["frames sent", "videos/s", "frames/s", "per round (videos/s)", "bytes per frame"], rows)

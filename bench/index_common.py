@@ -32,8 +32,12 @@ def cpu_name() -> str:
 
 
 def machine() -> dict[str, Any]:
-    import faiss
     import numpy as np
+
+    try:
+        import faiss
+    except ImportError:  # a benchmark that needs no ANN, on a host without faiss (the lent GPU machine)
+        faiss = None
 
     try:
         import torch
@@ -45,11 +49,11 @@ def machine() -> dict[str, Any]:
         "cpu": cpu,
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads() if torch else None,
-        "faiss_threads": faiss.omp_get_max_threads(),
+        "faiss_threads": faiss.omp_get_max_threads() if faiss else None,
         "gpu": torch.cuda.get_device_name(0) if torch and torch.cuda.is_available() else None,
         "python": platform.python_version(),
         "torch": torch.__version__ if torch else "not installed",
-        "faiss": getattr(faiss, "__version__", "?"),
+        "faiss": getattr(faiss, "__version__", "?") if faiss else "not installed",
         "numpy": np.__version__,
     }
 

@@ -254,20 +254,32 @@ def clip_geometry(image_size: int) -> Any:
 
 def normalize_frames(frames: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """uint8 frames (..., f, 3, S, S) from ``load_frames(..., as_uint8=True)`` -> the float32 frames
-    ``load_frames`` returns, bit for bit, on whatever device ``frames`` is on: ToTensor's ``/ 255`` and
-    Normalize's ``(x - mean) / std`` are the same IEEE operations in the same order, and the padded rows
-    (``mask`` 0, shape (..., f)) are zero as there.
+    ``load_frames`` returns, bit for bit, on whatever device ``frames`` is on; the padded rows (``mask`` 0, shape
+    (..., f)) are zero as there.
 
     Why: a float32 frame is 4x the bytes of its uint8 pixels; the build's decode workers send uint8 through the
-    worker pipes and the normalising runs where the encoder runs (the GPU, when there is one).
+    worker pipes and the normalising runs where the encoder runs (the GPU, when there is one). It is a gather from
+    a table of ToTensor + Normalize's own CPU results for the 256 values of each channel: computing it on the GPU
+    instead would differ in the last bit (CUDA divides by a scalar as a multiply by its reciprocal; the CPU
+    divides).
     """
     if frames.dtype != torch.uint8:
         raise ValueError(f"normalize_frames takes uint8 frames, got {frames.dtype}")
-    mean = torch.tensor(OPENAI_MEAN, dtype=torch.float32, device=frames.device).view(3, 1, 1)
-    std = torch.tensor(OPENAI_STD, dtype=torch.float32, device=frames.device).view(3, 1, 1)
-    x = frames.to(torch.float32).div_(255).sub_(mean).div_(std)
+    table = _normalise_table(str(frames.device))  # (3 * 256,)
+    offsets = torch.arange(0, 3 * 256, 256, dtype=torch.int32, device=frames.device).view(3, 1, 1)
+    x = table[frames.to(torch.int32) + offsets]  # (..., f, 3, S, S) float32
     keep = mask.to(device=frames.device, dtype=torch.bool)[..., None, None, None]
     return x.where(keep, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+@functools.lru_cache(maxsize=8)
+def _normalise_table(device: str) -> torch.Tensor:
+    """(3 * 256,) float32 on ``device``: entry 256 c + v is what ToTensor + Normalize make of value v in channel c,
+    computed by those very ops on the CPU (a (3, 256, 1) image of every value)."""
+    from torchvision.transforms import Normalize, ToTensor
+
+    values = np.repeat(np.arange(256, dtype=np.uint8).reshape(256, 1, 1), 3, axis=2)  # (H=256, W=1, C=3)
+    return Normalize(OPENAI_MEAN, OPENAI_STD)(ToTensor()(values)).reshape(-1).to(device)
 
 
 def _to_rgb(image: Any) -> Any:
