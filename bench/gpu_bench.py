@@ -543,7 +543,8 @@ def markdown(res: dict[str, Any]) -> str:
         L += [f"## Two-stage search end to end ({se['entries']:,} entries, {se['gallery']['index_type']}, K = {se['candidates']}, "
               f"text encoder {se['precision']})", "",
               "`gare_search.search.search_batch` over a gallery written in the real index format (serve_bench.write_gallery); the "
-              "ANN runs in faiss on the CPU (no faiss-gpu here: see the environment line).", "",
+              "ANN runs in faiss on the CPU (the section opens the index with `use_gpu=False`; the encoder and the rerank run on "
+              "the device; the HTTP section serves with the ANN on the GPU).", "",
               "| rerank impl | queries per call | encoder alone ms | search ms | search / encoder | encode | ann | rerank | rank |",
               "|---|---|---|---|---|---|---|---|---|"]
         for r in se["rows"]:

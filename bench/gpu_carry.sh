@@ -20,6 +20,10 @@ PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp --platform m
 mkdir -p "$WORK/dl" "$WORK/payload" "$WORK/faisswheel"
 python3 -m pip download -q --no-deps "${PLAT[@]}" -d "$WORK/dl" faiss-gpu==1.15.1 nvidia-cuda-runtime-cu12==12.6.77 \
     nvidia-cublas-cu12==12.6.4.1
+# the MSR-VTT test captions for the CUDA batch-invariance test (../shared does not travel; gpu_check.sh points
+# GARE_MSRVTT_ANNO here). Carry .gpuwheels and .gpuassets (fidelity inputs, bench/gpu_bench.py --prepare) in the
+# last call: about 20 + 35 MB beside the ~6 MB tree.
+mkdir -p "$REPO/.gpuassets/msrvtt" && cp "$REPO/../shared/data/msrvtt/MSRVTT_JSFUSION_test.csv" "$REPO/.gpuassets/msrvtt/"
 rm -rf "$REPO/.gpuwheels" && mkdir -p "$REPO/.gpuwheels"
 python3 -m pip download -q --no-deps "${PLAT[@]}" -d "$REPO/.gpuwheels" open_clip_torch==3.3.0 ftfy==6.3.1 \
     wcwidth==0.9.4 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \

@@ -19,8 +19,9 @@ from gare.text_quant import encode_each
 log = logging.getLogger(__name__)
 
 # The text encoder's "auto" precision: fp32 on the CPU (fp16 is CUDA-only; bf16 is slow on AVX2), and fp32 on
-# CUDA too: fp16/bf16 autocast measured slower than fp32 for the service's batch sizes (its casts add kernels to
-# a launch-bound tower) and no more accurate.
+# CUDA too, the exact one, unless a half precision measures faster at both 1 and 32 queries per call
+# (bench/results/gpu_bench.md; tests/test_evidence.py holds the rule): fp16/bf16 autocast adds casts to a
+# launch-bound tower and was slower at one query on every GPU run so far.
 AUTO_PRECISION = {"cpu": "fp32", "cuda": "fp32"}
 
 

@@ -79,10 +79,15 @@ def test_robustness_page_block_is_the_render_of_its_json():
 
 
 # ------------------------------------------------------------------------------ auto default == measured winner
-def _gpu_sections() -> dict[str, Any]:
-    res = _json(RESULTS / "gpu_bench.json")
-    assert not res["quick"], "the committed GPU figures must come from a full run"
-    return res["sections"]
+def _gpu_section(name: str) -> dict[str, Any]:
+    """Section `name` of the newest committed full GPU run (bench/results/gpu_bench*.json, by date) that ran it: a
+    run may leave a section out (the fidelity inputs did not travel to every lent GPU)."""
+    runs = sorted((_json(p) for p in RESULTS.glob("gpu_bench*.json")), key=lambda r: r["date"], reverse=True)
+    assert runs and not runs[0]["quick"], "the committed GPU figures must come from a full run"
+    for res in runs:
+        if not res["quick"] and name in res["sections"]:
+            return res["sections"][name]
+    pytest.fail(f"no committed GPU run has a {name!r} section", pytrace=False)
 
 
 def test_cpu_text_encoder_default_is_the_measured_choice():
@@ -91,19 +96,22 @@ def test_cpu_text_encoder_default_is_the_measured_choice():
     assert DEFAULT_CPU_TEXT_ENCODER == _json(RESULTS / "text_encoder.json")["choice"]["default"]
 
 
-@pytest.mark.parametrize("batch", [1, 32])
-def test_cuda_precision_default_is_the_faster_one_measured(batch):
-    te = _gpu_sections()["text_encoder"]
+def test_cuda_precision_default_follows_the_measured_rule():
+    """`precision: auto` on CUDA (gare_search.query.AUTO_PRECISION) is fp32, the exact one, unless a half precision
+    of the model's own tower was faster at both 1 and 32 queries per call (then the fastest of those at 1 + 32)."""
+    te = _gpu_section("text_encoder")
     assert te["ok"], te.get("error")
-    ms = {r["precision"]: r["ms_per_call"] for r in te["result"]["rows"]
-          if r["batch"] == batch and r.get("impl", "model") == "model"}
-    assert set(ms) == {"fp32", "fp16", "bf16"}
-    assert resolve_precision("auto", "cuda") == min(ms, key=ms.get), ms
+    ms = {b: {r["precision"]: r["ms_per_call"] for r in te["result"]["rows"]
+              if r["batch"] == b and r.get("impl", "model") == "model"} for b in (1, 32)}
+    assert all(set(m) == {"fp32", "fp16", "bf16"} for m in ms.values()), ms
+    faster = [p for p in ("fp16", "bf16") if all(ms[b][p] < ms[b]["fp32"] for b in ms)]
+    want = min(faster, key=lambda p: ms[1][p] + ms[32][p]) if faster else "fp32"
+    assert resolve_precision("auto", "cuda") == want, ms
 
 
 def test_cuda_precision_default_kept_the_measured_accuracy():
     """The precision chosen on CUDA kept R@1 (+psi) within 0.5 point of CPU fp32 on the benchmark model."""
-    fi = _gpu_sections()["fidelity"]
+    fi = _gpu_section("fidelity")
     assert fi["ok"], fi.get("error")
     got = fi["result"]["precisions"][resolve_precision("auto", "cuda")]["psi"]["R1"]
     assert abs(got - fi["result"]["cpu_reference"]["psi"]["R1"]) <= 0.5
@@ -113,9 +121,8 @@ def test_cuda_text_encoder_default_is_the_fastest_faithful_one_measured():
     """DEFAULT_CUDA_TEXT_ENCODER (what `text_encoder: auto` serves on CUDA at fp32): of the model's own fp32 tower
     and the half-precision towers, the least time at one query plus 32 among those whose R@1 (+psi) on the
     benchmark model stayed within 0.5 point of CPU fp32."""
-    sec = _gpu_sections()
-    rows = sec["text_encoder"]["result"]["rows"]
-    fid = sec["fidelity"]["result"]
+    rows = _gpu_section("text_encoder")["result"]["rows"]
+    fid = _gpu_section("fidelity")["result"]
     ref = fid["cpu_reference"]["psi"]["R1"]
     # the encoders `text_encoder` offers on CUDA (gare_search.text_encoder): the model's own and the fp16 tower
     names = {"fp32": ("model", "fp32", "fp32"), "fp16": ("tower", "fp16", "fp16 tower")}

@@ -9,6 +9,7 @@ alone than in the batch (int8 up to 0.13 in a coordinate, fp32 ~1e-6).
 from __future__ import annotations
 
 import csv
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,8 +27,10 @@ from tests.conftest import require
 from tests.service.support import settings
 from tests.training.test_text_quant import trained_tiny
 
-# the 1k-A test captions of MSR-VTT, next to the repository (../shared/data/msrvtt)
-CAPTIONS_CSV = Path(__file__).resolve().parents[3] / "shared" / "data" / "msrvtt" / "MSRVTT_JSFUSION_test.csv"
+# the 1k-A test captions of MSR-VTT, next to the repository (../shared/data/msrvtt), or in GARE_MSRVTT_ANNO (where
+# bench/gpu_check.sh points it on a lent GPU machine, to the copy bench/gpu_carry.sh put in .gpuassets)
+CAPTIONS_CSV = Path(os.environ.get("GARE_MSRVTT_ANNO", Path(__file__).resolve().parents[3] / "shared" / "data" / "msrvtt")
+                    ) / "MSRVTT_JSFUSION_test.csv"
 CPU_TOWERS = [k for k in TEXT_ENCODERS if k not in CUDA_TEXT_ENCODERS]  # int8, fp32-packed
 SERVICE_CPU_TOWERS = ["fp32", "int8", "fp32-packed"]  # the service's fp32 is the model's own encoder
 
