@@ -74,7 +74,7 @@ def main() -> None:
     import torch
 
     from gare.video import clip_geometry, clip_transform, normalize_frames
-    from gare_build.pipeline.encode import decode_batch_size
+    from gare.video_loader import decode_batch_size
 
     clip_transform(224), clip_geometry(224)
     with tempfile.TemporaryDirectory(prefix="gare-decode-") as tmp:

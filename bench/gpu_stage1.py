@@ -274,7 +274,7 @@ def section_index_build(ctx: dict[str, Any]) -> dict[str, Any]:
                          "wall_s": time.perf_counter() - t0, "failed": len(getattr(r, "failed", []) or [])})
             print(f"build {precision}: {rows[-1]}", flush=True)
             shutil.rmtree(out, ignore_errors=True)
-        from gare_build.pipeline.encode import decode_batch_size
+        from gare.video_loader import decode_batch_size
 
         return {"videos_in_library": args.build_videos, "decode_workers": workers, "batch_size": args.build_batch,
                 "decode_batch": decode_batch_size(args.build_videos, args.build_batch, workers), "frames_sent": "uint8",

@@ -251,6 +251,25 @@ def _loader_run(
         results.close()
 
 
+# Decode batches per worker the library is split into at least (when it is small enough to need splitting): with
+# one batch per worker every worker finishes at about the same time and the encoder starts only then (the H200 run
+# at 5215253, bench/results/gpu_bench.md: 600 videos in 16 batches of 38); with several, the encoder works on the
+# first batches while the workers decode the next ones.
+DECODE_WAVES = 4
+
+
+def decode_batch_size(n_jobs: int, batch_size: int, workers: int) -> int:
+    """Videos per decoded batch: ``batch_size``, or fewer when the library is too small to give every decode worker
+    ``DECODE_WAVES`` batches (iter_decoded hands whole batches to workers, two in flight each: 300 videos in
+    batches of 64 kept 5 of 16 workers busy on a GPU machine), so that all ``workers`` decode at once and the
+    encoder overlaps them; ``workers`` 0 decodes in this process (one stream: the batch stays as configured)."""
+    if n_jobs < 1 or batch_size < 1 or workers < 0:
+        raise ValueError(f"n_jobs and batch_size must be >= 1 and workers >= 0, got {n_jobs}, {batch_size}, {workers}")
+    if workers == 0:
+        return batch_size
+    return max(1, min(batch_size, n_jobs // (DECODE_WAVES * workers)))
+
+
 def iter_decoded(
     items: Iterable[Sequence[Any]],
     *,

@@ -10,7 +10,6 @@ a video that failed or changed while it was being indexed (nothing partial enter
 from __future__ import annotations
 
 import logging
-import math
 import os
 import sys
 import threading
@@ -24,7 +23,7 @@ import torch
 from gare.checkpoint import file_sha256, load_model
 from gare.model import autocast, resolve_device
 from gare.video import normalize_frames
-from gare.video_loader import iter_decoded
+from gare.video_loader import decode_batch_size, iter_decoded
 from gare_build.discover import Clip, seg_of
 from gare_build.distributed import run_dask
 from gare_build.pipeline.assemble import Entry
@@ -148,16 +147,6 @@ def _meta_row(c: Clip, frames_used: int) -> dict[str, Any]:
         "duration": c.duration, "fps": c.fps, "frames_used": int(frames_used), "start": c.start, "end": c.end,
         "status": "ok",
     }
-
-
-def decode_batch_size(n_jobs: int, batch_size: int, workers: int) -> int:
-    """Videos per decoded batch: ``batch_size``, or fewer when the library is too small to give every decode worker
-    a batch (iter_decoded hands whole batches to workers: 300 videos in batches of 64 kept 5 of 16 workers busy on
-    a GPU machine, bench/results/gpu_bench.md), so that all ``workers`` decode at once; ``workers`` 0 decodes in
-    this process (one stream: the batch stays as configured)."""
-    if n_jobs < 1 or batch_size < 1 or workers < 0:
-        raise ValueError(f"n_jobs and batch_size must be >= 1 and workers >= 0, got {n_jobs}, {batch_size}, {workers}")
-    return max(1, min(batch_size, math.ceil(n_jobs / max(workers, 1))))
 
 
 class Encoder:
