@@ -307,18 +307,24 @@ def section_http_search(ctx: dict[str, Any]) -> dict[str, Any]:
         print(f"http: gallery of {args.http_entries:,} written in {out['write_s']:.0f}s", flush=True)
         ctx["model"] = model
         stream = make_queries(20000, seed=11)
-        t0 = time.perf_counter()
-        proc, url, log = serve(work / "index", 1, False, None)
-        out["server_ready_s"] = time.perf_counter() - t0
         import httpx
 
-        out["server"] = httpx.get(url + "/healthz", timeout=10).json()
-        for clients in args.http_clients:
-            r = closed_loop(url, stream[clients * 100:], clients, args.http_duration)
-            out["rows"].append(r)
-            print(f"http {clients} clients: {r['qps']} q/s, p50 {r.get('latency_p50')} ms, errors {r['errors']}", flush=True)
+        for rd in args.http_rerank_devices:  # GARE_RERANK_DEVICE of the server (gare_search.rerank.RERANK_DEVICE)
+            os.environ["GARE_RERANK_DEVICE"] = rd
+            t0 = time.perf_counter()
+            proc, url, log = serve(work / "index", 1, False, None)
+            out.setdefault("server_ready_s", {})[rd] = time.perf_counter() - t0
+            out["server"] = httpx.get(url + "/healthz", timeout=10).json()
+            for clients in args.http_clients:
+                r = {**closed_loop(url, stream[clients * 100:], clients, args.http_duration), "rerank_device": rd}
+                out["rows"].append(r)
+                print(f"http rerank on {rd}, {clients} clients: {r['qps']} q/s, p50 {r.get('latency_p50')} ms, "
+                      f"errors {r['errors']}", flush=True)
+            stop_process(proc, 30)
+            proc = None
         return out
     finally:
+        os.environ.pop("GARE_RERANK_DEVICE", None)
         if proc is not None:
             stop_process(proc, 30)
         shutil.rmtree(work, ignore_errors=True)
@@ -369,6 +375,8 @@ def add_arguments(ap: Any) -> None:
     ap.add_argument("--http-entries", type=int, default=1_000_000)
     ap.add_argument("--http-clients", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--http-duration", type=float, default=10.0)
+    ap.add_argument("--http-rerank-devices", nargs="+", default=["model", "cpu"], choices=["model", "cpu"],
+                    help="serve once per value of GARE_RERANK_DEVICE")
     ap.add_argument("--build-videos", type=int, default=600)
 
 
@@ -444,9 +452,11 @@ def markdown(sec: dict[str, Any]) -> list[str]:
               f"`gare-serve` (one worker) on the device over a gallery in the real index format (serve_bench.write_gallery: "
               f"{g['index_type']} {g['ann_params']}); its /healthz: `{json.dumps(hs.get('server'))[:600]}`. Closed-loop clients, distinct queries, "
               f"{hs['duration_s']:g} s each; psi rerank on, caches off.", "",
-              "| clients | q/s | p50 ms | p99 ms | errors |", "|---|---|---|---|---|"]
-        L += [f"| {r['clients']} | {r['qps']:,.1f} | {r['latency_p50']:.2f} | {r['latency_p99']:.2f} | {r['errors']} |"
-              for r in hs["rows"]]
+              "| rerank on | clients | q/s | p50 ms | p99 ms | errors |", "|---|---|---|---|---|---|"]
+        L += [f"| {r.get('rerank_device', 'model')} | {r['clients']} | {r['qps']:,.1f} | {r['latency_p50']:.2f} | "
+              f"{r['latency_p99']:.2f} | {r['errors']} |" for r in hs["rows"]]
+        L += ["", "*rerank on*: `GARE_RERANK_DEVICE` (model = the GPU the model is on; cpu = the compiled CPU kernel over "
+              "the memory-mapped index)."]
         L.append("")
     return L
 

@@ -39,6 +39,13 @@ QUERY_FOLDS = QueryFoldCache(4096)
 
 _ARRAYS_LOCK = threading.Lock()
 RERANK_THREADS: int | None = None  # None: the torch intra-op threads (see rerank_threads)
+# Where the psi rerank runs when the model is on a GPU: "model" (there: the candidates' rows are gathered from the
+# memory-mapped arrays and copied over, ~4 MB for K = 256) or "cpu" (the compiled CPU kernel reads them in place;
+# only t's 2 KB cross). gare-serve sets it from GARE_RERANK_DEVICE; bench/gpu_bench.py measures both. On a CPU
+# model both are the CPU kernel.
+RERANK_DEVICES = ("model", "cpu")
+RERANK_DEVICE = "model"
+_CPU_FOLDS: dict[str, Any] = {}  # psi fingerprint -> the fold's CPU copy, for RERANK_DEVICE "cpu" over several queries
 
 
 def rerank_threads() -> int:
@@ -62,7 +69,7 @@ def prepare(model: Any, version: Any) -> None:
 def warm_up(device: torch.device | str) -> None:
     """Compile the CPU kernels of the rerank and its query fold (a few seconds, once per process) when `device` will use it, so
     that no request pays for it."""
-    if torch.device(device).type == "cpu" and psi_fold_cpu.available():
+    if (torch.device(device).type == "cpu" or RERANK_DEVICE == "cpu") and psi_fold_cpu.available():
         psi_fold_cpu.warm_up()
         psi_fold_cpu_queries.warm_up()
 
@@ -160,8 +167,12 @@ def _fold_pairs(model: Any, version: Any, t: torch.Tensor, rows: np.ndarray, siz
     ~20-70 us on a cold cache). Elsewhere the batch's candidate rows are read once, ascending (memmap friendly),
     into one VideoConstants that every query shares; each query's candidates are ids into it. Either way K is
     padded to the batch's largest."""
-    dev = t.device
     fold = psi_consts.fold_of(model)
+    if t.device.type != "cpu" and RERANK_DEVICE == "cpu" and psi_fold_cpu.available():
+        t = t.detach().to("cpu", torch.float32)  # (a, d): the kernel reads the candidates where they are stored
+        if len(sizes) > 1:
+            fold = _cpu_fold(fold)
+    dev = t.device
     # the stored constants when valid (fold_of once per request: its check is ~4 us), else served()
     if psi_consts.fold_status(version, fold) is None:
         consts = version.psi_consts
@@ -184,6 +195,17 @@ def _fold_pairs(model: Any, version: Any, t: torch.Tensor, rows: np.ndarray, siz
         v = psi_consts.gather(version, uniq, fold, dev, consts=consts)
         s = pf.pair_scores(q, v, torch.from_numpy(padded(inv.reshape(-1), sizes)).to(dev)).cpu().numpy()
     return unpad(s, sizes)
+
+
+def _cpu_fold(fold: Any) -> Any:
+    """fold's CPU copy (made once per psi fingerprint, a few MB): the batched query fold for RERANK_DEVICE "cpu"."""
+    with _ARRAYS_LOCK:
+        got = _CPU_FOLDS.get(fold.fingerprint)
+        if got is None:
+            got = _CPU_FOLDS[fold.fingerprint] = fold.to("cpu")
+            while len(_CPU_FOLDS) > 4:
+                _CPU_FOLDS.pop(next(iter(_CPU_FOLDS)))
+    return got
 
 
 def exhaustive_psi(model: Any, version: Any, t: torch.Tensor, *, block: int = 8192, progress: bool = False) -> np.ndarray:

@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-encoder", choices=["auto", "fp32", "int8", "fp32-packed", "fp16"],
                    help="query text tower (int8 and fp32-packed are CPU options, fp16 the CUDA one; "
                         "fp32 = the model's own at --precision; default auto: the measured default of the device at fp32)")
+    p.add_argument("--rerank-device", choices=["model", "cpu"],
+                   help="where the psi rerank runs when the model is on a GPU: model (default) = there, cpu = the "
+                        "compiled CPU kernel over the memory-mapped index")
     p.add_argument("--query-cache-entries", type=int, help="query embedding cache size (0 = off)")
     p.add_argument("--result-cache-entries", type=int, help="search result cache size (0 = off)")
     p.add_argument("--library-root", help="show video paths relative to this folder; files outside it are not served")
@@ -115,7 +118,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         "index", "checkpoint", "host", "port", "device", "precision", "torch_threads", "library_root",
         "cors_origins", "require_key_for_search", "api_keys_file", "verify_index", "batch_max_size",
         "batch_max_wait_ms", "log_level", "workers", "text_encoder", "query_cache_entries", "result_cache_entries",
-        "header_timeout_s", "body_timeout_s", "worker_sockets",
+        "header_timeout_s", "body_timeout_s", "worker_sockets", "rerank_device",
     ]
     overrides: dict[str, Any] = {n: getattr(args, n) for n in names}
     return load_settings(args.config, **overrides)

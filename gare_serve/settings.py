@@ -70,6 +70,11 @@ class Settings(BaseSettings):
     torch_threads: int | None = Field(
         None, ge=1, description="torch (and FAISS) intra-op threads; gare-serve sets usable cores // workers"
     )
+    rerank_device: Literal["model", "cpu"] = Field(
+        "model", description="where the psi rerank runs when the model is on a GPU: model = there (the candidates' "
+        "rows are copied over), cpu = the compiled CPU kernel over the memory-mapped index (only the query crosses); "
+        "on a CPU model both are the CPU kernel (gare_search.rerank.RERANK_DEVICE; bench/gpu_bench.py measures both)"
+    )
     workers: int | None = Field(
         None, ge=1, le=256, description="worker processes behind the port (gare-serve; default: the usable cores)"
     )

@@ -131,6 +131,7 @@ class ServiceState:
         version = self.open_served(sha)
         self.check_fit(version)
         advise_random_access(version)
+        rerank.RERANK_DEVICE = s.rerank_device  # before warm_up: "cpu" on a GPU model compiles the CPU kernel too
         rerank.warm_up(self.device)  # compile the CPU rerank kernel now, not in the first request
         self.handle = VersionHandle(version)
         self.publish_index(version)

@@ -237,3 +237,29 @@ def test_uint8_frames_normalised_on_cuda_equal_the_cpu_float_frames():
     gpu = normalize_frames(u8.to(CUDA), mask)
     assert gpu.device.type == "cuda" and torch.equal(gpu.cpu(), cpu)
     assert torch.equal(cpu[1, 2:], torch.zeros_like(cpu[1, 2:]))
+
+
+def test_rerank_on_the_cpu_kernel_for_a_cuda_model_equals_the_cuda_rerank(model_and_index, monkeypatch):
+    """RERANK_DEVICE "cpu" with the model on CUDA: t comes back to the CPU and the compiled kernel scores the rows
+    in the memory-mapped index; equal to the CUDA rerank (and to the CPU model's) within 2e-5, one query and a
+    ragged batch."""
+    from gare_search import query as Q
+    from gare_search import rerank as R
+
+    model, version, sh = model_and_index
+    ids = np.asarray(version.ids)
+    cands = [ids[::-1], ids[2:5], ids[:4]]
+    ref = R.psi_scores(model, version, Q.encode_queries(model, sh["captions"][:3]), cands)
+    m = model.to(CUDA)
+    try:
+        t = Q.encode_queries(m, sh["captions"][:3])
+        assert t.device.type == "cuda"
+        on_gpu = R.psi_scores(m, version, t, cands), R.psi_scores(m, version, t[:1], cands[:1])
+        monkeypatch.setattr(R, "RERANK_DEVICE", "cpu")
+        on_cpu = R.psi_scores(m, version, t, cands), R.psi_scores(m, version, t[:1], cands[:1])
+    finally:
+        model.to("cpu")
+    for many, one in (on_gpu, on_cpu):
+        for i in range(3):
+            np.testing.assert_allclose(many[i], ref[i], atol=2e-5, rtol=0)
+        np.testing.assert_allclose(one[0], ref[0], atol=2e-5, rtol=0)

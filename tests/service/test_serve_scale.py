@@ -178,3 +178,22 @@ def test_cli_text_encoder_and_workers_options():
 
     s = settings_from_args(build_parser().parse_args(["--index", "x", "--text-encoder", "int8", "--workers", "3"]))
     assert s.text_encoder == "int8" and s.workers == 3
+
+
+def test_rerank_device_setting(service_env, monkeypatch):
+    """--rerank-device / GARE_RERANK_DEVICE reach the rerank module when the service loads; other values are
+    refused by name."""
+    from gare_search import rerank
+    from gare_serve.cli import build_parser, settings_from_args
+    from gare_serve.settings import Settings
+
+    assert settings_from_args(build_parser().parse_args(["--index", "x", "--rerank-device", "cpu"])).rerank_device == "cpu"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--index", "x", "--rerank-device", "gpu"])
+    monkeypatch.setenv("GARE_RERANK_DEVICE", "gpu")
+    with pytest.raises(ValueError, match="rerank_device"):
+        Settings(index=service_env["index"])
+    monkeypatch.delenv("GARE_RERANK_DEVICE")
+    monkeypatch.setattr(rerank, "RERANK_DEVICE", "model")
+    ServiceState(settings(service_env["index"], rerank_device="cpu"), Metrics()).load()
+    assert rerank.RERANK_DEVICE == "cpu"
