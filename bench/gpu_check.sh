@@ -15,6 +15,12 @@
 # 3. runs bench/gpu_bench.py (stage 1 at 1M/10M, `gare-index build`, HTTP at 1M, then the earlier sections), which
 #    writes its JSON/Markdown after every section, into $OUT (default /tmp/gpu-check).
 # Exit status: the tests'. The logs say what failed; a failed install is reported with its error, the rest still runs.
+#
+# A lent machine gives 15 minutes in all and 10 a call: the run at 5215253 (H200) took 583 s with
+#   --sections env index_build http_search faiss_stage1 search psi sinkhorn served_biases text_encoder --batches 1 8 32
+# (tests 70 s, index_build 70, http_search 176, faiss_stage1 188 with 10M, the rest 62). The HTTP section now serves
+# twice (--http-rerank-devices model cpu, ~+40 s) and fidelity needs .gpuassets (~5 s): add --stage1-entries 1000000
+# (~-130 s) to stay inside one call, most wanted sections first.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-check}
 SITE=${GPU_SITE:-/tmp/site}
