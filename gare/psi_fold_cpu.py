@@ -30,12 +30,13 @@ from typing import Any
 
 import numpy as np
 
+from gare.once import once
+
 log = logging.getLogger(__name__)
 
 _COS_EPS = 1e-8  # as gare.psi_fold._COS_EPS (F.cosine_similarity's eps)
 _N_VEC, _N_MAT = 10, 5  # gare.psi_fold_videos.VEC_FIELDS / MAT_FIELDS, in that order
 
-_KERNEL: Any = None
 _LOCK = threading.Lock()
 
 
@@ -315,13 +316,7 @@ def available() -> bool:
     return _AVAILABLE
 
 
-def _kernel() -> Any:
-    global _KERNEL
-    if _KERNEL is None:
-        with _LOCK:
-            if _KERNEL is None:
-                _KERNEL = _build()
-    return _KERNEL
+_kernel = once(_build)  # the compiled kernel, built on first use
 
 
 def _ro(arr: np.ndarray) -> np.ndarray:

@@ -8,14 +8,12 @@ writes the vectors and scalars directly. numba compiles it on first use (`warm_u
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
 import numpy as np
 
-_KERNEL: Any = None
-_LOCK = threading.Lock()
+from gare.once import once
 
 
 def _build() -> Any:
@@ -66,13 +64,7 @@ def _build() -> Any:
     return fold_rows
 
 
-def _kernel() -> Any:
-    global _KERNEL
-    if _KERNEL is None:
-        with _LOCK:
-            if _KERNEL is None:
-                _KERNEL = _build()
-    return _KERNEL
+_kernel = once(_build)  # the compiled kernel, built on first use
 
 
 def fold_query_rows(t: np.ndarray, query_map: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
