@@ -368,6 +368,7 @@ def section_search(ctx: dict[str, Any]) -> dict[str, Any]:
     from gare.checkpoint import file_sha256, save_checkpoint
     from gare.psi_fold_weights import fold_weights
     from gare_index.store import open_index
+    from gare_search import rerank
     from gare_search.query import encode_queries, resolve_precision
     from gare_search.search import SearchOptions, search_batch
 
@@ -387,8 +388,6 @@ def section_search(ctx: dict[str, Any]) -> dict[str, Any]:
         opts = SearchOptions()
         out["candidates"] = opts.candidates
         out["precision"] = prec
-        from gare_search import rerank
-
         # the rerank the service serves, the fold: where the model is, and on the CPU kernel (GARE_RERANK_DEVICE cpu)
         for impl, rd in (("fold", "model"), ("fold, CPU kernel", "cpu")):
             rerank.RERANK_DEVICE = rd
@@ -408,8 +407,6 @@ def section_search(ctx: dict[str, Any]) -> dict[str, Any]:
                                     "search_over_encoder": tot["ms"] / enc["ms"], "stage_ms": st})
                 print(f"search ({impl}) Q={nq}: {tot['ms']:.2f} ms (encoder alone {enc['ms']:.2f} ms), stages {st}", flush=True)
     finally:
-        from gare_search import rerank
-
         rerank.RERANK_DEVICE = "model"
         version.close()
         import shutil

@@ -375,7 +375,9 @@ def add_arguments(ap: Any) -> None:
     ap.add_argument("--http-entries", type=int, default=1_000_000)
     ap.add_argument("--http-clients", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--http-duration", type=float, default=10.0)
-    ap.add_argument("--http-rerank-devices", nargs="+", default=["model", "cpu"], choices=["model", "cpu"],
+    from gare_search.rerank import RERANK_DEVICES
+
+    ap.add_argument("--http-rerank-devices", nargs="+", default=list(RERANK_DEVICES), choices=RERANK_DEVICES,
                     help="serve once per value of GARE_RERANK_DEVICE")
     ap.add_argument("--build-videos", type=int, default=600)
 

@@ -41,7 +41,7 @@ _ARRAYS_LOCK = threading.Lock()
 RERANK_THREADS: int | None = None  # None: the torch intra-op threads (see rerank_threads)
 # Where the psi rerank runs when the model is on a GPU: "model" (there: the candidates' rows are gathered from the
 # memory-mapped arrays and copied over, ~4 MB for K = 256) or "cpu" (the compiled CPU kernel reads them in place;
-# only t's 2 KB cross). gare-serve sets it from GARE_RERANK_DEVICE; bench/gpu_bench.py measures both. On a CPU
+# only t's 2 KB cross). gare-serve and its Ray shard replicas set it from GARE_RERANK_DEVICE; bench/gpu_bench.py measures both. On a CPU
 # model both are the CPU kernel.
 RERANK_DEVICES = ("model", "cpu")
 RERANK_DEVICE = "model"

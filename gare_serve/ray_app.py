@@ -38,6 +38,7 @@ from ray.serve.handle import DeploymentHandle
 
 from gare.model import resolve_device
 from gare_index.shards import current_generation, shard_root
+from gare_search import rerank
 from gare_search.by_example import ExampleError
 from gare_serve.app import create_app
 from gare_serve.settings import load_settings
@@ -111,6 +112,7 @@ class ShardServer:
             torch.set_num_threads(settings.torch_threads)
         path, sha, _ = resolve_checkpoint(settings)
         model = load_shard_model(path, resolve_device(settings.device))  # psi alone: the ingress encodes queries
+        rerank.RERANK_DEVICE = settings.rerank_device  # as gare-serve: before the worker warms the rerank up
         self.worker = ShardWorker(index, shard, model, expect_checkpoint_sha=sha, verify=settings.verify_index,
                                   use_gpu=settings.use_gpu_ann)
         self.shard = shard

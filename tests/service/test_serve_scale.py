@@ -183,11 +183,16 @@ def test_cli_text_encoder_and_workers_options():
 def test_rerank_device_setting(service_env, monkeypatch):
     """--rerank-device / GARE_RERANK_DEVICE reach the rerank module when the service loads; other values are
     refused by name."""
+    import typing
+
     from gare_search import rerank
     from gare_serve.cli import build_parser, settings_from_args
     from gare_serve.settings import Settings
 
     assert settings_from_args(build_parser().parse_args(["--index", "x", "--rerank-device", "cpu"])).rerank_device == "cpu"
+    # the setting, the CLI and the rerank module name the same choices
+    (action,) = [a for a in build_parser()._actions if a.dest == "rerank_device"]
+    assert tuple(action.choices) == typing.get_args(Settings.model_fields["rerank_device"].annotation) == rerank.RERANK_DEVICES
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--index", "x", "--rerank-device", "gpu"])
     monkeypatch.setenv("GARE_RERANK_DEVICE", "gpu")
