@@ -95,6 +95,23 @@ def test_modes(model_and_index):
     assert [h.id for h in psi_only.hits] != [h.id for h in ann_only.hits]
 
 
+def test_rerank_off_runs_no_psi_pass(model_and_index, monkeypatch):
+    """rerank=False must not score anything with psi (its cost is the point of turning it off): a psi pass that
+    fails loudly shows whether one ran, without a clock."""
+    model, version, sh = model_and_index
+    texts = sh["captions"][:3]
+
+    def psi_pass(*a, **k):
+        raise AssertionError("psi pass ran")
+
+    monkeypatch.setattr(R, "psi_scores", psi_pass)
+    off = S.SearchOptions(k=4, candidates=8, rerank=False)
+    assert all(h.psi_score is None for h in S.search(model, version, texts[0], off).hits)
+    assert len(S.search_batch(model, version, texts, [off] * 3)) == 3
+    with pytest.raises(AssertionError, match="psi pass ran"):  # the guard is live: one reranked query runs it
+        S.search_batch(model, version, texts, [off, S.SearchOptions(k=4, candidates=8), off])
+
+
 def test_shortlist_limits_the_candidates(model_and_index):
     model, version, sh = model_and_index
     text = sh["captions"][1]

@@ -117,9 +117,9 @@ def test_search_page_end_to_end(service_env, tmp_path):
             page.wait_for_function("() => document.getElementById('status').textContent.includes('results for “')")
             page.uncheck("#rerank")
             page.wait_for_function("() => !document.querySelector('.card').textContent.includes('psi')")
-            # no psi stage: its timing is only the bookkeeping around it (well under a millisecond)
-            rerank_ms = float(re.search(r"rerank ([0-9.]+)", page.text_content("#timings")).group(1))
-            assert rerank_ms < 1.0, page.text_content("#timings")
+            # the timings line still shows every stage (that no psi pass ran is tested in test_search.py
+            # without a clock: a wall-time bound here failed once on a loaded CI machine, 3.0 ms for a no-op)
+            assert re.search(r"ANN [0-9.]+ \+ rerank [0-9.]+ ms", page.text_content("#timings")), page.text_content("#timings")
             # a blank query is refused in the page without a request
             page.fill("#q", "   ")
             page.press("#q", "Enter")
