@@ -122,8 +122,10 @@ def run_ray(tmp_path: Path, cfg: dict, extra_env: dict | None = None, meanwhile:
 def test_ray_serve_two_shards_equal_the_single_index_and_a_dead_shard_is_flagged(env, tmp_path):
     reqs = text_requests(env["captions"], 2)
     everything = {"query": env["captions"][2], "k": 16, "candidates": 16, "ncl": True}  # every video: see below
+    # shard_timeout_s 10 (the default): at 4, a CI run on a machine loaded by another job saw both shards miss the
+    # first request (answered partial, shards [0, 1] missing); the dead shard is still flagged within the bound
     cfg = {"port": free_port(), "nodes": 2, "num_cpus": 2, "timeout_s": 300,
-           "app": {"index": str(env["n2"]), "shard_replicas": 1, "allow_partial": True, "shard_timeout_s": 4},
+           "app": {"index": str(env["n2"]), "shard_replicas": 1, "allow_partial": True, "shard_timeout_s": 10},
            "steps": [{"do": "ask", "name": "answers", "requests": [*reqs, everything]},
                      {"do": "kill", "name": "kill", "shard": 1},
                      {"do": "ask", "name": "after_kill", "requests": [everything]}]}
