@@ -35,6 +35,7 @@ from bench import (  # noqa: E402
     serve_bench,
     serve_http,
     sharded,
+    stage1_peers,
     worker_spread,
 )
 from gare.text_quant import DEFAULT_CPU_TEXT_ENCODER, DEFAULT_CUDA_TEXT_ENCODER  # noqa: E402
@@ -61,6 +62,7 @@ REPORTS: list[tuple[str, Callable[[dict], str], Path, Path]] = [
     ("robustness", robustness.results_md, RESULTS / "robustness.json", RESULTS / "robustness.md"),
     ("ray_faults", ray_faults.markdown, RESULTS / "ray_faults.json", RESULTS / "ray_faults.md"),
     ("frames_int8", frames_int8.markdown, RESULTS / "frames_int8.json", RESULTS / "frames_int8.md"),
+    ("stage1_peers", stage1_peers.markdown, RESULTS / "stage1_peers.json", RESULTS / "stage1_peers.md"),
 ]
 
 
