@@ -191,7 +191,7 @@ def markdown(data: dict[str, Any]) -> str:
             ["library", "setting", "build s", "recall eval", "recall held-out", "p50 ms", "p95 ms"],
             [[r["library"], r["setting"], "" if r["build_s"] is None else f"{r['build_s']:.0f}",
               f"{r['recall_eval']:.4f}", f"{r['recall_held']:.4f}", f"{r['p50_ms']:.2f}", f"{r['p95_ms']:.2f}"]
-             for r in gr]), ""]
+             for r in gr]).rstrip("\n"), ""]
         summary = []
         for lib in a["libraries"]:
             w, h = best(rows, g, lib)
@@ -200,7 +200,7 @@ def markdown(data: dict[str, Any]) -> str:
                             if w else "none within the budget",
                             f"{h['p50_ms']:.2f} ms ({h['setting']})" if h else "not reached in the sweep"])
         lines += [table(["library", f"best min(eval, held-out) recall at p50 <= {BUDGET_MS} ms",
-                         f"fastest p50 with both recalls >= {TARGET}"], summary), ""]
+                         f"fastest p50 with both recalls >= {TARGET}"], summary).rstrip("\n"), ""]
     lines += ["## Target (issue 29)", ""]
     for c in data["checks"]:
         lines.append(f"- {'PASS' if c['pass'] else 'FAIL'}: {c['check']}")
