@@ -435,6 +435,17 @@ def test_uint8_frames_normalise_to_the_float_frames_bit_for_bit(good_video, size
         assert torch.equal(two, torch.stack([ref, ref]))
 
 
+def test_normalize_frames_cpu_ops_equal_the_table_for_every_value():
+    """The CPU path (ToTensor + Normalize's ops on the batch) equals the gather from the table of those ops' results
+    (the path other devices take) bit for bit, for each of the 256 values in each channel."""
+    values = torch.arange(256, dtype=torch.uint8).view(16, 16)
+    frames = torch.stack([values, values, values])[None]  # (f=1, 3, 16, 16): every value in every channel
+    got = V.normalize_frames(frames, torch.ones(1))
+    want = V._normalise_by_table(frames)
+    assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want), float((got - want).abs().max())
+    assert not torch.equal(got[0, 0], got[0, 1])  # the same pixels, each channel's own mean and std
+
+
 def test_normalize_frames_refuses_float():
     with pytest.raises(ValueError, match="uint8 frames, got torch.float32"):
         V.normalize_frames(torch.zeros(2, 3, 4, 4), torch.ones(2))
