@@ -62,9 +62,10 @@ def latency(search_one: Any, q: np.ndarray, n_lat: int) -> dict[str, float]:
 
 
 def recall(got: np.ndarray, gt: np.ndarray) -> float:
-    """Share of each row of ``gt`` (q, 10) found in the same row of ``got`` (q, >= 10), averaged."""
-    got = np.asarray(got, dtype=np.int64)
-    return float(np.mean([np.isin(gt[i], got[i]).mean() for i in range(gt.shape[0])]))
+    """The tuner's recall (``recall_of_topk``) of a library's ids, whatever their integer type (usearch: uint64)."""
+    from gare_build.tuning.measure import recall_of_topk
+
+    return recall_of_topk(np.asarray(got, dtype=np.int64), gt)
 
 
 def run_faiss(sets: dict[str, Any], args: argparse.Namespace, record: Any) -> None:

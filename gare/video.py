@@ -258,16 +258,17 @@ def normalize_frames(frames: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     (..., f)) are zero as there.
 
     Why: a float32 frame is 4x the bytes of its uint8 pixels; the build's decode workers send uint8 through the
-    worker pipes and the normalising runs where the encoder runs (the GPU, when there is one). It is a gather from
-    a table of ToTensor + Normalize's own CPU results for the 256 values of each channel: computing it on the GPU
-    instead would differ in the last bit (CUDA divides by a scalar as a multiply by its reciprocal; the CPU
-    divides). On the CPU the same ops are run directly (faster than the gather; equal to it for every value, tested).
+    worker pipes and the normalising runs where the encoder runs (the GPU, when there is one). On the CPU it runs
+    ToTensor + Normalize's own ops on the batch; on other devices it is a gather from a table of those ops' CPU
+    results for the 256 values of each channel, because the same arithmetic on the GPU would differ in the last bit
+    (CUDA divides by a scalar as a multiply by its reciprocal; the CPU divides). The two paths agree for every
+    value (tested).
     """
     if frames.dtype != torch.uint8:
         raise ValueError(f"normalize_frames takes uint8 frames, got {frames.dtype}")
     if frames.device.type == "cpu":
         # on the CPU, ToTensor + Normalize's own ops in their order are those very results, and three elementwise
-        # passes cost about a sixth of the gather (measured side by side: 0.25 vs 1.6 ms per 224 x 224 frame)
+        # passes cost far less than the gather (bench/results/decode_pipeline.md times this function)
         mean, std = _normalise_consts()
         x = frames.to(torch.float32).div_(255).sub_(mean).div_(std)  # (..., f, 3, S, S)
     else:
