@@ -36,7 +36,7 @@ case "${1:-}" in
         "$([ "${CI:-}" = true ] && echo fail || echo be skipped)" >&2
     fi
     export HF_HUB_OFFLINE=1
-    "$VENV/bin/ruff" check gare gare_index gare_search gare_build gare_serve gare_train gare_demo tests bench
+    "$VENV/bin/ruff" check training indexer service tests bench
     "$VENV/bin/python" -m pytest -q -m "not slow and not gpu" "${@:2}"  # gpu: bench/gpu_check.sh runs them on a GPU
     ;;
   demo)

@@ -194,7 +194,7 @@ def section_fidelity(ctx: dict[str, Any]) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     from gare.checkpoint import load_model
-    from gare.metrics import retrieval_metrics
+    from gare.retrieval_metrics import retrieval_metrics
 
     dev, assets = ctx["dev"], ctx["args"].assets
     if assets is None or not (assets / "fidelity.json").exists():
@@ -429,7 +429,7 @@ def prepare(assets: Path, checkpoint: Path, corpus: Path, split: str) -> None:
     from gare.annotations import load_dataset
     from gare.checkpoint import file_sha256, load_model, save_checkpoint
     from gare.encoded_set import encode_set
-    from gare.metrics import retrieval_metrics
+    from gare.retrieval_metrics import retrieval_metrics
     from gare_search.query import encode_queries
 
     assets.mkdir(parents=True, exist_ok=True)

@@ -76,7 +76,7 @@ def main() -> None:
     from gare import psi_fold_weights as pfw
     from gare.checkpoint import load_model
     from gare.encoded_set import encode_set
-    from gare.metrics import ranks_t2v
+    from gare.retrieval_metrics import ranks_t2v
     from gare.sinkhorn import sinkhorn_biases_dense
     from gare.sinkhorn_sparse import normalization_error_scores
 

@@ -82,7 +82,7 @@ def accuracy(args: argparse.Namespace) -> None:
     import torch
     import torch.nn.functional as F
 
-    from gare.metrics import retrieval_metrics
+    from gare.retrieval_metrics import retrieval_metrics
     from gare.sinkhorn import served_score_matrix, sinkhorn_biases, sinkhorn_biases_dense
     from gare.sinkhorn_sparse import (
         normalization_error_scores,
@@ -202,7 +202,7 @@ def explain(args: argparse.Namespace) -> None:
     from gare import psi_fold_queries as pfq
     from gare import psi_fold_videos as pfv
     from gare import psi_fold_weights as pfw
-    from gare.metrics import retrieval_metrics
+    from gare.retrieval_metrics import retrieval_metrics
     from gare.sinkhorn import sinkhorn_biases_dense
     from gare.sinkhorn_sparse import normalization_error_scores
 

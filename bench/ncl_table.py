@@ -7,7 +7,7 @@ caption of every test video of a synth corpus:
   psi score, here dense: the exhaustive folded psi of every queue query x test video, what the sparse form at
   K >= N equals), to the **stale** queue (the checkpoint's pushed training embeddings) or the **fresh** queue
   (the training captions the checkpoint names, re-encoded by its final text tower:
-  ``gare_build.query_bank.training_captions``, as ``gare-index build --bias-queue fresh``), at the model's gamma
+  ``gare_build.ncl_queues.training_captions``, as ``gare-index build --bias-queue fresh``), at the model's gamma
   (1 / exp(logit_scale)) and at ``--gamma2``;
 * v2t: psi alone and psi + text biases fitted to the dual-tower cosine of the checkpoint's stale video queue
   (the queue stores v̄ only, so psi cannot score it; no fresh video queue here: it would re-encode every
@@ -70,10 +70,10 @@ def run_model(label: str, ckpt_path: str, args: argparse.Namespace) -> tuple[lis
     from gare import psi_fold_weights as pfw
     from gare.checkpoint import load_model
     from gare.encoded_set import encode_set
-    from gare.metrics import ranks_t2v, ranks_v2t
+    from gare.retrieval_metrics import ranks_t2v, ranks_v2t
     from gare.sinkhorn import sinkhorn_biases, sinkhorn_biases_dense
-    from gare_build.query_bank import fresh_rows, training_captions
-    from gare_build.tuning.stage1 import encode_captions
+    from gare_build.ncl_queues import fresh_rows, training_captions
+    from gare_build.tuning.version_tuning import encode_captions
 
     model, ck = load_model(ckpt_path)
     rs = _test_set(args.synth, True)

@@ -8,7 +8,7 @@ What runs: a tiny checkpoint and corpus (`gare-test-tiny`, real mp4 files), a fl
 a sharded one (`gare-index build --shards N`: NCL biases fitted over the whole gallery). A child process, inside a
 private network namespace with only loopback when run as root (``unshare -n`` + ``ip link set lo up``), starts a
 local Ray cluster of 2 nodes bound to 127.0.0.1 (no dashboard), Serve's HTTP proxy on 127.0.0.1 and
-``gare_serve.ray_app:build_app`` with ``allow_partial`` and a short ``shard_timeout_s``; 16 clients query it over
+``gare_serve.ray_serve.deployment:build_app`` with ``allow_partial`` and a short ``shard_timeout_s``; 16 clients query it over
 loopback while every ``--kill-every`` seconds every live replica of one shard (round robin) is killed with
 ``ray.kill`` (Ray Serve's controller starts a new one). Each answer is judged here:
 
@@ -80,7 +80,7 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     from ray import serve  # noqa: PLC0415
     from ray.cluster_utils import Cluster  # noqa: PLC0415
 
-    from gare_serve.ray_app import build_app, shard_deployment_name  # noqa: PLC0415
+    from gare_serve.ray_serve.deployment import build_app, shard_deployment_name  # noqa: PLC0415
 
     node = {"node_ip_address": LOOPBACK, "include_dashboard": False, "num_cpus": cfg["num_cpus"],
             "object_store_memory": 100 * 1024 * 1024}
@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray  # noqa: PLC0415 - the optional dependency, named in the report
 
     from gare_build.build import BuildOptions, build  # noqa: PLC0415
-    from gare_build.sharded import build_sharded  # noqa: PLC0415
+    from gare_build.shard_build import build_sharded  # noqa: PLC0415
     from gare_index.shards import open_sharded  # noqa: PLC0415
 
     argv_used = argv if argv is not None else sys.argv[1:]

@@ -50,7 +50,14 @@ K = 256
 
 def baseline_module(commit: str, path: str, name: str, patch: dict[str, Any] | None = None) -> types.ModuleType:
     """The module `path` as it was at `commit` (its source from git), names in `patch` replaced after import."""
-    src = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    # commits before the source roots (training/, indexer/, service/) held the packages at the top level
+    for p in (path, path.split("/", 1)[1]):
+        proc = subprocess.run(["git", "show", f"{commit}:{p}"], cwd=REPO, capture_output=True, text=True)
+        if proc.returncode == 0:
+            path, src = p, proc.stdout
+            break
+    else:
+        raise FileNotFoundError(f"{path} is not in commit {commit}")
     mod = types.ModuleType(name)
     mod.__file__ = f"{commit}:{path}"
     sys.modules[name] = mod
@@ -104,7 +111,7 @@ def main() -> None:
     from gare_search import rerank as R
     from gare_search import search as S
     from gare_search import stage1
-    from gare_serve.workers import usable_cores
+    from gare_serve.engine.worker_board import usable_cores
 
     cores = usable_cores()
     work = Path(args.work)
@@ -113,9 +120,9 @@ def main() -> None:
     model, _ = load_model(ck, "cpu")
     torch.set_num_threads(1)
     R.warm_up("cpu")
-    base_cpu = baseline_module(args.baseline, "gare/psi_fold_cpu.py", "baseline_psi_fold_cpu")
-    base_q = baseline_module(args.baseline, "gare/psi_fold_queries.py", "baseline_psi_fold_queries")
-    base_r = baseline_module(args.baseline, "gare_search/rerank.py", "baseline_rerank",
+    base_cpu = baseline_module(args.baseline, "training/gare/psi_fold_cpu.py", "baseline_psi_fold_cpu")
+    base_q = baseline_module(args.baseline, "training/gare/psi_fold_queries.py", "baseline_psi_fold_queries")
+    base_r = baseline_module(args.baseline, "indexer/gare_search/rerank.py", "baseline_rerank",
                              {"psi_fold_cpu": base_cpu, "fold_queries": base_q.fold_queries})
     base_cpu.warm_up()
     int8 = build_text_encoder(model, "int8")

@@ -161,7 +161,7 @@ def components(index: Path, reps: int) -> dict[str, Any]:
     from gare_search import rerank as R
     from gare_search import search as S
     from gare_search import stage1
-    from gare_serve.query_cache import QueryCache
+    from gare_serve.engine.query_cache import QueryCache
 
     torch.set_num_threads(1)
     faiss.omp_set_num_threads(1)  # one thread for every stage, as a worker with --torch-threads 1 runs them
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     from gare.checkpoint import file_sha256, save_checkpoint
     from gare.config import get_model_config
     from gare.model import GARE
-    from gare_serve.workers import usable_cores
+    from gare_serve.engine.worker_board import usable_cores
 
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)

@@ -13,9 +13,9 @@ psi's folded constants), written once as a real index with exact (flat) stage 1;
 
 Query path measured (one query at a time, one client, torch and faiss on 1 thread, warm page cache):
 - ``single``: ``gare_search.search.search_batch`` on the single index (encode, stage 1, psi rerank, rank);
-- ``N seq``: encode once, ``gare_search.sharded.shard_candidates`` on every shard one after the other, ``merge``:
+- ``N seq``: encode once, ``gare_search.shard_search.shard_candidates`` on every shard one after the other, ``merge``:
   exactly ``search_sharded``'s steps (checked equal to it), with each shard's stage times recorded: the work one
-  Ray shard replica does per request (``gare_serve.shard_server.ShardWorker.candidates``);
+  Ray shard replica does per request (``gare_serve.ray_serve.shard_replica.ShardWorker.candidates``);
 - ``N pool``: the same with the shards in a thread pool (one thread per shard: FAISS and the rerank kernel release
   the GIL), what a one-host Ray deployment overlaps, bounded here by 2 cores. Each pool thread gets FAISS's
   thread bound itself: OpenMP keeps its thread count per thread, and a new thread that runs FAISS before any
@@ -67,15 +67,15 @@ from gare_index.store import open_index, open_version, write_version  # noqa: E4
 from gare_search import by_example, rerank  # noqa: E402
 from gare_search.query import encode_queries  # noqa: E402
 from gare_search.search import SearchOptions, search_batch  # noqa: E402
-from gare_search.sharded import (  # noqa: E402
+from gare_search.shard_search import (  # noqa: E402
     merge,
     search_sharded,
     search_sharded_by_image,
     search_sharded_by_videos,
     shard_candidates,
 )
-from gare_serve.shard_server import load_shard_model  # noqa: E402
-from gare_serve.versions import advise_random_access  # noqa: E402
+from gare_serve.engine.versions import advise_random_access  # noqa: E402
+from gare_serve.ray_serve.shard_replica import load_shard_model  # noqa: E402
 
 SHARD_COUNTS = (1, 2, 4)
 TOL = 1e-5  # |score(sharded) - score(single)|: float32 sums over the same rows in the same order
@@ -152,7 +152,7 @@ def status_kib(field: str) -> int:
 
 def replica_memory(ckpt_path: str, root: str, shard: int, t: np.ndarray, threads: int) -> dict[str, int]:
     """(In a child process.) Hold one shard as a Ray shard replica does (psi alone, loaded by
-    gare_serve.shard_server.load_shard_model; the shard's version memory-mapped, the fold prepared, the kernel
+    gare_serve.ray_serve.shard_replica.load_shard_model; the shard's version memory-mapped, the fold prepared, the kernel
     compiled) and answer every query of t (a, d): RSS before opening, after opening and after the queries,
     anonymous (private: model, runtime) and file-backed (mapped index pages, shared with the page cache)."""
     torch.set_num_threads(threads)
@@ -228,7 +228,7 @@ def corpus_exactness(corpus: Path, ckpt_path: Path, work: Path, workers: int) ->
     caption as a text query (NCL off and on) and every test video as a "more like this" example, on each: counts of
     answers equal to the single index's (the same files in the same order, scores within TOL)."""
     from gare_build.build import BuildOptions, build  # noqa: PLC0415 - only this check builds indexes
-    from gare_build.sharded import build_sharded  # noqa: PLC0415
+    from gare_build.shard_build import build_sharded  # noqa: PLC0415
 
     started, load_start = time.time(), loadavg()
     rows = [json.loads(x) for x in (corpus / "captions_test.jsonl").read_text().splitlines() if x.strip()]
@@ -685,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
                             "text_encoder": DEFAULT_CPU_TEXT_ENCODER, "ncl": SearchOptions().ncl,
                             "rounds": args.rounds, "per_round": args.per_round,
                             "replica_model": "each holds psi alone, as a Ray shard replica does "
-                                             "(gare_serve.shard_server.load_shard_model; the CLIP towers only in the "
+                                             "(gare_serve.ray_serve.shard_replica.load_shard_model; the CLIP towers only in the "
                                              "ingress)"}
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)

@@ -121,7 +121,7 @@ def speed_section(args) -> dict[str, Any]:
 
 
 def retrieval(t: torch.Tensor, model, enc, caption_clip) -> dict[str, float]:
-    from gare.metrics import retrieval_metrics
+    from gare.retrieval_metrics import retrieval_metrics
 
     tn, vn = F.normalize(t, dim=-1), F.normalize(enc.vbar, dim=-1)
     dual = tn @ vn.T
@@ -253,7 +253,7 @@ def write_report(res: dict[str, Any], out_dir: Path) -> None:
         L += ["", "## Query-cache hit rate on Zipf query streams", "",
               f"{z['n']} queries drawn from {z['distinct']} distinct ones with P(rank r) ∝ 1/r^s, {100 * z['perturb']:.0f}% re-typed "
               "(capitalised / doubled space / trailing space / upper case; the key normalisation merges them); cold cache, "
-              "replayed through gare_serve.query_cache.QueryCache. Cells: hit rate over the whole stream (second half, warm).", "",
+              "replayed through gare_serve.engine.query_cache.QueryCache. Cells: hit rate over the whole stream (second half, warm).", "",
               "| s | " + " | ".join(f"{e} entries" for e in ents) + " |", "|---:|" + "---:|" * len(ents)]
         for r in z["rows"]:
             L.append(f"| {r['s']} | " + " | ".join(

@@ -23,7 +23,7 @@ from typing import Any
 from index_common import REPO, table, write_results
 from train_epoch import subset_corpus
 
-CODE = ("gare_train/optim.py", "gare_train/fit.py")  # the files whose contents the runs used (hashes recorded)
+CODE = ("training/gare_train/optim.py", "training/gare_train/fit.py")  # the files whose contents the runs used (hashes recorded)
 
 
 def main() -> None:

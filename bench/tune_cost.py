@@ -55,7 +55,7 @@ def make_gallery(work: Path, n: int, n_queries: int) -> tuple[Path, Path]:
 def side_by_side(index: Path, bank: np.ndarray, n_videos: int, reps: int) -> dict[str, Any]:
     from gare.checkpoint import load_model
     from gare_build.tuning.coverage import psi_fold_scorer
-    from gare_build.tuning.stage1 import stored_consts
+    from gare_build.tuning.version_tuning import stored_consts
     from gare_index.store import open_index
 
     with open_index(index, use_gpu=False) as v:

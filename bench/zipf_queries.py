@@ -96,13 +96,13 @@ def zipf_stream(
 def hit_rates(
     stream: Sequence[str], entries: Sequence[int], *, d: int = 512, max_bytes: int = 1 << 40, normalize=None,
 ) -> dict[int, dict[str, float]]:
-    """Replay ``stream`` through a real :class:`gare_serve.query_cache.QueryCache` per size (cold start).
+    """Replay ``stream`` through a real :class:`gare_serve.engine.query_cache.QueryCache` per size (cold start).
 
     Returns {entries: {"hit_rate", "hit_rate_second_half", "bytes"}}; the second half shows the warm rate.
     """
     import torch
 
-    from gare_serve.query_cache import QueryCache, make_normalizer
+    from gare_serve.engine.query_cache import QueryCache, make_normalizer
 
     if normalize is None:
         import open_clip

@@ -1,5 +1,11 @@
 """The house rules (docs/architecture.md), read from the source.
 
+The design card's source roots and the packages each holds; a folder imports only itself and the folders below:
+
+    service/   gare_serve, gare_demo
+    indexer/   gare_index, gare_search, gare_build
+    training/  gare (the core library), gare_train (the trainer)
+
 Packages and who may import whom:
 
     gare (core library)  <-  gare_index (the format)  <-  gare_search  <-  gare_serve
@@ -9,9 +15,11 @@ Packages and who may import whom:
     helpers, and only tests/test_evidence.py may import bench/.
 
 Every import is read (module top AND inside functions, so a hidden import counts), resolved to a project module
-(an edge to a package is an edge to its ``__init__``) and checked: no import outside the table, no cycle, the
-service's whole import closure holds no builder or trainer module, a project import inside a function is rare
-and says why on its line, no module imports another module's underscore name, no product file is over 500
+(an edge to a package is an edge to its ``__init__``) and checked: no import outside the table, no upward import
+between the source roots, no cycle between modules and none between the folders and modules of any one package
+(a subpackage counts as one node beside its siblings), the service's whole import closure holds no builder or
+trainer module, a project import inside a function is rare and says why on its line, no module imports another
+module's underscore name, no two modules share a name for different concepts, no product file is over 500
 lines, and every product module opens with a docstring saying what it owns. The checker itself is tested on
 small made-up trees, so a broken parser cannot make the rules pass.
 """
@@ -19,13 +27,22 @@ small made-up trees, so a broken parser cannot make the rules pass.
 from __future__ import annotations
 
 import ast
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PRODUCT = ("gare", "gare_index", "gare_search", "gare_build", "gare_serve", "gare_train", "gare_demo")
+# the design card's source roots, lowest first: a package imports only packages of its own root or a lower one
+SOURCE_ROOTS: dict[str, tuple[str, ...]] = {
+    "training": ("gare", "gare_train"),
+    "indexer": ("gare_index", "gare_search", "gare_build"),
+    "service": ("gare_serve", "gare_demo"),
+}
+ROOT_OF = {pkg: folder for folder, pkgs in SOURCE_ROOTS.items() for pkg in pkgs}
+FOLDER_RANK = {folder: i for i, folder in enumerate(SOURCE_ROOTS)}
+PRODUCT = tuple(ROOT_OF)
 TOPS = PRODUCT + ("bench", "tests")
 # package -> the packages it may import (besides itself)
 ALLOWED: dict[str, set[str]] = {
@@ -62,7 +79,13 @@ def _module_name(path: Path, root: Path) -> str:
 
 
 def source_files(root: Path, tops=TOPS) -> dict[str, Path]:
-    return {_module_name(p, root): p for top in tops if (root / top).is_dir() for p in (root / top).rglob("*.py")}
+    """module name -> file, for the packages in `tops` (a product package under its source root)."""
+    out = {}
+    for top in tops:
+        base = root / ROOT_OF[top] if top in ROOT_OF else root
+        if (base / top).is_dir():
+            out.update({_module_name(p, base): p for p in (base / top).rglob("*.py")})
+    return out
 
 
 def project_edges(root: Path, tops=TOPS) -> list[Edge]:
@@ -162,6 +185,52 @@ def closure(graph: dict[str, set[str]], start: str) -> set[str]:
     return seen
 
 
+def folder_violations(edges: list[Edge]) -> list[str]:
+    """Imports from a lower source root to a higher one (training < indexer < service)."""
+    bad = []
+    for e in edges:
+        src, dst = ROOT_OF.get(_top(e.src)), ROOT_OF.get(_top(e.dst))
+        if src and dst and FOLDER_RANK[dst] > FOLDER_RANK[src]:
+            bad.append(f"{e.src}:{e.line} ({src}/) imports {e.dst} ({dst}/)")
+    return sorted(set(bad))
+
+
+def level_graphs(edges: list[Edge], packages: set[str]) -> dict[str, dict[str, set[str]]]:
+    """For every package P: the graph between P's direct children (its modules and subpackages, a subpackage
+    standing for everything under it) drawn from the imports between them. A cycle here is an upward import:
+    a subpackage that imports a sibling (or a module of its parent) which imports the subpackage back.
+    Imports of P's own ``__init__`` are left out: it is the package's face, not one of its rooms."""
+    out: dict[str, dict[str, set[str]]] = {}
+    for e in edges:
+        if _top(e.src) != _top(e.dst) or _top(e.src) not in PRODUCT:
+            continue
+        # the package that holds a module: itself for a package (its __init__), its parent otherwise
+        s_parts = e.src.split(".") + ([""] if e.src in packages else [])
+        d_parts = e.dst.split(".") + ([""] if e.dst in packages else [])
+        n = 0
+        while n < min(len(s_parts), len(d_parts)) - 1 and s_parts[n] == d_parts[n]:
+            n += 1
+        parent = ".".join(s_parts[:n])
+        a, b = s_parts[n], d_parts[n]
+        if a and b and a != b:
+            out.setdefault(parent, {}).setdefault(a, set()).add(b)
+    return out
+
+
+def level_cycles(edges: list[Edge], packages: set[str]) -> list[str]:
+    return sorted(f"{pkg}: {' -> '.join(c)}" for pkg, g in level_graphs(edges, packages).items() for c in cycles(g))
+
+
+def shared_module_names(files: dict[str, Path]) -> dict[str, list[str]]:
+    """Module names (the file's own name) used by more than one product module, besides those that name the
+    same role in every package (its ``__init__``, ``__main__`` and command line)."""
+    by_name: dict[str, list[str]] = {}
+    for mod, path in files.items():
+        if path.stem not in ("__init__", "__main__", "cli"):
+            by_name.setdefault(path.stem, []).append(mod)
+    return {n: sorted(m) for n, m in by_name.items() if len(m) > 1}
+
+
 def function_imports(edges: list[Edge]) -> list[Edge]:
     """Project imports inside functions in product code (one per import statement)."""
     seen, out = set(), []
@@ -186,6 +255,34 @@ def edges() -> list[Edge]:
 def test_every_import_follows_the_package_table(edges):
     bad = violations(edges)
     assert not bad, "dependency rule broken (docs/architecture.md):\n" + "\n".join(bad)
+
+
+def test_the_top_level_is_the_design_card_s(tmp_path):
+    """The packages live in the card's source roots; no Python package at the top besides tests and bench."""
+    tops = sorted(p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file())
+    assert set(tops) <= {"bench", "tests"}, tops
+    for folder, pkgs in SOURCE_ROOTS.items():
+        held = sorted(p.name for p in (ROOT / folder).iterdir() if (p / "__init__.py").is_file())
+        assert held == sorted(pkgs), (folder, held)
+        assert not (ROOT / folder / "__init__.py").exists(), f"{folder}/ is a source root, not a package"
+    where = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["where"]
+    assert sorted(where) == sorted(SOURCE_ROOTS)
+
+
+def test_no_folder_imports_a_higher_one(edges):
+    bad = folder_violations(edges)
+    assert not bad, "service/ -> indexer/ -> training/, nothing upward:\n" + "\n".join(bad)
+
+
+def test_no_upward_import_inside_any_package(edges):
+    packages = {m for m, p in source_files(ROOT, PRODUCT).items() if p.name == "__init__.py"}
+    found = level_cycles(edges, packages)
+    assert not found, "folders or modules of one package that import each other:\n" + "\n".join(found)
+
+
+def test_no_two_modules_share_a_name():
+    shared = shared_module_names(source_files(ROOT, PRODUCT))
+    assert not shared, f"one name, several modules: {shared}"
 
 
 def test_no_import_cycles(edges):
@@ -230,13 +327,17 @@ def test_every_product_module_says_what_it_owns():
 
 # ------------------------------------------------------------------------------------------ the checker itself
 def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    def place(rel: str) -> Path:  # a product package goes under its source root, as in the repository
+        top = rel.split("/")[0]
+        return tmp_path / ROOT_OF[top] / rel if top in ROOT_OF else tmp_path / rel
+
     for rel, text in files.items():
-        p = tmp_path / rel
+        p = place(rel)
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(text)
     for pkg in TOPS:
-        (tmp_path / pkg).mkdir(exist_ok=True)
-        (tmp_path / pkg / "__init__.py").touch()
+        place(pkg).mkdir(parents=True, exist_ok=True)
+        (place(pkg) / "__init__.py").touch()
     return tmp_path
 
 
@@ -292,3 +393,30 @@ def test_checker_counts_function_imports_and_their_comments(tmp_path):
 def test_checker_catches_an_underscore_import(tmp_path):
     root = _tree(tmp_path, {"gare/a.py": "from gare.b import _private, public, __version__\n", "gare/b.py": ""})
     assert underscore_imports(project_edges(root)) == ["gare.a:1 imports gare.b._private"]
+
+
+def test_checker_catches_an_import_from_a_lower_root_to_a_higher_one(tmp_path):
+    root = _tree(tmp_path, {"gare/a.py": "import gare_search.x\n", "gare_search/x.py": "import gare.a\n"})
+    bad = folder_violations(project_edges(root))
+    assert len(bad) == 1 and bad[0].startswith("gare.a:1 (training/) imports gare_search.x (indexer/)"), bad
+
+
+def test_checker_finds_a_cycle_between_a_subpackage_and_its_parent_s_module(tmp_path):
+    root = _tree(tmp_path, {"gare_build/build.py": "from gare_build.pipeline import plan\n",
+                            "gare_build/pipeline/__init__.py": "", "gare_build/pipeline/plan.py": "x = 1\n",
+                            "gare_build/tuning/__init__.py": "", "gare_build/tuning/retune.py": "import gare_build.build\n",
+                            "gare_build/pipeline/finish.py": "from gare_build.tuning import retune\n"})
+    edges = project_edges(root)
+    packages = {"gare_build", "gare_build.pipeline", "gare_build.tuning"}
+    graphs = level_graphs(edges, packages)
+    assert graphs["gare_build"] == {"build": {"pipeline"}, "tuning": {"build"}, "pipeline": {"tuning"}}
+    assert level_cycles(edges, packages) == ["gare_build: build -> pipeline -> tuning -> build"]
+    # the same modules with the back edge gone: no cycle at any level
+    (tmp_path / "indexer/gare_build/tuning/retune.py").write_text("")
+    assert level_cycles(project_edges(root), packages) == []
+
+
+def test_checker_sees_shared_module_names(tmp_path):
+    root = _tree(tmp_path, {"gare/metrics.py": "", "gare_serve/metrics.py": "", "gare_serve/cli.py": "",
+                            "gare_build/cli.py": ""})
+    assert shared_module_names(source_files(root, PRODUCT)) == {"metrics": ["gare.metrics", "gare_serve.metrics"]}

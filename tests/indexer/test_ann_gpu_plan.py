@@ -287,7 +287,7 @@ def _store(tmp_path: Path, index_type: str, ann_params: dict) -> Path:
 
 
 def test_open_index_fails_with_the_reason_so_the_service_fails_at_start(tmp_path, monkeypatch, caplog):
-    """gare_serve.state.ServiceState.load turns this IndexFormatError into its StartupError (start-up fails; a
+    """gare_serve.engine.state.ServiceState.load turns this IndexFormatError into its StartupError (start-up fails; a
     reload keeps the old version), so the first request never meets it."""
     from gare_index.store import IndexFormatError, open_index
 

@@ -14,8 +14,8 @@ import torch
 from gare.annotations import load_dataset
 from gare.checkpoint import load_model, read_checkpoint, save_checkpoint
 from gare_build.cli import main
+from gare_build.ncl_queues import FreshQueueUnavailable, fresh_rows, training_captions
 from gare_build.pipeline.biases import bias_queue, compute_biases, served_inputs
-from gare_build.query_bank import FreshQueueUnavailable, fresh_rows, training_captions
 from gare_index.store import open_index
 
 

@@ -16,7 +16,7 @@ from gare.psi import masked_mean
 from gare_build.cli import main
 from gare_build.tuning import coverage
 from gare_build.tuning.coverage import StoredConsts, psi_fold_scorer
-from gare_build.tuning.stage1 import stored_consts
+from gare_build.tuning.version_tuning import stored_consts
 from gare_index import psi_consts
 from gare_index.frame_quant import QuantFrames, dequantize, quantize
 from gare_index.store import open_index

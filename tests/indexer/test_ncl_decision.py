@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gare.metrics import ranks_t2v
+from gare.retrieval_metrics import ranks_t2v
 from gare_build.cli import main
 from gare_build.pipeline.biases import validation_set
 from gare_build.served_biases import ncl_decision, validation_ranks
@@ -55,9 +55,9 @@ def test_decision_rule():
 
 
 def test_validation_ranks_equal_the_exhaustive_ranks(env, ckpt):
-    """K >= n: the served ranks are the exhaustive ones (model.score, gare.metrics); a small K caps them at K + 1."""
+    """K >= n: the served ranks are the exhaustive ones (model.score, gare.retrieval_metrics); a small K caps them at K + 1."""
     from gare.checkpoint import load_model
-    from gare_build.tuning.stage1 import encode_captions
+    from gare_build.tuning.version_tuning import encode_captions
 
     v = open_index(env["plain"])
     caps = caption_pool()[:40]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from gare_index.describe import describe_biases as describe
 from gare_search.search import NCL_DEFAULT, SearchOptions
-from gare_serve.schemas import IndexInfo
+from gare_serve.web.schemas import IndexInfo
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_service_and_page_agree_with_the_default():
     assert SearchOptions().ncl is NCL_DEFAULT
     assert IndexInfo.model_fields["ncl_default"].default is NCL_DEFAULT
-    html = (REPO / "gare_serve" / "static" / "index.html").read_text()
+    html = (REPO / "service" / "gare_serve" / "web" / "static" / "index.html").read_text()
     line = next(ln for ln in html.splitlines() if 'id="ncl"' in ln)
     assert ("checked" in line) is NCL_DEFAULT
 

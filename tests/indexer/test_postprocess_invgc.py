@@ -12,7 +12,7 @@ import torch
 
 from gare.invgc import invgc
 from gare_build.cli import main
-from gare_build.invgc import invgc_apply, invgc_means
+from gare_build.invgc_fit import invgc_apply, invgc_means
 from gare_index.store import list_versions, open_index, verify_index, write_version
 from tests.indexer.postprocess_support import D, copy_index, make_checkpoint_with_queues, queues, unit
 

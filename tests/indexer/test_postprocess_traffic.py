@@ -12,7 +12,7 @@ import torch
 from gare.checkpoint import load_model, read_checkpoint
 from gare.sinkhorn import sinkhorn_biases_naive
 from gare_build.cli import main
-from gare_build.query_bank import mix_queues
+from gare_build.ncl_queues import mix_queues
 from gare_index.store import current_version_name, list_versions, open_index, verify_index
 from tests.indexer.postprocess_support import D, copy_index, unit
 

@@ -10,10 +10,10 @@ import threading
 import numpy as np
 import pytest
 
-from gare_build import sharded as sharded_mod
+from gare_build import shard_build as sharded_mod
 from gare_build.build import BuildOptions, build
 from gare_build.cli import main
-from gare_build.sharded import RowConcat, build_sharded, remove_sharded
+from gare_build.shard_build import RowConcat, build_sharded, remove_sharded
 from gare_index.shards import (
     GENERATION_FILE,
     Generation,

@@ -16,13 +16,13 @@ from gare.checkpoint import file_sha256, load_model
 from gare.invgc import invgc
 from gare_build.build import BuildOptions, build, remove
 from gare_build.cli import main
-from gare_build.invgc import invgc_means
-from gare_build.sharded import build_sharded, remove_sharded, verify_sharded
+from gare_build.invgc_fit import invgc_means
+from gare_build.shard_build import build_sharded, remove_sharded, verify_sharded
 from gare_index.shards import current_generation, open_sharded, shard_of, shard_root
 from gare_index.store import list_versions, open_index, open_version
 from gare_search import by_example as E
 from gare_search import search as S
-from gare_search import sharded as SH
+from gare_search import shard_search as SH
 from tests.indexer.postprocess_support import queues
 
 TOL = 1e-5

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from gare_build.cli import main
-from gare_build.sharded import verify_sharded
+from gare_build.shard_build import verify_sharded
 from gare_index.describe import index_ncl_default
 from gare_index.shards import (
     agreed_ncl_default,

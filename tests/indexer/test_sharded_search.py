@@ -1,4 +1,4 @@
-"""gare_search.sharded: a sharded index answers exactly what one index over the same videos answers (text, example
+"""gare_search.shard_search: a sharded index answers exactly what one index over the same videos answers (text, example
 and image queries, 1-4 shards, exact flat stage 1), and a shard that does not answer makes a flagged partial
 result naming it."""
 
@@ -12,13 +12,13 @@ from PIL import Image
 
 from gare.checkpoint import load_model
 from gare_build.build import BuildOptions
-from gare_build.sharded import build_sharded
+from gare_build.shard_build import build_sharded
 from gare_index.shards import open_sharded, split_id
 from gare_index.store import open_index
 from gare_search import by_example as E
 from gare_search import query as Q
 from gare_search import search as S
-from gare_search import sharded as SH
+from gare_search import shard_search as SH
 from tests.service.support import build_index
 
 SHARD_COUNTS = (1, 2, 3, 4)
@@ -33,7 +33,7 @@ def flat(**kw) -> BuildOptions:
 @pytest.fixture(scope="module")
 def env(service_env, tmp_path_factory):
     """(model, the single flat index, {n: opened sharded index}, captions) over the service corpus's 16 videos;
-    the sharded ones built by `gare-index build --shards n` (gare_build.sharded: NCL biases fitted globally)."""
+    the sharded ones built by `gare-index build --shards n` (gare_build.shard_build: NCL biases fitted globally)."""
     base = tmp_path_factory.mktemp("sharded")
     ckpt, videos = service_env["checkpoint"], service_env["videos"]
     single = open_index(build_index(ckpt, videos, base / "single", index_type="flat", ncl_stage1=True))

@@ -13,7 +13,7 @@ import torch
 
 from gare.checkpoint import load_model
 from gare_build.cli import main
-from gare_build.tuning.stage1 import COVERAGE_KS, COVERAGE_PAIRS, coverage_sample
+from gare_build.tuning.version_tuning import COVERAGE_KS, COVERAGE_PAIRS, coverage_sample
 from gare_index.describe import index_default_candidates
 from gare_index.store import current_version_name, list_versions, open_index
 from tests.indexer.support import copy_videos, make_checkpoint
@@ -66,7 +66,7 @@ def test_build_coverage_equals_gare_train_eval(gallery, capsys):
     assert f"default K={want_K}" in printed and "manifest-captions" in printed
     # SPEC §4's deviation figure (the rebuttal's definition) in the stage-1 entry: 64 sampled queries x 40 videos;
     # over every pair it equals eval's figure (eval's frames are float32, the index stores float16)
-    from gare_build.tuning.stage1 import build_deviation, encode_captions
+    from gare_build.tuning.version_tuning import build_deviation, encode_captions
 
     dv = st["deviation"]
     assert dv["pairs"] == 64 * 40 and 0 < dv["delta_mean_abs"] <= dv["delta_p95_abs"] and "0.084" in dv["authors"]

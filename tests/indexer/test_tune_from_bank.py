@@ -1,5 +1,5 @@
 """`gare-index tune --from-bank BANK.npy` (issue 29, must-have 3): stage 1 retuned on the queries the service
-served (the query bank gare-serve writes, gare_serve/querybank.py) instead of the build's sample. The real service
+served (the query bank gare-serve writes, gare_serve/engine/traffic_bank.py) instead of the build's sample. The real service
 test index (16 mp4 files, the tiny checkpoint with a 64-row NCL queue)."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 
 from gare.checkpoint import file_sha256, load_model
 from gare_build.cli import main
-from gare_build.tuning.stage1 import build_deviation
+from gare_build.tuning.version_tuning import build_deviation
 from gare_index import psi_consts
 from gare_index.store import current_version_name, open_index
-from gare_serve.querybank import QueryBank
+from gare_serve.engine.traffic_bank import QueryBank
 from tests.service.support import copy_index
 
 

@@ -618,7 +618,7 @@ def test_pickle_checkpoints_never_run(robust_env, tmp_path, figure):
 
     from gare.checkpoint import CheckpointError, load_model, read_checkpoint
     from gare_serve.app import create_app
-    from gare_serve.startup import StartupError, resolve_checkpoint
+    from gare_serve.engine.startup import StartupError, resolve_checkpoint
 
     marker = tmp_path / "PWNED"
     evil = tmp_path / "evil.safetensors"
@@ -659,7 +659,7 @@ def test_pickle_checkpoints_never_run(robust_env, tmp_path, figure):
         assert check_rc == 2, rows[-1]  # --check loads the checkpoint: refused like the real start
         assert not marker.exists()
     # the official-checkpoint importer reads with weights_only=True
-    from gare_train.official import load_official_state_dict
+    from gare_train.authors_checkpoint import load_official_state_dict
 
     bin_path = tmp_path / "pytorch_model.bin.4"
     torch.save({"state": _Payload(marker)}, bin_path)
@@ -849,7 +849,7 @@ def test_help_documents_exit_codes(capsys):
 
 
 # ============================================================================================ known bugs
-# Fixed (found by this suite): gare_serve/metrics.py labels gare_http_requests_total by the raw HTTP method (scope["method"]); a client
+# Fixed (found by this suite): gare_serve/engine/prometheus.py labels gare_http_requests_total by the raw HTTP method (scope["method"]); a client
 # can send any token as a method (every one gets a 405), so each new method adds a label set that lives
 # forever: unbounded memory and /metrics size (the module docstring promises a bounded label set).
 # Reproduce: for i in $(seq 1000); do curl -s -X M$i http://127.0.0.1:8000/healthz; done; curl .../metrics

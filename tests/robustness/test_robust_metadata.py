@@ -98,7 +98,7 @@ def test_damaged_metadata_is_refused_everywhere(robust_env, tmp_path):
     keeps answering 200; the repaired version is then taken."""
     from gare_serve.app import create_app
     from gare_serve.cli import main as serve_main
-    from gare_serve.startup import StartupError
+    from gare_serve.engine.startup import StartupError
 
     with recording("metadata_damage", kinds=list(KINDS), rows=[]) as fig:
         for kind in KINDS:

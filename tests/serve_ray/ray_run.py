@@ -2,7 +2,7 @@
 namespace with only loopback when the test runs as root): ``python -m tests.serve_ray.ray_run CONFIG.json OUT.json``.
 
 Starts a local Ray cluster of ``nodes`` nodes bound to 127.0.0.1 (no dashboard), Serve's HTTP proxy on 127.0.0.1,
-deploys ``gare_serve.ray_app:build_app`` over a sharded index, then runs the config's ``steps`` in order and writes
+deploys ``gare_serve.ray_serve.deployment:build_app`` over a sharded index, then runs the config's ``steps`` in order and writes
 what each saw to OUT.json (``out["steps"][name]``). Every answer is recorded as {status, partial, missing_shards,
 index_version, hits: [[file name, id, score, ann, psi, bias], ...], detail, qi (the request's index)}. Steps:
 
@@ -30,7 +30,7 @@ import ray
 from ray import serve
 from ray.cluster_utils import Cluster
 
-from gare_serve.ray_app import build_app, shard_deployment_name
+from gare_serve.ray_serve.deployment import build_app, shard_deployment_name
 
 LOOPBACK = "127.0.0.1"
 

@@ -1,4 +1,4 @@
-"""gare_serve.ray_app on a real local Ray cluster of several nodes bound to 127.0.0.1, inside a private network
+"""gare_serve.ray_serve.deployment on a real local Ray cluster of several nodes bound to 127.0.0.1, inside a private network
 namespace with only loopback when run as root (``unshare -n`` + ``ip link set lo up``), over indexes built by
 ``gare-index build --shards N`` (NCL biases fitted over the whole gallery); every answer is compared over HTTP with a
 single flat index over the same videos.

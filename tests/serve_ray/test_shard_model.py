@@ -1,4 +1,4 @@
-"""A shard replica holds psi alone (gare_serve.shard_server.load_shard_model over
+"""A shard replica holds psi alone (gare_serve.ray_serve.shard_replica.load_shard_model over
 gare.checkpoint.read_checkpoint_subset), not the whole GARE model: its parameters exclude the CLIP towers and the
 temporal transformer, the Ray deployment's constructor loads that, and its answers equal a shard worker's with the
 full model. No Ray here: the deployment's class is called directly."""
@@ -11,11 +11,11 @@ import torch
 
 from gare.checkpoint import CheckpointError, load_model, read_checkpoint, read_checkpoint_subset
 from gare_build.build import BuildOptions
-from gare_build.sharded import build_sharded
+from gare_build.shard_build import build_sharded
 from gare_search import query as Q
 from gare_search import search as S
-from gare_serve import ray_app
-from gare_serve.shard_server import ShardModel, ShardWorker, load_shard_model
+from gare_serve.ray_serve import deployment as ray_app
+from gare_serve.ray_serve.shard_replica import ShardModel, ShardWorker, load_shard_model
 
 
 @pytest.fixture(scope="module")

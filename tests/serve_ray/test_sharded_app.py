@@ -1,5 +1,5 @@
-"""gare-serve's app over a sharded index with its shards in this process (gare_serve.sharded_state +
-gare_serve.shard_server.LocalShards): the HTTP answers equal the single index's for text, example and image
+"""gare-serve's app over a sharded index with its shards in this process (gare_serve.ray_serve.ingress_state +
+gare_serve.ray_serve.shard_replica.LocalShards): the HTTP answers equal the single index's for text, example and image
 queries; a shard that does not answer is a 503 naming it, or a flagged partial answer; a generation switch moves
 the ingress and the shards together. The same app runs on Ray Serve in test_ray_serve.py."""
 
@@ -17,8 +17,8 @@ from PIL import Image
 from gare.checkpoint import load_model
 from gare_index.shards import current_generation, write_generation
 from gare_serve.app import create_app
-from gare_serve.shard_server import LocalShards, ShardWorker
-from gare_serve.sharded_state import ShardedServiceState, follow_generations
+from gare_serve.ray_serve.ingress_state import ShardedServiceState, follow_generations
+from gare_serve.ray_serve.shard_replica import LocalShards, ShardWorker
 from tests.serve_ray.support import assert_same, make_sharded_env
 from tests.service.support import running_app, settings
 

@@ -1,5 +1,5 @@
 """Issue 28 on a sharded index, the serving half: gare-serve's app over a sharded index (the Ray ingress's app:
-gare_serve.sharded_state with its shards in this process, gare_serve.shard_server.LocalShards) follows the NCL
+gare_serve.ray_serve.ingress_state with its shards in this process, gare_serve.ray_serve.shard_replica.LocalShards) follows the NCL
 default the builder recorded in every shard (biases.default) when a request leaves `ncl` out, exactly as the
 single-index service does; a request's `ncl` overrides it either way, and GET /v1/index says which default applies
 and why. A generation whose shards hold different decisions is refused. Over Ray Serve itself:
@@ -25,8 +25,8 @@ from gare_build.cli import main as gare_index
 from gare_index.shards import current_generation, write_generation
 from gare_index.store import IndexFormatError
 from gare_serve.app import create_app
-from gare_serve.shard_server import LocalShards, ShardWorker
-from gare_serve.sharded_state import ShardedServiceState, ShardedView
+from gare_serve.ray_serve.ingress_state import ShardedServiceState, ShardedView
+from gare_serve.ray_serve.shard_replica import LocalShards, ShardWorker
 from tests.indexer.ncl_support import flip_manifests
 from tests.serve_ray.test_ray_serve import run_ray
 from tests.service.support import free_port, running_app, settings
@@ -84,7 +84,7 @@ def hits_of(r: dict) -> list[tuple[float, float, float]]:
 
 
 def recorded(root: Path) -> dict:
-    """The decision the generation records, as the ingress reads it (gare_serve.sharded_state.ShardedView: every
+    """The decision the generation records, as the ingress reads it (gare_serve.ray_serve.ingress_state.ShardedView: every
     shard's manifest, checked to agree); the builder's output read back."""
     view = ShardedView(root, current_generation(root), client=None, expect_sha=None)  # type: ignore[arg-type]
     return view.manifest.biases["default"]

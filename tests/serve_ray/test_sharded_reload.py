@@ -1,4 +1,4 @@
-"""POST /v1/admin/reload on the sharded ingress (gare_serve.sharded_state.ShardedServiceState.reload_here): the newest
+"""POST /v1/admin/reload on the sharded ingress (gare_serve.ray_serve.ingress_state.ShardedServiceState.reload_here): the newest
 generation at once, unchanged when there is none, and a generation a shard cannot open refused with a 503 while the
 old one stays served. Shards in this process (LocalShards), as in test_sharded_app.py."""
 

@@ -103,7 +103,7 @@ def test_secrets_are_required_and_services_are_complete():
         body = df.read_text()
         assert re.search(r"^USER 10001$", body, re.M) and "HEALTHCHECK" in body
         # dependency layers come before the code
-        assert body.index("pip install -r") < body.index("COPY gare ")
+        assert body.index("pip install -r") < body.index("COPY training ")
 
 
 def test_dependency_extraction_used_by_the_images_runs():
@@ -235,6 +235,6 @@ def test_a_wheel_carries_the_model_configs(tmp_path):
                     str(REPO)], check=True, capture_output=True)
     (whl,) = tmp_path.glob("gare_search-*.whl")
     names = set(zipfile.ZipFile(whl).namelist())
-    want = {f"gare/model_configs/{p.name}" for p in (REPO / "gare" / "model_configs").glob("*.json")}
+    want = {f"gare/model_configs/{p.name}" for p in (REPO / "training" / "gare" / "model_configs").glob("*.json")}
     assert want and want <= names, sorted(want - names)
-    assert "gare_serve/static/index.html" in names
+    assert "gare_serve/web/static/index.html" in names

@@ -36,7 +36,7 @@ NETWORK_POLICY = KUBERAY / "networkpolicy.yaml"
 CRD = REPO / "deploy" / "schemas" / "ray.io_rayservices.yaml"
 # the git blob id of ray-operator/config/crd/bases/ray.io_rayservices.yaml at KubeRay v1.7.0 (deploy/schemas/README.md)
 KUBERAY_CRD_BLOB = "7ee63d6ddd11237a5649e04b3a8db3c52074c867"
-IMPORT_PATH = "gare_serve.ray_app:build_app"
+IMPORT_PATH = "gare_serve.ray_serve.deployment:build_app"
 APP_ARGS = {"index": "/data/index", "shard_replicas": 2, "ingress_replicas": 1}
 SERVE_PORT = 8000
 RAY_PROFILE = ["ray-head", "ray-worker", "ray-serve"]

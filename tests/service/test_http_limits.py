@@ -1,4 +1,4 @@
-"""Slow-client bounds (gare_serve/http_limits.py): the header timeout of the h11 protocol and the body timeout
+"""Slow-client bounds (gare_serve/web/http_limits.py): the header timeout of the h11 protocol and the body timeout
 middleware, in process (a trivial app on a real uvicorn server; the middleware with stalling ASGI receives)
 and on a real `gare-serve --workers 2` (the protocol reaches the spawned workers)."""
 
@@ -17,7 +17,7 @@ import pytest
 import uvicorn
 from pydantic import BaseModel
 
-from gare_serve.http_limits import BodyTimeoutMiddleware, HeaderTimeoutH11Protocol, LimitsConfig
+from gare_serve.web.http_limits import BodyTimeoutMiddleware, HeaderTimeoutH11Protocol, LimitsConfig
 from tests.service.support import UvicornProcess, copy_index, free_port
 
 SLACK_S = 1.5  # scheduling on a loaded 2-core machine; the bounds themselves are 1-2 s
@@ -176,7 +176,7 @@ def test_clock_restarts_after_each_response_and_stops_while_a_request_runs():
 
 
 def test_the_configs_carry_the_protocol_to_spawned_workers():
-    from gare_serve.nodelay import NodelayConfig
+    from gare_serve.processes.sockets import NodelayConfig
 
     cfg = NodelayConfig("gare_serve.app:create_app", factory=True, workers=2, header_timeout_s=3.5)
     clone = pickle.loads(pickle.dumps(cfg))  # what uvicorn's spawn hands each worker

@@ -11,8 +11,8 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 from gare_serve.app import create_app
-from gare_serve.middleware import TrustedHostMiddleware, public_detail
 from gare_serve.settings import Settings
+from gare_serve.web.middleware import TrustedHostMiddleware, public_detail
 from tests.service.support import copy_index, settings
 
 KEY = "surface-key"

@@ -6,7 +6,7 @@ import pytest
 from gare.text_quant import DEFAULT_CPU_TEXT_ENCODER, DEFAULT_CUDA_TEXT_ENCODER
 from gare_search.text_encoder import TextEncoderError, choose_text_encoder
 from gare_serve.lru import ByteLRU
-from gare_serve.thumbnails import ThumbnailCache
+from gare_serve.media.thumbnails import ThumbnailCache
 
 
 def test_entry_bound_evicts_least_recently_used():

@@ -1,4 +1,4 @@
-"""Signed media URLs across processes: one secret per deployment, strict tokens, rotation (gare_serve.media)."""
+"""Signed media URLs across processes: one secret per deployment, strict tokens, rotation (gare_serve.media.signing)."""
 
 from __future__ import annotations
 
@@ -17,14 +17,14 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 from gare_serve.app import create_app
-from gare_serve.media import (
+from gare_serve.engine.startup import StartupError
+from gare_serve.media.signing import (
     SECRET_FILE,
     MediaSecretError,
     MediaSigner,
     load_or_create_secret,
     resolve_secrets,
 )
-from gare_serve.startup import StartupError
 from tests.conftest import require
 from tests.service.support import copy_index, settings
 

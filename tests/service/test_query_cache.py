@@ -1,4 +1,4 @@
-"""gare_serve.query_cache: LRU order, both bounds, key normalisation, checkpoint separation, threads, metrics."""
+"""gare_serve.engine.query_cache: LRU order, both bounds, key normalisation, checkpoint separation, threads, metrics."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from gare_serve.query_cache import ENTRY_OVERHEAD_BYTES, QueryCache, default_normalize, make_normalizer
+from gare_serve.engine.query_cache import ENTRY_OVERHEAD_BYTES, QueryCache, default_normalize, make_normalizer
 from gare_serve.settings import Settings
 
 D = 8
@@ -195,7 +195,7 @@ def test_concurrent_access_keeps_bounds_and_values():
 
 
 def test_settings_fields_and_off_switch(monkeypatch):
-    from gare_serve.query_cache import from_settings
+    from gare_serve.engine.query_cache import from_settings
 
     s = Settings()
     assert s.query_cache_entries > 0 and s.query_cache_bytes > 0

@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from gare_serve.app import create_app
-from gare_serve.querybank import QueryBank
+from gare_serve.engine.traffic_bank import QueryBank
 from tests.service.support import settings
 
 

@@ -1,4 +1,4 @@
-"""Stage-1 recall watched in production (issue 29, must-have 3): gare_serve/recall_watch.py.
+"""Stage-1 recall watched in production (issue 29, must-have 3): gare_serve/engine/recall_watch.py.
 
 A sample of served queries is re-run exactly in the background: the watch's recall must equal a naive
 reference (numpy over every stage-1 vector) for the queries it sampled, with a deliberately weak stage 1 (IVF,
@@ -24,9 +24,9 @@ from gare_index.ncl_ann import build_ncl_ann
 from gare_index.store import open_index
 from gare_search import search as S
 from gare_serve.app import create_app
-from gare_serve.metrics import Metrics
-from gare_serve.recall_watch import RecallWatch, Sample, exact_top
-from gare_serve.versions import VersionHandle
+from gare_serve.engine.prometheus import Metrics
+from gare_serve.engine.recall_watch import RecallWatch, Sample, exact_top
+from gare_serve.engine.versions import VersionHandle
 from tests.service.support import copy_index, settings
 
 KEY = "recall-watch-key-1"
@@ -202,7 +202,7 @@ def _warnings(caplog):
 
 
 def test_warning_below_the_target_only(service_env, weak_version, caplog):
-    caplog.set_level(logging.INFO, logger="gare_serve.recall_watch")
+    caplog.set_level(logging.INFO, logger="gare_serve.engine.recall_watch")
     q = _unit(np.random.default_rng(5).standard_normal((16, weak_version.dim)).astype(np.float32))
     # the flat stage 1 the index was built with: recall 1.0 >= 0.995, no warning
     good = open_index(service_env["index"])

@@ -1,4 +1,4 @@
-"""The search result cache (gare_serve/result_cache.py): a repeat on the same version runs no stage and returns
+"""The search result cache (gare_serve/engine/result_cache.py): a repeat on the same version runs no stage and returns
 exactly the first answer; anything that could change the answer (options, version, text) misses."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from fastapi.testclient import TestClient
 
 from gare_search import search as S
 from gare_serve.app import create_app
-from gare_serve.result_cache import ResultCache
+from gare_serve.engine.result_cache import ResultCache
 from tests.service.support import settings
 from tests.service.test_serve_scale import CountingEncoder
 
@@ -130,7 +130,7 @@ def test_a_repeat_reads_no_metadata_and_the_byte_estimate_covers_rendered_hits(s
     thread hop); and the entry's byte estimate is at least what tracemalloc measures for those rendered hits."""
     import tracemalloc
 
-    from gare_serve.presentation import hit_models
+    from gare_serve.web.presentation import hit_models
 
     sh = service_env
     app = create_app(settings(sh["index"], result_cache_entries=100))

@@ -10,10 +10,10 @@ from gare.checkpoint import load_model
 from gare_search import search as S
 from gare_search.text_encoder import load_query_encoder
 from gare_serve.app import create_app
-from gare_serve.batch_worker import Job, process_jobs
-from gare_serve.metrics import Metrics
-from gare_serve.startup import StartupError
-from gare_serve.state import ServiceState
+from gare_serve.engine.batch_worker import Job, process_jobs
+from gare_serve.engine.prometheus import Metrics
+from gare_serve.engine.startup import StartupError
+from gare_serve.engine.state import ServiceState
 from tests.service.support import make_checkpoint, settings
 
 

@@ -9,7 +9,7 @@ import re
 import httpx
 import pytest
 
-from gare_serve.workers import WorkerBoard
+from gare_serve.engine.worker_board import WorkerBoard
 from tests.service.support import UvicornProcess, copy_index
 
 KEY = "workers-test-key"

@@ -18,8 +18,8 @@ from fastapi.testclient import TestClient
 
 from gare_search import search as S
 from gare_serve.app import create_app
+from gare_serve.engine.startup import StartupError, resolve_checkpoint
 from gare_serve.settings import Settings, SettingsError, load_api_key_hashes, load_settings
-from gare_serve.startup import StartupError, resolve_checkpoint
 from tests.service.support import copy_index, running_app, settings
 
 KEY = "test-admin-key-123"

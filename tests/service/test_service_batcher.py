@@ -1,4 +1,4 @@
-"""gare_serve.batcher.MicroBatcher: bounded batches, bounded wait, one worker thread, errors, shutdown."""
+"""gare_serve.engine.batcher.MicroBatcher: bounded batches, bounded wait, one worker thread, errors, shutdown."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from gare_serve.batcher import BatcherClosed, BatcherOverloaded, MicroBatcher
+from gare_serve.engine.batcher import BatcherClosed, BatcherOverloaded, MicroBatcher
 
 
 def run(coro):

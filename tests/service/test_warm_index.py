@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from gare_serve import startup
 from gare_serve.app import create_app
+from gare_serve.engine import startup
 from tests.service.support import copy_index, settings
 
 

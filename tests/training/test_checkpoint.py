@@ -58,7 +58,7 @@ def test_pickle_payload_is_never_executed(tmp_path):
         read_checkpoint(bad)
     assert not marker.exists()
     # and a torch.save'd pickle given to the official importer is refused by weights_only loading
-    from gare_train.official import load_official_state_dict
+    from gare_train.authors_checkpoint import load_official_state_dict
 
     torch.save({"x": Evil()}, tmp_path / "evil.bin")
     with pytest.raises(pickle.UnpicklingError):

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from gare.deviation import delta_deviation
 from gare.encoded_set import EncodedSet
-from gare.metrics import retrieval_metrics
+from gare.retrieval_metrics import retrieval_metrics
 from gare.sinkhorn import sinkhorn_biases_naive
 from gare_train.evaluate import evaluate_encoded, write_report
 

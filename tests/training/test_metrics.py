@@ -1,4 +1,4 @@
-"""gare.metrics: blocked strict-greater ranks against a brute-force python argsort, multi-caption
+"""gare.retrieval_metrics: blocked strict-greater ranks against a brute-force python argsort, multi-caption
 video-to-text, ties, hand cases, the summary statistics and the markdown table."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from gare.metrics import format_table, rank_summary, ranks_t2v, ranks_v2t, retrieval_metrics
+from gare.retrieval_metrics import format_table, rank_summary, ranks_t2v, ranks_v2t, retrieval_metrics
 
 
 def _brute_t2v(sim: np.ndarray, tv: np.ndarray) -> np.ndarray:

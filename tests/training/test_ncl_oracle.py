@@ -20,7 +20,7 @@ import math
 import numpy as np
 import torch
 
-from gare.metrics import ranks_t2v
+from gare.retrieval_metrics import ranks_t2v
 from gare.sinkhorn import sinkhorn_biases_dense
 from gare.sinkhorn_sparse import normalization_error_scores
 

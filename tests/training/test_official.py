@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 import gare.backbone  # noqa: F401  (registers the tiny open_clip config)
 from gare.checkpoint import load_model
+from gare_train.authors_checkpoint import convert_official_state_dict
 from gare_train.cli import main as train_cli
-from gare_train.official import convert_official_state_dict
 
 D, FRAMES, WORDS, TEMP = 64, 6, 16, 3.0
 

@@ -1,4 +1,4 @@
-"""gare.once: the compiled kernels' lazy build runs exactly once, however many threads race for it."""
+"""gare.build_once: the compiled kernels' lazy build runs exactly once, however many threads race for it."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 import time
 
 from gare import psi_fold_cpu, psi_fold_cpu_queries
-from gare.once import once
+from gare.build_once import once
 
 
 def test_racing_threads_build_once_and_share_the_value():

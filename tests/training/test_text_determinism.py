@@ -20,9 +20,9 @@ from gare.model import GARE
 from gare.text_quant import CUDA_TEXT_ENCODERS, QMAX, TEXT_ENCODERS, build_text_encoder, encode_each
 from gare_search import query as Q
 from gare_search import search as S
-from gare_serve.batch_worker import Job, process_jobs
-from gare_serve.metrics import Metrics
-from gare_serve.state import ServiceState
+from gare_serve.engine.batch_worker import Job, process_jobs
+from gare_serve.engine.prometheus import Metrics
+from gare_serve.engine.state import ServiceState
 from tests.conftest import require
 from tests.service.support import settings
 from tests.training.test_text_quant import trained_tiny

@@ -1,0 +1,239 @@
+"""Stage-1 tuning of an index version (issue 13): recall target, psi coverage and the default K.
+
+One entry for ``gare-index build`` / ``add`` (after the ANN is built or grown) and ``gare-index tune`` (on an
+existing version, nothing re-encoded; :mod:`gare_build.tuning.retune`): :func:`tune_version_ann`
+
+1. samples queries (:mod:`gare_build.tuning.queries`: the checkpoint's NCL text queue when present, else
+   caption embeddings of a manifest when given, else perturbed gallery vectors; or, with
+   ``Stage1Options.bank`` (``gare-index tune --from-bank``), the served queries of a query bank; the source is
+   recorded);
+2. meets the recall target (recall@K of the exact cosine top-10, K = the service's default candidates) within
+   a latency budget with :func:`gare_build.tuning.recall.tune_ann` (RecallTargetError, with the tuner's message,
+   when it cannot);
+3. measures, on the same queries, the share of the *exhaustive psi top-10 with the index's NCL biases* inside
+   the ANN top-K for several K (:mod:`gare_build.tuning.coverage`), and chooses the index's default K as the
+   smallest K reaching the coverage target (99.5%);
+4. records SPEC §4's deviation figure on a sample (:func:`build_deviation`).
+
+The result is the manifest's ``stage1`` entry (docs/index-format.md); the service uses its
+``default_candidates`` when a request gives no ``candidates`` (:func:`gare_index.describe.index_default_candidates`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from gare.deviation import delta_deviation, deviation_summary
+from gare.model import autocast
+from gare.psi import masked_mean
+from gare_build.tuning.coverage import StoredConsts, coverage_at_k, psi_fold_scorer
+from gare_build.tuning.ladder import TuneConfig, auto_ladder, describe_params
+from gare_build.tuning.queries import bank_queries, build_sample
+from gare_build.tuning.recall import tune_ann
+from gare_index.ann import AnnIndex
+from gare_index.ann_params import AnnParams
+from gare_index.psi_consts import fold_of, fold_status
+
+log = logging.getLogger(__name__)
+
+COVERAGE_KS = (16, 32, 64, 128, 256, 512, 1024)  # as gare_train.evaluate.COVERAGE_KS (the offline figure)
+# query x video pairs the psi coverage scores by default: ~100 s at 0.5 µs per pair on 2 cores (tune_cost.md). A larger
+# gallery gets a seeded subsample of the sample queries (at least COVERAGE_MIN_QUERIES), so the step stays bounded
+# where the build grows with n: all 1,000 queries up to 200k videos, 200 at 1M.
+COVERAGE_PAIRS = 200_000_000
+COVERAGE_MIN_QUERIES = 100
+
+__all__ = ["Stage1Options", "COVERAGE_KS", "COVERAGE_PAIRS", "encode_captions", "coverage_sample", "stored_consts",
+           "tune_version_ann", "build_deviation"]
+
+
+@dataclass
+class Stage1Options:
+    enabled: bool = True  # False (--no-tune): keep the built ANN and its knobs as they are, record nothing
+    recall_target: float = 0.995  # recall@candidates of the exact cosine top-10
+    candidates: int = 256  # K the recall target is measured at (the service's default candidates)
+    latency_budget_ms: float = 5.0  # single-query p50 on one thread
+    n_queries: int = 1000  # sample queries (half tune, half held out; all of them for the coverage)
+    coverage_target: float = 0.995  # the default K is the smallest K with this share of the psi top-10
+    coverage_ks: tuple[int, ...] = COVERAGE_KS
+    # queries the psi coverage scores against every video: None = all of the sample while queries x videos stays
+    # within COVERAGE_PAIRS, else a seeded subsample (coverage_sample)
+    coverage_queries: int | None = None
+    seed: int = 0
+    # served-query bank (gare_serve.engine.traffic_bank: float32 (n, d) .npy of unit query embeddings): when given, its distinct
+    # rows are the sample queries instead of the queue / captions / perturbed gallery (`gare-index tune --from-bank`)
+    bank: str | os.PathLike | None = None
+
+    def validate(self) -> None:
+        if not 0.0 < self.recall_target <= 1.0:
+            raise ValueError(f"--recall-target must be in (0, 1], got {self.recall_target}")
+        if not self.latency_budget_ms > 0:
+            raise ValueError(f"--latency-budget-ms must be > 0, got {self.latency_budget_ms}")
+        if not 0.0 < self.coverage_target <= 1.0:
+            raise ValueError(f"coverage target must be in (0, 1], got {self.coverage_target}")
+        if self.n_queries < 2:
+            raise ValueError(f"--tune-queries must be >= 2, got {self.n_queries}")
+        if self.coverage_queries is not None and self.coverage_queries < 1:
+            raise ValueError(f"--coverage-queries must be >= 1, got {self.coverage_queries}")
+
+
+def encode_captions(model: Any, texts: Sequence[str], *, batch: int = 256) -> np.ndarray:
+    """Caption texts -> raw text embeddings t (a, d) float32, encoded as ``gare-train eval`` encodes its test
+    captions (fp32, batches of 256), so both measure on the same vectors."""
+    out = []
+    with torch.inference_mode():
+        for s in range(0, len(texts), batch):
+            with autocast(model.device, "fp32"):
+                out.append(model.encode_text(model.tokenize(list(texts[s : s + batch]))).float().cpu())
+    if not out:
+        return np.zeros((0, model.cfg.embed_dim), np.float32)
+    return torch.cat(out).numpy().astype(np.float32)
+
+
+def coverage_sample(n_queries: int, n_videos: int, requested: int | None = None, *, seed: int = 0) -> np.ndarray:
+    """Which of the n_queries sample queries the psi coverage scores (sorted positions): ``requested`` of them (all
+    when fewer), or with None all while n_queries x n_videos <= COVERAGE_PAIRS, else max(COVERAGE_MIN_QUERIES,
+    COVERAGE_PAIRS // n_videos). A subsample is drawn without replacement, seeded."""
+    if requested is not None:
+        m = min(int(requested), n_queries)
+    elif n_queries * max(n_videos, 1) <= COVERAGE_PAIRS:
+        m = n_queries
+    else:
+        m = min(n_queries, max(COVERAGE_MIN_QUERIES, COVERAGE_PAIRS // max(n_videos, 1)))
+    if m >= n_queries:
+        return np.arange(n_queries)
+    return np.sort(np.random.default_rng([seed, 29]).choice(n_queries, size=m, replace=False))
+
+
+def stored_consts(version: Any, model: Any) -> StoredConsts | None:
+    """An index version's psi constants for the coverage scorer when they are valid for model.psi, else None
+    (the scorer then folds the frames itself)."""
+    fold = fold_of(model)
+    if fold_status(version, fold) is not None:
+        return None
+    return StoredConsts(version.psi_consts, version.units, version.norms, fold.fingerprint)
+
+
+def tune_version_ann(
+    units: np.ndarray,
+    ids: np.ndarray,
+    *,
+    frames: np.ndarray,
+    masks: np.ndarray,
+    biases: np.ndarray,
+    model: Any,
+    queue: np.ndarray | None,
+    captions: np.ndarray | None = None,
+    ann: AnnIndex | None = None,
+    build_s: float = 0.0,
+    requested_type: str = "auto",
+    options: Stage1Options | None = None,
+    progress: bool = False,
+    stored: StoredConsts | None = None,
+) -> tuple[AnnIndex, dict[str, Any]]:
+    """Tune stage 1 of a version and measure its psi coverage: (the AnnIndex to save, manifest["stage1"]).
+
+    units (n, d): the stage-1 vectors (InvGC-corrected when the index has them), ids (n,) in row order; frames,
+    masks, biases: the version's arrays (the exhaustive psi + b reference). ``queue``: the checkpoint's text
+    queue rows, ``captions``: raw caption embeddings (:func:`encode_captions`) or None. ``ann``: the index
+    just built or grown (tuned first, kept when it meets the target); ``requested_type`` other than "auto"
+    keeps the tuner to that index type. ``stored``: the version's psi constants (:func:`stored_consts`), which the
+    coverage then reads instead of folding every video again. Raises :class:`gare_build.tuning.recall.RecallTargetError` (its message says what
+    was reached and what to change) when the target cannot be met within the latency budget."""
+    opt = options or Stage1Options()
+    opt.validate()
+    n = units.shape[0]
+    bank_info = None
+    if opt.bank is not None:  # served queries replace the build's sample (they are unit rows: raw = unit)
+        unit_q, source, bank_info = bank_queries(opt.bank, units.shape[1], n=opt.n_queries, seed=opt.seed)
+        raw = unit_q
+    else:
+        unit_q, source, raw = build_sample(units, queue, captions, n=opt.n_queries, seed=opt.seed)
+    types = None
+    if requested_type not in (None, "auto"):
+        types = (requested_type,)
+    elif ann is not None and ann.params.index_type not in auto_ladder(n):
+        types = (ann.params.index_type,)
+    cfg = TuneConfig(target=opt.recall_target, k=10, candidates=max(10, int(opt.candidates)),
+                     latency_budget_ms=opt.latency_budget_ms, n_queries=opt.n_queries, index_types=types,
+                     seed=opt.seed, strict=True)
+    t0 = time.perf_counter()
+    tuned, res = tune_ann(units, unit_q, ids=ids, query_source=source, config=cfg, ann=ann, build_s=build_s,
+                          progress=progress)
+    t1 = time.perf_counter()
+    pick = coverage_sample(unit_q.shape[0], n, opt.coverage_queries, seed=opt.seed)
+    cq, craw = unit_q[pick], raw[pick]
+    scorer = psi_fold_scorer(model, frames, masks, biases, ids, cq, craw, stored=stored)
+    ks = tuple(k for k in sorted(set(opt.coverage_ks)) if k >= 1)
+    cov = coverage_at_k(tuned, cq, scorer, ids, ks, top=10, block=4096, query_batch=max(1, cq.shape[0]),
+                        query_source=source, target=opt.coverage_target, progress=progress)
+    t2 = time.perf_counter()
+    deviation = build_deviation(model, raw, frames, masks, seed=opt.seed)
+    chosen = cov.chosen_K
+    if chosen is None:
+        log.warning("no measured K (up to %d) holds %.1f%% of the exhaustive psi top-10: the service keeps its own "
+                    "default candidates", max(ks), 100 * opt.coverage_target)
+    entry = {
+        "recall": res.recall,
+        "recall_tune": res.recall_tune,
+        "recall_target": res.target,
+        "recall_k": res.k,
+        "recall_at": res.candidates,
+        "met": res.met,
+        "index_type": res.index_type,
+        "params": res.params,
+        "setting": describe_params(AnnParams.from_dict(res.params)),
+        "p50_ms": res.p50_ms,
+        "latency_budget_ms": res.latency_budget_ms,
+        "device": res.device,
+        "query_source": source,
+        **({"query_bank": bank_info} if bank_info is not None else {}),
+        "n_queries": int(unit_q.shape[0]),
+        "n_tune_queries": res.n_tune_queries,
+        "n_holdout_queries": res.n_holdout_queries,
+        "coverage": {str(k): v for k, v in cov.coverage.items()},
+        "coverage_queries": int(pick.size),  # of the n_queries sample queries (coverage_sample)
+        "coverage_top": cov.top,
+        "coverage_target": opt.coverage_target,
+        "coverage_scorer": ("exhaustive psi (the index's stored psi constants and frames) + the index's NCL biases"
+                            if stored is not None else
+                            "exhaustive psi (gare.psi_fold over the stored frames) + the index's NCL biases"),
+        "default_candidates": chosen,
+        "deviation": deviation,
+        "tuning_s": round(t1 - t0, 3),
+        "coverage_s": round(t2 - t1, 3),
+        "build_s": round(res.build_s, 3),
+        "message": res.message,
+        "trials": [dataclasses.asdict(t) for t in res.trials],
+    }
+    log.info("stage 1: %s; psi coverage %s -> default candidates %s", res.message,
+             {k: round(v, 4) for k, v in cov.coverage.items()}, chosen)
+    return tuned, entry
+
+
+def build_deviation(model: Any, raw_queries: np.ndarray, frames: Any, masks: Any, *, seed: int = 0,
+                    n_queries: int = 64, n_videos: int = 256) -> dict[str, Any]:
+    """SPEC §4's deviation figure (gare.deviation, the rebuttal's definition) on a sample: up to
+    ``n_queries`` of the stage-1 sample queries (un-normalised) x up to ``n_videos`` indexed videos (seeded),
+    v̄ as the model defines it (masked mean; all rows for reference_padding checkpoints)."""
+    n = int(np.asarray(masks).shape[0])
+    rng = np.random.default_rng(seed)
+    rows = np.sort(rng.choice(n, size=min(n, n_videos), replace=False))
+    q = np.asarray(raw_queries, dtype=np.float32)
+    q = q[np.sort(rng.choice(q.shape[0], size=min(q.shape[0], n_queries), replace=False))]
+    dev = model.device
+    fr = torch.from_numpy(np.asarray(frames[rows], dtype=np.float32)).to(dev)
+    mk = torch.from_numpy(np.asarray(masks[rows]).astype(bool)).to(dev)
+    vb = fr.mean(dim=1) if getattr(model.cfg, "reference_padding", False) else masked_mean(fr, mk)
+    out = deviation_summary(delta_deviation(model, torch.from_numpy(q).to(dev), fr, mk, vb))
+    out["note"] = "|cos(t+Δ, v̄) - cos(t, v̄)| (the rebuttal's figure) on the stage-1 sample queries x sampled videos"
+    return out

@@ -1,0 +1,1 @@
+"""The search engine the routes call: the served version, its caches, the micro-batcher and its worker."""

@@ -1,0 +1,236 @@
+"""What the service holds while it runs: the model, its query encoder, the served index version, the caches.
+
+:class:`ServiceState` is built by the app's lifespan (``gare_serve.app``) and reached by routes through
+``gare_serve.web.deps.StateDep``. :meth:`ServiceState.load` checks the checkpoint against the index manifest
+(``gare_serve.engine.startup``), loads the model and the query text encoder (``gare_search.text_encoder``), opens the
+index's CURRENT version (``gare_serve.engine.versions``) and builds the caches; the micro-batch worker
+(``gare_serve.engine.batch_worker``) runs the queued queries, and ``gare_serve.engine.reload`` switches versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from fastapi import HTTPException
+
+from gare.checkpoint import CheckpointError, load_model
+from gare.model import resolve_device
+from gare_index.store import IndexFormatError, open_index
+from gare_search import by_example as E
+from gare_search import rerank
+from gare_search import search as S
+from gare_search.query import resolve_precision
+from gare_search.text_encoder import QueryEncoder, TextEncoderError, load_query_encoder, query_tokenizer
+from gare_serve.engine.batch_worker import Job, process_jobs
+from gare_serve.engine.batcher import MicroBatcher
+from gare_serve.engine.prometheus import Metrics
+from gare_serve.engine.query_cache import QueryCache, make_normalizer
+from gare_serve.engine.result_cache import ResultCache
+from gare_serve.engine.startup import StartupError, resolve_checkpoint, warm_index
+from gare_serve.engine.traffic_bank import QueryBank
+from gare_serve.engine.versions import VersionHandle, advise_random_access
+from gare_serve.engine.worker_board import WorkerBoard
+from gare_serve.media.signing import MediaSecretError, MediaSigner, resolve_secrets
+from gare_serve.media.thumbnails import ThumbnailCache
+from gare_serve.settings import Settings, load_api_key_hashes
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ServiceState"]
+
+
+class ServiceState:
+    """Everything the lifespan loads: settings, model, query encoder, current version, batcher, caches."""
+
+
+    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.key_hashes = load_api_key_hashes(settings)
+        self.model: Any = None
+        self.device: Any = None
+        self.precision = "fp32"
+        self.encoder: QueryEncoder | None = None  # the query text tower (settings.text_encoder), built in load()
+        self.checkpoint_path: Path | None = None
+        self.checkpoint_sha: str | None = None
+        self.handle: VersionHandle | None = None
+        self.reload_lock = asyncio.Lock()
+        self.thumbs = ThumbnailCache(settings.thumbnail_cache_size)
+        self.query_bank: QueryBank | None = None  # when GARE_QUERY_BANK_SIZE > 0
+        self.recall_watch: Any = None  # gare_serve.engine.recall_watch.RecallWatch when GARE_RECALL_SAMPLE_RATE > 0 (lifespan)
+        self.query_cache: QueryCache | None = None  # built in load() (needs the tokenizer's normaliser)
+        self.result_cache = ResultCache(0)  # built in load(); off until then
+        # Several workers behind one port (gare-serve --workers N): their shared run directory.
+        self.board: WorkerBoard | None = (
+            WorkerBoard(settings.run_dir, settings.workers or 1) if settings.run_dir is not None else None
+        )
+        self.generation = self.board.generation() if self.board is not None else 0
+        self.batcher: MicroBatcher[Job, S.QueryResult] = MicroBatcher(
+            functools.partial(process_jobs, self),
+            max_batch=settings.batch_max_size,
+            max_wait_s=settings.batch_max_wait_ms / 1000.0,
+            max_queue=settings.batch_queue_size,
+            name="gare-search",
+            on_batch=metrics.batch_size.observe,
+        )
+        self.started = time.time()
+        # Signs short-lived media URLs (thumbnail, file) handed out in search results, so that <img> and
+        # <video> elements, which cannot send an API key header, work when search needs a key: one secret
+        # per deployment (gare_serve.media.signing), resolved in load(); unsigned URLs need none.
+        self.media = MediaSigner.ephemeral(settings.media_token_ttl_s)
+
+    # -------------------------------------------------------------- loading
+    def load(self) -> None:
+        s = self.settings
+        if s.torch_threads:
+            torch.set_num_threads(s.torch_threads)
+            try:  # FAISS (OpenMP) gets the same bound: N workers x threads <= the cores
+                import faiss
+
+                faiss.omp_set_num_threads(s.torch_threads)
+            except (ImportError, AttributeError):  # pragma: no cover - faiss is a dependency
+                pass
+        path, sha = self.resolve_checkpoint()
+        if s.require_key_for_search:  # media URLs are signed: every worker and replica needs the same secret
+            try:
+                self.media = MediaSigner(resolve_secrets(
+                    secret=s.media_secret, secret_file=s.media_secret_file, previous=s.media_secret_previous,
+                    index_dir=s.index), s.media_token_ttl_s)
+            except MediaSecretError as e:
+                raise StartupError(str(e)) from None
+        try:
+            self.device = resolve_device(s.device)
+        except RuntimeError as e:
+            raise StartupError(f"device {s.device!r}: {e}") from None
+        try:
+            self.precision = resolve_precision(s.precision, self.device)
+        except ValueError as e:
+            raise StartupError(str(e)) from None
+        try:
+            model, _ = load_model(path, self.device)
+        except (CheckpointError, OSError) as e:
+            raise StartupError(f"cannot load checkpoint {path}: {e}") from None
+        self.model, self.checkpoint_path, self.checkpoint_sha = model, path, sha
+        try:
+            self.encoder = load_query_encoder(model, s.text_encoder, self.device, self.precision)
+        except TextEncoderError as e:
+            raise StartupError(str(e)) from None
+        # the query-embedding cache keys a text as the tokenizer sees it
+        self.query_cache = QueryCache(
+            s.query_cache_entries, s.query_cache_bytes, normalize=make_normalizer(query_tokenizer(model)),
+            metrics=self.metrics.query_cache,
+        )
+        version = self.open_served(sha)
+        self.check_fit(version)
+        advise_random_access(version)
+        rerank.RERANK_DEVICE = s.rerank_device  # before warm_up: "cpu" on a GPU model compiles the CPU kernel too
+        rerank.warm_up(self.device)  # compile the CPU rerank kernel now, not in the first request
+        self.handle = VersionHandle(version)
+        self.publish_index(version)
+        if s.query_bank_size:
+            if s.query_bank_path is None:
+                raise StartupError("query_bank_size is set but query_bank_path is not (GARE_QUERY_BANK_PATH)")
+            self.query_bank = QueryBank(s.query_bank_size, model.cfg.embed_dim, s.query_bank_path,
+                                        s.query_bank_flush_every)
+        # whole results: off while the query bank records traffic (a cached answer would not reach the bank)
+        self.result_cache = ResultCache(
+            0 if self.query_bank is not None else s.result_cache_entries, s.result_cache_bytes,
+            normalize=self.query_cache.normalize, metrics=self.metrics.result_cache,
+        )
+        log.info(
+            "serving index %s version %s (%d entries, %s) with %s on %s (%s, text encoder %s, query cache %s, "
+            "result cache %s)", s.index, version.name, version.n, version.manifest.index_type, path.name, self.device,
+            self.precision, self.encoder.kind, "on" if self.query_cache.enabled else "off",
+            "on" if self.result_cache.enabled else "off",
+        )
+        self.publish_worker()
+
+    def resolve_checkpoint(self) -> tuple[Path, str]:
+        """(checkpoint path, its sha256) for the served index; a subclass serving another kind of index (the Ray
+        ingress over a sharded one, gare_serve.ray_serve.ingress_state) resolves it there."""
+        path, sha, _ = resolve_checkpoint(self.settings)
+        return path, sha
+
+    def open_served(self, sha: str) -> Any:
+        """The index's CURRENT version, opened for serving (StartupError when it cannot be)."""
+        s = self.settings
+        try:
+            # mmap_ann: the FAISS index is mapped read-only like the arrays, one copy for all workers
+            return open_index(s.index, expect_checkpoint_sha=sha, verify=s.verify_index, use_gpu=s.use_gpu_ann,
+                              mmap_ann=True)
+        except IndexFormatError as e:
+            raise StartupError(f"cannot open the index: {e}") from None
+
+    def check_fit(self, version: Any) -> None:
+        """StartupError when ``version`` does not fit the model; else get it ready for the rerank (the fold's
+        constants computed in memory now, with one WARNING, when the version stores no valid ones)."""
+        cfg = self.model.cfg
+        if version.n and (version.dim != cfg.embed_dim or version.max_frames != cfg.max_frames):
+            raise StartupError(
+                f"index version {version.name} has dim={version.dim}, max_frames={version.max_frames}; "
+                f"the model has embed_dim={cfg.embed_dim}, max_frames={cfg.max_frames}"
+            )
+        rerank.prepare(self.model, version)
+        warm_index(version, self.settings.warm_index_bytes)  # the first searches after a load: no disk read per page
+
+    def publish_index(self, version: Any) -> None:
+        """The served version in the metrics (gare_index_info)."""
+        self.metrics.set_index(
+            version.name, str(version.manifest.index_type), (self.checkpoint_sha or "")[:12], version.n
+        )
+
+    def publish_worker(self, generation: int | None = None) -> None:
+        """Tell the other workers (run directory) what this one serves."""
+        if self.board is None:
+            return
+        if generation is not None:
+            self.generation = generation
+        h = self.handle
+        try:
+            self.board.publish(h.version.name if h is not None else None, h is not None, self.generation)
+        except OSError as e:  # pragma: no cover - the run directory vanished
+            log.error("cannot publish this worker's state in %s: %s", self.board.root, e)
+
+    def close(self) -> None:
+        if self.board is not None:
+            self.board.withdraw()
+        if self.handle is not None:
+            self.handle.retire()
+        if self.query_bank is not None:
+            try:
+                self.query_bank.flush()
+            except OSError as e:
+                log.error("could not write the query bank to %s: %s", self.query_bank.path, e)
+
+    # -------------------------------------------------------------- searches
+    # What the routes and the batch worker run on the served version: gare_search's over one index here (looked
+    # up at each call); the Ray ingress (gare_serve.ray_serve.ingress_state) runs the same signatures over a sharded index.
+    def search_batch(self, *args: Any, **kw: Any) -> list[S.QueryResult]:
+        return S.search_batch(*args, **kw)
+
+    def search_by_videos(self, *args: Any) -> S.QueryResult:
+        return E.search_by_videos(*args)
+
+    def search_by_image(self, *args: Any) -> S.QueryResult:
+        return E.search_by_image(*args)
+
+    # -------------------------------------------------------------- versions
+    @contextlib.contextmanager
+    def use_version(self) -> Iterator[Any]:
+        """The served version, held (not closed by a reload) until the block ends; 503 before it is loaded."""
+        h = self.handle
+        if h is None:
+            raise HTTPException(503, "the index is not loaded yet")
+        h.acquire()
+        try:
+            yield h.version
+        finally:
+            h.release()

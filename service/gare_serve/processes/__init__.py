@@ -1,0 +1,1 @@
+"""Process management: several workers behind one port and their supervisor."""

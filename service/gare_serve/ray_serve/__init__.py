@@ -1,0 +1,1 @@
+"""The Ray Serve deployment of a sharded index: the application, a shard replica, the ingress state."""

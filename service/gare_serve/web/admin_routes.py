@@ -1,0 +1,46 @@
+"""``GET /v1/index`` (the served version) and ``POST /v1/admin/reload`` (switch to CURRENT atomically)."""
+
+from fastapi import APIRouter, Depends, HTTPException
+
+from gare_index.describe import describe_biases, index_default_candidates, index_ncl_default, public_biases
+from gare_search.search import NCL_DEFAULT, NCL_DEFAULT_REASON
+from gare_serve.engine.reload import ReloadRefused, ReloadUnavailable, reload
+from gare_serve.web.deps import StateDep, require_admin, require_search
+from gare_serve.web.presentation import API_VERSION
+from gare_serve.web.schemas import INDEX_ERRORS, ErrorResponse, IndexInfo, ReloadResponse
+
+router = APIRouter()
+
+
+@router.get(f"/{API_VERSION}/index", response_model=IndexInfo, tags=["index"], summary="the served index version",
+            dependencies=[Depends(require_search)], responses=INDEX_ERRORS)
+async def index_info(state: StateDep) -> IndexInfo:
+    with state.use_version() as v:
+        m = v.manifest
+        return IndexInfo(
+            version=v.name, n=v.n, dim=v.dim, max_frames=v.max_frames, index_type=m.index_type,
+            created=m.created,
+            checkpoint={
+                "name": state.checkpoint_path.name if state.checkpoint_path else None,
+                "sha256": state.checkpoint_sha, "model_config": None if m.checkpoint is None else m.checkpoint.model_cfg,
+            },
+            biases=public_biases(m.biases), biases_description=describe_biases(m.biases),
+            device=str(state.device), precision=state.precision,
+            # the index's own default (biases.default, decided at build time on validation captions), else the search's
+            ncl_default=(index_ncl_default(m) or (NCL_DEFAULT, NCL_DEFAULT_REASON))[0],
+            ncl_default_reason=(index_ncl_default(m) or (NCL_DEFAULT, NCL_DEFAULT_REASON))[1],
+            default_candidates=index_default_candidates(m) or state.settings.default_candidates,
+            stage1=None if not m.stage1 else {k: x for k, x in m.stage1.items() if k != "trials"},
+        )
+
+
+@router.post(f"/{API_VERSION}/admin/reload", response_model=ReloadResponse, tags=["admin"],
+             responses={**INDEX_ERRORS, 409: {"model": ErrorResponse, "description": "new version built with another checkpoint"}},
+             dependencies=[Depends(require_admin)], summary="switch to the index's CURRENT version atomically")
+async def admin_reload(state: StateDep) -> ReloadResponse:
+    try:
+        return ReloadResponse(**(await reload(state)))
+    except ReloadRefused as e:
+        raise HTTPException(409, str(e)) from None
+    except ReloadUnavailable as e:
+        raise HTTPException(503, str(e)) from None
