@@ -231,6 +231,35 @@ def shared_module_names(files: dict[str, Path]) -> dict[str, list[str]]:
     return {n: sorted(m) for n, m in by_name.items() if len(m) > 1}
 
 
+def foreign_global_writes(root: Path, tops=PRODUCT + ("bench",)) -> list[str]:
+    """Assignments to a name of another project module (``rerank.DEVICE = ...``, ``setattr(rerank, ...)``): a
+    setting travels as an argument or an options object, never as another module's global."""
+    files = source_files(root, tops)
+    bad = []
+    for mod, path in files.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        aliases: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                aliases |= {(a.asname or a.name).split(".")[0] for a in node.names if a.name.split(".")[0] in files}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                aliases |= {a.asname or a.name for a in node.names if f"{node.module}.{a.name}" in files}
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+                  and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id in aliases):
+                bad.append(f"{mod}:{node.lineno} setattr({node.args[0].id}, ...)")
+            for tgt in targets:
+                base = tgt
+                while isinstance(base, ast.Attribute):
+                    base = base.value
+                if isinstance(tgt, ast.Attribute) and isinstance(base, ast.Name) and base.id in aliases:
+                    bad.append(f"{mod}:{node.lineno} assigns {ast.unparse(tgt)}")
+    return sorted(bad)
+
+
 def function_imports(edges: list[Edge]) -> list[Edge]:
     """Project imports inside functions in product code (one per import statement)."""
     seen, out = set(), []
@@ -283,6 +312,11 @@ def test_no_upward_import_inside_any_package(edges):
 def test_no_two_modules_share_a_name():
     shared = shared_module_names(source_files(ROOT, PRODUCT))
     assert not shared, f"one name, several modules: {shared}"
+
+
+def test_no_module_sets_another_module_s_globals():
+    bad = foreign_global_writes(ROOT)
+    assert not bad, "module globals set from outside (pass the value as an option):\n" + "\n".join(bad)
 
 
 def test_no_import_cycles(edges):
@@ -420,3 +454,13 @@ def test_checker_sees_shared_module_names(tmp_path):
     root = _tree(tmp_path, {"gare/metrics.py": "", "gare_serve/metrics.py": "", "gare_serve/cli.py": "",
                             "gare_build/cli.py": ""})
     assert shared_module_names(source_files(root, PRODUCT)) == {"metrics": ["gare.metrics", "gare_serve.metrics"]}
+
+
+def test_checker_catches_a_write_to_another_module_s_global(tmp_path):
+    root = _tree(tmp_path, {"gare_search/rerank.py": "DEVICE = 'model'\n",
+                            "gare_serve/state.py": "from gare_search import rerank\nimport gare_search.rerank as R\n"
+                                                   "def load(s):\n    rerank.DEVICE = s\n    R.DEVICE = s\n"
+                                                   "    setattr(rerank, 'DEVICE', s)\n    local = s\n",
+                            "gare_serve/ok.py": "class A:\n    pass\ndef f(a: A):\n    a.DEVICE = 1\n"})
+    assert foreign_global_writes(root) == ["gare_serve.state:4 assigns rerank.DEVICE",
+                                           "gare_serve.state:5 assigns R.DEVICE", "gare_serve.state:6 setattr(rerank, ...)"]

@@ -1,0 +1,147 @@
+"""Both ways users install the project work from the card's source roots (training/, indexer/, service/):
+
+- the wheel (`pip install .`, the images) holds every package and module and every data file, and the three console
+  scripts run from it alone, with nothing of the checkout on the path;
+- the editable install (`pip install -e .`, `run.sh`) imports each package from its source root and its console
+  scripts run;
+- the images copy only folders that exist and install from them, so a renamed folder fails here, not in a build.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import re
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import require
+
+REPO = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+SOURCE_ROOTS = PYPROJECT["tool"]["setuptools"]["packages"]["find"]["where"]
+SCRIPTS = sorted(PYPROJECT["project"]["scripts"])  # gare-index, gare-serve, gare-train
+
+
+def _checkout_files() -> tuple[set[str], set[str]]:
+    """The modules (paths inside a wheel) and data files the checkout's packages hold."""
+    modules, data = set(), set()
+    for root in SOURCE_ROOTS:
+        for p in (REPO / root).rglob("*"):
+            if not p.is_file() or "__pycache__" in p.parts or p.suffix == ".pyc":
+                continue
+            rel = p.relative_to(REPO / root).as_posix()
+            if not (REPO / root / rel.split("/")[0] / "__init__.py").is_file():
+                continue  # not inside a package (none today)
+            (modules if p.suffix == ".py" else data).add(rel)
+    return modules, data
+
+
+@pytest.fixture(scope="module")
+def wheel_install(tmp_path_factory) -> tuple[Path, Path]:
+    """The project built as a wheel and installed (no dependencies: they are this venv's) into its own folder."""
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
+                    str(REPO)], check=True, capture_output=True, timeout=600)
+    (whl,) = out.glob("gare_search-*.whl")
+    target = out / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target", str(target),
+                    str(whl)], check=True, capture_output=True, timeout=600)
+    return whl, target
+
+
+def test_the_wheel_holds_every_module_and_data_file(wheel_install):
+    whl, _ = wheel_install
+    names = set(zipfile.ZipFile(whl).namelist())
+    modules, data = _checkout_files()
+    assert {"gare/__init__.py", "gare_serve/web/static/index.html", "gare/model_configs/gare-cpu-demo.json"} <= (
+        modules | data)  # the walk above found the packages
+    assert not modules - names, f"modules missing from the wheel: {sorted(modules - names)}"
+    assert not data - names, f"data files missing from the wheel: {sorted(data - names)}"
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"gare", "gare_train", "gare_index", "gare_search", "gare_build", "gare_serve", "gare_demo"}, tops
+
+
+def test_the_console_scripts_run_from_the_wheel_alone(wheel_install, tmp_path):
+    _, target = wheel_install
+    # only the wheel's folder on the path: the checkout's editable finder is appended after it, and the command
+    # runs outside the checkout, so a module found from the checkout shows in where `gare` came from
+    env = {**os.environ, "PYTHONPATH": str(target), "HF_HUB_OFFLINE": "1"}
+    where = subprocess.run([sys.executable, "-c", "import gare, gare_serve.web.ops_routes as o; "
+                            "print(gare.__file__); print(o.STATIC_DIR)"],
+                           env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert where.returncode == 0, where.stderr
+    gare_file, static = where.stdout.split()
+    assert Path(gare_file).is_relative_to(target) and (Path(static) / "index.html").is_file()
+    for script in SCRIPTS:
+        proc = subprocess.run([str(target / "bin" / script), "--help"], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"{script} --help: {proc.stderr[-800:]}"
+        assert "usage:" in proc.stdout
+    # the registered open_clip configs are data files: the backbone registers them from the installed package
+    proc = subprocess.run([sys.executable, "-c", "import gare.backbone, open_clip; "
+                           "print(sorted(m for m in open_clip.list_models() if m.startswith('gare-')))"],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    configs = sorted(p.stem for p in (REPO / "training" / "gare" / "model_configs").glob("*.json"))
+    assert proc.returncode == 0 and proc.stdout.strip() == str(configs), proc.stdout + proc.stderr
+
+
+def test_the_editable_install_imports_from_the_source_roots(tmp_path):
+    """run.sh installs the checkout in editable mode: each package resolves to its source root."""
+    code = ("import importlib, json; print(json.dumps({p: importlib.import_module(p).__file__ for p in "
+            "['gare', 'gare_train', 'gare_index', 'gare_search', 'gare_build', 'gare_serve', 'gare_demo']}))")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    require(proc.returncode == 0, f"the project is not installed in this environment (pip install -e .): {proc.stderr[-300:]}")
+    found = {p: Path(f) for p, f in json.loads(proc.stdout).items()}
+    want = {"gare": "training", "gare_train": "training", "gare_index": "indexer", "gare_search": "indexer",
+            "gare_build": "indexer", "gare_serve": "service", "gare_demo": "service"}
+    editable = all(f.is_relative_to(REPO) for f in found.values())
+    require(editable, f"the project is installed, but not from this checkout in editable mode: {found}")
+    for pkg, root in want.items():
+        assert found[pkg] == REPO / root / pkg / "__init__.py", (pkg, found[pkg])
+    # the console scripts are installed beside this Python and name the CLIs' `main` (tests/service/test_deploy.py
+    # runs each with --help for every command the docs use)
+    bindir = Path(sys.executable).parent
+    eps = {ep.name: ep for ep in importlib.metadata.entry_points(group="console_scripts") if ep.name in SCRIPTS}
+    assert sorted(eps) == SCRIPTS
+    for script in SCRIPTS:
+        require((bindir / script).is_file(), f"no {script} beside {sys.executable}")
+        assert eps[script].value == PYPROJECT["project"]["scripts"][script] and callable(eps[script].load())
+
+
+def _dockerfile_paths(text: str) -> tuple[list[str], list[str], str]:
+    copies = [src for m in re.finditer(r"^COPY (.+) \S+$", text, re.M) for src in m.group(1).split()]
+    workdir = re.search(r"^WORKDIR (\S+)$", text, re.M).group(1)
+    used = re.findall(rf"(?<![\w/]){re.escape(workdir)}/([\w./-]+)", text)
+    return copies, used, workdir
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.cpu", "Dockerfile.cuda"])
+def test_the_images_copy_and_install_what_exists(name):
+    """Every COPY source exists, the three source roots are copied, and every path under the image's WORKDIR that
+    a RUN names (an install, a compile, a removal) is one the COPYs put there."""
+    text = (REPO / "deploy" / name).read_text()
+    copies, used, workdir = _dockerfile_paths(text)
+    for src in copies:
+        assert (REPO / src).exists(), f"{name}: COPY {src}"
+    assert set(SOURCE_ROOTS) <= set(copies), f"{name} copies {copies}"
+    for rel in used:
+        top = rel.split("/")[0]
+        assert top in copies and (REPO / rel).exists(), f"{name}: {workdir}/{rel} is not copied from the checkout"
+    assert re.search(r"pip install --no-deps (\.|/app)(\s|$)", text, re.M), f"{name} installs the project from the copied tree"
+
+
+def test_the_dockerfile_check_catches_a_stale_path():
+    """The check above on a made-up Dockerfile that compiles a folder it never copied (the old CPU image did)."""
+    text = ("FROM python:3.11\nWORKDIR /app\nCOPY gare ./gare\n"
+            "RUN pip install --no-deps -e . && python -m compileall -q /app/training\n")
+    copies, used, _ = _dockerfile_paths(text)
+    assert copies == ["gare"] and used == ["training"] and "training" not in copies
