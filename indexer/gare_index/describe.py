@@ -24,7 +24,7 @@ def index_default_candidates(manifest: IndexManifest | Mapping[str, Any] | None)
 
 def index_ncl_default(manifest: IndexManifest | Mapping[str, Any] | None) -> tuple[bool, str] | None:
     """The index's own NCL default and why (manifest["biases"]["default"], decided at build time on validation
-    captions, issue 28), or None when the build had no validation captions (the search's default applies)."""
+    captions), or None when the build had no validation captions (the search's default applies)."""
     b = (manifest.biases if hasattr(manifest, "biases") else (manifest or {}).get("biases")) or {}
     d = b.get("default")
     if not isinstance(d, Mapping) or not isinstance(d.get("on"), bool):

@@ -1,4 +1,4 @@
-"""int8 frame storage (issue 29): per-frame symmetric quantisation of frames.npy and the dequantising view readers use.
+"""int8 frame storage: per-frame symmetric quantisation of frames.npy and the dequantising view readers use.
 
 An index built with ``--frames-dtype int8`` stores ``frames.npy`` (n, f, d) int8 and ``frame_scales.npy`` (n, f)
 float32 (manifest ``frame_dtype: "int8"``): frame g of video j is ``frame_scales[j, g] * frames[j, g]``, with

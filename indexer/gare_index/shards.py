@@ -1,5 +1,5 @@
 """Sharded indexes: the layout of INDEX/shards/sNNN, the generation files that pin one version of every shard,
-the routing of a video to its shard and the global video ids (issue 26).
+the routing of a video to its shard and the global video ids.
 
 Layout::
 
@@ -217,7 +217,7 @@ def write_generation(root: str | os.PathLike, versions: Sequence[str]) -> Genera
 
 # ------------------------------------------------------------------------------------------ reading
 def agreed_ncl_default(manifests: Sequence[Any]) -> dict[str, Any] | None:
-    """The NCL default of a generation (issue 28): the ``biases.default`` record that every shard's manifest holds
+    """The NCL default of a generation: the ``biases.default`` record that every shard's manifest holds
     (the builder decides it once over the whole gallery and writes the same record into every shard), or None
     when no shard has one. ``manifests``: an IndexManifest or its JSON dict per shard, in shard order.
     IndexFormatError naming the shards when their records differ (the generation mixes decisions)."""

@@ -130,7 +130,7 @@ register_model(
         video_framerate=2.0,  # the synthetic clips are a few seconds long
     ),
 )
-# The README demo's model (issue 16): trained from scratch in a minute or two on 2 CPU cores. Smaller than
+# The README demo's model: trained from scratch on 2 CPU cores within the demo's time to first search. Smaller than
 # gare-cpu-small where the synthetic clips allow it (32 px frames, 4 per clip, width 64, two blocks per
 # tower, one temporal block), but with room for the whole caption (32 tokens: a third of the synthetic
 # captions are longer than 20). Measured choice: docs/quickstart-times.md.

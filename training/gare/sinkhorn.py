@@ -295,7 +295,7 @@ def normalization_error(
 # ---------------------------------------------------------------- biases of the served score
 # The service ranks by the psi score s_tj on each query's stage-1 candidates (SPEC §4), so the biases must
 # normalise *that* score (SPEC §5); biases fitted to the dual-tower cosine and added to psi were measured to
-# lower R@1 (issue 17).  The scorer is a callable so that any exact psi implementation plugs in (the
+# lower R@1 (bench/results/ncl_served/).  The scorer is a callable so that any exact psi implementation plugs in (the
 # model's block scorer, the fused pair scorer of the search, a folded psi).
 
 MatrixScorer = Callable[[np.ndarray, np.ndarray], Tensor]

@@ -2,7 +2,7 @@
 
 A batched text tower pads its texts to one length and runs every matrix product over the whole batch; a text's
 embedding then depends on the batch (its padding, the row count the GEMM picks its kernel by). The packed tower
-keeps the batch's speed without that dependence (issue 24's guarantee: a text's embedding is the same bits alone
+keeps the batch's speed without that dependence (the towers' guarantee: a text's embedding is the same bits alone
 or in any batch):
 - the texts' tokens are packed back to back without padding (T rows, each text's rows in order);
 - every op on the packed rows computes each row on its own (LayerNorm's per-row kernel, the Linears, see

@@ -22,7 +22,7 @@ search's ``"fp32"`` option. Asking for int8 on a CUDA model or fp16 on the CPU r
 Every encoder is a callable ``tokens (a, L) int64 -> t (a, d) float32`` on the model's device, L <= context
 length; the embedding is un-normalised like ``GARE.encode_text`` (psi needs |t|).
 
-Batch invariance (issue 24): a text's embedding is the same bits whatever else is in its batch and however far
+Batch invariance: a text's embedding is the same bits whatever else is in its batch and however far
 the batch is padded. A batched float GEMM's rounding may depend on the row count M (MKL/oneDNN/cuBLAS pick
 their blocking and kernels by shape), attention and activations see the padded length, and a dynamic int8
 scale taken over the batch depends on the other texts; so "alone" and "in a batch" are made the same

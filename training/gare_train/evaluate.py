@@ -9,7 +9,7 @@ videos do not exist and the "+ psi + NCL" v2t cells are left empty.
 
 NCL(dual): video biases fitted to the dual-tower cosine of the checkpoint's text queue (what `+ NCL` adds to
 the cosine). NCL(served): biases fitted to the psi score of the queue queries, the score the search ranks by
-(SPEC §5, issue 17): dense (every queue query x every video) when Q x N <= SERVED_DENSE_MAX_PAIRS, else the
+(SPEC §5): dense (every queue query x every video) when Q x N <= SERVED_DENSE_MAX_PAIRS, else the
 sparse form (exact psi on each queue query's dual-tower top SERVED_K, the cosine elsewhere)."""
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def evaluate_encoded(
         # numpy: torch.quantile refuses inputs above 16M elements (a 5k x 5k evaluation already is one)
         "delta_p95_abs": float(np.percentile(delta_abs.numpy(), 95)),
         "delta_note": "|cos(t+Δ, v̄) - cos(t, v̄)| over every (text, video) pair (the rebuttal's figure)",
-        # the figure reported before issue 15: Δ and the text-conditioned pooling together
+        # the older figure, kept labelled: Δ and the text-conditioned pooling together
         "mean_abs": float(dev_abs.mean()),
         "p95_abs": float(np.percentile(dev_abs.numpy(), 95)),
         "note": "|cos(t+Δ, p) - cos(t, v̄)| over every (text, video) pair: Δ and the pooling together",
