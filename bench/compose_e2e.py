@@ -241,7 +241,7 @@ class Run:
         # nothing of the build-only mounts ended up in the image
         # (podman build -v leaves an empty mount point where each mount was: the files must be empty)
         res = self.podman("run", "--rm", IMG_CPU, "sh", "-c", "id -u; cat /host-ca.crt /etc/pip.conf 2>/dev/null | wc -c; "
-                          "python -c 'import torch, faiss, service, indexer, training; print(torch.__version__)'", quiet=True)
+                          "python -c 'import torch, faiss, gare, gare_search, gare_serve, gare_build, gare_train; print(torch.__version__)'", quiet=True)
         lines = res.stdout.split()
         self.facts["torch_in_image"] = lines[2] if len(lines) > 2 else None
         self.check("image: no build-only content inside, runs as 10001, imports", res.returncode == 0 and lines[:2] == ["10001", "0"],

@@ -58,7 +58,7 @@ print(hits[0] if hits else '')")
 else
     echo "FAISS-GPU INSTALL: no parts under $PARTS: faiss is not installed; the FAISS sections fail and say so"
 fi
-export PYTHONPATH=$SITE:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 GARE_COMMIT=${1:-unknown}
+export PYTHONPATH=$SITE:$PWD/training:$PWD/indexer:$PWD/service:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 GARE_COMMIT=${1:-unknown}
 # the MSR-VTT captions gpu_carry.sh copied (the batch-invariance tests skip without them: the 15:51 run at 5215253)
 [ -f .gpuassets/msrvtt/MSRVTT_JSFUSION_test.csv ] && export GARE_MSRVTT_ANNO=$PWD/.gpuassets/msrvtt
 echo "install: $(( $(date +%s) - t0 )) s"

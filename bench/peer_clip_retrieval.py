@@ -61,7 +61,7 @@ for p in (str(REPO), str(BENCH)):
         sys.path.insert(0, p)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from support import free_port, git_commit, stop_process  # noqa: E402 - bench/ is on sys.path only from here
+from support import CHECKOUT_PATH, free_port, git_commit, stop_process  # noqa: E402 - bench/ is on sys.path only from here
 
 OUT = BENCH / "results" / "peer_clip_retrieval"
 PEER_VERSION = "2.45.0"
@@ -191,7 +191,7 @@ def tune_stage1(work: Path, index: Path, ck: Path, n_queries: int) -> dict[str, 
            "--tune-queries", str(n_queries), "--no-progress"]
     print("tuning gare's stage 1:", shlex.join(cmd), flush=True)
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": CHECKOUT_PATH})
     from gare_index.store import open_index
 
     with open_index(index) as v:
@@ -751,7 +751,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 enc = TEXT_ENCODER[name]
                 a, ready, req, gare = gare_args(index, port, enc), "/readyz", gare_request, True
-                env = {**os.environ, "PYTHONPATH": str(REPO), "GARE_WORKER_HEALTHCHECK_S": "900"}
+                env = {**os.environ, "PYTHONPATH": CHECKOUT_PATH, "GARE_WORKER_HEALTHCHECK_S": "900"}
                 env.pop("PROMETHEUS_MULTIPROC_DIR", None)
                 # the peer holds its whole index in RAM; gare-serve maps its frames: read them into the page cache
                 # first (both then answer from memory), recording the share that was cached before

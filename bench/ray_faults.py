@@ -45,7 +45,7 @@ for p in (str(REPO), str(BENCH)):
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import httpx  # noqa: E402
-from support import free_port, git_commit, tiny_checkpoint, tiny_corpus  # noqa: E402
+from support import CHECKOUT_PATH, free_port, git_commit, tiny_checkpoint, tiny_corpus  # noqa: E402
 
 OUT = BENCH / "results" / "ray_faults"
 LOOPBACK = "127.0.0.1"
@@ -338,7 +338,7 @@ def run_child(cfg: dict[str, Any], work: Path) -> tuple[dict[str, Any], str]:
         network = "inside a private network namespace with only loopback, and bound to 127.0.0.1"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "GARE_TORCH_THREADS": "1", "GARE_TEXT_ENCODER": "fp32",
            "GARE_RESULT_CACHE_ENTRIES": "0", "GARE_BATCH_MAX_WAIT_MS": "1", "RAY_USAGE_STATS_ENABLED": "0",
-           "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+           "PYTHONPATH": CHECKOUT_PATH + os.pathsep + os.environ.get("PYTHONPATH", "")}
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     if p.returncode != 0:
         raise RuntimeError(f"the Ray run failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")

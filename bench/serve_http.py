@@ -46,7 +46,7 @@ for p in (str(REPO), str(BENCH)):
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from serve_bench import loadavg, machine, make_queries, resident_fraction, summary_ms, timed, write_gallery  # noqa: E402
-from support import free_port, git_commit, stop_process  # noqa: E402
+from support import CHECKOUT_PATH, free_port, git_commit, stop_process  # noqa: E402
 from zipf_queries import zipf_stream  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -133,7 +133,7 @@ def serve(index: Path, workers: int, cache: bool, threads: int | None,
             "--result-cache-entries", "10000" if cache else "0", "--text-encoder", text_encoder]
     if threads:
         args += ["--torch-threads", str(threads)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (CHECKOUT_PATH, os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600

@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
+# A child process runs this checkout's code whether or not it is installed: the three source roots hold the
+# packages, the root holds bench/ and tests/.
+CHECKOUT_PATH = os.pathsep.join(str(REPO / root) for root in ("training", "indexer", "service", "."))
 UNKNOWN_COMMIT = "unknown"  # what a report says when the code it ran cannot be named (never a guessed hash)
 
 
@@ -126,7 +129,7 @@ class ServeProcess:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.args = [sys.executable, "-m", "gare_serve.cli", "--host", "127.0.0.1", "--port", str(self.port), *args]
-        self.env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "GARE_TORCH_THREADS": "1",
+        self.env = {**os.environ, "PYTHONPATH": CHECKOUT_PATH, "HF_HUB_OFFLINE": "1", "GARE_TORCH_THREADS": "1",
                     **(env or {})}
         self.proc: subprocess.Popen | None = None
         self.log = tempfile.NamedTemporaryFile(prefix="gare-serve-", suffix=".log", delete=False)

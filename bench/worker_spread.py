@@ -44,7 +44,7 @@ for p in (str(REPO), str(BENCH)):
         sys.path.insert(0, p)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from support import burst, git_commit, stop_process, worker_requests  # noqa: E402 - bench/ is on sys.path only from here
+from support import CHECKOUT_PATH, burst, git_commit, stop_process, worker_requests  # noqa: E402 - bench/ is on sys.path only from here
 
 MODES = ("shared", "reuseport")
 TICK = os.sysconf("SC_CLK_TCK")
@@ -84,7 +84,7 @@ class Server:
         args = [sys.executable, "-m", "gare_serve.cli", "--index", str(index), "--workers", "2", "--worker-sockets", mode,
                 "--host", "127.0.0.1", "--port", "0", "--log-level", "info", "--query-cache-entries", "0",
                 "--result-cache-entries", "0"]
-        env = {**os.environ, "PYTHONPATH": str(REPO), "GARE_TORCH_THREADS": "1", "GARE_WORKER_HEALTHCHECK_S": "900"}
+        env = {**os.environ, "PYTHONPATH": CHECKOUT_PATH, "GARE_TORCH_THREADS": "1", "GARE_WORKER_HEALTHCHECK_S": "900"}
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
