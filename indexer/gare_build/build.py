@@ -12,7 +12,7 @@ build/add run four named stages, one module each in ``gare_build/pipeline/``:
                 :func:`gare_index.store.write_version` (a complete new version, then an atomic switch of CURRENT).
 
 `remove` and `biases` reuse assembly, biases and the writer. Every command writes INDEX/report.json
-(``options.RunReport``) through :func:`reported`, which ``gare_build.upgrade`` and ``gare_build.tuning.retune`` use
+(``options.RunReport``) through :func:`reported`, which ``gare_build.upgrade`` and ``gare_build.retune`` use
 too, as they use :func:`prev_files` and :func:`carry_manifest` to derive a version from the current one. Optional
 post-processing: docs/postprocessing.md, :mod:`gare_build.invgc_fit`, :mod:`gare_build.ncl_queues`.
 """

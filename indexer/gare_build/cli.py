@@ -19,6 +19,7 @@ from gare_build.build import build, recompute_biases, remove, stats
 from gare_build.cli_parser import build_parser
 from gare_build.compare import CompareOptions, run_compare
 from gare_build.pipeline.options import BUILD_LOCK, BuildOptions, RunReport
+from gare_build.retune import retune
 from gare_build.shard_build import (
     biases_sharded,
     build_sharded,
@@ -27,7 +28,6 @@ from gare_build.shard_build import (
     stats_sharded,
     verify_sharded,
 )
-from gare_build.tuning.retune import retune
 from gare_build.tuning.version_tuning import Stage1Options
 from gare_build.upgrade import upgrade
 from gare_index.describe import describe_stage1
@@ -290,14 +290,14 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         if not isinstance(v, (dict, list)):
             print(f"{k:<{width}}  {v:.4g}" if isinstance(v, float) else f"{k:<{width}}  {v}")
     s1 = st.get("stage1")
-    if s1:  # the stage-1 promise measured at build time (issue 13)
+    if s1:  # the stage-1 promise measured at build time (the manifest's `stage1`, docs/index-format.md)
         print(f"{'stage1':<{width}}  recall@{s1.get('recall_at')} of the exact top-{s1.get('k', 10)} "
               f"{s1.get('recall')} (target {s1.get('recall_target')}), p50 {s1.get('p50_ms')} ms, "
               "psi coverage " + ", ".join(f"K={k}: {v}" for k, v in sorted((s1.get("coverage") or {}).items(),
                                                                             key=lambda kv: int(kv[0])))
               + f", queries: {s1.get('query_source')}")
         dv = s1.get("deviation")
-        if dv:  # SPEC §4, the rebuttal's figure (issue 15)
+        if dv:  # SPEC §4's deviation, next to the figure the authors' rebuttal gives for MSR-VTT
             print(f"{'deviation':<{width}}  |cos(t+Δ, v̄) - cos(t, v̄)| mean {dv['delta_mean_abs']:.4f}, 95th percentile "
                   f"{dv['delta_p95_abs']:.4f} over {dv['pairs']} sampled pairs (authors: {dv['authors']})")
     print("(--json prints everything)")

@@ -170,7 +170,7 @@ def _add_encode_args(p: argparse.ArgumentParser, *, build: bool) -> None:
     g.add_argument("--device", default="auto", help="auto (cuda when present) | cpu | cuda | cuda:N")
     g.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
                    help="encoder autocast (default fp32; bf16 on CPUs with AVX512-bf16 or GPUs; fp16 on CUDA only)")
-    # --store-kv is gone (issue 12): the fold's stored constants rerank faster than stored K/V at a fraction of
+    # --store-kv is gone: the fold's stored constants rerank faster than stored K/V at a fraction of
     # their bytes (docs/index-format.md). `add` keeps the K/V of an index that has them.
     g.add_argument("--frames-dtype", choices=("float16", "int8"), default=None,
                    help="how frames.npy stores the frame features psi reranks: float16 (default for build) or int8 with "

@@ -6,7 +6,7 @@ is built); ``units``/``norms`` keep v̄ for psi. LocalAdj centres the kept edge 
 whole gallery; that mean is computed once, when the index is built (:func:`invgc_means`; then
 :func:`invgc_apply` equals :func:`gare.invgc.invgc` of the gallery), and recorded in the manifest, so that the
 correction of an item depends on nothing but the item: ``add`` corrects new videos with the recorded r_g, r_q
-and means, and ``remove`` only drops rows (:func:`invgc_vectors`, the finish stage's step).
+and means, and ``remove`` only drops rows (:func:`gare_build.pipeline.finish.invgc_vectors`, the finish stage's step).
 
 r_g and r_q are chosen on a validation split (:func:`select_invgc`: the dual-tower t2v R@1 of a grid, on a
 caption manifest, a `gare-train synth` folder or the checkpoint's own training data, :func:`load_validation`).
@@ -15,9 +15,6 @@ Which runs apply InvGC is decided by :func:`gare_build.pipeline.plan.postprocess
 
 from __future__ import annotations
 
-import logging
-import os
-import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -30,13 +27,10 @@ from gare.annotations import carve_validation, load_dataset, load_manifest
 from gare.encoded_set import encode_set
 from gare.invgc import DEFAULT_GRID, n_neighbours, select_r
 from gare.retrieval_metrics import ranks_t2v
-from gare_build.pipeline.assemble import Entry
-from gare_index.store import IndexMismatchError, IndexVersion
+from gare_build.checkpoint_data import resolve_data_root
 
-log = logging.getLogger(__name__)
-
-__all__ = ["InvGCUnavailable", "unit_tensor", "invgc_refs", "invgc_means", "invgc_apply", "resolve_data_root",
-           "load_validation", "t2v_r1", "select_invgc", "invgc_vectors"]
+__all__ = ["InvGCUnavailable", "unit_tensor", "invgc_refs", "invgc_means", "invgc_apply", "load_validation", "t2v_r1",
+           "select_invgc"]
 
 
 class InvGCUnavailable(ValueError):
@@ -107,24 +101,6 @@ def invgc_apply(gallery: Any, train_videos: Any, train_queries: Any, r_g: float,
 
 
 # ------------------------------------------------------------------------------------------ choosing r
-def resolve_data_root(spec: Mapping[str, Any], ckpt_path: str | os.PathLike | None) -> dict[str, Any]:
-    """A training data spec with relative paths resolved against the cwd, then the checkpoint's parents."""
-    spec = dict(spec)
-    keys = [k for k in ("root", "anno_dir", "videos_dir", "data_json", "train", "test") if spec.get(k)]
-    bases = [Path.cwd()]
-    if ckpt_path:
-        bases += list(Path(ckpt_path).absolute().parents)[:4]
-    for k in keys:
-        p = Path(spec[k]).expanduser()
-        if p.is_absolute():
-            continue
-        for b in bases:
-            if (b / p).exists():
-                spec[k] = str((b / p).absolute())
-                break
-    return spec
-
-
 def load_validation(source: Any, ckpt: Any) -> tuple[Any, str]:
     """The validation captions and videos for the InvGC search, and a description for the manifest.
 
@@ -189,42 +165,3 @@ def select_invgc(model: Any, ckpt: Any, source: Any, *, k_percent: float = 1.0, 
                n_val_videos=int(enc.vbar.shape[0]), n_val_captions=int(enc.t.shape[0]),
                skipped_val_videos=len(enc.failed))
     return sel
-
-
-# ------------------------------------------------------------------------------------------ a build run
-def invgc_vectors(units: np.ndarray, entries: list[Entry], prev: IndexVersion | None, mode: str,
-                   post: dict[str, Any]) -> tuple[np.ndarray, dict[str, Any]]:
-    """The InvGC-corrected stage-1 vectors of every entry and the manifest's `invgc` record.
-
-    build: LocalAdj's centring means come from this gallery (the result is gare.invgc.invgc of the
-    units) and are recorded. add: rows carried from the previous version keep their vectors; new ones are
-    corrected with the recorded r_g, r_q, k and means (the correction of an item depends only on the item)."""
-    Gh, Qh = post["refs"]
-    inv = dict(post["invgc"])
-    k = float(inv["k_percent"])
-    t0 = time.time()
-    if mode == "add":
-        if (int(inv["n_train_videos"]), int(inv["n_train_queries"])) != (Gh.shape[0], Qh.shape[0]):
-            raise IndexMismatchError("the checkpoint's training queues differ in size from the ones the index's InvGC used")
-        out = np.empty_like(units)
-        todo = np.ones(len(entries), dtype=bool)
-        if prev is not None and prev.ann_units is not None:
-            dst = np.array([i for i, e in enumerate(entries) if e.src[0] == "prev"], dtype=np.int64)
-            if dst.size:
-                src = np.array([entries[i].src[1] for i in dst], dtype=np.int64)
-                order = np.argsort(src, kind="stable")
-                out[dst[order]] = np.asarray(prev.ann_units[src[order]], dtype=np.float32)
-                todo[dst] = False
-        rows = np.flatnonzero(todo)
-        if rows.size:
-            out[rows] = invgc_apply(units[rows], Gh, Qh, inv["r_g"], inv["r_q"], inv["mean_g"], inv["mean_q"], k)
-        log.info("InvGC: corrected %d new vectors in %.1fs (r_g=%g, r_q=%g)", rows.size, time.time() - t0, inv["r_g"], inv["r_q"])
-        return out, inv
-    mean_g, mean_q = invgc_means(units, Gh, Qh, k)
-    out = invgc_apply(units, Gh, Qh, inv["r_g"], inv["r_q"], mean_g, mean_q, k)
-    inv.update(mean_g=mean_g, mean_q=mean_q, n_gallery_for_means=int(units.shape[0]),
-               refs="checkpoint queues: 'video' (training videos, Ĝ) and 'text' (training queries, Q̂)",
-               applied_to="ann_units.npy (stage 1: ann.faiss and ann_ncl.faiss); units.npy/norms.npy unchanged")
-    log.info("InvGC: corrected %d vectors in %.1fs (r_g=%g, r_q=%g, k=%g%%)", units.shape[0], time.time() - t0,
-             inv["r_g"], inv["r_q"], k)
-    return out, inv

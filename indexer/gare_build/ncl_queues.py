@@ -1,6 +1,7 @@
 """The banks of queries NCL fits the video biases to: the traffic query bank of `gare-index biases --from-traffic`
-(validated served query embeddings, mixed with the checkpoint's training queue) and the fresh queue (issue 28:
-the training captions re-encoded with the final text tower, instead of the embeddings pushed during training).
+(validated served query embeddings, mixed with the checkpoint's training queue) and the fresh queue (the
+training captions re-encoded with the final text tower, instead of the embeddings pushed during training, most of
+them by model states far from the final one: docs/postprocessing.md).
 
 :func:`load_query_bank` validates a float32 (n, d) file of unit query embeddings written by gare-serve's query bank
 (never unpickled); :func:`mix_queues` mixes it with the checkpoint's training queue so that a given fraction of the
@@ -19,7 +20,7 @@ import numpy as np
 
 from gare.annotations import carve_validation, load_dataset, load_manifest
 from gare.checkpoint import file_sha256
-from gare_build.invgc_fit import resolve_data_root
+from gare_build.checkpoint_data import resolve_data_root
 
 log = logging.getLogger(__name__)
 

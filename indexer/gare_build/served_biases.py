@@ -1,4 +1,4 @@
-"""NCL video biases fitted to the served score (SPEC §5, issue 17), for `gare-index build/add/remove/biases`.
+"""NCL video biases fitted to the served score (SPEC §5), for `gare-index build/add/remove/biases`.
 
 The search ranks each query's stage-1 candidates by the psi score s_tj (SPEC §4), so the biases it adds must
 normalise that score, not the dual-tower cosine. Computing psi for every (queue query, video) pair is
@@ -46,7 +46,7 @@ def fold_pair_scorer(model: Any, queries: np.ndarray, frames: Any, masks: Any, u
                      *, consts: Any = None, chunk: int = 1024):
     """Pair scorer over index arrays: (query idx (P,), rows (P,)) -> psi scores (P,) float32 (CPU tensor),
     through the exact fold of psi (gare.psi_fold):
-    the queue is folded once and a pair costs a few dot products instead of psi's d x d products (issue 12).
+    the queue is folded once and a pair costs a few dot products instead of psi's d x d products.
 
     ``consts`` (n, W): the index's stored per-video constants (``psi_consts.npy``, a memmap is fine), which the
     caller has checked are valid for ``model.psi`` (``gare_index.psi_consts.fold_status``): each chunk's rows
@@ -133,7 +133,7 @@ def served_biases(model: Any, queries: np.ndarray, gamma: float, *, units: Any, 
 
 
 
-# ------------------------------------------------------------------ the per-index decision (issue 28, must-have 4)
+# ------------------------------------------------------------------ the per-index decision (biases on or off)
 def validation_ranks(model: Any, queries: np.ndarray, true_rows: np.ndarray, biases: np.ndarray, *, units: Any,
                      norms: Any, frames: Any, masks: Any, stage1: Any | None = None, k: int = DEFAULT_BIAS_K,
                      consts: Any = None) -> tuple[np.ndarray, np.ndarray]:

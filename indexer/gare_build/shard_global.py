@@ -3,7 +3,7 @@ whole gallery, computed once over every shard's videos (in shard order) and stor
 answer is what one index over the same videos gives.
 
 1. InvGC (``build --invgc``): LocalAdj's centring means come from the gallery, so they are computed over the whole
-   gallery (:func:`gare_build.invgc_fit.invgc_vectors` on every shard's units, concatenated in shard order: the
+   gallery (:func:`gare_build.pipeline.finish.invgc_vectors` on every shard's units, concatenated in shard order: the
    single-index code on the single index's rows), and each shard stores its slice of the corrected stage-1
    vectors (``ann_units``) and the same ``invgc`` record (r_g, r_q, k, means): an ``add`` corrects a new video
    with those recorded values on any shard, as a single index does. The query side keeps no InvGC state (the
@@ -35,9 +35,8 @@ import numpy as np
 
 from gare.checkpoint import load_model
 from gare_build.build import BuildOptions, RunReport, carry_manifest, prev_files
-from gare_build.invgc_fit import invgc_vectors
 from gare_build.pipeline.biases import biases_for, checkpoint_gamma_and_queue
-from gare_build.pipeline.finish import make_ann
+from gare_build.pipeline.finish import invgc_vectors, make_ann
 from gare_build.pipeline.options import progress_enabled
 from gare_build.tuning.version_tuning import encode_captions, stored_consts, tune_version_ann
 from gare_index.describe import STAGE1_KEY, index_ncl_default

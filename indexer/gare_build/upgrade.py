@@ -1,4 +1,4 @@
-"""`gare-index upgrade`: bring the current version up to this gare-index's format (issue 12).
+"""`gare-index upgrade`: bring the current version up to this gare-index's format.
 
 Today that means adding psi's per-video constants (``psi_consts.npy`` + the manifest's ``psi_fold``, see
 :mod:`gare_index.psi_consts`) to a version written before they existed, or replacing stale ones. The new

@@ -1,5 +1,5 @@
 """NCL video biases (SPEC §5) of a gallery: from the fresh queue (the training captions re-encoded with the final
-text tower, issue 28) or the checkpoint's stale queue (the embeddings pushed during training), optionally mixed
+text tower) or the checkpoint's stale queue (the embeddings pushed during training), optionally mixed
 with a bank of served queries (`biases --from-traffic`, :mod:`gare_build.ncl_queues`). Used by the finish stage of
 build/add and by remove/biases."""
 
@@ -125,7 +125,7 @@ def compute_biases(units: np.ndarray, gamma: float, queue: np.ndarray | None, n_
 
 
 def bias_score_of(manifest: IndexManifest | Mapping[str, Any]) -> str:
-    """The score an index's biases were fitted to (indexes from before issue 17: the dual-tower cosine)."""
+    """The score an index's biases were fitted to (indexes written before the biases fitted the served score: the dual-tower cosine)."""
     return str((manifest.get("biases") or {}).get("score") or "dual")
 
 
@@ -217,7 +217,7 @@ def biases_for(prev: IndexVersion, arrays: dict[str, Any], checkpoint: str | os.
     want_fresh = queue_kind == "fresh" or (queue_kind is None and (pb.get("queue") or {}).get("kind", "fresh") == "fresh")
     if score == "served" and len(units) or want_fresh:
         model, _ = load_model(path, "cuda" if torch.cuda.is_available() else "cpu")
-    # indexes from before issue 28 have no queue record: they used the stale queue, which `biases` now refreshes
+    # indexes from before the fresh queue have no queue record: they used the stale queue, which `biases` now refreshes
     gamma, queue, qinfo = bias_queue(ckpt, model, queue_kind, captions, prev=pb.get("queue"), report=report)
     tinfo = None
     if traffic is not None:
@@ -241,7 +241,7 @@ def biases_for(prev: IndexVersion, arrays: dict[str, Any], checkpoint: str | os.
     return b, info
 
 
-# ------------------------------------------------------------------ the per-index default (issue 28, must-have 4)
+# ------------------------------------------------------------------ the per-index default (biases on or off)
 def _window(x: Any) -> float | None:
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else round(float(x), 3)
 

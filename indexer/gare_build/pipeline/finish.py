@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from gare_build.invgc_fit import invgc_vectors
+from gare_build.invgc_fit import invgc_apply, invgc_means
 from gare_build.pipeline.assemble import Entry
 from gare_build.pipeline.biases import (
     bias_queue,
@@ -29,7 +29,7 @@ from gare_index import psi_consts
 from gare_index.ann import AnnIndex, build_index
 from gare_index.ann_params import AnnParams, choose_index_type
 from gare_index.describe import STAGE1_KEY, index_ncl_default
-from gare_index.store import ExistingFile, IndexVersion, write_version
+from gare_index.store import ExistingFile, IndexMismatchError, IndexVersion, write_version
 from gare_search.search import NCL_DEFAULT
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,44 @@ def make_ann(units: np.ndarray, ids: np.ndarray, opts: BuildOptions, prev: Index
     return ann, {"ann_params": params.to_dict(), "ann_trained_n": n}
 
 
+def invgc_vectors(units: np.ndarray, entries: list[Entry], prev: IndexVersion | None, mode: str,
+                   post: dict[str, Any]) -> tuple[np.ndarray, dict[str, Any]]:
+    """The InvGC-corrected stage-1 vectors of every entry and the manifest's `invgc` record.
+
+    build: LocalAdj's centring means come from this gallery (the result is gare.invgc.invgc of the
+    units) and are recorded. add: rows carried from the previous version keep their vectors; new ones are
+    corrected with the recorded r_g, r_q, k and means (the correction of an item depends only on the item)."""
+    Gh, Qh = post["refs"]
+    inv = dict(post["invgc"])
+    k = float(inv["k_percent"])
+    t0 = time.time()
+    if mode == "add":
+        if (int(inv["n_train_videos"]), int(inv["n_train_queries"])) != (Gh.shape[0], Qh.shape[0]):
+            raise IndexMismatchError("the checkpoint's training queues differ in size from the ones the index's InvGC used")
+        out = np.empty_like(units)
+        todo = np.ones(len(entries), dtype=bool)
+        if prev is not None and prev.ann_units is not None:
+            dst = np.array([i for i, e in enumerate(entries) if e.src[0] == "prev"], dtype=np.int64)
+            if dst.size:
+                src = np.array([entries[i].src[1] for i in dst], dtype=np.int64)
+                order = np.argsort(src, kind="stable")
+                out[dst[order]] = np.asarray(prev.ann_units[src[order]], dtype=np.float32)
+                todo[dst] = False
+        rows = np.flatnonzero(todo)
+        if rows.size:
+            out[rows] = invgc_apply(units[rows], Gh, Qh, inv["r_g"], inv["r_q"], inv["mean_g"], inv["mean_q"], k)
+        log.info("InvGC: corrected %d new vectors in %.1fs (r_g=%g, r_q=%g)", rows.size, time.time() - t0, inv["r_g"], inv["r_q"])
+        return out, inv
+    mean_g, mean_q = invgc_means(units, Gh, Qh, k)
+    out = invgc_apply(units, Gh, Qh, inv["r_g"], inv["r_q"], mean_g, mean_q, k)
+    inv.update(mean_g=mean_g, mean_q=mean_q, n_gallery_for_means=int(units.shape[0]),
+               refs="checkpoint queues: 'video' (training videos, Ĝ) and 'text' (training queries, Q̂)",
+               applied_to="ann_units.npy (stage 1: ann.faiss and ann_ncl.faiss); units.npy/norms.npy unchanged")
+    log.info("InvGC: corrected %d vectors in %.1fs (r_g=%g, r_q=%g, k=%g%%)", units.shape[0], time.time() - t0,
+             inv["r_g"], inv["r_q"], k)
+    return out, inv
+
+
 def finish(p: Plan, entries: list[Entry], arrays: dict[str, Any], opts: BuildOptions, report: RunReport, *,
            todo_ids: np.ndarray, kept_ids: np.ndarray, staging: Any = None) -> str:
     """Biases, stage-1 vectors, ANN and manifest of the assembled arrays; writes the version and returns its name."""
@@ -92,14 +130,14 @@ def finish(p: Plan, entries: list[Entry], arrays: dict[str, Any], opts: BuildOpt
     if p.post["invgc"]:  # before the biases: the served biases take their candidates from the stage-1 vectors
         arrays["ann_units"], invgc_m = invgc_vectors(arrays["units"], entries, prev, mode, p.post)
     report.invgc = invgc_m
-    # psi's folded per-video constants (issue 12): carried for unchanged rows, folded for the new ones; before
+    # psi's folded per-video constants (gare_index.psi_consts): carried for unchanged rows, folded for the new ones; before
     # the biases, whose psi scores of Q x K queue pairs read them instead of folding each video again
     psi_fold = psi_consts.attach(arrays, p.model, prev, checkpoint_sha=p.sha, staging=staging, device=p.device)
     score = opts.bias_score or (bias_score_of(pman) if mode == "add" and pman else "served")
     served = served_inputs(p.model, arrays, opts.bias_k if mode != "add" or opts.bias_score else
                             int(((pman.get("biases") or {}).get("served") or {}).get("k") or opts.bias_k),
                             consts_valid=True) if score == "served" else None
-    # the queue NCL fits to: fresh (training captions re-encoded by this model) or stale (issue 28)
+    # the queue NCL fits to: fresh (training captions re-encoded by this model) or stale (docs/postprocessing.md)
     gamma, queue, qinfo = bias_queue(p.ckpt, p.model, opts.bias_queue, opts.bias_captions, report=report,
                                      prev=(pman.get("biases") or {}).get("queue") if mode == "add" and pman else None)
     ckpt_queue = queue  # the sample queries of the stage-1 tuning (raw rows; traffic may be mixed into `queue` below)
@@ -115,7 +153,7 @@ def finish(p: Plan, entries: list[Entry], arrays: dict[str, Any], opts: BuildOpt
         binfo = traffic_binfo(binfo, tinfo)
     if binfo["source"] == "none":
         report.notes.append("the checkpoint has no text query queue: video biases are zero")
-    # issue 28: on validation captions, are the biases on by default for this index (biases.default)?
+    # on validation captions, do the biases help this index's search, hence on by default (biases.default)?
     binfo = with_default(binfo, p.model, arrays, [e.meta for e in entries], opts.ncl_val, pman if mode == "add" else None)
     report.biases = binfo
     report.ncl_stage1 = p.post["ncl_stage1"] is not None
@@ -158,7 +196,7 @@ def _tune_stage1(ann: AnnIndex, ainfo: dict[str, Any], units: Any, ids: np.ndarr
                  model: Any, queue: np.ndarray | None, opts: BuildOptions, requested: str, build_s: float,
                  *, ncl_on: bool = NCL_DEFAULT, psi_fold: dict[str, Any] | None = None) -> tuple[AnnIndex, dict[str, Any]]:
     """Meet the recall target and choose the default K (gare_build.tuning.version_tuning); ainfo gains manifest["stage1"].
-    K is chosen for the score served by default: psi + biases when ``ncl_on``, else psi alone (issue 28).
+    K is chosen for the score served by default: psi + biases when ``ncl_on``, else psi alone (the biases can be off by default).
     ``psi_fold``: the manifest entry of the psi constants just attached (the coverage reads them)."""
     if not opts.stage1.enabled:
         return ann, {**ainfo, STAGE1_KEY: None}

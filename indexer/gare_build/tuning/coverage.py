@@ -71,7 +71,7 @@ class StoredConsts:
 
 
 # videos per kernel call in the stored-constants scorer: their frames (12 KB each at f = 12, d = 512 float16) stay in
-# L2 while every query is scored against them (0.93 µs per pair at 32 or 64, 1.40 at 512; 200 queries, one core)
+# L2 while every query is scored against them (a run of 512 spills out of it: each pair costs more)
 _KERNEL_VIDEOS = 64
 
 
@@ -102,10 +102,10 @@ def psi_fold_scorer(model: Any, frames: np.ndarray, masks: np.ndarray, biases: n
     With ``stored`` the videos' constants are the index's (what the served rerank reads, v̄ = norm * unit): a call
     only reads them and scores, with the compiled CPU kernel of the served rerank (:mod:`gare.psi_fold_cpu`) over
     runs of _KERNEL_VIDEOS videos x every query (their frames stay in cache across the queries) on torch's thread
-    count: O(a · m · f · d), ~0.9 µs per pair on one core at f = 12, d = 512 against ~2.5 µs for the batched torch
-    ops. Without it (or without numba) each call folds its block of videos first (three d x d products per frame,
-    v̄ the masked mean of the frames) and scores with the torch ops, which is what an index without stored
-    constants needs."""
+    count: O(a · m · f · d), about three times cheaper per pair than folding and scoring with the torch ops
+    (bench/results/tune_cost.md). Without it (or without numba) each call folds its block of videos first (three
+    d x d products per frame, v̄ the masked mean of the frames) and scores with the torch ops, which is what an
+    index without stored constants needs."""
     ref_pad = bool(getattr(model.cfg, "reference_padding", False))  # the authors' padding: v̄ and psi over all rows
     fold = fold_weights(model.psi).to("cpu")  # the scoring runs on the CPU next to the memmapped frames
     if stored is not None and stored.fingerprint != fold.fingerprint:

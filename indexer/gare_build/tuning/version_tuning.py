@@ -1,7 +1,7 @@
-"""Stage-1 tuning of an index version (issue 13): recall target, psi coverage and the default K.
+"""Stage-1 tuning of an index version: recall target, psi coverage and the default K.
 
 One entry for ``gare-index build`` / ``add`` (after the ANN is built or grown) and ``gare-index tune`` (on an
-existing version, nothing re-encoded; :mod:`gare_build.tuning.retune`): :func:`tune_version_ann`
+existing version, nothing re-encoded; :mod:`gare_build.retune`): :func:`tune_version_ann`
 
 1. samples queries (:mod:`gare_build.tuning.queries`: the checkpoint's NCL text queue when present, else
    caption embeddings of a manifest when given, else perturbed gallery vectors; or, with
@@ -46,9 +46,10 @@ from gare_index.psi_consts import fold_of, fold_status
 log = logging.getLogger(__name__)
 
 COVERAGE_KS = (16, 32, 64, 128, 256, 512, 1024)  # as gare_train.evaluate.COVERAGE_KS (the offline figure)
-# query x video pairs the psi coverage scores by default: ~100 s at 0.5 µs per pair on 2 cores (tune_cost.md). A larger
-# gallery gets a seeded subsample of the sample queries (at least COVERAGE_MIN_QUERIES), so the step stays bounded
-# where the build grows with n: all 1,000 queries up to 200k videos, 200 at 1M.
+# query x video pairs the psi coverage scores by default: under two minutes on a 2-core CPU at the cost per pair
+# bench/results/tune_cost.md measured. A larger gallery gets a seeded subsample of the sample queries (at least
+# COVERAGE_MIN_QUERIES), so the step stays bounded where the build grows with n: all 1,000 queries up to 200k
+# videos, 200 at 1M.
 COVERAGE_PAIRS = 200_000_000
 COVERAGE_MIN_QUERIES = 100
 

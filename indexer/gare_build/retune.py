@@ -51,7 +51,7 @@ def retune(out: str | os.PathLike, *, options: Stage1Options | None = None, chec
             caps = encode_captions(model, list(captions)) if captions else None
             requested = index_type or m.index_type_requested or "auto"
             units = prev.stage1_units
-            # K for the score served by default (issue 28): psi + b only when the index's NCL default is on
+            # K for the score served by default: psi + b only when the index's NCL default is on (the biases can be off)
             ncl_on = (index_ncl_default(m) or (NCL_DEFAULT,))[0]
             ann, entry = tune_version_ann(
                 units, np.asarray(prev.ids), frames=prev.frames, masks=prev.masks,
