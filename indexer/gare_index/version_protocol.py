@@ -1,6 +1,6 @@
 """What the psi constants and the search read of an opened index version, as Protocols.
 
-:class:`gare_index.store.reader.IndexVersion` is the one implementation; a proxy that wraps it (the service's
+:class:`gare_index.store.index_version.IndexVersion` is the one implementation; a proxy that wraps it (the service's
 recall watch) or a test's stand-in provides the same members. The Protocols live here, beside
 :mod:`gare_index.psi_consts`, because :mod:`gare_index.store` imports that module: naming ``IndexVersion`` there
 would close an import cycle.
