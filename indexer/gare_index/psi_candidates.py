@@ -24,6 +24,7 @@ from gare.model_protocols import PsiModel
 from gare.psi_fold_videos import VideoConstants
 from gare.psi_fold_weights import PsiFold
 from gare_index import psi_consts
+from gare_index.frame_quant import QuantFrames
 from gare_index.version_protocol import PsiVersion
 
 _LOCK = threading.Lock()
@@ -44,7 +45,7 @@ def kernel_reads(version: PsiVersion, consts: np.ndarray) -> bool:
     """Whether the CPU kernel can read this version's arrays as stored (float16/float32 frames, or int8 frames
     with their per-frame scales; float16/float32 constants, float32 units and norms) and numba is importable."""
     ok = (np.float16, np.float32)
-    fr = version.frames.q if getattr(version, "frame_scales", None) is not None else version.frames
+    fr = version.frames.q if isinstance(version.frames, QuantFrames) else version.frames
     return ((fr.dtype in ok or fr.dtype == np.int8) and consts.dtype in ok and version.units.dtype == np.float32
             and np.asarray(version.norms).dtype == np.float32 and psi_fold_cpu.available())
 
@@ -58,15 +59,16 @@ _ARRAYS_MAX = 16
 def _kernel_arrays(version: PsiVersion, consts: np.ndarray) -> psi_fold_cpu.KernelArrays | None:
     """The version's arrays as the CPU kernel reads them (kept per version while it and its arrays live), or
     None when the kernel cannot read them (see :func:`kernel_reads`)."""
-    fscale = getattr(version, "frame_scales", None)  # int8 frames: the kernel scales frame g of row c by fscale[c, g]
-    src = (version.frames, consts, version.units, version.norms, fscale)
+    frames = version.frames
+    # int8 frames: the kernel reads the int8 values and scales frame g of row c by fscale[c, g]
+    fq, fscale = (frames.q, frames.scales) if isinstance(frames, QuantFrames) else (frames, None)
+    src = (frames, consts, version.units, version.norms, fscale)
     got = _ARRAYS.get(id(version))
     if got is not None and got[0]() is version and all(a is b for a, b in zip(got[1], src, strict=True)):
         return got[2]
     ka = None
     if kernel_reads(version, consts):
-        ka = psi_fold_cpu.kernel_arrays(version.frames if fscale is None else version.frames.q, consts,
-                                        vrows=version.units, vscale=version.norms, fscale=fscale)
+        ka = psi_fold_cpu.kernel_arrays(fq, consts, vrows=version.units, vscale=version.norms, fscale=fscale)
     try:
         ref = weakref.ref(version)
     except TypeError:  # an object without weak references (tests' stand-ins): not kept
@@ -123,6 +125,7 @@ def candidate_constants(model: PsiModel, version: PsiVersion, rows: np.ndarray, 
     # the stored constants when valid (the check costs less than any gather), else those folded in memory
     if psi_consts.fold_status(version, fold) is None:
         consts = version.psi_consts
+        assert consts is not None  # fold_status checked it
     else:
         with torch.inference_mode():
             consts = psi_consts.served(model, version)
