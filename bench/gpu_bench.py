@@ -390,14 +390,14 @@ def section_search(ctx: dict[str, Any]) -> dict[str, Any]:
         out["precision"] = prec
         # the rerank the service serves, the fold: where the model is, and on the CPU kernel (GARE_RERANK_DEVICE cpu)
         for impl, rd in (("fold", "model"), ("fold, CPU kernel", "cpu")):
-            rerank.RERANK_DEVICE = rd
-            rerank.warm_up(dev)
+            placement = rerank.RerankSettings(device=rd)
+            rerank.warm_up(dev, placement)
             for nq in args.search_batches:
                 texts = make_queries(nq, seed=100 + nq)
                 stages: list[dict[str, float]] = []
 
-                def run(texts=texts, stages=stages):
-                    res = search_batch(model, version, texts, opts, precision=prec)
+                def run(texts=texts, stages=stages, placement=placement):
+                    res = search_batch(model, version, texts, opts, precision=prec, rerank_settings=placement)
                     stages.append(res[0].timings)
 
                 enc = timed_ms(lambda texts=texts: encode_queries(model, texts, prec), dev, iters=5, reps=args.reps)
@@ -407,7 +407,6 @@ def section_search(ctx: dict[str, Any]) -> dict[str, Any]:
                                     "search_over_encoder": tot["ms"] / enc["ms"], "stage_ms": st})
                 print(f"search ({impl}) Q={nq}: {tot['ms']:.2f} ms (encoder alone {enc['ms']:.2f} ms), stages {st}", flush=True)
     finally:
-        rerank.RERANK_DEVICE = "model"
         version.close()
         import shutil
 

@@ -309,7 +309,7 @@ def section_http_search(ctx: dict[str, Any]) -> dict[str, Any]:
         stream = make_queries(20000, seed=11)
         import httpx
 
-        for rd in args.http_rerank_devices:  # GARE_RERANK_DEVICE of the server (gare_search.rerank.RERANK_DEVICE)
+        for rd in args.http_rerank_devices:  # GARE_RERANK_DEVICE of the server (its gare_search.rerank.RerankSettings)
             os.environ["GARE_RERANK_DEVICE"] = rd
             t0 = time.perf_counter()
             proc, url, log = serve(work / "index", 1, False, None)

@@ -142,11 +142,8 @@ def main() -> None:
         if not cached:
             R.QUERY_FOLDS = QueryFoldCache(4096)  # a query met the first time
         # the rerank's own threads only: changing torch's thread count between rows would rebuild its pool
-        R.RERANK_THREADS = threads
-        try:
-            res = S.search_batch(model, v, [qs[j]], opts, encoder=lambda _m, j=j: ts[j])
-        finally:
-            R.RERANK_THREADS = None
+        res = S.search_batch(model, v, [qs[j]], opts, encoder=lambda _m, j=j: ts[j],
+                             rerank_settings=R.RerankSettings(threads=threads))
         return res[0].timings["rerank"]
 
     def stage_base(j: int) -> float:

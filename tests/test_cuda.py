@@ -239,8 +239,8 @@ def test_uint8_frames_normalised_on_cuda_equal_the_cpu_float_frames():
     assert torch.equal(cpu[1, 2:], torch.zeros_like(cpu[1, 2:]))
 
 
-def test_rerank_on_the_cpu_kernel_for_a_cuda_model_equals_the_cuda_rerank(model_and_index, monkeypatch):
-    """RERANK_DEVICE "cpu" with the model on CUDA: t comes back to the CPU and the compiled kernel scores the rows
+def test_rerank_on_the_cpu_kernel_for_a_cuda_model_equals_the_cuda_rerank(model_and_index):
+    """RerankSettings(device="cpu") with the model on CUDA: t comes back to the CPU and the compiled kernel scores the rows
     in the memory-mapped index; equal to the CUDA rerank (and to the CPU model's) within 2e-5, one query and a
     ragged batch."""
     from gare_search import query as Q
@@ -255,8 +255,8 @@ def test_rerank_on_the_cpu_kernel_for_a_cuda_model_equals_the_cuda_rerank(model_
         t = Q.encode_queries(m, sh["captions"][:3])
         assert t.device.type == "cuda"
         on_gpu = R.psi_scores(m, version, t, cands), R.psi_scores(m, version, t[:1], cands[:1])
-        monkeypatch.setattr(R, "RERANK_DEVICE", "cpu")
-        on_cpu = R.psi_scores(m, version, t, cands), R.psi_scores(m, version, t[:1], cands[:1])
+        kw = {"settings": R.RerankSettings(device="cpu")}
+        on_cpu = R.psi_scores(m, version, t, cands, **kw), R.psi_scores(m, version, t[:1], cands[:1], **kw)
     finally:
         model.to("cpu")
     for many, one in (on_gpu, on_cpu):

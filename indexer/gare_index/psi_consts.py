@@ -1,4 +1,4 @@
-"""psi's per-video constants in the index (issue 12) and the folded psi weights: compute, carry, check, serve.
+"""psi's per-video constants in the index and the folded psi weights: compute, carry, check, serve.
 
 `gare.psi_fold` folds psi exactly into per-video constants and per-query vectors, so the rerank costs
 ~3f + 1 dot products per pair instead of ~4 d x d products. The index stores one float32 row per video,
@@ -16,7 +16,7 @@ upgrade`, which adds them to an index written before this change). :func:`fold_o
 folded psi weights (keyed by psi's identity and parameter versions).
 
 This module depends on the core only (not on :mod:`gare_index.store`, which imports it for the array name and
-the checks of :func:`problems`).
+the checks of :func:`problems`): it reads a version through the Protocol :class:`gare_index.version_protocol.PsiVersion`.
 
 float32, not float16: float16 constants move the scores by ~3e-5, over the 1e-5 the implementations agree to.
 """
@@ -34,10 +34,13 @@ import torch
 from tqdm import tqdm
 
 from gare.checkpoint import file_sha256, load_model
+from gare.model_protocols import PsiModel
+from gare.psi import Psi
 from gare.psi_fold_videos import VideoConstants, fold_videos, packed_width
 from gare.psi_fold_weights import PsiFold, fold_weights
 from gare_index.frame_quant import frames_view
 from gare_index.npy_staging import ExistingFile, alloc_npy
+from gare_index.version_protocol import PsiVersion
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +55,7 @@ class _FoldEntry:
 
     __slots__ = ("fold", "psi", "slots", "stamp")
 
-    def __init__(self, psi: Any) -> None:
+    def __init__(self, psi: Psi) -> None:
         self.psi = weakref.ref(psi)
         # (the owning module's _parameters dict, name, tensor): a slot rebound to another tensor is seen by an
         # identity test, an in-place change by the tensor's _version, a move (.to) by its data pointer
@@ -61,9 +64,9 @@ class _FoldEntry:
         self.stamp = [(p._version, p.data_ptr()) for _, _, p in self.slots]
         self.fold = fold_weights(psi)
 
-    def valid_for(self, psi: Any) -> bool:
-        """Whether psi is the module folded and none of its parameters changed (~4 us for psi's 20 tensors,
-        against ~20 us for a walk of psi.parameters(); the served rerank asks once per request)."""
+    def valid_for(self, psi: Psi) -> bool:
+        """Whether psi is the module folded and none of its parameters changed (the served rerank asks once per
+        request: the stamps of psi's tensors, a few times cheaper than a walk of psi.parameters())."""
         if self.psi() is not psi:
             return False
         for (params, name, p), (ver, ptr) in zip(self.slots, self.stamp, strict=True):
@@ -76,7 +79,7 @@ _FOLDS: dict[int, _FoldEntry] = {}  # id(psi) -> its fold; at most 8 (one per ch
 FOLD_COUNT = [0]  # how many times fold_of walked and folded psi (tests: an unchanged model does not re-fold)
 
 
-def fold_of(model: Any) -> PsiFold:
+def fold_of(model: PsiModel) -> PsiFold:
     """fold_weights(model.psi), cached while psi's parameters are unchanged (once per checkpoint): a parameter
     changed in place, rebound or moved gives a new fold."""
     psi = model.psi
@@ -89,12 +92,12 @@ def fold_of(model: Any) -> PsiFold:
     return hit.fold
 
 
-def reference_padding(model: Any) -> bool:
+def reference_padding(model: PsiModel) -> bool:
     """Whether psi attends to the padded rows too (checkpoints imported with the authors' padding)."""
     return bool(getattr(model.cfg, "reference_padding", False))
 
 
-def _default_device(device: Any = None) -> torch.device:
+def _default_device(device: torch.device | str | None = None) -> torch.device:
     if device is not None:
         return torch.device(device)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -106,7 +109,7 @@ def _vbar(units: Any, norms: Any, s0: int, s1: int) -> np.ndarray:
 
 
 def compute_rows(fold: PsiFold, frames: Any, masks: Any, units: Any, norms: Any, out: np.ndarray, rows: np.ndarray | None = None,
-                 *, device: Any = None, progress: bool = False, reference_padding: bool = False) -> None:
+                 *, device: torch.device | str | None = None, progress: bool = False, reference_padding: bool = False) -> None:
     """Fill out[rows] (default: every row) with the folded constants of those rows, block by block
     (frames (n, f, d) float16 memmap or int8 QuantFrames, masks (n, f), units (n, d), norms (n,)); on the GPU
     when present."""
@@ -130,8 +133,8 @@ def manifest_entry(fold: PsiFold, f: int, checkpoint_sha: str | None) -> dict[st
             "bytes_per_video": 4 * w, "dtype": "float32", "vbar": "norms*units", "file": f"{PSI_CONSTS_ARRAY}.npy"}
 
 
-def attach(arrays: dict[str, Any], model: Any, prev: Any = None, *, checkpoint_sha: str | None = None,
-           staging: Path | None = None, device: Any = None) -> dict[str, Any]:
+def attach(arrays: dict[str, Any], model: PsiModel, prev: PsiVersion | None = None, *, checkpoint_sha: str | None = None,
+           staging: Path | None = None, device: torch.device | str | None = None) -> dict[str, Any]:
     """Add ``arrays["psi_consts"]`` for a version about to be written; return its manifest entry.
 
     Rows carried over from `prev` (same id, same norm, constants valid for this psi) are copied; the others
@@ -179,7 +182,7 @@ def attach(arrays: dict[str, Any], model: Any, prev: Any = None, *, checkpoint_s
     return manifest_entry(fold, f, checkpoint_sha)
 
 
-def carry(arrays: dict[str, Any], prev: Any, src_rows: np.ndarray) -> dict[str, Any] | None:
+def carry(arrays: dict[str, Any], prev: PsiVersion, src_rows: np.ndarray) -> dict[str, Any] | None:
     """Rows `src_rows` of prev's constants for a derived version (remove); its manifest entry or None."""
     if prev.psi_consts is None or not prev.manifest.psi_fold:
         return None
@@ -189,7 +192,7 @@ def carry(arrays: dict[str, Any], prev: Any, src_rows: np.ndarray) -> dict[str, 
 
 
 # ------------------------------------------------------------------------------------------ serving
-def fold_status(version: Any, fold: PsiFold) -> str | None:
+def fold_status(version: PsiVersion, fold: PsiFold) -> str | None:
     """None when `version` stores constants valid for these psi weights, else why not (one line)."""
     info = version.manifest.psi_fold
     if version.psi_consts is None or not info:
@@ -205,11 +208,11 @@ def fold_status(version: Any, fold: PsiFold) -> str | None:
     return None
 
 
-_IN_MEMORY: weakref.WeakKeyDictionary[Any, tuple[str, np.ndarray]] = weakref.WeakKeyDictionary()
+_IN_MEMORY: weakref.WeakKeyDictionary[PsiVersion, tuple[str, np.ndarray]] = weakref.WeakKeyDictionary()
 _IN_MEMORY_LOCK = threading.Lock()  # one fold per version even when several request threads meet it first
 
 
-def served(model: Any, version: Any) -> np.ndarray:
+def served(model: PsiModel, version: PsiVersion) -> np.ndarray:
     """The psi constants the search reads for `version` (n, W) float32: the stored ones when they are valid for
     model.psi, else constants folded in memory now, once per version and psi (one WARNING naming
     `gare-index upgrade`, which stores them). The folded array lives as long as the version object."""
@@ -232,7 +235,7 @@ def served(model: Any, version: Any) -> np.ndarray:
         return out
 
 
-def gather(version: Any, rows: np.ndarray, fold: PsiFold, device: Any, *, consts: np.ndarray | None = None) -> VideoConstants:
+def gather(version: PsiVersion, rows: np.ndarray, fold: PsiFold, device: torch.device | str, *, consts: np.ndarray | None = None) -> VideoConstants:
     """Constants of index rows (ascending, unique: memmap friendly) as VideoConstants on `device`, with the
     served v̄ = norm * unit. `consts`: the version's served constants (:func:`served`); default the stored
     ones (fold_status(version, fold) must then be None)."""
@@ -242,7 +245,7 @@ def gather(version: Any, rows: np.ndarray, fold: PsiFold, device: Any, *, consts
     return VideoConstants(frames=fr, packed=pk, fingerprint=fold.fingerprint, vbar=vb).to(device)
 
 
-def block(version: Any, s0: int, s1: int, fold: PsiFold, device: Any, *, stored: bool,
+def block(version: PsiVersion, s0: int, s1: int, fold: PsiFold, device: torch.device | str, *, stored: bool,
           reference_padding: bool = False) -> VideoConstants:
     """Rows s0:s1 as VideoConstants on `device`: the stored constants, or (stored=False) folded now."""
     fr = torch.from_numpy(np.array(version.frames[s0:s1])).to(device)
@@ -255,7 +258,7 @@ def block(version: Any, s0: int, s1: int, fold: PsiFold, device: Any, *, stored:
 
 
 # ------------------------------------------------------------------------------------------ verify
-def problems(version: Any, *, sample: int = 64, seed: int = 0, model: Any = None) -> list[str]:
+def problems(version: PsiVersion, *, sample: int = 64, seed: int = 0, model: PsiModel | None = None) -> list[str]:
     """Checks of the stored constants: manifest entry, shape, finite values, and (given the model, or the
     index's checkpoint when it is readable) a recomputation of `sample` random rows (atol 1e-4)."""
     info = version.manifest.psi_fold

@@ -24,14 +24,19 @@ from __future__ import annotations
 import io
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from gare.model_protocols import SearchModel
 from gare.video import clip_transform
+from gare_index.version_protocol import SearchVersion
 from gare_search.query import sync, unit_rows
 from gare_search.search import Hit, QueryResult, SearchOptions
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
 
 IMAGE_TYPES = {"image/jpeg": "JPEG", "image/png": "PNG", "image/webp": "WEBP", "image/gif": "GIF"}
 
@@ -44,7 +49,7 @@ class UnknownExample(ExampleError):
     """An example id that is not in the index version (the service answers 404)."""
 
 
-def video_query_unit(version: Any, ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+def video_query_unit(version: SearchVersion, ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """(unit query vector (1, d): the mean of the videos' v̂ renormalised, their row positions)."""
     try:
         rows = version.rows(np.asarray(list(ids), dtype=np.int64))
@@ -71,7 +76,7 @@ def frame_match_scores(q_frames: np.ndarray, q_masks: np.ndarray, frames: np.nda
     return (0.5 * (q_to_c + c_to_q)).astype(np.float32)
 
 
-def example_candidates(version: Any, u: np.ndarray, exclude: Sequence[int] | np.ndarray,
+def example_candidates(version: SearchVersion, u: np.ndarray, exclude: Sequence[int] | np.ndarray,
                        candidates: int) -> tuple[np.ndarray, np.ndarray]:
     """Stage 1 of a "more like this" query: (cosines (K',), ids (K',)), the top K = `candidates` by cos(û, v̂_j)
     of the version's videos other than `exclude` (the query videos it holds); K' <= K when the version is small.
@@ -84,7 +89,7 @@ def example_candidates(version: Any, u: np.ndarray, exclude: Sequence[int] | np.
     return sc[0][keep][:candidates], got[0][keep][:candidates]
 
 
-def frame_match_rerank(version: Any, cand_ids: np.ndarray, q_frames: Sequence[np.ndarray],
+def frame_match_rerank(version: SearchVersion, cand_ids: np.ndarray, q_frames: Sequence[np.ndarray],
                        q_masks: Sequence[np.ndarray]) -> np.ndarray:
     """s_vv(Q, j) for the version's candidates `cand_ids` (n,): the mean over the query videos (q_frames[i]
     (fq, d), q_masks[i] (fq,), in request order; they may live in another index, a shard) -> (n,) float32."""
@@ -97,7 +102,7 @@ def frame_match_rerank(version: Any, cand_ids: np.ndarray, q_frames: Sequence[np
     return psi
 
 
-def search_by_videos(version: Any, ids: Sequence[int], opts: SearchOptions) -> QueryResult:
+def search_by_videos(version: SearchVersion, ids: Sequence[int], opts: SearchOptions) -> QueryResult:
     """More like these videos: stage 1 with their mean unit vector, rerank by s_vv, the query videos excluded."""
     t0 = time.perf_counter()
     ids = list(dict.fromkeys(int(i) for i in ids))
@@ -144,7 +149,7 @@ def reduced_size(size: tuple[int, int], short_side: int) -> tuple[int, int]:
 
 
 def decode_image(data: bytes, content_type: str | None, *, max_pixels: int, max_aspect: float | None = None,
-                 image_size: int | None = None) -> Any:
+                 image_size: int | None = None) -> Image:
     """Bytes -> RGB PIL image, refusing what is not a still image of an allowed type within the bounds.
 
     Checked from the header, before any pixel is decoded: the pixel count (``max_pixels``: width x height) and
@@ -206,7 +211,7 @@ def decode_image(data: bytes, content_type: str | None, *, max_pixels: int, max_
 
 
 @torch.no_grad()
-def encode_image(model: Any, image: Any) -> np.ndarray:
+def encode_image(model: SearchModel, image: Image) -> np.ndarray:
     """One PIL image -> unit vector (1, d): a one-frame clip through the video encoder (CLIP image tower,
     then the temporal transformer), so that it is comparable with the indexed v̂."""
     x = clip_transform(model.cfg.image_size)(image)[None, None]  # (1, 1, 3, H, W)
@@ -214,7 +219,7 @@ def encode_image(model: Any, image: Any) -> np.ndarray:
     return unit_rows(vbar)
 
 
-def search_by_image(model: Any, version: Any, image: Any, opts: SearchOptions) -> QueryResult:
+def search_by_image(model: SearchModel, version: SearchVersion, image: Image, opts: SearchOptions) -> QueryResult:
     """Stage 1 only: cos(v̂_image, v̂_j) over the ANN (no psi: it needs a text query)."""
     t0 = time.perf_counter()
     u = encode_image(model, image)
@@ -242,7 +247,7 @@ def rank_examples(ann_s: np.ndarray, ann_i: np.ndarray, rerank: np.ndarray | Non
             for j in order]
 
 
-def _rank_no_bias(version: Any, ann_s: np.ndarray, ann_i: np.ndarray, rerank: np.ndarray | None, k: int) -> list[Hit]:
+def _rank_no_bias(version: SearchVersion, ann_s: np.ndarray, ann_i: np.ndarray, rerank: np.ndarray | None, k: int) -> list[Hit]:
     if not ann_i.size:
         return []
     return rank_examples(ann_s, ann_i, rerank, np.asarray(version.biases, dtype=np.float32)[version.rows(ann_i)], k)

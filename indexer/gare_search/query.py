@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 import torch
 
 from gare.model import autocast
+from gare.model_protocols import SearchModel
 from gare.text_quant import encode_each
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ def trim_tokens(tokens: torch.Tensor) -> torch.Tensor:
 
 
 def encode_queries(
-    model: Any,
+    model: SearchModel,
     texts: Sequence[str],
     precision: str = "fp32",
     *,
@@ -65,7 +65,7 @@ def encode_queries(
 ) -> torch.Tensor:
     """Texts -> t (a, d) float32 on the model's device (un-normalised: psi needs |t|).
 
-    Batch-invariant: a text's embedding is the same bits alone or in any batch (issue 24; the scheme is in
+    Batch-invariant: a text's embedding is the same bits alone or in any batch (the scheme is in
     gare.text_quant's docstring), so the service's micro-batches, its query cache and this offline path
     agree. `tower`: a gare.text_quant encoder (int8, fp32-packed, fp16: batch-invariant themselves) instead
     of the model's own encoder, which runs each text alone at its own length under `precision`'s autocast.

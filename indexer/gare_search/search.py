@@ -20,17 +20,18 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
 
+from gare.model_protocols import SearchModel
+from gare_index.version_protocol import SearchVersion
 from gare_search.query import encode_queries, sync, unit_rows
-from gare_search.rerank import rerank_shortlists
+from gare_search.rerank import DEFAULT_RERANK, RerankSettings, rerank_shortlists
 from gare_search.stage1 import shortlists
 
 DEFAULT_CANDIDATES = 256  # K, the stage-1 shortlist, when nobody says (service, compare, SearchOptions)
-# The default for `ncl` follows the evidence (issue 17): on only if + psi + NCL(served) >= + psi in t2v R@1 and
+# The default for `ncl` follows the evidence: on only if + psi + NCL(served) >= + psi in t2v R@1 and
 # R@5 on both benchmark corpora; tests/test_evidence.py checks this constant against the measured results.
 NCL_DEFAULT = False
 NCL_DEFAULT_REASON = ("NCL biases are off by default: on the two benchmark corpora, adding them to the psi score "
@@ -99,15 +100,16 @@ def rank(
 
 
 def search_batch(
-    model: Any,
-    version: Any,
+    model: SearchModel,
+    version: SearchVersion,
     texts: Sequence[str],
     options: SearchOptions | Sequence[SearchOptions] = SearchOptions(),
     *,
     precision: str = "fp32",
-    on_units: Any = None,
+    on_units: Callable[[np.ndarray], object] | None = None,
     encoder: Callable[[list[str]], torch.Tensor] | None = None,
     tower: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    rerank_settings: RerankSettings = DEFAULT_RERANK,
 ) -> list[QueryResult]:
     """Search many queries with one text-encoder pass, one ANN call per distinct K and one rerank pass.
 
@@ -116,7 +118,8 @@ def search_batch(
     text tower: a gare.text_quant encoder (``build_text_encoder(model, kind)``, what the service's
     `text_encoder` setting builds), None = the model's own at `precision`. `encoder`, when given, replaces
     ``encode_queries(model, texts, precision, tower=tower)``: texts -> t (n_q, d) float32 on the model's
-    device (the service's query-embedding cache in front of that same call).
+    device (the service's query-embedding cache in front of that same call). `rerank_settings`: where the psi
+    rerank runs and its threads (the service passes its own; the default runs it where the model is).
     """
     n_q = len(texts)
     opts = [options] * n_q if isinstance(options, SearchOptions) else list(options)
@@ -136,7 +139,7 @@ def search_batch(
 
     ann_s, ann_i = shortlists(version, units, opts)
     t2 = time.perf_counter()
-    psi = rerank_shortlists(model, version, t, ann_i, opts)
+    psi = rerank_shortlists(model, version, t, ann_i, opts, rerank_settings)
     sync(dev)
     t3 = time.perf_counter()
 
@@ -154,14 +157,16 @@ def search_batch(
 
 
 def search(
-    model: Any,
-    version: Any,
+    model: SearchModel,
+    version: SearchVersion,
     query: str,
     options: SearchOptions = SearchOptions(),
     *,
     precision: str = "fp32",
     tower: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    rerank_settings: RerankSettings = DEFAULT_RERANK,
 ) -> QueryResult:
     """The offline search of one query (what the API must return for the same index, options and text tower:
     `tower` as in :func:`search_batch`, e.g. ``build_text_encoder(model, "int8")`` for a service on int8)."""
-    return search_batch(model, version, [query], options, precision=precision, tower=tower)[0]
+    return search_batch(model, version, [query], options, precision=precision, tower=tower,
+                        rerank_settings=rerank_settings)[0]

@@ -32,12 +32,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from gare_index.shards import global_id, split_id
+from gare.model_protocols import PsiModel, SearchModel
+from gare_index.shards import ShardedIndex, global_id, split_id
+from gare_index.version_protocol import SearchVersion
 from gare_search.by_example import (
     UnknownExample,
     encode_image,
@@ -46,9 +48,12 @@ from gare_search.by_example import (
     rank_examples,
 )
 from gare_search.query import encode_queries, sync, unit_rows
-from gare_search.rerank import rerank_shortlists
+from gare_search.rerank import DEFAULT_RERANK, RerankSettings, rerank_shortlists
 from gare_search.search import Hit, SearchOptions, rank
 from gare_search.stage1 import shortlists, valid
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
 
 MERGE_KINDS = ("text", "example")  # how merge ranks: psi + NCL biases (text), or s_vv / cosine, no biases
 
@@ -100,7 +105,7 @@ def as_query_tensor(t: torch.Tensor | np.ndarray, device: torch.device) -> torch
     return x.to(device=device, dtype=torch.float32)
 
 
-def shard_biases(version: Any, ids: np.ndarray) -> np.ndarray:
+def shard_biases(version: SearchVersion, ids: np.ndarray) -> np.ndarray:
     """The NCL biases b_j (K',) float32 of the shard's local ids."""
     if not ids.size:
         return np.zeros(0, np.float32)
@@ -108,13 +113,15 @@ def shard_biases(version: Any, ids: np.ndarray) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------ text queries
-def shard_candidates(model: Any, version: Any, t: torch.Tensor | np.ndarray,
-                     options: SearchOptions | Sequence[SearchOptions]) -> list[ShardCandidates]:
+def shard_candidates(model: PsiModel, version: SearchVersion, t: torch.Tensor | np.ndarray,
+                     options: SearchOptions | Sequence[SearchOptions], *,
+                     rerank_settings: RerankSettings = DEFAULT_RERANK) -> list[ShardCandidates]:
     """Stage 1 (top K by the stage-1 score) + psi + biases of every query on ONE shard (an opened IndexVersion).
 
     t (a, d) float32, the un-normalised query embeddings (psi needs |t|); one option set or one per query. The
     stages are gare_search's (one ANN call per distinct (K, ncl_stage1), one psi pass for the batch), so a shard
-    computes for its videos exactly what a single index computes for them."""
+    computes for its videos exactly what a single index computes for them. `rerank_settings`: where the psi
+    rerank runs and its threads (a Ray shard replica passes the service's)."""
     t = as_query_tensor(t, model.device)
     n_q = int(t.shape[0])
     opts = per_query(options, n_q)
@@ -122,7 +129,7 @@ def shard_candidates(model: Any, version: Any, t: torch.Tensor | np.ndarray,
     units = unit_rows(t)  # (a, d) float32: the stage-1 query vectors
     ann_s, ann_i = shortlists(version, units, opts)
     t1 = time.perf_counter()
-    psi = rerank_shortlists(model, version, t, ann_i, opts)
+    psi = rerank_shortlists(model, version, t, ann_i, opts, rerank_settings)
     sync(t.device)
     t2 = time.perf_counter()
     timings = {"ann": t1 - t0, "rerank": t2 - t1}
@@ -204,10 +211,11 @@ def slowest(timings: Sequence[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def search_sharded(model: Any, sharded: Any, texts: Sequence[str],
+def search_sharded(model: SearchModel, sharded: ShardedIndex, texts: Sequence[str],
                    options: SearchOptions | Sequence[SearchOptions] = SearchOptions(), *, precision: str = "fp32",
                    tower: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                   encoder: Callable[[list[str]], torch.Tensor] | None = None) -> list[MergedResult]:
+                   encoder: Callable[[list[str]], torch.Tensor] | None = None,
+                   rerank_settings: RerankSettings = DEFAULT_RERANK) -> list[MergedResult]:
     """Text queries over every shard of an opened sharded index (:func:`gare_index.shards.open_sharded`), in one
     process: encode once (`tower`/`encoder` as in :func:`gare_search.search.search_batch`), every shard's
     candidates, merge. Equal to :func:`gare_search.search.search_batch` on one index over the same videos."""
@@ -220,7 +228,7 @@ def search_sharded(model: Any, sharded: Any, texts: Sequence[str],
     t = t.to(model.device)
     sync(model.device)
     t1 = time.perf_counter()
-    parts = [shard_candidates(model, v, t, opts) for v in sharded.shards]
+    parts = [shard_candidates(model, v, t, opts, rerank_settings=rerank_settings) for v in sharded.shards]
     results = merge(parts, sharded.n_shards, opts)
     t2 = time.perf_counter()
     for r in results:
@@ -267,7 +275,7 @@ def split_examples(ids: Sequence[int], n_shards: int) -> dict[int, list[int]]:
     return out
 
 
-def example_rows(version: Any, local_ids: Sequence[int], *, shard: int, n_shards: int) -> ExampleRows:
+def example_rows(version: SearchVersion, local_ids: Sequence[int], *, shard: int, n_shards: int) -> ExampleRows:
     """Shard `shard`'s example videos (its LOCAL ids): their v̂, frames and masks. An id the shard does not hold
     is an UnknownExample naming its GLOBAL id (the id the user sent)."""
     local = np.asarray(list(local_ids), dtype=np.int64)
@@ -295,7 +303,7 @@ def example_query(ids: Sequence[int], rows: dict[int, ExampleRows], n_shards: in
     return ExampleQuery(ids=ids, unit=unit_rows(units.mean(axis=0, keepdims=True)), frames=frames, masks=masks)
 
 
-def shard_example_candidates(version: Any, query: ExampleQuery, options: SearchOptions, *, shard: int,
+def shard_example_candidates(version: SearchVersion, query: ExampleQuery, options: SearchOptions, *, shard: int,
                              n_shards: int) -> ShardCandidates:
     """One shard's part of a "more like these" query: its top K by cos(û, v̂_j) without the query videos it
     holds, reranked by s_vv against the examples' frames when ``options.rerank`` (psi field = s_vv)."""
@@ -314,7 +322,7 @@ def shard_example_candidates(version: Any, query: ExampleQuery, options: SearchO
                            timings={"ann": t1 - t0, "rerank": t2 - t1})
 
 
-def shard_image_candidates(version: Any, unit: np.ndarray, options: SearchOptions) -> ShardCandidates:
+def shard_image_candidates(version: SearchVersion, unit: np.ndarray, options: SearchOptions) -> ShardCandidates:
     """One shard's part of an image query: its top K by cos(î, v̂_j), unit (1, d) (stage 1 only, as one index)."""
     t0 = time.perf_counter()
     sc, got = version.search(np.asarray(unit, dtype=np.float32), int(options.candidates))
@@ -323,7 +331,7 @@ def shard_image_candidates(version: Any, unit: np.ndarray, options: SearchOption
                            timings={"ann": time.perf_counter() - t0, "rerank": 0.0})
 
 
-def search_sharded_by_videos(sharded: Any, ids: Sequence[int], options: SearchOptions) -> MergedResult:
+def search_sharded_by_videos(sharded: ShardedIndex, ids: Sequence[int], options: SearchOptions) -> MergedResult:
     """More like these videos (GLOBAL ids) over every shard, in one process: equal to
     :func:`gare_search.by_example.search_by_videos` on one index over the same videos."""
     t0 = time.perf_counter()
@@ -339,7 +347,7 @@ def search_sharded_by_videos(sharded: Any, ids: Sequence[int], options: SearchOp
     return res
 
 
-def search_sharded_by_image(model: Any, sharded: Any, image: Any, options: SearchOptions) -> MergedResult:
+def search_sharded_by_image(model: SearchModel, sharded: ShardedIndex, image: Image, options: SearchOptions) -> MergedResult:
     """An image query (a PIL image) over every shard, in one process: encoded once, then every shard's stage 1
     and the merge; equal to :func:`gare_search.by_example.search_by_image` on one index over the same videos."""
     t0 = time.perf_counter()

@@ -9,14 +9,26 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Protocol
 
 import numpy as np
+
+from gare_index.version_protocol import SearchVersion
 
 log = logging.getLogger(__name__)
 
 
-def ann_stage(version: Any, units: np.ndarray, candidates: int, *, ncl_stage1: bool = False) -> tuple[np.ndarray, np.ndarray]:
+class Stage1Choice(Protocol):
+    """A query's options as stage 1 reads them (``gare_search.search.SearchOptions``)."""
+
+    @property
+    def candidates(self) -> int: ...
+
+    @property
+    def ncl_stage1(self) -> bool: ...
+
+
+def ann_stage(version: SearchVersion, units: np.ndarray, candidates: int, *, ncl_stage1: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Stage 1 through :meth:`IndexVersion.search`: (cosines (q, K), ids (q, K)); missing results have id -1.
 
     ``ncl_stage1=True`` picks the candidates by cos + b (the NCL fold); the scores are still the cosines."""
@@ -29,7 +41,7 @@ def valid(scores: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scores[ok], ids[ok]
 
 
-def shortlists(version: Any, units: np.ndarray, opts: Sequence[Any]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def shortlists(version: SearchVersion, units: np.ndarray, opts: Sequence[Stage1Choice]) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Every query's stage-1 shortlist, one ANN call per distinct (K, ncl_stage1): units (a, d) float32 and one
     option set per query (``candidates``, ``ncl_stage1``) -> (cosines, ids) per query, missing results dropped."""
     n_q = len(opts)

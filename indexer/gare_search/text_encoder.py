@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from gare.model import GARE
 from gare.text_quant import (
     CUDA_TEXT_ENCODERS,
     DEFAULT_CPU_TEXT_ENCODER,
@@ -59,7 +60,7 @@ def choose_text_encoder(kind: str, device_type: str, precision: str) -> str:
     return kind
 
 
-def query_tokenizer(model: Any) -> Any:
+def query_tokenizer(model: GARE) -> Any:
     """The model's tokenizer (open_clip's, whose ``clean_fn`` is how it normalises a text), built if need be."""
     # gare.model.GARE builds its open_clip tokenizer lazily, on the first tokenize(), and keeps it there
     tok = getattr(model, "_tokenizer", None)
@@ -72,7 +73,7 @@ def query_tokenizer(model: Any) -> Any:
 class QueryEncoder:
     """Texts -> t (a, d) float32 on the model's device, by one tower (``kind``) at one precision."""
 
-    def __init__(self, model: Any, kind: str, precision: str,
+    def __init__(self, model: GARE, kind: str, precision: str,
                  tower: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.model = model
         self.kind = kind
@@ -85,11 +86,11 @@ class QueryEncoder:
         return self.kind if self.kind != "fp32" else self.precision
 
     def encode(self, texts: list[str]) -> torch.Tensor:
-        """t (a, d) float32 for ``texts``; a text's bits do not depend on the batch it came in (issue 24)."""
+        """t (a, d) float32 for ``texts``; a text's bits do not depend on the batch it came in (the scheme is in gare.text_quant's docstring)."""
         return encode_queries(self.model, texts, self.precision, tower=self.tower)
 
 
-def load_query_encoder(model: Any, kind: str, device: torch.device | str, precision: str) -> QueryEncoder:
+def load_query_encoder(model: GARE, kind: str, device: torch.device | str, precision: str) -> QueryEncoder:
     """The encoder for ``kind`` (see :func:`choose_text_encoder`), its tower built now; :class:`TextEncoderError`
     when it cannot be chosen or built."""
     chosen = choose_text_encoder(kind, torch.device(device).type, precision)

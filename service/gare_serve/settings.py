@@ -73,7 +73,7 @@ class Settings(BaseSettings):
     rerank_device: Literal["model", "cpu"] = Field(
         "model", description="where the psi rerank runs when the model is on a GPU: model = there (the candidates' "
         "rows are copied over), cpu = the compiled CPU kernel over the memory-mapped index (only the query crosses); "
-        "on a CPU model both are the CPU kernel (gare_search.rerank.RERANK_DEVICE; bench/gpu_bench.py measures both)"
+        "on a CPU model both are the CPU kernel (gare_search.rerank.RerankSettings; bench/gpu_bench.py measures both)"
     )
     workers: int | None = Field(
         None, ge=1, le=256, description="worker processes behind the port (gare-serve; default: the usable cores)"

@@ -192,16 +192,17 @@ def test_doc_states_the_exact_bytes_per_video():
     assert f'"bytes_per_video": {4 * w}' in doc
 
 
-def test_rerank_device_cpu_on_a_cpu_model_is_the_same_kernel(model_and_index, monkeypatch):
-    """RERANK_DEVICE "cpu" changes nothing for a model on the CPU (both are the compiled kernel): the same floats,
+def test_rerank_device_cpu_on_a_cpu_model_is_the_same_kernel(model_and_index):
+    """RerankSettings(device="cpu") changes nothing for a model on the CPU (both are the compiled kernel): the same floats,
     one query and a ragged batch (the CUDA case, where it moves t and keeps the rows in place, is in test_cuda.py)."""
     model, version, sh = model_and_index
     t = Q.encode_queries(model, sh["captions"][:3])
     ids = np.asarray(version.ids)
     cands = [ids[::-1], ids[2:5], ids[:4]]
     want = R.psi_scores(model, version, t, cands), R.psi_scores(model, version, t[:1], [ids[1:6]])
-    monkeypatch.setattr(R, "RERANK_DEVICE", "cpu")
-    got = R.psi_scores(model, version, t, cands), R.psi_scores(model, version, t[:1], [ids[1:6]])
+    on_cpu = R.RerankSettings(device="cpu")
+    got = (R.psi_scores(model, version, t, cands, settings=on_cpu),
+           R.psi_scores(model, version, t[:1], [ids[1:6]], settings=on_cpu))
     for w, g in zip(want, got, strict=True):
         for a, b in zip(w, g, strict=True):
             assert np.array_equal(a, b)

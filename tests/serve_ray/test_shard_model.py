@@ -64,11 +64,10 @@ def test_ray_shard_replica_loads_the_light_model(env, monkeypatch):
     for k in ("GARE_INDEX", "GARE_CHECKPOINT", "GARE_DEVICE"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("GARE_RERANK_DEVICE", "cpu")  # the replica follows the service's setting
-    monkeypatch.setattr(rerank, "RERANK_DEVICE", "model")
     server = ray_app.ShardServer.func_or_class(str(root), 1, str(ckpt))
     try:
         assert isinstance(server.worker.model, ShardModel)
-        assert rerank.RERANK_DEVICE == "cpu"
+        assert server.worker.rerank_settings == rerank.RerankSettings(device="cpu")
         assert server.call("open", 1)
     finally:
         server.worker.close()

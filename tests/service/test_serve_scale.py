@@ -181,8 +181,8 @@ def test_cli_text_encoder_and_workers_options():
 
 
 def test_rerank_device_setting(service_env, monkeypatch):
-    """--rerank-device / GARE_RERANK_DEVICE reach the rerank module when the service loads; other values are
-    refused by name."""
+    """--rerank-device / GARE_RERANK_DEVICE reach the rerank settings the service passes to its searches; other
+    values are refused by name."""
     import typing
 
     from gare_search import rerank
@@ -199,6 +199,6 @@ def test_rerank_device_setting(service_env, monkeypatch):
     with pytest.raises(ValueError, match="rerank_device"):
         Settings(index=service_env["index"])
     monkeypatch.delenv("GARE_RERANK_DEVICE")
-    monkeypatch.setattr(rerank, "RERANK_DEVICE", "model")
-    ServiceState(settings(service_env["index"], rerank_device="cpu"), Metrics()).load()
-    assert rerank.RERANK_DEVICE == "cpu"
+    state = ServiceState(settings(service_env["index"], rerank_device="cpu"), Metrics())
+    state.load()
+    assert state.rerank_settings == rerank.RerankSettings(device="cpu")

@@ -1,4 +1,4 @@
-"""The served rerank's fast path (issue 29): the compiled query fold against the torch product in float64, the
+"""The served rerank's fast path: the compiled query fold against the torch product in float64, the
 kernel on arrays checked once per version against `pair_scores` and the psi reference, and the per-version
 cache of those arrays (kept while the version and its arrays live, rebuilt when an array is replaced)."""
 
@@ -14,7 +14,7 @@ from gare import psi_fold_cpu as pc
 from gare import psi_fold_cpu_queries as pfcq
 from gare import psi_fold_queries as pfq
 from gare import psi_fold_videos as pfv
-from gare_search import rerank
+from gare_index import psi_candidates
 from tests.training.test_psi_fold import TOL, random_psi, reference
 
 
@@ -93,18 +93,18 @@ class _Version:
 def test_kernel_arrays_are_kept_per_version_and_follow_its_arrays():
     v = _Version(6, 2, 4)
     consts = np.zeros((6, pfv.packed_width(2)), np.float32)
-    first = rerank._kernel_arrays(v, consts)
+    first = psi_candidates._kernel_arrays(v, consts)
     assert first is not None and first.fr.dtype == np.uint16 and first.vr.shape == (6, 4)
-    assert rerank._kernel_arrays(v, consts) is first  # checked once, not per request
+    assert psi_candidates._kernel_arrays(v, consts) is first  # checked once, not per request
     v.frames = np.ones((6, 2, 4), np.float16)  # an array replaced: new views
-    second = rerank._kernel_arrays(v, consts)
+    second = psi_candidates._kernel_arrays(v, consts)
     assert second is not first and second.fr[0, 0, 0] == np.float16(1).view(np.uint16)
-    assert rerank._kernel_arrays(v, consts.astype(np.float64)) is None  # constants the kernel cannot read
+    assert psi_candidates._kernel_arrays(v, consts.astype(np.float64)) is None  # constants the kernel cannot read
     key = id(v)
-    assert key in rerank._ARRAYS
+    assert key in psi_candidates._ARRAYS
     del v
     gc.collect()
-    assert key not in rerank._ARRAYS  # the views (and the memmaps behind them) go with the version
+    assert key not in psi_candidates._ARRAYS  # the views (and the memmaps behind them) go with the version
 
 
 def test_fold_one_shares_the_cache_with_fold_and_equals_it():

@@ -1,4 +1,4 @@
-"""psi folded exactly: the pair scores from per-video constants and per-query vectors (issue 12).
+"""psi folded exactly: the pair scores from per-video constants and per-query vectors.
 
 `gare.psi.pair_scores` costs ~4 d x d products per (text, video) pair. Every piece of psi is a linear
 map or a LayerNorm, so each linear map can be moved to the query side (once per query) or the video side

@@ -1,4 +1,5 @@
-"""The folded psi's pair stage as one compiled CPU kernel (issue 12).
+"""The folded psi's pair stage as one compiled CPU kernel: the checked views it reads (:class:`KernelArrays`),
+the call that scores candidates (:func:`scores`, :func:`pair_scores`), its thread split and its warm-up.
 
 `gare.psi_fold.pair_scores` in torch spends a K = 256 rerank on bookkeeping, not arithmetic: it gathers
 the candidates' float16 frames (3 MB at f = 12, d = 512), upcasts them to a float32 copy (6 MB), multiplies,
@@ -11,17 +12,13 @@ torch path's to rounding (tests: 1e-5, and both against `gare.psi.pair_scores`).
 
 numba compiles it on first use (a few seconds, once per process: the service does it in its lifespan, see
 `warm_up`), for float16 or float32 frames and constants. It releases the GIL, so the service's threads run
-reranks side by side. CUDA tensors keep the torch path.
-
-numba has no float16 type on the CPU, so float16 arrays come in viewed as uint16 and are widened with the
-exact bit construction: for a half h, the float32 with bits ``(h & 0x7fff) << 13 | (h & 0x8000) << 16``
-times 2^112 is h, for normal and subnormal halves alike; inf and NaN halves get the float32 exponent 255.
+reranks side by side. CUDA tensors keep the torch path. The numba code itself (the kernel, float16 as its
+uint16 bits widened exactly) is :mod:`gare.psi_fold_cpu_kernel`.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,271 +28,14 @@ from typing import Any
 import numpy as np
 
 from gare.build_once import once
+from gare.psi_fold_cpu_kernel import COS_EPS, N_MAT, N_VEC, build
 
 log = logging.getLogger(__name__)
 
-_COS_EPS = 1e-8  # as gare.psi_fold._COS_EPS (F.cosine_similarity's eps)
-_N_VEC, _N_MAT = 10, 5  # gare.psi_fold_videos.VEC_FIELDS / MAT_FIELDS, in that order
+_COS_EPS = COS_EPS  # as gare.psi_fold._COS_EPS (F.cosine_similarity's eps)
+_N_VEC, _N_MAT = N_VEC, N_MAT  # gare.psi_fold_videos.VEC_FIELDS / MAT_FIELDS, in that order
 
 _LOCK = threading.Lock()
-
-
-def _has_f16c() -> bool:
-    """Whether LLVM can widen float16 with one instruction here (x86 F16C's vcvtph2ps; AArch64 always can)."""
-    import platform
-
-    from llvmlite import binding
-
-    if platform.machine().lower() in ("aarch64", "arm64"):
-        return True
-    try:
-        return bool(binding.get_host_cpu_features().get("f16c", False))
-    except RuntimeError:  # pragma: no cover - llvmlite could not read the features
-        return False
-
-
-def _build() -> Any:
-    import numba
-    from llvmlite import ir
-    from numba import types
-    from numba.core import cgutils
-    from numba.extending import intrinsic, overload
-
-    f16c = _has_f16c()
-
-    @intrinsic
-    def h2f(typingctx, h):
-        """float16 bits (uint16) -> float32 by LLVM's fpext: one vcvtph2ps per 8-16 lanes once vectorised."""
-        if h != types.uint16:
-            return None
-
-        def codegen(context, builder, signature, args):
-            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-        return types.float32(types.uint16), codegen
-
-    @intrinsic
-    def u32_as_f32(typingctx, b):
-        """The float32 whose bits are b (uint32)."""
-        if b != types.uint32:
-            return None
-
-        def codegen(context, builder, signature, args):
-            return builder.bitcast(args[0], ir.FloatType())
-        return types.float32(types.uint32), codegen
-
-    @intrinsic
-    def prefetch(typingctx, arr, c, off):
-        """Hint the cache to fetch byte `off` of row c of arr (C-contiguous rows): LLVM's prefetch, read, L1."""
-        if not isinstance(arr, types.Array) or not isinstance(c, types.Integer) or not isinstance(off, types.Integer):
-            return None
-
-        def codegen(context, builder, signature, args):
-            ary = context.make_array(signature.args[0])(context, builder, args[0])
-            i64 = ir.IntType(64)
-            stride = builder.extract_value(ary.strides, 0)
-            byte = builder.add(builder.mul(context.cast(builder, args[1], signature.args[1], types.intp), stride),
-                               context.cast(builder, args[2], signature.args[2], types.intp))
-            addr = builder.add(builder.ptrtoint(ary.data, i64), byte)
-            ptr = ir.IntType(8).as_pointer()
-            i32 = ir.IntType(32)
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [ptr, i32, i32, i32]),
-                                                "llvm.prefetch.p0")
-            builder.call(fn, [builder.inttoptr(addr, ptr), i32(0), i32(3), i32(1)])
-            return context.get_dummy_value()
-        return types.void(arr, c, off), codegen
-
-    @numba.njit(inline="always", nogil=True, boundscheck=False)
-    def prefetch_row(arr, c, nbytes):
-        for o in range(0, nbytes, 64):  # every cache line of the row's nbytes, its last byte included
-            prefetch(arr, c, o)
-        prefetch(arr, c, nbytes - 1)
-
-    def as_f32(x):  # pragma: no cover - replaced by the overload below
-        raise NotImplementedError
-
-    @overload(as_f32, inline="always")
-    def _as_f32(x):
-        if x == types.uint16 and f16c:
-            return lambda x: h2f(x)
-        if x == types.uint16:  # no F16C: the exact bit construction of the module docstring
-            def impl(x):
-                h = np.uint32(x)
-                mag = (h & np.uint32(0x7FFF)) << np.uint32(13)
-                special = ((h & np.uint32(0x7C00)) + np.uint32(0x0400)) >> np.uint32(15)  # 1 iff exponent 31
-                mag |= special * np.uint32(0x7F800000)
-                return u32_as_f32(mag | ((h & np.uint32(0x8000)) << np.uint32(16))) * np.float32(2.0**112)
-            return impl
-        return lambda x: np.float32(x)  # float32 as is, int8 (quantized frames) exactly
-
-    def const_row(packed, c, buf):  # pragma: no cover - replaced by the overload below
-        raise NotImplementedError
-
-    @overload(const_row, inline="always")
-    def _const_row(packed, c, buf):
-        if packed.dtype == types.float32:
-            return lambda packed, c, buf: packed[c]  # read in place from the (memory-mapped) store
-        def impl(packed, c, buf):  # float16 constants: widened once per candidate (842 values at f = 12)
-            row = packed[c]
-            for k in range(row.shape[0]):
-                buf[k] = as_f32(row[k])
-            return buf
-        return impl
-
-    # reassociation lets LLVM vectorise the dot products; no other fast-math flag (the softmax needs -inf)
-    fm = {"reassoc", "contract"}
-
-    @numba.njit(fastmath=fm, nogil=True, cache=False, boundscheck=False)
-    def dot(x, y):
-        a = np.float32(0.0)
-        for k in range(x.shape[0]):
-            a += x[k] * np.float32(y[k])
-        return a
-
-    # error_model numpy: a division by zero gives inf/NaN as torch does, and no test per division
-    @numba.njit(fastmath=fm, nogil=True, cache=False, boundscheck=False, error_model="numpy")
-    def kernel(u, sc, wsc, eps, inv_temp, frames, fscale, packed, vrows, vscale, idx, j0, j1, out):
-        """u (a, 3, d) f32; sc (a, 7) f32; wsc (4,) f32; eps (3,) f64; frames (N, f, d) uint16|f32|int8 with
-        fscale (N, f) f32 for int8 (frame g of row c is fscale[c, g] * frames[c, g]) or (0, 0); packed (N, W)
-        uint16|f32; vrows (N, d) f32 or (0, d): v̄ = vscale[c] * vrows[c] (vscale (N,) or (0,): all ones);
-        without vrows, v̄·t = Σ ω_f t·F_f; idx (a, K) int64 rows; the candidates j0 <= j < j1 of every query
-        are scored into out (a, K) f32 (a thread's share)."""
-        a = idx.shape[0]
-        f, d = frames.shape[1], frames.shape[2]
-        W = packed.shape[1]
-        fd = np.float32(d)
-        sqd = np.float32(math.sqrt(d))
-        eps1, eps2, eps3 = np.float32(eps[0]), np.float32(eps[1]), np.float32(eps[2])
-        cz0, m00, m01, m11 = wsc[0], wsc[1], wsc[2], wsc[3]
-        buf = np.empty(W, np.float32)
-        dt = np.empty(f, np.float32)
-        d1 = np.empty(f, np.float32)
-        d2 = np.empty(f, np.float32)
-        aw = np.empty(f, np.float32)
-        ww = np.empty(f, np.float32)
-        oaa, oaw, oww = np.empty(f * f, np.float32), np.empty(f * f, np.float32), np.empty(f * f, np.float32)
-        ninf = np.float32(-np.inf)
-        z = np.float32(0.0)
-        tiny = np.float32(np.finfo(np.float32).tiny)
-        scaled = fscale.shape[0] > 0
-        for i in range(a):
-            tt, ctt, tsum, tk2, tm0, tm1 = sc[i, 0], sc[i, 1], sc[i, 2], sc[i, 3], sc[i, 4], sc[i, 5]
-            for j in range(j0, j1):
-                c = idx[i, j]
-                # the next candidate's rows (frames, constants, v̄ row: ~17 KB at f = 12, d = 512) are requested
-                # now, so their fetch from memory overlaps this candidate's arithmetic: the rows lie anywhere in
-                # the store, and without the hint each row's first lines wait on memory (~25% of a cold rerank)
-                if j + 1 < j1:
-                    cn = idx[i, j + 1]
-                    prefetch_row(frames, cn, f * d * frames.itemsize)
-                    prefetch_row(packed, cn, W * packed.itemsize)
-                    if vrows.shape[0] > 0:
-                        prefetch_row(vrows, cn, d * 4)
-                pk = const_row(packed, c, buf)
-                # the 3 dots of each frame, widened in registers (no float32 copy of the frames), four frames per
-                # pass over u so each load of u feeds 4 FMAs (one frame per pass: the loads of u, not the FMAs,
-                # bounded the loop); written out here, not called: a call per frame costs more than its work
-                for g0 in range(0, f, 4):
-                    nb = min(4, f - g0)
-                    g1, g2, g3 = g0 + min(1, nb - 1), g0 + min(2, nb - 1), g0 + min(3, nb - 1)  # repeats past f
-                    x00, x01, x02, x10, x11, x12 = z, z, z, z, z, z
-                    x20, x21, x22, x30, x31, x32 = z, z, z, z, z, z
-                    for k in range(d):
-                        ua, ub, uc = u[i, 0, k], u[i, 1, k], u[i, 2, k]
-                        y0, y1 = as_f32(frames[c, g0, k]), as_f32(frames[c, g1, k])
-                        y2, y3 = as_f32(frames[c, g2, k]), as_f32(frames[c, g3, k])
-                        x00 += y0 * ua
-                        x01 += y0 * ub
-                        x02 += y0 * uc
-                        x10 += y1 * ua
-                        x11 += y1 * ub
-                        x12 += y1 * uc
-                        x20 += y2 * ua
-                        x21 += y2 * ub
-                        x22 += y2 * uc
-                        x30 += y3 * ua
-                        x31 += y3 * ub
-                        x32 += y3 * uc
-                    for gg, (e0, e1, e2) in enumerate(((x00, x01, x02), (x10, x11, x12), (x20, x21, x22), (x30, x31, x32))):
-                        if gg < nb:
-                            g = g0 + gg
-                            sg = fscale[c, g] if scaled else np.float32(1.0)  # int8: the dots of q·s are s x those of q
-                            dt[g], d1[g], d2[g] = e0 * sg, e1 * sg, e2 * sg
-                # packed row: rs, bias, le, lg, omega, g2, mu0, mu1, pi0, pi1 (f each); G1, G2, G3, P, H (f x f); cvv, vsum
-                if vrows.shape[0] > 0:
-                    vt = dot(vrows[c], u[i, 0]) * (vscale[c] if vscale.shape[0] > 0 else np.float32(1.0))
-                else:
-                    vt = np.float32(0.0)
-                    for g in range(f):
-                        vt += pk[4 * f + g] * dt[g]
-                cvv, vsum = pk[W - 2], pk[W - 1]
-                vct = vt - vsum * tsum / fd
-                s1 = np.float32(math.sqrt(max(cvv - np.float32(2.0) * vct + ctt, np.float32(0.0)) / fd + eps1))
-                # attention logits (psi attends where ω_f > 0) and pooling logits, softmaxed in place
-                ma, mw = ninf, ninf
-                for g in range(f):
-                    la = (pk[2 * f + g] - d1[g] * pk[g] / sqd) / s1 + pk[3 * f + g]
-                    aw[g] = la if pk[4 * f + g] > 0 else ninf
-                    ww[g] = dt[g] * inv_temp + pk[f + g]
-                    ma = max(ma, aw[g])
-                    mw = max(mw, ww[g])
-                za, zw = np.float32(0.0), np.float32(0.0)
-                for g in range(f):
-                    # a weight below float32's smallest normal is flushed to 0 (a change of < 1e-38 in a sum
-                    # of 1): subnormal operands in the f x f forms below cost ~100 cycles each (microcode
-                    # assists), which at a pooling temperature of 0.01 made the rerank several times slower
-                    ea = np.float32(math.exp(aw[g] - ma))
-                    ew = np.float32(math.exp(ww[g] - mw))
-                    aw[g] = np.float32(0.0) if ea < tiny else ea  # NaN (a video with no frame) stays NaN
-                    ww[g] = np.float32(0.0) if ew < tiny else ew
-                    za += aw[g]
-                    zw += ww[g]
-                for g in range(f):
-                    aw[g] /= za
-                    ww[g] /= zw
-                # quadratic forms aᵀG1a, aᵀG2a, aᵀG3a, aᵀPw, wᵀHw as flat dots of the f x f matrices with the outer
-                # products a⊗a, a⊗w, w⊗w: one vectorised pass over the 5f² constants and one horizontal sum per form
-                # (per row r and form, a sum of f terms cost a horizontal sum each: ~40% of the hot kernel)
-                ff, m0 = f * f, _N_VEC * f
-                for r in range(f):
-                    for g in range(f):
-                        oaa[r * f + g] = aw[r] * aw[g]
-                        oaw[r * f + g] = aw[r] * ww[g]
-                        oww[r * f + g] = ww[r] * ww[g]
-                q1, q2, q3, q4, q5 = z, z, z, z, z
-                for o in range(ff):
-                    q1 += pk[m0 + o] * oaa[o]
-                    q2 += pk[m0 + ff + o] * oaa[o]
-                    q3 += pk[m0 + 2 * ff + o] * oaa[o]
-                    q4 += pk[m0 + 3 * ff + o] * oaw[o]
-                    q5 += pk[m0 + 4 * ff + o] * oww[o]
-                # linear forms a·g2, a·μ0, a·μ1, Σ a_f u2·F_f/σ_f, w·(t·F + π1), w·π0
-                l0, l1, l2, ad2, w1, w0 = z, z, z, z, z, z
-                for r in range(f):
-                    ar = aw[r]
-                    l0 += pk[5 * f + r] * ar
-                    l1 += pk[6 * f + r] * ar
-                    l2 += pk[7 * f + r] * ar
-                    ad2 += ar * d2[r] * pk[r]
-                    w1 += ww[r] * (dt[r] + pk[9 * f + r])
-                    w0 += ww[r] * pk[8 * f + r]
-                s2 = np.float32(math.sqrt(max(q1, z) / fd + eps2))
-                s3 = np.float32(math.sqrt(max(q2 / (s2 * s2) + np.float32(2.0) * l0 / s2 + cz0, z) / fd + eps3))
-                t_delta = ((ad2 + tk2) / s2 + tm0) / s3 + tm1
-                ddl = (q3 / (s2 * s2) + np.float32(2.0) * l1 / s2 + m00) / (s3 * s3) + np.float32(2.0) * (l2 / s2 + m01) / s3 + m11
-                # Σ_g w_g (t·F_g + ((aᵀP)_g / s2 + π0_g) / s3 + π1_g), the sums over g taken term by term
-                tdp = w1 + (q4 / s2 + w0) / s3
-                nx = np.float32(math.sqrt(max(tt + np.float32(2.0) * t_delta + ddl, np.float32(0.0))))
-                npp = np.float32(math.sqrt(max(q5, np.float32(0.0))))
-                out[i, j] = tdp / (max(nx, np.float32(_COS_EPS)) * max(npp, np.float32(_COS_EPS)))
-
-    @numba.njit(nogil=True, cache=False)
-    def widen_rows(src, dst):
-        for r in range(src.shape[0]):
-            row, o = src[r], dst[r]
-            for k in range(row.shape[0]):
-                o[k] = as_f32(row[k])
-
-    return kernel, widen_rows
 
 
 _AVAILABLE: bool | None = None
@@ -316,7 +56,7 @@ def available() -> bool:
     return _AVAILABLE
 
 
-_kernel = once(_build)  # the compiled kernel, built on first use
+_kernel = once(build)  # the compiled kernel (gare.psi_fold_cpu_kernel), built on first use
 
 
 def _ro(arr: np.ndarray) -> np.ndarray:
@@ -352,8 +92,8 @@ def _f32_arg(x: Any) -> np.ndarray:
     return np.asarray(x.detach().cpu().numpy() if hasattr(x, "detach") else x)
 
 
-# A thread's share of a rerank is at least this many pairs: below, handing work to another thread (~20-50 µs)
-# costs more than it saves (a pair is ~1 µs at f = 12, d = 512).
+# A thread's share of a rerank is at least this many pairs: below, handing work to another thread costs more
+# than the pairs it takes (bench/results/rerank_floor.md times the stage at 1 to 4 threads).
 MIN_PAIRS_PER_THREAD = 64
 _POOL: ThreadPoolExecutor | None = None
 _POOL_SIZE = 0

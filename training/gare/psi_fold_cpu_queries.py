@@ -1,7 +1,7 @@
-"""The query side of psi's fold as one compiled CPU call (issue 29): `fold_query_rows`.
+"""The query side of psi's fold as one compiled CPU call: `fold_query_rows`.
 
 `gare.psi_fold_queries.fold_queries` in torch is ~12 ops; for the one query of a request their dispatch, not
-the (d, 2d + 3) product, was most of the fold (~0.3 of ~0.45 ms with cold caches on the 2-core VM). Here one
+the (d, 2d + 3) product, was most of the fold with cold caches (bench/results/rerank_floor.md). Here one
 numba function streams the query map once (four of its rows per pass, the output row staying in L1) and
 writes the vectors and scalars directly. numba compiles it on first use (`warm_up`, with the rerank's kernel).
 """

@@ -56,7 +56,7 @@ def fold_queries(t: torch.Tensor, psi: Psi | PsiFold, temp: float) -> QueryVecto
     d = fold.dim
     if dev.type == "cpu" and t.shape[0] <= KERNEL_ROWS and psi_fold_cpu.available():
         # one compiled call (u, sc) instead of ~12 torch ops: at one query their dispatch, not the (d, 2d + 3)
-        # product, was most of the fold (~0.3 of ~0.45 ms on a cold cache)
+        # product, was most of the fold on a cold cache (bench/results/rerank_floor.md)
         u, sc = psi_fold_cpu_queries.fold_query_rows(t.detach().to(torch.float32).contiguous().numpy(), fw.query_map.numpy())
         return QueryVectors(u=torch.from_numpy(u), sc=torch.from_numpy(sc), wsc=fw.scalars, eps=fold.eps,
                             inv_temp=1.0 / float(temp), fingerprint=fold.fingerprint)
@@ -85,7 +85,8 @@ _FOLD_ARRAYS: OrderedDict[str, FoldArrays] = OrderedDict()  # psi fingerprint ->
 
 def fold_arrays(fold: PsiFold) -> FoldArrays:
     """fold's query map, scalars and eps as read-only numpy on the CPU, made once per psi fingerprint: a
-    request reads them without a tensor call (each ~20-70 us with the caches cold after stage 1)."""
+    request reads them without a tensor call (with the caches cold after stage 1 each tensor call costs more than
+    the numpy work it wraps: bench/results/rerank_floor.md)."""
     got = _FOLD_ARRAYS.get(fold.fingerprint)
     if got is None:
         arrs = [np.ascontiguousarray(x.detach().to("cpu", torch.float32).numpy()) for x in (fold.query_map, fold.scalars)]

@@ -33,7 +33,7 @@ version or the new one, and a writer killed at any moment leaves the previous ve
 :func:`gc` removes old versions (never the current one).
 
 Modules: :mod:`.format` (names, constants, errors, lock, file helpers), :mod:`.manifest` (manifest.json as
-the typed :class:`IndexManifest`, checked at read and at write), :mod:`.reader`, :mod:`.writer`, :mod:`.verify`. Import from ``gare_index.store``; the submodules are an implementation detail.
+the typed :class:`IndexManifest`, checked at read and at write), :mod:`.reader` (opening a version), :mod:`.index_version` (the opened :class:`IndexVersion`), :mod:`.writer`, :mod:`.verify`. Import from ``gare_index.store``; the submodules are an implementation detail.
 """
 
 from gare_index.npy_staging import ExistingFile
@@ -59,6 +59,7 @@ from gare_index.store.format import (
     test_pause,
     version_name,
 )
+from gare_index.store.index_version import IndexVersion
 from gare_index.store.manifest import (
     CheckpointRef,
     FileEntry,
@@ -68,7 +69,6 @@ from gare_index.store.manifest import (
     parse_manifest,
 )
 from gare_index.store.reader import (
-    IndexVersion,
     current_version_name,
     list_versions,
     open_index,

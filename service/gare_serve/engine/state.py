@@ -58,6 +58,8 @@ class ServiceState:
         self.model: Any = None
         self.device: Any = None
         self.precision = "fp32"
+        # where the psi rerank runs and its threads: passed to every search this state runs
+        self.rerank_settings = rerank.RerankSettings(device=settings.rerank_device)
         self.encoder: QueryEncoder | None = None  # the query text tower (settings.text_encoder), built in load()
         self.checkpoint_path: Path | None = None
         self.checkpoint_sha: str | None = None
@@ -131,8 +133,8 @@ class ServiceState:
         version = self.open_served(sha)
         self.check_fit(version)
         advise_random_access(version)
-        rerank.RERANK_DEVICE = s.rerank_device  # before warm_up: "cpu" on a GPU model compiles the CPU kernel too
-        rerank.warm_up(self.device)  # compile the CPU rerank kernel now, not in the first request
+        # "cpu" on a GPU model compiles the CPU kernel too: now, not in the first request
+        rerank.warm_up(self.device, self.rerank_settings)
         self.handle = VersionHandle(version)
         self.publish_index(version)
         if s.query_bank_size:
@@ -214,7 +216,7 @@ class ServiceState:
     # What the routes and the batch worker run on the served version: gare_search's over one index here (looked
     # up at each call); the Ray ingress (gare_serve.ray_serve.ingress_state) runs the same signatures over a sharded index.
     def search_batch(self, *args: Any, **kw: Any) -> list[S.QueryResult]:
-        return S.search_batch(*args, **kw)
+        return S.search_batch(*args, rerank_settings=self.rerank_settings, **kw)
 
     def search_by_videos(self, *args: Any) -> S.QueryResult:
         return E.search_by_videos(*args)

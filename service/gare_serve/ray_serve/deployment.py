@@ -112,9 +112,9 @@ class ShardServer:
             torch.set_num_threads(settings.torch_threads)
         path, sha, _ = resolve_checkpoint(settings)
         model = load_shard_model(path, resolve_device(settings.device))  # psi alone: the ingress encodes queries
-        rerank.RERANK_DEVICE = settings.rerank_device  # as gare-serve: before the worker warms the rerank up
         self.worker = ShardWorker(index, shard, model, expect_checkpoint_sha=sha, verify=settings.verify_index,
-                                  use_gpu=settings.use_gpu_ann)
+                                  use_gpu=settings.use_gpu_ann,
+                                  rerank_settings=rerank.RerankSettings(device=settings.rerank_device))
         self.shard = shard
 
     def call(self, method: str, *args: Any) -> Any:

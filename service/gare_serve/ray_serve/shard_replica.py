@@ -77,10 +77,12 @@ class ShardWorker:
     the GARE model or, as a Ray replica holds it, its psi alone (:func:`load_shard_model`)."""
 
     def __init__(self, root: str | Path, shard: int, model: Any, *, expect_checkpoint_sha: str | None = None,
-                 verify: bool = False, use_gpu: bool | None = None, keep: int = 3) -> None:
+                 verify: bool = False, use_gpu: bool | None = None, keep: int = 3,
+                 rerank_settings: rerank.RerankSettings = rerank.DEFAULT_RERANK) -> None:
         self.root, self.shard, self.model = Path(root), int(shard), model
         self.expect_sha, self.verify, self.use_gpu = expect_checkpoint_sha, verify, use_gpu
         self.keep = max(1, int(keep))
+        self.rerank_settings = rerank_settings  # where its psi rerank runs: the service's setting, every call
         self._open: OrderedDict[int, VersionHandle] = OrderedDict()  # generation -> its version of this shard
         self._lock = threading.Lock()
         gen = current_generation(self.root)
@@ -91,7 +93,7 @@ class ShardWorker:
                                    f"{gen.n_shards} shards)")
         self.n_shards = gen.n_shards
         self.open(gen.number)  # the current generation now, not in the first request
-        rerank.warm_up(model.device)  # compile the CPU rerank kernel now (as gare-serve does), not in a request
+        rerank.warm_up(model.device, rerank_settings)  # compile the CPU rerank kernel now (as gare-serve does), not in a request
 
     # ------------------------------------------------------------------ versions by generation
     def _acquire(self, generation: int) -> VersionHandle:
@@ -148,7 +150,8 @@ class ShardWorker:
     # ------------------------------------------------------------------ the calls
     def candidates(self, generation: int, t: np.ndarray, options: Sequence[SearchOptions]) -> list[SH.ShardCandidates]:
         """Stage 1 + psi + biases of text queries t (a, d) float32 (un-normalised) on this shard."""
-        return self._run(generation, lambda v: SH.shard_candidates(self.model, v, t, list(options)))
+        return self._run(generation, lambda v: SH.shard_candidates(self.model, v, t, list(options),
+                                                                   rerank_settings=self.rerank_settings))
 
     def example_rows(self, generation: int, local_ids: Sequence[int]) -> SH.ExampleRows:
         return self._run(generation, lambda v: SH.example_rows(v, local_ids, shard=self.shard, n_shards=self.n_shards))

@@ -1,0 +1,242 @@
+"""An opened index version: :class:`IndexVersion` (memmapped arrays, FAISS, SQLite), whose
+:meth:`IndexVersion.search` is the single way into stage 1; :mod:`gare_index.store.reader` opens one.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gare.sinkhorn import fold_query
+from gare_index.ann import AnnIndex
+from gare_index.frame_quant import FRAME_SCALES_ARRAY, QuantFrames
+from gare_index.ncl_ann import Stage1Unavailable
+from gare_index.store.format import ANN_NCL_FILE, META_COLUMNS, META_FILE, MMAP_ARRAYS
+from gare_index.store.manifest import IndexManifest
+
+
+@dataclass(eq=False)
+class IndexVersion:
+    """One opened, immutable index version. Arrays are in `ids` row order; `frames` is a float16 memmap, or for
+    an int8 index (manifest frame_dtype "int8") a :class:`QuantFrames` whose slices are float32."""
+
+    root: Path
+    name: str
+    path: Path
+    manifest: IndexManifest
+    ids: np.ndarray
+    norms: np.ndarray
+    units: np.ndarray
+    frames: np.ndarray | QuantFrames
+    masks: np.ndarray
+    biases: np.ndarray
+    ann: AnnIndex
+    dim: int = -1
+    max_frames: int = -1
+    keys: np.ndarray | None = None  # psi's per-video K (n, f, d) float16 when the index stores them
+    values: np.ndarray | None = None
+    ann_units: np.ndarray | None = None  # InvGC-corrected stage-1 vectors (ann.faiss is built on them), memmap
+    ann_ncl: AnnIndex | None = None  # FAISS over [stage-1 vector ; b / c] (--ncl-stage1), else None
+    psi_consts: np.ndarray | None = None  # psi folded per video (n, 10f+5f²+2) float32 memmap (gare_index.psi_consts)
+    _sorted_ids: np.ndarray = field(init=False, repr=False)
+    _sorted_rows: np.ndarray = field(init=False, repr=False)
+    _lut: np.ndarray | None = field(init=False, repr=False, default=None)  # id -> row (-1: none) for compact ids
+    _conn: sqlite3.Connection | None = field(init=False, repr=False, default=None)
+    _lock: threading.Lock = field(init=False, repr=False, default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        if self.dim < 0:
+            self.dim = int(self.units.shape[1]) if self.units.ndim == 2 else self.manifest.dim
+        if self.max_frames < 0:
+            self.max_frames = int(self.frames.shape[1]) if self.frames.ndim == 3 else self.manifest.max_frames
+        ids = np.asarray(self.ids, dtype=np.int64)
+        order = np.argsort(ids, kind="stable")
+        self._sorted_ids, self._sorted_rows = ids[order], order.astype(np.int64)
+        # ids are 0..next_id with gaps left by removals: a dense table (8 bytes per id up to the largest) turns the
+        # per-request id -> row lookup (K = 256 ids) into one gather, ~5x the binary search
+        if ids.size and int(self._sorted_ids[0]) >= 0 and int(self._sorted_ids[-1]) < 4 * ids.size + 1024:
+            lut = np.full(int(self._sorted_ids[-1]) + 1, -1, dtype=np.int64)
+            lut[self._sorted_ids] = self._sorted_rows
+            self._lut = lut
+
+    @property
+    def frame_dtype(self) -> str:
+        """How frames.npy is stored: "float16" or "int8" (then with per-frame scales, :attr:`frame_scales`)."""
+        return self.manifest.frame_dtype
+
+    @property
+    def frame_scales(self) -> np.ndarray | None:
+        """The int8 frames' per-frame scales (n, f) float32 memmap, or None for float16 frames."""
+        return self.frames.scales if isinstance(self.frames, QuantFrames) else None
+
+    @property
+    def n(self) -> int:
+        return int(self.ids.shape[0])
+
+    @property
+    def kv(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(K, V) for model.score(..., kv=) when the index stores them, else None."""
+        if self.keys is None or self.values is None:
+            return None
+        return self.keys, self.values
+
+    @property
+    def checkpoint_sha256(self) -> str | None:
+        return self.manifest.checkpoint_sha256
+
+    @property
+    def reference_padding(self) -> bool:
+        """The checkpoint's ``reference_padding`` (manifest ``checkpoint.model_config``; False when absent).
+
+        True (imported from the authors' code): ``frames.npy`` keeps the padded rows' features, v̄ is the mean
+        over all ``max_frames`` rows and psi attends over all rows; the pooling still uses ``masks``."""
+        cfg = (None if self.manifest.checkpoint is None else self.manifest.checkpoint.model_cfg) or {}
+        return bool(cfg.get("reference_padding", False))
+
+    def rows(self, ids: np.ndarray, *, missing: str = "raise") -> np.ndarray:
+        """Row positions (int64) of `ids`. Unknown ids raise KeyError, or give -1 with missing="mask"."""
+        if missing not in ("raise", "mask"):
+            raise ValueError(f"missing must be 'raise' or 'mask', got {missing!r}")
+        q = np.asarray(ids, dtype=np.int64)
+        lut = self._lut
+        if lut is not None and q.size and 0 <= int(q.min()) and int(q.max()) < lut.size:
+            rows = lut[q]
+            if missing == "raise" and (rows < 0).any():
+                bad = np.unique(q[rows < 0])
+                raise KeyError(f"ids not in index {self.name}: {bad[:20].tolist()}{' ...' if bad.size > 20 else ''}")
+            return rows
+        if self._sorted_ids.size == 0:
+            found = np.zeros(q.shape, dtype=bool)
+            rows = np.full(q.shape, -1, dtype=np.int64)
+        else:
+            pos = np.clip(np.searchsorted(self._sorted_ids, q), 0, self._sorted_ids.size - 1)
+            found = self._sorted_ids[pos] == q
+            rows = np.where(found, self._sorted_rows[pos], -1)
+        if missing == "raise" and not found.all():
+            bad = np.unique(q[~found])
+            raise KeyError(f"ids not in index {self.name}: {bad[:20].tolist()}{' ...' if bad.size > 20 else ''}")
+        return rows
+
+    @property
+    def stage1_units(self) -> np.ndarray:
+        """The vectors stage 1 searches: the InvGC-corrected ones when the index has them, else `units`."""
+        return self.units if self.ann_units is None else self.ann_units
+
+    @property
+    def ncl_c(self) -> float:
+        """The fold constant c of ann_ncl.faiss ([v̂ ; b / c] . [t̂ ; c] = cos + b)."""
+        return float((self.manifest.ncl_stage1 or {}).get("c", 1.0))
+
+    @property
+    def has_ncl_stage1(self) -> bool:
+        """Whether the index has the folded NCL stage 1 (ann_ncl.faiss, built with --ncl-stage1)."""
+        return self.ann_ncl is not None
+
+    def check_stage1(self, *, ncl_stage1: bool) -> None:
+        """Raise :class:`Stage1Unavailable` when the asked stage 1 is one this index does not have."""
+        if ncl_stage1 and self.ann_ncl is None:
+            raise Stage1Unavailable(f"index version {self.name} was built without --ncl-stage1 (no {ANN_NCL_FILE}); "
+                                    "ncl_stage1 is not available")
+
+    def search_ncl(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The raw folded ANN: top-k by cos(t, v̂_j) + b_j over unit queries (q, d).
+
+        Returns (scores = cos + b, ids), missing results id -1 (verification and tests read the folded
+        scores; a search goes through :meth:`search` with ``ncl_stage1=True``)."""
+        self.check_stage1(ncl_stage1=True)
+        q = np.atleast_2d(np.asarray(queries, dtype=np.float32))
+        if q.shape[1] != self.dim:
+            raise ValueError(f"queries have d={q.shape[1]}, index has d={self.dim}")
+        return self.ann_ncl.search(fold_query(q, self.ncl_c), k)
+
+    def vbar(self, rows: np.ndarray) -> np.ndarray:
+        """Un-normalised v̄ = norm * unit for row positions (float32)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        return np.asarray(self.units[rows], dtype=np.float32) * self.norms[rows, None]
+
+    def search(self, queries: np.ndarray, k: int, *, ncl_stage1: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Stage 1, the single way in: (stage-1 cosines (q, k) float32, ids (q, k) int64), missing results id -1.
+
+        ``ncl_stage1=False``: ANN top-k by cos(t, v̂_j) over unit queries (q, d). ``ncl_stage1=True``: the
+        candidates are the top k by cos(t, v̂_j) + b_j (ann_ncl.faiss; :class:`Stage1Unavailable` when the
+        index has none) and the returned scores are the folded score minus b_j, so a ranking that adds the
+        biases adds b_j exactly once."""
+        q = np.ascontiguousarray(np.atleast_2d(np.asarray(queries, dtype=np.float32)))
+        if q.shape[0] == 0:
+            return np.zeros((0, k), np.float32), np.zeros((0, k), np.int64)
+        if not ncl_stage1:
+            scores, ids = self.ann.search(q, int(k))
+            return np.asarray(scores, dtype=np.float32), np.asarray(ids, dtype=np.int64)
+        scores, ids = self.search_ncl(q, int(k))
+        scores = np.asarray(scores, dtype=np.float32).copy()
+        ids = np.asarray(ids, dtype=np.int64)
+        ok = ids >= 0
+        if ok.any():
+            scores[ok] -= np.asarray(self.biases, dtype=np.float32)[self.rows(ids[ok])]
+        return scores, ids
+
+    def _db(self) -> sqlite3.Connection:
+        if self._conn is None:
+            uri = f"file:{(self.path / META_FILE).as_posix()}?mode=ro"
+            self._conn = sqlite3.connect(uri, uri=True, check_same_thread=False)
+            self._conn.row_factory = sqlite3.Row
+        return self._conn
+
+    def metadata(self, ids: Sequence[int] | np.ndarray) -> list[dict]:
+        """SQLite rows as dicts, in the order of `ids` (an id may repeat). Unknown ids raise KeyError."""
+        want = [int(i) for i in np.asarray(ids, dtype=np.int64).reshape(-1)]
+        if not want:
+            return []
+        uniq = sorted(set(want))
+        found: dict[int, dict] = {}
+        cols = ", ".join(f'"{c}"' for c in META_COLUMNS)
+        with self._lock:
+            db = self._db()
+            for s in range(0, len(uniq), 500):
+                chunk = uniq[s : s + 500]
+                sql = f"SELECT {cols} FROM videos WHERE id IN ({','.join('?' * len(chunk))})"
+                for row in db.execute(sql, chunk):
+                    found[int(row["id"])] = dict(row)
+        missing = [i for i in uniq if i not in found]
+        if missing:
+            raise KeyError(f"ids not in index {self.name}: {missing[:20]}")
+        return [dict(found[i]) for i in want]
+
+    def path_of(self, video_id: int) -> Path | None:
+        with self._lock:
+            row = self._db().execute("SELECT path FROM videos WHERE id = ?", (int(video_id),)).fetchone()
+        return None if row is None else Path(row[0])
+
+    def all_metadata(self) -> list[dict]:
+        cols = ", ".join(f'"{c}"' for c in META_COLUMNS)
+        with self._lock:
+            return [dict(r) for r in self._db().execute(f"SELECT {cols} FROM videos ORDER BY id")]
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+        if isinstance(self.frames, QuantFrames):
+            f = self.frames
+            self.frames = QuantFrames(np.empty((0, *f.q.shape[1:]), np.int8), np.empty((0, f.q.shape[1]), np.float32))
+        for name in MMAP_ARRAYS:
+            if name == FRAME_SCALES_ARRAY:
+                continue
+            arr = getattr(self, name, None)
+            mm = getattr(arr, "_mmap", None)
+            if mm is not None:
+                # Other views may still reference the map; dropping ours is enough (closed when unreferenced).
+                setattr(self, name, np.empty((0,) + tuple(arr.shape[1:]), dtype=arr.dtype))
+
+    def __enter__(self) -> IndexVersion:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
