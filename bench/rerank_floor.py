@@ -140,7 +140,7 @@ def main() -> None:
 
     def stage_now(j: int, threads: int, cached: bool) -> float:
         if not cached:
-            R.QUERY_FOLDS = QueryFoldCache(4096)  # a query met the first time
+            R.QUERY_FOLDS.clear()  # a query met the first time
         # the rerank's own threads only: changing torch's thread count between rows would rebuild its pool
         res = S.search_batch(model, v, [qs[j]], opts, encoder=lambda _m, j=j: ts[j],
                              rerank_settings=R.RerankSettings(threads=threads))

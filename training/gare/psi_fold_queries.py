@@ -123,6 +123,12 @@ class QueryFoldCache:
     def __len__(self) -> int:
         return len(self._rows)
 
+    def clear(self) -> None:
+        """Forget every query (a benchmark timing the first meeting of a query; the counters restart too)."""
+        with self._lock:
+            self._rows.clear()
+            self.hits = self.misses = 0
+
     def fold(self, t: torch.Tensor, psi: Psi | PsiFold, temp: float) -> QueryVectors:
         """`fold_queries(t, psi, temp)`, each row computed once while it stays cached."""
         fold = as_fold(psi)
