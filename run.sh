@@ -37,7 +37,8 @@ case "${1:-}" in
     fi
     export HF_HUB_OFFLINE=1
     "$VENV/bin/ruff" check training indexer service tests bench
-    "$VENV/bin/python" -m pytest -q -m "not slow and not gpu" "${@:2}"  # gpu: bench/gpu_check.sh runs them on a GPU
+    # --durations=25: every CI log lists the slowest tests (what a test-time regression shows up as)
+    "$VENV/bin/python" -m pytest -q -m "not slow and not gpu" --durations=25 "${@:2}"  # gpu: bench/gpu_check.sh runs them on a GPU
     ;;
   demo)
     install dist

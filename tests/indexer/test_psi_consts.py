@@ -183,15 +183,6 @@ def test_compute_rows_uses_the_served_vbar(model_and_index):
     assert torch.isfinite(torch.from_numpy(out[:, packed_width(version.max_frames) - 1])).all()
 
 
-def test_doc_states_the_exact_bytes_per_video():
-    from pathlib import Path
-
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "index-format.md").read_text(encoding="utf-8")
-    w = packed_width(12)
-    assert f"{w} floats = {4 * w:,} bytes per video at f = 12" in doc
-    assert f'"bytes_per_video": {4 * w}' in doc
-
-
 def test_rerank_device_cpu_on_a_cpu_model_is_the_same_kernel(model_and_index):
     """RerankSettings(device="cpu") changes nothing for a model on the CPU (both are the compiled kernel): the same floats,
     one query and a ragged batch (the CUDA case, where it moves t and keeps the rows in place, is in test_cuda.py)."""

@@ -393,8 +393,38 @@ def test_the_network_policy_guards_rays_ports():
     assert operator and {p["port"] for p in operator[0]["ports"]} == {8265, SERVE_PORT}
 
 
-def test_the_recipes_are_documented():
-    readme = (KUBERAY / "README.md").read_text()
-    for name in ("rayservice.yaml", "serve-config.yaml", "networkpolicy.yaml", "EXTRAS=ray",
-                 "gare-search-secrets", "--profile ray"):
-        assert name in readme, name
+def test_the_readmes_commands_work_on_the_recipes():
+    """deploy/kuberay/README.md's commands, checked against what they act on (instead of looking for words in it):
+    the files it applies exist, its `kubectl create secret` makes the Secret and keys the manifest reads, its
+    compose commands name the `ray` profile's services, its image build passes the extra the recipes install,
+    and the RayService it gets is the manifest's."""
+    block = "\n".join(ln.strip() for ln in (KUBERAY / "README.md").read_text().splitlines() if ln.startswith("    "))
+    # one command per line: continued lines joined, comments dropped
+    commands = [c.split(" #")[0].strip() for c in re.sub(r"\s*\\\n", " ", block).splitlines()]
+    text = "\n".join(commands)
+    for path in re.findall(r"(?<![\w/])(deploy/[\w./-]+\.(?:ya?ml|cpu))", text):
+        assert (REPO / path).is_file(), path
+    applied = re.findall(r"kubectl apply -f (\S+)", text)
+    assert {Path(p).name for p in applied} == {RAYSERVICE.name, NETWORK_POLICY.name}, applied
+
+    (secret,) = re.findall(r"kubectl create secret generic (\S+)((?: --from-file=\S+)+)", text)
+    made = (secret[0], set(re.findall(r"--from-file=([\w-]+)=", secret[1])))
+    refs = {(e["valueFrom"]["secretKeyRef"]["name"], e["valueFrom"]["secretKeyRef"]["key"])
+            for c in _containers(_manifest()).values() for e in c["env"] if "valueFrom" in e}
+    assert refs and {name for name, _ in refs} == {made[0]} and {key for _, key in refs} <= made[1], (made, refs)
+    (got,) = re.findall(r"kubectl get rayservice (\S+)", text)
+    assert got == _manifest()["metadata"]["name"]
+
+    services = _compose()["services"]
+    compose_cmds = re.findall(r"docker compose (?:--profile (\S+) )?(up -d ([\w -]+)|run --rm (\S+)|exec (\S+))", text)
+    assert len(compose_cmds) == 3, compose_cmds
+    for profile, _, up, run, exec_ in compose_cmds:
+        for name in (up or run or exec_).split():
+            assert name in services, name
+            assert services[name].get("profiles") == ["ray"], name
+            if profile:
+                assert profile in services[name]["profiles"], (profile, name)
+    (extras,) = re.findall(r"docker build -f (\S+) --build-arg EXTRAS=(\S+)", text)
+    assert REPO / extras[0] == DOCKERFILE
+    assert extras[1] == _compose()["x-image-ray"]["build"]["args"]["EXTRAS"]
+    assert extras[1] in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]

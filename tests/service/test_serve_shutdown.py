@@ -93,23 +93,23 @@ def test_sigterm_drains_the_request_in_flight_then_stops_workers_before_the_pare
         assert head_out.startswith(b"HTTP/1.1 200 "), got[:300]
         assert len(json.loads(payload)["results"]) == 16
         parent.wait(timeout=60)
-        parent_gone = time.monotonic()
         assert parent.returncode == 0, srv.output()[-2000:]
-        # the parent waited for its workers: none runs once it is gone (0.5 s for /proc to catch up)
-        gone = _wait_gone(workers, 0.5)
-        print(f"SIGTERM: answered after the drain, parent exited; workers gone {gone} s after it")
-        assert set(gone) == set(workers), f"workers {set(workers) - set(gone)} outlived their parent"
-        assert time.monotonic() - parent_gone < 5
+        # the parent waited for its workers (it joined them, so they are reaped): none runs once it is gone,
+        # looked at once, with no time allowed for them to finish afterwards
+        alive = [pid for pid in workers if _alive(pid)]
+        print(f"SIGTERM: answered after the drain, parent exited; workers still running then: {alive}")
+        assert alive == [], f"workers {alive} outlived their parent"
 
 
 def test_workers_exit_when_their_parent_is_killed(service_env, tmp_path):
     with _two_workers(service_env, tmp_path) as (srv, workers):
         srv.proc.send_signal(signal.SIGKILL)
         srv.proc.wait(timeout=10)
-        gone = _wait_gone(workers, 10)
+        # SIGTERM from the kernel (PR_SET_PDEATHSIG), an idle worker's graceful exit; nothing else would stop
+        # them (the health check is off: 900 s), so a 30-s hang guard tells the two apart
+        gone = _wait_gone(workers, 30)
         print(f"SIGKILL of the parent: workers gone after {gone} s")
         assert set(gone) == set(workers), f"workers {set(workers) - set(gone)} outlived their killed parent"
-        assert max(gone.values()) <= 2.5, gone  # SIGTERM from the kernel, an idle worker's graceful exit
 
 
 # ------------------------------------------------------------------------------------ unit level, fast

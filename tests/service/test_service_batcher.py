@@ -43,22 +43,42 @@ def test_batches_are_bounded_ordered_and_on_one_thread():
 
 
 def test_wait_is_bounded_and_adaptive():
+    """Without adaptive_wait a lone item waits up to max_wait_s for company: a second item sent meanwhile joins its
+    batch, and with nobody coming it still goes alone (bounded). With adaptive_wait a lone client does not wait:
+    its item is answered long before a max_wait_s of a minute would end. (The timeouts are hang guards.)"""
     def process(items):
         return list(items)
 
-    async def lone(adaptive):
-        b = MicroBatcher(process, max_batch=8, max_wait_s=0.2, adaptive_wait=adaptive)
+    async def company(adaptive, max_wait_s):
+        b = MicroBatcher(process, max_batch=2, max_wait_s=max_wait_s, adaptive_wait=adaptive)
         b.start()
-        t0 = time.perf_counter()
-        (_, info) = await b.submit(1)
-        dt = time.perf_counter() - t0
+        first = asyncio.ensure_future(b.submit(1))
+        for _ in range(20):  # the collector takes the first item and starts its wait
+            await asyncio.sleep(0)
+        second = await asyncio.wait_for(b.submit(2), 30)
+        got = [await asyncio.wait_for(first, 30), second]
         await b.stop()
-        return dt, info
+        return got
 
-    dt, info = run(lone(False))
-    assert 0.18 < dt < 1.0 and info.size == 1  # waited max_wait_s for company, then went alone
-    dt, _ = run(lone(True))
-    assert dt < 0.1  # a lone client does not wait
+    async def lone(adaptive, max_wait_s):
+        b = MicroBatcher(process, max_batch=8, max_wait_s=max_wait_s, adaptive_wait=adaptive)
+        b.start()
+        got = await asyncio.wait_for(b.submit(1), 30)
+        await b.stop()
+        return got
+
+    # waits for company: the second item, sent while the first waits, shares its batch
+    got = run(company(False, 60.0))
+    assert [r for r, _ in got] == [1, 2] and [i.size for _, i in got] == [2, 2]
+    # bounded: nobody comes, it goes alone once max_wait_s is over
+    (r, info) = run(lone(False, 0.2))
+    assert r == 1 and info.size == 1 and info.queue_s >= 0.2 - 1e-3
+    # adaptive: a lone client's item goes at once (a 60 s wait would trip the 30 s guard), so the second item
+    # sent after it finds the first batch gone and forms its own
+    (r, info) = run(lone(True, 60.0))
+    assert r == 1 and info.size == 1
+    got = run(company(True, 60.0))
+    assert [r for r, _ in got] == [1, 2] and [i.size for _, i in got] == [1, 1]
 
 
 def test_errors_reach_every_waiter_and_the_worker_survives():

@@ -37,6 +37,16 @@ def _fit(out: Path, corpus: Path, *extra: str) -> int:
                       "--batch-size", "4", "--num-workers", "0", "--lr", "1e-3", "--no-progress", *extra])
 
 
+@pytest.fixture(scope="module")
+def plain3(corpus, tmp_path_factory) -> Path:
+    """One plain 3-step run saved at step 3, read-only, shared by the tests that need such a run: the NCL test's
+    plain baseline, the single-process side of the gloo test (its first step), the first half of the resume
+    test (which resumes a copy) and the checkpoint the refused resume names."""
+    out = tmp_path_factory.mktemp("plain3") / "run"
+    assert _fit(out, corpus, "--max-steps", "3", "--save-every", "3") == 0
+    return out
+
+
 # ---------------------------------------------------------------- datasets
 def test_msrvtt_real_annotation_files(tmp_path):
     assert MSRVTT.is_dir(), f"the real MSR-VTT annotation files are expected at {MSRVTT}"
@@ -103,10 +113,10 @@ def test_fit_then_eval_end_to_end(corpus, tmp_path):
     assert (ev / "coverage.png").stat().st_size > 1000 and "| dual-tower |" in (ev / "result.md").read_text()
 
 
-def test_resume_equals_uninterrupted_run(corpus, tmp_path):
+def test_resume_equals_uninterrupted_run(corpus, plain3, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     assert _fit(a, corpus, "--max-steps", "6") == 0
-    assert _fit(b, corpus, "--max-steps", "3", "--save-every", "3") == 0
+    shutil.copytree(plain3, b)  # "--max-steps 3 --save-every 3", then resumed here to step 6
     assert _fit(b, corpus, "--max-steps", "6", "--resume", str(b / "last.safetensors")) == 0
     wa, wb = read_checkpoint(a / "last.safetensors"), read_checkpoint(b / "last.safetensors")
     assert wa.info["step"] == wb.info["step"] == 6
@@ -118,15 +128,13 @@ def test_resume_equals_uninterrupted_run(corpus, tmp_path):
     np.testing.assert_allclose([h["total"] for h in hb], [h["total"] for h in ha], atol=1e-5)
 
 
-def test_resume_refuses_a_different_configuration(corpus, tmp_path):
-    out = tmp_path / "r"
-    assert _fit(out, corpus, "--max-steps", "2", "--save-every", "2") == 0
+def test_resume_refuses_a_different_configuration(corpus, plain3, tmp_path):
     with pytest.raises(CheckpointError, match="different configuration.*lr"):
         from gare_train.fit import TrainConfig, Trainer
 
-        cfg = TrainConfig(model="gare-test-tiny", data={"kind": "synth", "root": str(corpus)}, out_dir=str(out),
-                          epochs=2, batch_size=4, num_workers=0, lr=5e-4)
-        Trainer(cfg, resume=str(out / "last.safetensors"), progress=False)
+        cfg = TrainConfig(model="gare-test-tiny", data={"kind": "synth", "root": str(corpus)},
+                          out_dir=str(tmp_path / "r"), epochs=2, batch_size=4, num_workers=0, lr=5e-4)
+        Trainer(cfg, resume=str(plain3 / "last.safetensors"), progress=False)
 
 
 def test_bad_video_files_are_skipped_and_counted(corpus, tmp_path):
@@ -153,11 +161,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_process_gloo_scores_the_global_batch(corpus, tmp_path):
+def test_two_process_gloo_scores_the_global_batch(corpus, plain3, tmp_path):
     """torchrun with 2 CPU processes on 127.0.0.1: each rank encodes half the batch, gathers the features
-    and scores the global batch, so its first-step loss equals the single-process loss on the same batch."""
-    single, multi = tmp_path / "single", tmp_path / "multi"
-    assert _fit(single, corpus, "--max-steps", "2") == 0
+    and scores the global batch, so its first-step loss equals the single-process loss on the same batch
+    (the single-process run: `plain3`; its first step is the same whatever the step budget)."""
+    single, multi = plain3, tmp_path / "multi"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(_free_port()), "-m", "gare_train.cli", "fit", "--model", "gare-test-tiny", "--synth", str(corpus),
@@ -179,9 +187,8 @@ def test_dataset_kinds(corpus):
         load_dataset({"kind": "webvid"}, "train")
 
 
-def test_ncl_adjusted_training_logits(corpus, tmp_path):
-    plain, ncl, batch = tmp_path / "plain", tmp_path / "ncl", tmp_path / "batch"
-    assert _fit(plain, corpus, "--max-steps", "3") == 0
+def test_ncl_adjusted_training_logits(corpus, plain3, tmp_path):
+    plain, ncl, batch = plain3, tmp_path / "ncl", tmp_path / "batch"
     assert _fit(ncl, corpus, "--max-steps", "3", "--ncl-train", "--ncl-train-mode", "queue") == 0
     assert _fit(batch, corpus, "--max-steps", "3", "--ncl-train") == 0  # the paper's per-batch biases (default)
     hp, hn = json.loads((plain / "history.json").read_text()), json.loads((ncl / "history.json").read_text())
@@ -228,8 +235,10 @@ def test_early_stopping_stops_after_patience_epochs_without_improvement(corpus, 
 
     monkeypatch.setattr(Trainer, "validate", fake_validate)
     out = tmp_path / "es"
+    # epochs of one example per clip over frames decoded once: a few steps each (what is counted here is epochs)
     cfg = TrainConfig(model="gare-test-tiny", data={"kind": "synth", "root": str(corpus)}, out_dir=str(out), epochs=8,
-                      batch_size=8, num_workers=0, lr=1e-3, early_stop_patience=2, preset="scratch")
+                      batch_size=8, num_workers=0, lr=1e-3, early_stop_patience=2, preset="scratch", epoch="clips",
+                      augment="none", cache_frames=True)
     cfg = TrainConfig.from_sources(None, {k: v for k, v in cfg.__dict__.items()})
     tr = Trainer(cfg, progress=False)
     summary = tr.fit()
