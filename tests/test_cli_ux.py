@@ -23,6 +23,7 @@ from types import SimpleNamespace
 import pytest
 
 from gare.cli_logging import OUR_PACKAGES
+from tests.checkout import CHECKOUT_PATH
 
 REPO = Path(__file__).resolve().parents[1]
 # What open_clip says on the root logger when it builds a model (any of these means "third-party noise").
@@ -32,7 +33,7 @@ MODEL_BUILT = "Instantiating model architecture"
 
 
 def run_process(module: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": CHECKOUT_PATH, "HF_HUB_OFFLINE": "1"}
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout,
                           env=env, cwd=REPO)
 

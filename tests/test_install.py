@@ -13,6 +13,7 @@ import importlib.metadata
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -47,8 +48,16 @@ def _checkout_files() -> tuple[set[str], set[str]]:
 def wheel_install(tmp_path_factory) -> tuple[Path, Path]:
     """The project built as a wheel and installed (no dependencies: they are this venv's) into its own folder."""
     out = tmp_path_factory.mktemp("wheel")
+    # built from a copy of what the wheel is made of: setuptools leaves build/ in the tree it builds, and a stale
+    # build/lib (a module since moved) would end up in a later wheel
+    src = out / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, src / name)
+    for root in SOURCE_ROOTS:
+        shutil.copytree(REPO / root, src / root, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
-                    str(REPO)], check=True, capture_output=True, timeout=600)
+                    str(src)], check=True, capture_output=True, timeout=600)
     (whl,) = out.glob("gare_search-*.whl")
     target = out / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target", str(target),

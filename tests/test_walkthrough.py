@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 
+from tests.checkout import CHECKOUT_PATH
 from tests.service.support import REPO, UvicornProcess
 
 DOC = REPO / "docs" / "search-your-own-videos.md"
@@ -37,7 +38,7 @@ def test_walkthrough_runs_as_written(tmp_path, ckpt):
     index = tmp_path / "index"
     venv_bin = Path(sys.executable).parent
     env = {**os.environ, "VIDEOS": str(videos), "CKPT": str(ckpt), "INDEX": str(index), "GARE_VENV": str(venv_bin.parent),
-           "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+           "PYTHONPATH": CHECKOUT_PATH, "HF_HUB_OFFLINE": "1"}
     script = "set -euo pipefail\n" + blocks[0] + blocks[1]
     proc = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr

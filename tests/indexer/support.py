@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tests.checkout import CHECKOUT_PATH
 from tests.psi_weights import randomize_psi
 
 REPO = Path(__file__).resolve().parents[2]
@@ -61,7 +62,7 @@ def copy_videos(src: Path, dst: Path, names: list[str] | None = None) -> Path:
 
 def cli_env() -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = CHECKOUT_PATH + os.pathsep + env.get("PYTHONPATH", "")
     env["HF_HUB_OFFLINE"] = "1"
     env.pop("GARE_INDEX_TEST_PAUSE", None)
     return env

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests.checkout import CHECKOUT_PATH
+
 REPO = Path(__file__).resolve().parents[2]
 RESULTS_ENV = "GARE_ROBUST_RESULTS"
 N_CORPUS = 48  # videos generated once; tests take libraries from them
@@ -163,7 +165,7 @@ class IndexWorker:
     def _start(self) -> None:
         import subprocess
 
-        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=CHECKOUT_PATH + os.pathsep + os.environ.get("PYTHONPATH", ""))
         env.pop("GARE_INDEX_TEST_PAUSE", None)
         self.proc = subprocess.Popen([sys.executable, "-c", _WORKER_SRC], cwd=REPO, env=env, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)

@@ -28,6 +28,7 @@ import pytest
 
 from gare_build.cli import main as gare_index
 from gare_serve.app import create_app
+from tests.checkout import CHECKOUT_PATH
 from tests.conftest import require
 from tests.service.support import REPO, build_index, free_port, running_app, settings
 
@@ -99,7 +100,7 @@ def run_ray(tmp_path: Path, cfg: dict, extra_env: dict | None = None, meanwhile:
         cmd = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *cmd]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "GARE_TORCH_THREADS": "1", "GARE_TEXT_ENCODER": "fp32",
            "GARE_RESULT_CACHE_ENTRIES": "0", "GARE_BATCH_MAX_WAIT_MS": "1", "RAY_USAGE_STATS_ENABLED": "0",
-           "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(extra_env or {})}
+           "PYTHONPATH": CHECKOUT_PATH + os.pathsep + os.environ.get("PYTHONPATH", ""), **(extra_env or {})}
     t0 = time.time()
     logs = tmp_path / "ray_run.log"
     with open(logs, "w") as log, subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT) as p:
