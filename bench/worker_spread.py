@@ -5,7 +5,7 @@
 
 Two real servers (``python -m gare_serve.cli --workers 2``) on one index: ``--worker-sockets shared`` (one listening
 socket inherited by both workers, the design before issue 29) and ``--worker-sockets reuseport`` (a socket per
-worker, SO_REUSEPORT: the kernel hashes connections over them; ``gare_serve/processes/sockets.py``). Both run for the whole
+worker, SO_REUSEPORT: the kernel hashes connections over them; ``gare_serve/processes/port_group.py``). Both run for the whole
 benchmark; each run sends one burst to each, in alternating order (shared first in even runs): ``--clients``
 threads open one keep-alive HTTP/1.1 connection each at the same instant (a barrier) and send ``--requests``
 ``POST /v1/search`` (distinct queries, two-stage, k=10, query and result caches off so that every request runs

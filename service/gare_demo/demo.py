@@ -28,10 +28,11 @@ from gare_train.synth import SynthConfig, generate_corpus
 log = logging.getLogger(__name__)
 
 
-# The demo's model and training recipe (the goal: the first search within minutes of `bash run.sh demo` on
-# 2 cores, install included; docs/quickstart-times.md measures it). gare-cpu-demo from scratch with the `scratch` preset's choices (whole network
-# at one lr, no augmentation, patch embedding trainable); frames decoded once (cache_frames); training
-# stops when the validation R@1 has not improved for 6 epochs.
+# The demo's model and training recipe, chosen so that the first search comes within 5 minutes of
+# `bash run.sh demo` on 2 cores, install included (bench/results/quickstart.json, docs/quickstart-times.md).
+# gare-cpu-demo from scratch with the `scratch` preset's choices (whole network at one lr, no augmentation,
+# patch embedding trainable); frames decoded once (cache_frames); training stops when the validation R@1 has
+# not improved for 6 epochs, before the 30 allowed on that run.
 DEMO_MODEL = "gare-cpu-demo"
 DEMO_TRAIN = {"batch_size": 32, "lr": 1e-3, "coef_lr": 1.0, "augment": "none", "freeze_patch_embed": False,
               "cache_frames": True, "early_stop_patience": 6, "num_workers": 2, "seed": 0}
@@ -61,8 +62,8 @@ def prepare(root: Path, *, n_videos: int, epochs: int, run: _Run | None = None) 
     """Corpus -> model -> index -> held-out check; returns (index dir, corpus dir, example queries).
 
     With one intra-op thread: this model's tensors are tiny (32 clips x 4 frames x 17 tokens x width 64), and on
-    a 2-core machine shared with other work two OpenMP threads mostly wait for each other (both training and
-    indexing ran several times faster with one thread there)."""
+    a 2-core machine shared with other work two OpenMP threads mostly wait for each other, so one thread trained
+    and indexed faster there than two (the run's stage times: bench/results/quickstart.json)."""
     import torch
 
     threads = torch.get_num_threads()

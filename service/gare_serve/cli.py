@@ -10,13 +10,14 @@ environment variables and the options below. Exit status 2 means bad settings (m
 Workers. ``--workers N`` (default: the usable cores, ``os.sched_getaffinity``) runs N processes behind the
 port with uvicorn's own process manager (``uvicorn.supervisors.Multiprocess``, what ``uvicorn.run(...,
 factory=True, workers=N)`` runs; a supervisor that restarts a worker that dies, no extra dependency). How they
-listen (``--worker-sockets``, ``gare_serve.processes.sockets``): ``reuseport`` (default on Linux) gives every worker a
+listen (``--worker-sockets``, ``gare_serve.processes.port_group``): ``reuseport`` (default on Linux) gives every worker a
 listening socket of its own on the port (SO_REUSEPORT), so the kernel spreads connections evenly over the
 workers whatever the clients do; the port is bound here first (an address in use fails the start at once;
 port 0 picks one port for all) and held for the life of the group. ``shared``: one listening socket opened
 here and inherited by every worker (the first worker awake takes all queued connections: a burst of
-keep-alive clients can all land on one worker). Either way connections keep TCP_NODELAY (uvicorn's own
-socket costs every keep-alive request ~40 ms; ``gare_serve.processes.sockets.NodelayConfig``).
+keep-alive clients can all land on one worker). Either way connections keep TCP_NODELAY (on uvicorn's own
+socket Nagle's algorithm holds every keep-alive response until the client's delayed ACK;
+``gare_serve.processes.uvicorn_config.NodelayConfig``).
 (gunicorn + uvicorn workers would give the same model, but one more package and config surface, and
 uvicorn's supervisor already restarts workers.) Each worker builds the app with ``gare_serve.app.create_app``
 from the resolved settings, exported here as ``GARE_*`` variables, and bounds its torch and FAISS threads
@@ -29,7 +30,7 @@ Slow clients and shutdown. Both paths serve with ``gare_serve.web.http_limits.He
 headers within ``--header-timeout-s``; the body bound is the app's ``BodyTimeoutMiddleware``). SIGTERM or
 SIGINT stops accepting and drains the requests in flight (``GRACEFUL_SHUTDOWN_S``); with workers the
 supervisor forwards SIGTERM to each and exits only after all of them, and a worker whose supervisor is killed
-gets SIGTERM from the kernel (``gare_serve.processes.sockets``).
+gets SIGTERM from the kernel (``gare_serve.processes.worker_lifetime``).
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ from gare_serve.engine.prometheus import Metrics
 from gare_serve.engine.startup import StartupError, resolve_checkpoint
 from gare_serve.engine.state import ServiceState
 from gare_serve.engine.worker_board import usable_cores
-from gare_serve.processes.sockets import NodelayConfig, PortGroup, prompt_supervisor, resolve_worker_sockets
+from gare_serve.processes.port_group import PortGroup, resolve_worker_sockets
+from gare_serve.processes.uvicorn_config import NodelayConfig
+from gare_serve.processes.worker_lifetime import prompt_supervisor
 from gare_serve.settings import Settings, SettingsError, hash_key, load_settings
 from gare_serve.web.http_limits import LimitsConfig
 
@@ -275,7 +278,7 @@ def serve_workers(settings: Settings, workers: int, group: Any = None) -> int:
     supervisor = None
     try:
         # what uvicorn.run(..., workers=N) does, with listening sockets that keep TCP_NODELAY, the header
-        # timeout, and workers that die with this process (gare_serve.processes.sockets)
+        # timeout, and workers that die with this process (gare_serve.processes.uvicorn_config)
         config = NodelayConfig(
             "gare_serve.app:create_app", factory=True, workers=workers, host=settings.host, port=settings.port,
             log_level=settings.log_level, proxy_headers=False, server_header=False,
@@ -285,7 +288,7 @@ def serve_workers(settings: Settings, workers: int, group: Any = None) -> int:
             timeout_worker_healthcheck=settings.worker_healthcheck_s,
         )
         if group is not None:
-            # the group's anchor: each worker it is pickled into binds its own socket in the group (gare_serve.processes.sockets)
+            # the group's anchor: each worker it is pickled into binds its own socket in the group (gare_serve.processes.port_group)
             sockets = [group.socket]
             fmt = "%s://[%s]:%d" if ":" in settings.host else "%s://%s:%d"
             logging.getLogger("uvicorn.error").info(  # the line uvicorn's bind_socket logs for the shared socket

@@ -81,7 +81,7 @@ class Settings(BaseSettings):
     worker_sockets: Literal["auto", "reuseport", "shared"] = Field(
         "auto", description="how the workers of gare-serve --workers N listen: reuseport = a socket each on the port "
         "(SO_REUSEPORT: the kernel spreads connections evenly), shared = one socket for all (the first worker awake "
-        "takes every queued connection); auto = reuseport on Linux, else shared (gare_serve/processes/sockets.py)"
+        "takes every queued connection); auto = reuseport on Linux, else shared (gare_serve/processes/port_group.py)"
     )
     run_dir: Path | None = Field(
         None, description="shared state of the workers of one gare-serve (set by gare-serve --workers; see gare_serve/engine/worker_board.py)"

@@ -181,7 +181,7 @@ def test_clock_restarts_after_each_response_and_stops_while_a_request_runs():
 
 
 def test_the_configs_carry_the_protocol_to_spawned_workers():
-    from gare_serve.processes.sockets import NodelayConfig
+    from gare_serve.processes.uvicorn_config import NodelayConfig
 
     cfg = NodelayConfig("gare_serve.app:create_app", factory=True, workers=2, header_timeout_s=3.5)
     clone = pickle.loads(pickle.dumps(cfg))  # what uvicorn's spawn hands each worker

@@ -1,4 +1,4 @@
-"""gare-serve --workers N: accepted connections get TCP_NODELAY (gare_serve/processes/sockets.py).
+"""gare-serve --workers N: accepted connections get TCP_NODELAY (gare_serve/processes/uvicorn_config.py).
 
 Without it every keep-alive response after a connection's first waits ~40 ms for the client's delayed ACK.
 """
@@ -9,7 +9,7 @@ import asyncio
 import os
 import socket
 
-from gare_serve.processes.sockets import NodelayConfig
+from gare_serve.processes.uvicorn_config import NodelayConfig
 
 
 def _accepted_nodelay(listener: socket.socket) -> tuple[int, int]:

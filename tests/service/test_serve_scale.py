@@ -10,7 +10,7 @@ from gare.checkpoint import load_model
 from gare_search import search as S
 from gare_search.text_encoder import load_query_encoder
 from gare_serve.app import create_app
-from gare_serve.engine.batch_worker import Job, process_jobs
+from gare_serve.engine.batch_worker import Job
 from gare_serve.engine.prometheus import Metrics
 from gare_serve.engine.startup import StartupError
 from gare_serve.engine.state import ServiceState
@@ -89,15 +89,15 @@ def test_another_checkpoint_never_gets_old_embeddings(service_env, tmp_path):
         q = sh["captions"][3]
         opts = S.SearchOptions(k=5)
         with st.use_version() as v:
-            r1 = process_jobs(st, [Job(v, q, opts)])[0]
-            assert not r1.cached and process_jobs(st, [Job(v, q, opts)])[0].cached
+            r1 = st.run_jobs([Job(v, q, opts)])[0]
+            assert not r1.cached and st.run_jobs([Job(v, q, opts)])[0].cached
             other = make_checkpoint(tmp_path / "other.safetensors", seed=7)
             st.model, _ = load_model(other, st.device)
             # the query encoder belongs to the model: a model swap builds the same kind of tower on the new one
             st.encoder = load_query_encoder(st.model, st.encoder.kind, st.device, st.precision)
             st.checkpoint_sha = "other-" + st.checkpoint_sha
             with CountingEncoder(st.model) as enc:
-                r2 = process_jobs(st, [Job(v, q, opts)])[0]
+                r2 = st.run_jobs([Job(v, q, opts)])[0]
             assert enc.rows == [1] and not r2.cached
             want = S.search(st.model, v, q, opts)
             assert [h.id for h in r2.hits] == [h.id for h in want.hits]

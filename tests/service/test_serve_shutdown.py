@@ -1,6 +1,6 @@
 """Stopping `gare-serve --workers 2`: SIGTERM drains the request in flight, then the workers and only then
 their parent exit; a parent killed outright (SIGKILL) takes its workers with it (PR_SET_PDEATHSIG,
-gare_serve/processes/sockets.py)."""
+gare_serve/processes/worker_lifetime.py)."""
 
 from __future__ import annotations
 
@@ -120,7 +120,7 @@ def test_die_with_parent_signals_the_orphan_and_refuses_a_parent_already_gone():
     from tests.service.support import REPO
 
     # parent -> child: the child asks for SIGTERM on its parent's death, then sleeps; the parent is killed
-    child_code = ("import os, sys, time; from gare_serve.processes.sockets import die_with_parent; "
+    child_code = ("import os, sys, time; from gare_serve.processes.worker_lifetime import die_with_parent; "
                   "assert die_with_parent(os.getppid()); print(os.getpid(), flush=True); time.sleep(60)")
     parent_code = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child_code!r}]); "
                    "time.sleep(60)")
@@ -138,7 +138,7 @@ def test_die_with_parent_signals_the_orphan_and_refuses_a_parent_already_gone():
         if child is not None and _alive(child):
             os.kill(child, signal.SIGKILL)
     # a worker whose supervisor died before it could ask: it stops at once
-    r = subprocess.run([sys.executable, "-c", "import os; from gare_serve.processes.sockets import die_with_parent; "
+    r = subprocess.run([sys.executable, "-c", "import os; from gare_serve.processes.worker_lifetime import die_with_parent; "
                         "die_with_parent(os.getppid() + 1000000)"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "exited before this worker started" in r.stderr
 

@@ -2,7 +2,7 @@
 
 With one listening socket shared by the workers, the worker that wakes first accepts every queued connection:
 a burst of keep-alive clients could land whole on one worker and stay there. With a socket per worker
-(SO_REUSEPORT, ``gare_serve.processes.sockets.PortGroup``) the kernel hashes connections over the workers' sockets: the
+(SO_REUSEPORT, ``gare_serve.processes.port_group.PortGroup``) the kernel hashes connections over the workers' sockets: the
 chance that all 32 connections of a burst land on one of two sockets is 2 * 2^-32 per burst, and the splits
 of several bursts stay within what fair coins give (``IMBALANCE_LIMIT``).
 
@@ -279,7 +279,7 @@ def _worker_socket(group) -> socket.socket:
 
 
 def test_port_group_keeps_the_port_from_anything_but_its_workers():
-    from gare_serve.processes.sockets import PortGroup
+    from gare_serve.processes.port_group import PortGroup
 
     group = PortGroup("127.0.0.1", 0)
     workers: list[socket.socket] = []
@@ -329,7 +329,7 @@ def test_port_group_keeps_the_port_from_anything_but_its_workers():
 
 
 def test_worker_sockets_keep_tcp_nodelay():
-    from gare_serve.processes.sockets import PortGroup
+    from gare_serve.processes.port_group import PortGroup
     from tests.service.test_nodelay import _accepted_nodelay
 
     group = PortGroup("127.0.0.1", 0)
@@ -368,7 +368,7 @@ def fake_supervisor(monkeypatch, tmp_path):
 
 def test_serve_workers_gives_the_supervisor_the_group_or_the_shared_socket(fake_supervisor, tmp_path):
     from gare_serve import cli
-    from gare_serve.processes.sockets import PortGroupSocket, resolve_worker_sockets
+    from gare_serve.processes.port_group import PortGroupSocket, resolve_worker_sockets
     from gare_serve.settings import Settings
 
     assert resolve_worker_sockets("auto") == ("reuseport" if sys.platform.startswith("linux") else "shared")
@@ -473,7 +473,7 @@ def _health_check_of_a_worker_killed_while_pinged(supervisor_class, timeout_s: f
 def test_the_supervisor_notices_a_worker_killed_while_pinged_at_once():
     from uvicorn.supervisors import Multiprocess
 
-    from gare_serve.processes.sockets import prompt_supervisor
+    from gare_serve.processes.worker_lifetime import prompt_supervisor
 
     alive, s = _health_check_of_a_worker_killed_while_pinged(prompt_supervisor(Multiprocess), 30)
     assert alive is False and s < 5, s

@@ -20,7 +20,7 @@ from gare.model import GARE
 from gare.text_quant import CUDA_TEXT_ENCODERS, QMAX, TEXT_ENCODERS, build_text_encoder, encode_each
 from gare_search import query as Q
 from gare_search import search as S
-from gare_serve.engine.batch_worker import Job, process_jobs
+from gare_serve.engine.batch_worker import Job
 from gare_serve.engine.prometheus import Metrics
 from gare_serve.engine.state import ServiceState
 from tests.conftest import require
@@ -153,10 +153,10 @@ def test_service_encoder_equals_offline(service_states, captions, kind):
     opts = S.SearchOptions(k=5)
     with st.use_version() as v:
         for q in captions[:3]:  # one request alone: the served hits are the offline ones, every float equal
-            assert process_jobs(st, [Job(v, q, opts)])[0].hits == S.search(st.model, v, q, opts, tower=tower).hits
+            assert st.run_jobs([Job(v, q, opts)])[0].hits == S.search(st.model, v, q, opts, tower=tower).hits
         # a micro-batch of 8 (embeddings from the cache now): same ranking; the batched rerank may round the
         # scores differently in the last bits (tests/service/test_serve_scale.py), the embeddings do not
-        served = process_jobs(st, [Job(v, q, opts) for q in captions[:8]])
+        served = st.run_jobs([Job(v, q, opts) for q in captions[:8]])
         for q, r in zip(captions[:8], served, strict=True):
             want = S.search(st.model, v, q, opts, tower=tower)
             assert [h.id for h in r.hits] == [h.id for h in want.hits]

@@ -1,4 +1,4 @@
-"""Stage-1 recall watched in production (issue 29): a sample of served queries re-run exactly in the background.
+"""Stage-1 recall watched in production: a sample of served queries re-run exactly in the background.
 
 The build measures stage 1 on a sample of queries (``gare_build.tuning.version_tuning``: recall@K of the exact top-10, K the
 manifest's ``stage1.recall_at``, against ``stage1.recall_target``); real users may query elsewhere. Here each
@@ -26,8 +26,8 @@ a WARNING is logged, at most once per ``recall_warn_interval_s``.
 CPU bound: the exact scan is numpy's own single-threaded loop (``np.einsum``, no BLAS threads), so the thread's
 CPU clock (``time.thread_time``) counts all of it; after every chunk the thread sleeps until its CPU time
 since the sample's start is at most ``recall_cpu_share`` of the wall time since then. Every sample's window
-therefore holds the bound, and so does any run of them. (The re-run of stage 1 at the manifest's K, a few
-milliseconds, goes through FAISS, which may use its OpenMP threads: that part can be under-counted.)
+therefore holds the bound, and so does any run of them. (The re-run of stage 1 at the manifest's K, a small
+part of the work, goes through FAISS, which may use its OpenMP threads: that part can be under-counted.)
 
 Reloads: every evaluation takes the version the service serves *now* (a reference, released after); samples
 served by another version are skipped (``reason="stale"``) and a new version restarts the rolling window with

@@ -3,18 +3,18 @@
 :class:`ServiceState` is built by the app's lifespan (``gare_serve.app``) and reached by routes through
 ``gare_serve.web.deps.StateDep``. :meth:`ServiceState.load` checks the checkpoint against the index manifest
 (``gare_serve.engine.startup``), loads the model and the query text encoder (``gare_search.text_encoder``), opens the
-index's CURRENT version (``gare_serve.engine.versions``) and builds the caches; the micro-batch worker
-(``gare_serve.engine.batch_worker``) runs the queued queries, and ``gare_serve.engine.reload`` switches versions.
+index's CURRENT version (``gare_serve.engine.versions``) and builds the caches; its micro-batcher hands each
+batch of queued queries to the batch worker (``gare_serve.engine.batch_worker``) with what :meth:`ServiceState.batch_search`
+holds, and ``gare_serve.engine.reload`` switches versions.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +29,11 @@ from gare_search import rerank
 from gare_search import search as S
 from gare_search.query import resolve_precision
 from gare_search.text_encoder import QueryEncoder, TextEncoderError, load_query_encoder, query_tokenizer
-from gare_serve.engine.batch_worker import Job, process_jobs
+from gare_serve.engine.batch_worker import BatchSearch, Job, run_batch
 from gare_serve.engine.batcher import MicroBatcher
 from gare_serve.engine.prometheus import Metrics
 from gare_serve.engine.query_cache import QueryCache, make_normalizer
+from gare_serve.engine.recall_watch import RecallWatch
 from gare_serve.engine.result_cache import ResultCache
 from gare_serve.engine.startup import StartupError, resolve_checkpoint, warm_index
 from gare_serve.engine.traffic_bank import QueryBank
@@ -67,7 +68,7 @@ class ServiceState:
         self.reload_lock = asyncio.Lock()
         self.thumbs = ThumbnailCache(settings.thumbnail_cache_size)
         self.query_bank: QueryBank | None = None  # when GARE_QUERY_BANK_SIZE > 0
-        self.recall_watch: Any = None  # gare_serve.engine.recall_watch.RecallWatch when GARE_RECALL_SAMPLE_RATE > 0 (lifespan)
+        self.recall_watch: RecallWatch | None = None  # when GARE_RECALL_SAMPLE_RATE > 0 (set by the lifespan)
         self.query_cache: QueryCache | None = None  # built in load() (needs the tokenizer's normaliser)
         self.result_cache = ResultCache(0)  # built in load(); off until then
         # Several workers behind one port (gare-serve --workers N): their shared run directory.
@@ -76,7 +77,7 @@ class ServiceState:
         )
         self.generation = self.board.generation() if self.board is not None else 0
         self.batcher: MicroBatcher[Job, S.QueryResult] = MicroBatcher(
-            functools.partial(process_jobs, self),
+            self.run_jobs,
             max_batch=settings.batch_max_size,
             max_wait_s=settings.batch_max_wait_ms / 1000.0,
             max_queue=settings.batch_queue_size,
@@ -213,6 +214,21 @@ class ServiceState:
                 log.error("could not write the query bank to %s: %s", self.query_bank.path, e)
 
     # -------------------------------------------------------------- searches
+    def batch_search(self) -> BatchSearch:
+        """What the batch worker searches a batch with, as this state holds it now (the model and caches that
+        load() built, the recall watch the lifespan may have added since)."""
+        if self.model is None or self.encoder is None:
+            raise RuntimeError("the model is not loaded")
+        return BatchSearch(
+            model=self.model, encoder=self.encoder, search_batch=self.search_batch,
+            checkpoint_sha=self.checkpoint_sha or "", query_cache=self.query_cache, query_bank=self.query_bank,
+            recall_watch=self.recall_watch,
+        )
+
+    def run_jobs(self, jobs: Sequence[Job]) -> list[S.QueryResult]:
+        """The micro-batcher's work on one batch (in its worker thread): ``gare_serve.engine.batch_worker``."""
+        return run_batch(self.batch_search(), jobs)
+
     # What the routes and the batch worker run on the served version: gare_search's over one index here (looked
     # up at each call); the Ray ingress (gare_serve.ray_serve.ingress_state) runs the same signatures over a sharded index.
     def search_batch(self, *args: Any, **kw: Any) -> list[S.QueryResult]:

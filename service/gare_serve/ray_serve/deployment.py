@@ -1,4 +1,4 @@
-"""The GARE service on Ray Serve, over a sharded index (issue 26): one ingress deployment running gare-serve's
+"""The GARE service on Ray Serve, over a sharded index: one ingress deployment running gare-serve's
 FastAPI app, and one deployment per shard.
 
 ``serve run gare_serve.ray_serve.deployment:build_app index=/data/index`` (or ``serve.run(build_app({...}))``) builds:

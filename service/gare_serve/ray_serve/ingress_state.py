@@ -86,9 +86,10 @@ class ShardedView:
             manifests.append(m)
         self.manifests = manifests
         first = manifests[0]
-        # The NCL default a request without `ncl` gets (issue 28): the one decision over the whole gallery that every
-        # shard records (biases.default); the routes read it from self.manifest as they read a single index's, so
-        # shard 0's biases record stands for the generation once the shards are known to agree (else IndexFormatError)
+        # The NCL default a request without `ncl` gets: the one decision over the whole gallery (made at build time on
+        # validation captions) that every shard records (biases.default); the search reads it from self.manifest as
+        # it reads a single index's (gare_serve.engine.served_options), so shard 0's biases record stands for the
+        # generation once the shards are known to agree (else IndexFormatError)
         agreed_ncl_default(manifests)
         # The default K: one K for the whole gallery (the merge keeps the global top K), the largest any shard chose
         ks = [int((m.stage1 or {}).get("default_candidates") or 0) for m in manifests]

@@ -2,9 +2,9 @@
 
 from fastapi import APIRouter, Depends, HTTPException
 
-from gare_index.describe import describe_biases, index_default_candidates, index_ncl_default, public_biases
-from gare_search.search import NCL_DEFAULT, NCL_DEFAULT_REASON
+from gare_index.describe import describe_biases, public_biases
 from gare_serve.engine.reload import ReloadRefused, ReloadUnavailable, reload
+from gare_serve.engine.served_options import served_defaults
 from gare_serve.web.deps import StateDep, require_admin, require_search
 from gare_serve.web.presentation import API_VERSION
 from gare_serve.web.schemas import INDEX_ERRORS, ErrorResponse, IndexInfo, ReloadResponse
@@ -17,6 +17,7 @@ router = APIRouter()
 async def index_info(state: StateDep) -> IndexInfo:
     with state.use_version() as v:
         m = v.manifest
+        defaults = served_defaults(m)  # what a search that leaves K or ncl out gets
         return IndexInfo(
             version=v.name, n=v.n, dim=v.dim, max_frames=v.max_frames, index_type=m.index_type,
             created=m.created,
@@ -26,10 +27,8 @@ async def index_info(state: StateDep) -> IndexInfo:
             },
             biases=public_biases(m.biases), biases_description=describe_biases(m.biases),
             device=str(state.device), precision=state.precision,
-            # the index's own default (biases.default, decided at build time on validation captions), else the search's
-            ncl_default=(index_ncl_default(m) or (NCL_DEFAULT, NCL_DEFAULT_REASON))[0],
-            ncl_default_reason=(index_ncl_default(m) or (NCL_DEFAULT, NCL_DEFAULT_REASON))[1],
-            default_candidates=index_default_candidates(m) or state.settings.default_candidates,
+            ncl_default=defaults.ncl, ncl_default_reason=defaults.ncl_reason,
+            default_candidates=defaults.candidates or state.settings.default_candidates,
             stage1=None if not m.stage1 else {k: x for k, x in m.stage1.items() if k != "trials"},
         )
 

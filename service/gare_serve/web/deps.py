@@ -5,7 +5,8 @@ One module, as the FastAPI full-stack template's ``api/deps.py``: routes declare
 ``require_media``). The key check itself is ``gare_serve.web.security``.
 
 The dependencies are ``async def`` although none of them awaits: FastAPI runs a plain ``def`` dependency in the
-thread pool, and a search hop through it costs more than the check itself (a result-cache answer is ~1 ms).
+thread pool, and a hop through it costs more than the check itself, a noticeable share of a result-cache answer
+(``bench/results/serve_http.md``: the client-side latency of those answers).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
-from gare_search import search as S
 from gare_search.search import NCL_DEFAULT
+from gare_serve.engine.served_options import AskedOptions
 from gare_serve.settings import Settings
 
 EXAMPLE_HIT = {
@@ -195,20 +195,16 @@ def make_request_models(settings: Settings) -> tuple[type[BaseModel], type[BaseM
 
         @model_validator(mode="after")
         def _k_le_K(self):
-            # candidates None: resolved in options() against the served index's own default K
+            # candidates None: resolved against the served index's own default K (engine.served_options)
             if self.candidates is not None and self.candidates < self.k:
                 raise ValueError(f"candidates ({self.candidates}) must be >= k ({self.k})")
             return self
 
-        def options(self, index_default: int | None = None, ncl_default: bool = NCL_DEFAULT) -> S.SearchOptions:
-            """``index_default``: the served index's chosen K (manifest stage1), used when no candidates are given;
-            ``ncl_default``: the served index's NCL default (manifest biases.default), used when ncl is not given."""
-            K = self.candidates
-            if K is None:
-                K = min(max_K, max(index_default or default_K, self.k))
-            ncl = ncl_default if self.ncl is None else self.ncl
-            return S.SearchOptions(k=self.k, candidates=int(K), rerank=self.rerank,
-                                   ncl=ncl or self.ncl_stage1, ncl_stage1=self.ncl_stage1)
+        def asked(self) -> AskedOptions:
+            """The options as sent; what is left out (candidates, ncl) the served index decides
+            (``gare_serve.engine.served_options.resolve_options``)."""
+            return AskedOptions(k=self.k, candidates=self.candidates, rerank=self.rerank, ncl=self.ncl,
+                                ncl_stage1=self.ncl_stage1)
 
     class SearchRequest(_Options):
         model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [

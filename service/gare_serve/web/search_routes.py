@@ -1,24 +1,35 @@
-"""``POST /v1/search`` and ``POST /v1/search/batch``: route -> micro-batcher -> ``gare_search.search.search_batch``.
+"""``POST /v1/search``, ``/v1/search/batch`` and ``/v1/search/image``: parse the body, run the search
+(``gare_serve.engine.search_requests``), map its typed errors to HTTP, render the hits and the response.
 
-Search by example (``video_id``/``video_ids`` in ``/v1/search``, an upload to ``/v1/search/image``) runs
-``gare_search.by_example`` in the thread pool: it has no text to encode, so the micro-batcher has nothing to share.
+Text queries go through the result cache and the micro-batcher (``gare_serve.engine.search_requests.search_texts``);
+search by example (``video_id``/``video_ids`` in ``/v1/search``, an upload to ``/v1/search/image``) runs
+``gare_search.by_example`` in the thread pool. The options a request leaves out (K, ncl) are the served index's
+(``gare_serve.engine.served_options``); the routes never read the manifest themselves.
 """
 
 import asyncio
+import contextlib
 import time
 import weakref
+from collections.abc import Iterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, File, Form, HTTPException, Response, UploadFile
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from gare_index.describe import index_default_candidates, index_ncl_default
 from gare_index.ncl_ann import Stage1Unavailable
 from gare_search import by_example as E
 from gare_search import search as S
-from gare_serve.engine.batch_worker import Job
-from gare_serve.engine.batcher import BatchInfo
+from gare_serve.engine.search_requests import (
+    ExampleAnswer,
+    TextAnswer,
+    observe_stages,
+    search_by_image,
+    search_by_videos,
+    search_texts,
+)
+from gare_serve.engine.served_options import AskedOptions
 from gare_serve.engine.state import ServiceState
 from gare_serve.settings import Settings
 from gare_serve.web.deps import StateDep, require_search
@@ -33,72 +44,64 @@ from gare_serve.web.schemas import (
     make_request_models,
 )
 
-_NO_BATCH = BatchInfo(size=0, queue_s=0.0, run_s=0.0)  # a result-cache answer: it never entered the micro-batch queue
+
+def ms(seconds: float) -> float:
+    """Seconds as the responses' milliseconds (three decimals)."""
+    return round(seconds * 1000, 3)
 
 
-def served_defaults(manifest: Any) -> tuple[int | None, bool]:
-    """What a request that leaves them out gets from the served index: its chosen K and its NCL default (issue 28:
-    decided at build time on validation captions; else the search's NCL_DEFAULT)."""
-    own = index_ncl_default(manifest)
-    return index_default_candidates(manifest), S.NCL_DEFAULT if own is None else own[0]
-
-
-async def run_queries(state: ServiceState, version: Any, queries: list[str], opts: S.SearchOptions,
-                      t_start: float) -> list[SearchResponse]:
-    try:  # refused here, before the micro-batch, so it cannot fail other clients' queries
-        version.check_stage1(ncl_stage1=opts.ncl_stage1)
+async def text_responses(state: ServiceState, version: Any, queries: list[str], asked: AskedOptions,
+                         t_start: float) -> list[SearchResponse]:
+    """The responses to text queries on ``version``: 409 when it cannot serve the options (ncl_stage1)."""
+    try:
+        answers = await search_texts(state, version, queries, asked)
     except Stage1Unavailable as e:
         raise HTTPException(409, str(e)) from None
-    rc = state.result_cache
-    variant = state.encoder.variant if state.encoder is not None else ""
-    keys = [rc.key(version.name, state.checkpoint_sha or "", variant, q, opts)
-            for q in queries] if rc.enabled else [None] * len(queries)
-    # whole answers, hits rendered with their metadata: no queue, no stage, no metadata read, no thread hop
-    cached = [rc.lookup(k) if k is not None else None for k in keys]
-    got: list[tuple[S.QueryResult, BatchInfo]] = [(c[0], _NO_BATCH) if c is not None else None for c in cached]  # type: ignore[misc]
-    todo = [i for i, c in enumerate(cached) if c is None]
-    if todo:
-        done = await state.batcher.submit_many([Job(version, queries[i], opts) for i in todo])
-        for i, (res, info) in zip(todo, done, strict=True):
-            got[i] = (res, info)
-    payload = []
-    for i, (q, (res, info)) in enumerate(zip(queries, got, strict=True)):
-        c = cached[i]
-        if c is not None:
-            hits = fresh_urls(state, c[1])
-        else:
-            hits = await run_in_threadpool(hit_models, state, version, res)
-            if keys[i] is not None:
-                rc.put(keys[i], res, hits)
-        total = time.perf_counter() - t_start
-        stage_s = {"queue": info.queue_s, **{k: res.timings.get(k, 0.0) for k in ("encode", "ann", "rerank", "rank")}}
-        state.metrics.observe_stages({**stage_s, "total": total})
-        payload.append(SearchResponse(
-            query=q, index_version=version.name, k=opts.k, candidates=opts.candidates, rerank=opts.rerank,
-            ncl=opts.ncl, results=hits, batch_size=info.size, **partial_fields(res),
-            timings_ms=Timings(**{k: round(v * 1000, 3) for k, v in stage_s.items()}, total=round(total * 1000, 3),
-                               cache="result" if info is _NO_BATCH else "hit" if res.cached else "miss"),
-        ))
-    return payload
+    return [await text_response(state, version, a, t_start) for a in answers]
 
 
-async def run_example(state: ServiceState, version: Any, fn: Any, *args: Any, opts: S.SearchOptions,
-                      example: dict[str, Any], t_start: float) -> SearchResponse:
-    """One search by example: the same response, limits and per-stage metrics as a text query."""
+async def text_response(state: ServiceState, version: Any, a: TextAnswer, t_start: float) -> SearchResponse:
+    """One text query's response: its hits rendered (or the result cache's, re-signed), its stage timings."""
+    if a.rendered is not None:  # a result-cache answer: its media URLs signed now
+        hits = fresh_urls(state, a.rendered)
+    else:
+        hits = await run_in_threadpool(hit_models, state, version, a.result)
+        if a.key is not None:  # kept rendered, so that a repeat needs no metadata read
+            state.result_cache.put(a.key, a.result, hits)
+    total = time.perf_counter() - t_start
+    stage_s = observe_stages(state, a.result, a.batch.queue_s, total)
+    opts, res = a.options, a.result
+    return SearchResponse(
+        query=a.query, index_version=version.name, k=opts.k, candidates=opts.candidates, rerank=opts.rerank,
+        ncl=opts.ncl, results=hits, batch_size=a.batch.size, **partial_fields(res),
+        timings_ms=Timings(**{k: ms(v) for k, v in stage_s.items()}, total=ms(total),
+                           cache="result" if a.from_result_cache else "hit" if res.cached else "miss"),
+    )
+
+
+@contextlib.contextmanager
+def example_errors() -> Iterator[None]:
+    """A search by example's typed errors as HTTP: 404 for an unknown example video, 422 for an example that
+    cannot be searched."""
     try:
-        res = await run_in_threadpool(fn, *args, opts)
+        yield
     except E.UnknownExample as e:
         raise HTTPException(404, str(e)) from None
     except E.ExampleError as e:
         raise HTTPException(422, str(e)) from None
+
+
+async def example_response(state: ServiceState, version: Any, a: ExampleAnswer, example: dict[str, Any],
+                           t_start: float) -> SearchResponse:
+    """The response to one search by example: the same body, limits and per-stage metrics as a text query's."""
+    opts, res = a.options, a.result
     hits = await run_in_threadpool(hit_models, state, version, res)
     total = time.perf_counter() - t_start
-    stage_s = {"queue": 0.0, **{k: res.timings.get(k, 0.0) for k in ("encode", "ann", "rerank", "rank")}}
-    state.metrics.observe_stages({**stage_s, "total": total})
+    stage_s = observe_stages(state, res, 0.0, total)
     return SearchResponse(
         query=None, example=example, index_version=version.name, k=opts.k, candidates=opts.candidates,
         rerank=opts.rerank and example["kind"] == "videos", ncl=False, results=hits, batch_size=1, **partial_fields(res),
-        timings_ms=Timings(**{k: round(v * 1000, 3) for k, v in stage_s.items()}, total=round(total * 1000, 3)),
+        timings_ms=Timings(**{k: ms(v) for k, v in stage_s.items()}, total=ms(total)),
     )
 
 
@@ -128,12 +131,10 @@ def make_router(settings: Settings) -> APIRouter:
         with state.use_version() as version:
             ids = body.example_ids()
             if ids is not None:  # more like this: stage 1 with the videos' mean v̂, rerank by s_vv
-                opts = body.options(*served_defaults(version.manifest))
-                opts = S.SearchOptions(k=opts.k, candidates=opts.candidates, rerank=opts.rerank, ncl=False)
-                return _json(await run_example(state, version, state.search_by_videos, version, ids, opts=opts,
-                                               example={"kind": "videos", "ids": ids}, t_start=t_start))
-            res = await run_queries(state, version, [body.query], body.options(*served_defaults(version.manifest)),
-                                    t_start)
+                with example_errors():
+                    a = await search_by_videos(state, version, ids, body.asked())
+                return _json(await example_response(state, version, a, {"kind": "videos", "ids": ids}, t_start))
+            res = await text_responses(state, version, [body.query], body.asked(), t_start)
             return _json(res[0])
 
     max_k, max_K, default_K = settings.max_k, settings.max_candidates, settings.default_candidates
@@ -186,20 +187,19 @@ def make_router(settings: Settings) -> APIRouter:
             del data  # the upload's bytes are not needed for the search
             opts = S.SearchOptions(k=k, candidates=K, rerank=False, ncl=False)
             with state.use_version() as version:
-                return _json(await run_example(state, version, state.search_by_image, state.model, version, pil, opts=opts,
-                                               example={"kind": "image", "content_type": kind, "bytes": nbytes},
-                                               t_start=t_start))
+                with example_errors():
+                    a = await search_by_image(state, version, pil, opts)
+                return _json(await example_response(state, version, a,
+                                                    {"kind": "image", "content_type": kind, "bytes": nbytes}, t_start))
 
     @router.post(f"/{API_VERSION}/search/batch", response_model=BatchSearchResponse, responses=SEARCH_ERRORS,
                  summary="many queries in one request (shared options)")
     async def search_batch(body: BatchSearchRequest, state: StateDep) -> Response:  # type: ignore[valid-type]
         t_start = time.perf_counter()
         with state.use_version() as version:
-            res = await run_queries(state, version, list(body.queries),
-                                    body.options(*served_defaults(version.manifest)), t_start)
+            res = await text_responses(state, version, list(body.queries), body.asked(), t_start)
             return _json(BatchSearchResponse(
-                index_version=version.name, results=res,
-                timings_ms={"total": round((time.perf_counter() - t_start) * 1000, 3)},
+                index_version=version.name, results=res, timings_ms={"total": ms(time.perf_counter() - t_start)},
             ))
 
     return router

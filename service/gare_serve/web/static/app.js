@@ -58,7 +58,7 @@
       const info = await resp.json();
       $("index-info").textContent = "index " + info.version + " · " + info.n + " entries · " + info.index_type +
         " · " + (info.checkpoint && info.checkpoint.name ? info.checkpoint.name : "checkpoint") + " · " + info.device;
-      // the server says what ncl defaults to and why (issue 17); a box the user already touched is left alone
+      // the server says what ncl defaults to and why (GET /v1/index); a box the user already touched is left alone
       if (typeof info.ncl_default === "boolean" && !nclTouched) { $("ncl").checked = info.ncl_default; }
       if (info.ncl_default_reason) {
         $("ncl-label").title = info.ncl_default_reason + (info.biases_description ? " · biases: " + info.biases_description : "");

@@ -1,11 +1,11 @@
-"""The listening sockets and the uvicorn ``Config`` of ``gare-serve --workers N``: a socket per worker on one port
-(SO_REUSEPORT, :class:`PortGroup`) or one shared socket, connections with TCP_NODELAY, the HTTP limits of
-``gare_serve.web.http_limits``, and workers that do not outlive their supervisor.
+"""The listening sockets of ``gare-serve --workers N``: a socket per worker in one port group (SO_REUSEPORT,
+:class:`PortGroup`, :func:`bind_worker_socket`) or one socket shared by every worker (:func:`resolve_worker_sockets`
+chooses).
 
 A socket per worker (``worker_sockets`` ``reuseport``, the default on Linux). With one listening socket shared
 by every worker, each worker's event loop waits on it and the first one awake accepts every connection queued
 there (asyncio accepts up to ``backlog`` per wake-up): a burst of keep-alive clients can land whole on one
-worker and stay there while the other idles, as measured. With SO_REUSEPORT each
+worker and stay there while the other idles (``bench/results/worker_spread.md``). With SO_REUSEPORT each
 worker listens on a socket of its own bound to the same address; Linux hashes each new connection over the
 listening sockets of the group (the connection's addresses and ports), so every worker gets its share
 whatever the clients' pattern, and a worker that is still loading (bound, not yet listening) or dead gets none.
@@ -31,52 +31,25 @@ How the group is held:
   for another worker); Linux's ``net.ipv4.tcp_migrate_req = 1`` moves them to another listener of the group.
 
 ``shared`` (the only mode where SO_REUSEPORT does not spread connections, e.g. macOS): the previous design,
-one socket bound here and inherited by every worker.
+one socket bound by uvicorn and inherited by every worker (``gare_serve.processes.uvicorn_config`` gives its
+connections TCP_NODELAY). The per-worker sockets are made here with ``IPPROTO_TCP``, so asyncio gives their
+accepted connections TCP_NODELAY itself.
 
-TCP_NODELAY. uvicorn binds the socket that its worker processes share itself and leaves the socket's
-``proto`` at 0 (the per-worker sockets are made here with ``IPPROTO_TCP``). Accepted sockets inherit that, and asyncio sets TCP_NODELAY only when ``proto ==
-IPPROTO_TCP``. Nagle's algorithm then holds each keep-alive response until the client's delayed ACK: about
-40 ms on every request after a connection's first. Measured here with a trivial app, 44 ms against 1.3 ms per
-request; upstream this is Kludex/uvicorn#3149. The single-process path lets asyncio build the socket from
-getaddrinfo (proto 6) and is unaffected.
-
-HTTP limits. :class:`NodelayConfig` is a :class:`gare_serve.web.http_limits.LimitsConfig`: the header-timeout
-protocol and its timeout are pickled with the config into every spawned worker.
-
-Parent death. uvicorn's supervisor (``uvicorn.supervisors.Multiprocess``) stops its workers on SIGTERM/SIGINT
-(SIGTERM to each, then it joins them all: they drain their requests, ``timeout_graceful_shutdown``), but a
-supervisor that is killed (SIGKILL, the OOM killer) leaves them running, still accepting on the port. Each
-worker therefore asks Linux for SIGTERM when its parent dies (``prctl(PR_SET_PDEATHSIG)``, in
-:meth:`NodelayConfig.load`, which only the workers run): the orphan drains and exits like a worker told to
-stop. (The signal follows the parent *thread* that started the worker; uvicorn starts and restarts workers
-from the supervisor's main thread.)
-
-Worker death. A worker that dies is restarted by the supervisor at its next check (every 0.5 s), also when it
-died while being pinged (:func:`prompt_supervisor`); a restarted worker binds a new socket in the port group.
-
-A module of its own, at import level: the worker processes are spawned, so the config class and
-:func:`bind_worker_socket` must be importable by name.
+A module of its own, at import level: the worker processes are spawned, so :func:`bind_worker_socket` (what a
+pickled :class:`PortGroupSocket` becomes) must be importable by name.
 """
 
 from __future__ import annotations
 
-import ctypes
-import logging
 import os
-import signal
 import socket
 import sys
 
 from uvicorn.config import STARTUP_FAILURE  # the supervisor stops instead of restarting such a worker
 
-from gare_serve.web.http_limits import LimitsConfig
+__all__ = ["PortGroup", "PortGroupSocket", "REUSEPORT_SPREADS", "address_family", "bind_worker_socket",
+           "resolve_worker_sockets"]
 
-__all__ = ["NodelayConfig", "PortGroup", "PortGroupSocket", "bind_worker_socket", "die_with_parent",
-           "prompt_supervisor", "resolve_worker_sockets"]
-
-log = logging.getLogger(__name__)
-
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 # SO_REUSEPORT spreads TCP connections over a port group on Linux (3.9+); elsewhere it means other things
 # (macOS: the last socket bound gets them all; FreeBSD balances only with SO_REUSEPORT_LB)
 REUSEPORT_SPREADS = sys.platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT")
@@ -118,27 +91,6 @@ def bind_worker_socket(family: int, host: str, port: int) -> socket.socket:
     return sock
 
 
-def prompt_supervisor(base: type) -> type:
-    """``base`` (uvicorn's ``Multiprocess``) noticing at once a worker that died while it was being pinged.
-
-    uvicorn's ``Process`` keeps the worker's end of its health-check pipe open in the supervisor too. A worker
-    killed between the supervisor's liveness check and its answer to the ping therefore never closes the pipe,
-    and the supervisor waits ``timeout_worker_healthcheck`` (``worker_healthcheck_s``: 120 s by default) before it
-    restarts the worker, handling no signal meanwhile (SIGTERM included). The subclass closes the supervisor's
-    copy once the worker runs (the worker has its own): that ping then ends at once with EOF."""
-
-    class PromptSupervisor(base):  # type: ignore[misc, valid-type]
-        def keep_subprocess_alive(self) -> None:
-            for proc in getattr(self, "processes", ()):
-                conn = getattr(proc, "child_conn", None)
-                if conn is not None and proc.process.pid is not None:  # started: the worker holds its own end
-                    conn.close()  # idempotent
-            super().keep_subprocess_alive()
-
-    PromptSupervisor.__qualname__ = PromptSupervisor.__name__ = f"Prompt{base.__name__}"
-    return PromptSupervisor
-
-
 class PortGroupSocket(socket.socket):
     """The parent's anchor of a port group (see the module docstring): a real socket here, bound and never
     listening; pickled into a worker it is not duplicated but becomes that worker's own socket in the group
@@ -178,47 +130,3 @@ class PortGroup:
 
     def close(self) -> None:
         self.socket.close()
-
-
-def die_with_parent(parent_pid: int, sig: int = signal.SIGTERM) -> bool:
-    """Have Linux send ``sig`` to this process when its parent exits (``prctl(PR_SET_PDEATHSIG)``). A parent
-    already gone before the call (``getppid() != parent_pid``) would never send it: SystemExit then. False
-    where unsupported (not Linux, or prctl failed): the process then only stops when told to."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        # prctl is variadic and the kernel reads unsigned longs: pass every argument at that width
-        rc = libc.prctl(*(ctypes.c_ulong(v) for v in (PR_SET_PDEATHSIG, int(sig), 0, 0, 0)))
-    except (OSError, AttributeError) as e:  # pragma: no cover - a libc without prctl
-        log.warning("prctl(PR_SET_PDEATHSIG) unavailable (%s): this worker may outlive its supervisor", e)
-        return False
-    if rc != 0:  # pragma: no cover
-        log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d): this worker may outlive its supervisor",
-                    ctypes.get_errno())
-        return False
-    if os.getppid() != parent_pid:
-        raise SystemExit(f"worker {os.getpid()}: the supervisor {parent_pid} exited before this worker started")
-    return True
-
-
-class NodelayConfig(LimitsConfig):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.supervisor_pid = os.getpid()  # built in the supervisor, pickled into each worker
-
-    def bind_socket(self) -> socket.socket:
-        sock = super().bind_socket()
-        if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.proto != socket.IPPROTO_TCP:
-            # the same descriptor, re-wrapped with the protocol it has (nothing is re-bound)
-            fixed = socket.socket(sock.family, sock.type, socket.IPPROTO_TCP, fileno=sock.detach())
-            fixed.set_inheritable(True)
-            return fixed
-        return sock
-
-    def load(self) -> None:
-        # Each worker's uvicorn Server loads its config first thing, with its signal handlers already
-        # installed (the SIGTERM from PR_SET_PDEATHSIG is a graceful shutdown); the supervisor never loads it.
-        if os.getpid() != self.supervisor_pid:
-            die_with_parent(self.supervisor_pid)
-        super().load()
