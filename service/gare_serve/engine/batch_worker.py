@@ -20,10 +20,11 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from gare.model import GARE
+from gare_index.store import IndexVersion
 from gare_search import search as S
 from gare_search.query import unit_rows
 from gare_search.text_encoder import QueryEncoder
@@ -44,7 +45,7 @@ SearchBatchFn = Callable[..., list[S.QueryResult]]
 class Job:
     """One queued text query: the index version its request holds, the text and its resolved options."""
 
-    version: Any
+    version: IndexVersion
     query: str
     options: S.SearchOptions
 
@@ -54,7 +55,7 @@ class BatchSearch:
     """What a batch is searched with. ``checkpoint_sha`` and the encoder's variant key the query cache; the query
     bank gets every searched query's unit vector; the recall watch samples stage-1 lists."""
 
-    model: Any
+    model: GARE
     encoder: QueryEncoder
     search_batch: SearchBatchFn
     checkpoint_sha: str = ""

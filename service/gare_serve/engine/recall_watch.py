@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from gare_index.store import IndexVersion
 from gare_search.search import DEFAULT_CANDIDATES
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,7 @@ class _SampledVersion:
 
     Everything else is the version's own attribute (the search reads frames, biases, ... through it)."""
 
-    def __init__(self, version: Any, watch: RecallWatch) -> None:
+    def __init__(self, version: IndexVersion, watch: RecallWatch) -> None:
         self._version = version
         self._watch = watch
 
@@ -114,13 +115,13 @@ class _SampledVersion:
         return scores, ids
 
 
-def _stage1_record(version: Any) -> Any:
+def _stage1_record(version: IndexVersion) -> Any:
     m = getattr(version, "manifest", None)
     st = getattr(m, "stage1", None) if m is not None else None
     return st or {}
 
 
-def version_target(version: Any) -> tuple[float | None, int]:
+def version_target(version: IndexVersion) -> tuple[float | None, int]:
     """(the version's recall target or None when it was not tuned, the K it is measured at, capped at n)."""
     st = _stage1_record(version)
     target = st.get("recall_target")
@@ -183,7 +184,7 @@ class RecallWatch:
             metrics.recall_window.set(0)
 
     # ------------------------------------------------------------------ sampling (batch thread)
-    def wrap(self, version: Any) -> Any:
+    def wrap(self, version: IndexVersion) -> Any:
         """The version to hand to ``gare_search.search.search_batch``: its stage-1 calls feed the sample."""
         return _SampledVersion(version, self)
 
@@ -331,7 +332,7 @@ class RecallWatch:
             self._pace(c0, w0)
         return ev
 
-    def _version_state(self, version: Any) -> _VersionState:
+    def _version_state(self, version: IndexVersion) -> _VersionState:
         vs = self._vs
         if vs is None or vs.name != version.name:
             target, kt = version_target(version)
@@ -388,7 +389,7 @@ def _share(exact: np.ndarray, listed: np.ndarray) -> float:
     return float(np.isin(exact, listed).sum() / exact.size)
 
 
-def exact_top(version: Any, unit: np.ndarray, top: int = TOP, *, ncl_stage1: bool = False, chunk_rows: int = 65536,
+def exact_top(version: IndexVersion, unit: np.ndarray, top: int = TOP, *, ncl_stage1: bool = False, chunk_rows: int = 65536,
               step: Callable[[], None] | None = None) -> np.ndarray:
     """The exact top-``top`` ids by ``unit · v̂_j`` (+ ``b_j`` with ``ncl_stage1``) over ``version.stage1_units``.
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
+from gare_index.store import IndexVersion
 from gare_search import search as S
 from gare_serve.engine.batch_worker import Job
 from gare_serve.engine.batcher import BatchInfo
@@ -36,7 +37,7 @@ NO_BATCH = BatchInfo(size=0, queue_s=0.0, run_s=0.0)  # a result-cache answer: i
 STAGES = ("encode", "ann", "rerank", "rank")  # a result's stage timings, in the metrics and the response
 
 
-def request_options(state: ServiceState, version: Any, asked: AskedOptions) -> S.SearchOptions:
+def request_options(state: ServiceState, version: IndexVersion, asked: AskedOptions) -> S.SearchOptions:
     """:func:`resolve_options` against ``version``'s manifest and the service's bounds."""
     s = state.settings
     return resolve_options(asked, served_defaults(version.manifest), max_candidates=s.max_candidates,
@@ -61,7 +62,7 @@ class TextAnswer:
         return self.batch is NO_BATCH
 
 
-async def search_texts(state: ServiceState, version: Any, queries: list[str], asked: AskedOptions) -> list[TextAnswer]:
+async def search_texts(state: ServiceState, version: IndexVersion, queries: list[str], asked: AskedOptions) -> list[TextAnswer]:
     """``queries`` searched on ``version`` (which the caller holds) with the same options, answers in order;
     Stage1Unavailable before anything is queued when the version cannot serve the options."""
     opts = request_options(state, version, asked)
@@ -93,7 +94,7 @@ class ExampleAnswer:
     result: S.QueryResult
 
 
-async def search_by_videos(state: ServiceState, version: Any, ids: list[int], asked: AskedOptions) -> ExampleAnswer:
+async def search_by_videos(state: ServiceState, version: IndexVersion, ids: list[int], asked: AskedOptions) -> ExampleAnswer:
     """More like these videos: stage 1 with their mean unit vector, rerank by s_vv, no NCL biases (the request's k,
     K and rerank resolved as a text request's)."""
     o = request_options(state, version, asked)
@@ -101,7 +102,7 @@ async def search_by_videos(state: ServiceState, version: Any, ids: list[int], as
     return ExampleAnswer(opts, await run_in_threadpool(state.search_by_videos, version, ids, opts))
 
 
-async def search_by_image(state: ServiceState, version: Any, image: Any, opts: S.SearchOptions) -> ExampleAnswer:
+async def search_by_image(state: ServiceState, version: IndexVersion, image: Any, opts: S.SearchOptions) -> ExampleAnswer:
     """A decoded image as the query (stage 1 only): the model's image tower, then the version's ANN."""
     return ExampleAnswer(opts, await run_in_threadpool(state.search_by_image, state.model, version, image, opts))
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
 
 from gare.checkpoint import file_sha256
 from gare_index.store import (
@@ -22,6 +21,7 @@ from gare_index.store import (
     CheckpointRef,
     IndexFormatError,
     IndexManifest,
+    IndexVersion,
     current_version_name,
     read_manifest,
 )
@@ -94,7 +94,7 @@ WARM_ORDER = (ANN_FILE, ANN_NCL_FILE, "ann_units.npy", "units.npy", "norms.npy",
               "frame_scales.npy", "frames.npy")  # frame_scales: an int8-frames index (gare_index.frame_quant)
 
 
-def warm_index(version: Any, budget_bytes: int) -> dict[str, int]:
+def warm_index(version: IndexVersion, budget_bytes: int) -> dict[str, int]:
     """Ask the kernel to read the hot part of `version` into the page cache now, at load (start or reload), so
     the first searches do not pay a disk read per page: the files of WARM_ORDER in that order, each from its
     start, at most `budget_bytes` in all (posix_fadvise WILLNEED: the reads run in the background; nothing is

@@ -22,8 +22,8 @@ import torch
 from fastapi import HTTPException
 
 from gare.checkpoint import CheckpointError, load_model
-from gare.model import resolve_device
-from gare_index.store import IndexFormatError, open_index
+from gare.model import GARE, resolve_device
+from gare_index.store import IndexFormatError, IndexVersion, open_index
 from gare_search import by_example as E
 from gare_search import rerank
 from gare_search import search as S
@@ -56,7 +56,7 @@ class ServiceState:
         self.settings = settings
         self.metrics = metrics
         self.key_hashes = load_api_key_hashes(settings)
-        self.model: Any = None
+        self.model: GARE | None = None
         self.device: Any = None
         self.precision = "fp32"
         # where the psi rerank runs and its threads: passed to every search this state runs
@@ -172,7 +172,7 @@ class ServiceState:
         except IndexFormatError as e:
             raise StartupError(f"cannot open the index: {e}") from None
 
-    def check_fit(self, version: Any) -> None:
+    def check_fit(self, version: IndexVersion) -> None:
         """StartupError when ``version`` does not fit the model; else get it ready for the rerank (the fold's
         constants computed in memory now, with one WARNING, when the version stores no valid ones)."""
         cfg = self.model.cfg
@@ -184,7 +184,7 @@ class ServiceState:
         rerank.prepare(self.model, version)
         warm_index(version, self.settings.warm_index_bytes)  # the first searches after a load: no disk read per page
 
-    def publish_index(self, version: Any) -> None:
+    def publish_index(self, version: IndexVersion) -> None:
         """The served version in the metrics (gare_index_info)."""
         self.metrics.set_index(
             version.name, str(version.manifest.index_type), (self.checkpoint_sha or "")[:12], version.n

@@ -10,14 +10,15 @@ from __future__ import annotations
 import logging
 import mmap
 import threading
-from typing import Any
+
+from gare_index.store import IndexVersion
 
 log = logging.getLogger(__name__)
 
 __all__ = ["VersionHandle", "advise_random_access"]
 
 
-def advise_random_access(version: Any) -> None:
+def advise_random_access(version: IndexVersion) -> None:
     """Tell the kernel the memmaps are read at random rows (the rerank gathers K scattered videos).
 
     Without it every page fault reads ahead ~128 KiB around a 12 KiB row: ~10x the I/O on a cold
@@ -37,7 +38,7 @@ def advise_random_access(version: Any) -> None:
 class VersionHandle:
     """Reference-counted owner of one open IndexVersion; closed once retired and unused."""
 
-    def __init__(self, version: Any) -> None:
+    def __init__(self, version: IndexVersion) -> None:
         self.version = version
         self._refs = 0
         self._retired = False

@@ -30,6 +30,7 @@ import torch
 from fastapi import HTTPException
 from starlette.concurrency import run_in_threadpool
 
+from gare.model import GARE
 from gare_index.ncl_ann import Stage1Unavailable
 from gare_index.shards import (
     Generation,
@@ -169,7 +170,7 @@ class ShardedServiceState(ServiceState):
         except IndexFormatError as e:
             raise StartupError(f"cannot open the sharded index: {e}") from None
 
-    def check_fit(self, version: Any) -> None:
+    def check_fit(self, version: ShardedView) -> None:
         cfg = self.model.cfg
         if version.n and (version.dim != cfg.embed_dim or version.max_frames != cfg.max_frames):
             raise StartupError(f"index generation {version.name} has dim={version.dim}, max_frames="
@@ -189,7 +190,7 @@ class ShardedServiceState(ServiceState):
                                     "answer without them (start the app with allow_partial to serve partial answers)")
         return parts
 
-    def search_batch(self, model: Any, version: ShardedView, texts: Sequence[str],
+    def search_batch(self, model: GARE, version: ShardedView, texts: Sequence[str],
                      options: SearchOptions | Sequence[SearchOptions] = SearchOptions(), *, precision: str = "fp32",
                      on_units: Any = None, encoder: Callable[[list[str]], torch.Tensor] | None = None,
                      tower: Any = None) -> list[QueryResult]:
@@ -234,7 +235,7 @@ class ShardedServiceState(ServiceState):
                                            "rerank": m.timings.get("rerank", 0.0), "rank": t3 - t2, "total": t3 - t0},
                                   missing_shards=m.missing_shards)
 
-    def search_by_image(self, model: Any, version: ShardedView, image: Any, opts: SearchOptions) -> QueryResult:
+    def search_by_image(self, model: GARE, version: ShardedView, image: Any, opts: SearchOptions) -> QueryResult:
         """An image query: encoded once here (û (1, d)), every shard's stage 1, merged."""
         t0 = time.perf_counter()
         u = E.encode_image(model, image)

@@ -26,6 +26,7 @@ import torch
 
 from gare.checkpoint import CheckpointError, read_checkpoint_subset
 from gare.config import ModelConfig
+from gare.model_protocols import PsiModel
 from gare.psi import Psi
 from gare_index.shards import current_generation, read_generation, shard_root
 from gare_index.store import IndexFormatError, open_version
@@ -76,7 +77,7 @@ class ShardWorker:
     """Shard ``shard`` of the sharded index at ``root``, answering for any generation (pinned per call). ``model``:
     the GARE model or, as a Ray replica holds it, its psi alone (:func:`load_shard_model`)."""
 
-    def __init__(self, root: str | Path, shard: int, model: Any, *, expect_checkpoint_sha: str | None = None,
+    def __init__(self, root: str | Path, shard: int, model: PsiModel, *, expect_checkpoint_sha: str | None = None,
                  verify: bool = False, use_gpu: bool | None = None, keep: int = 3,
                  rerank_settings: rerank.RerankSettings = rerank.DEFAULT_RERANK) -> None:
         self.root, self.shard, self.model = Path(root), int(shard), model

@@ -11,6 +11,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from gare_index.store import IndexVersion
 from gare_search.search import QueryResult
 from gare_serve.engine.state import ServiceState
 from gare_serve.web.schemas import Hit
@@ -50,7 +51,7 @@ def public_metadata(state: ServiceState, row: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def hit_models(state: ServiceState, version: Any, res: QueryResult) -> list[Hit]:
+def hit_models(state: ServiceState, version: IndexVersion, res: QueryResult) -> list[Hit]:
     """The hits of ``res`` as the API renders them, with their metadata (one read) and media URLs."""
     if not res.hits:
         return []

@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from gare_index.ncl_ann import Stage1Unavailable
+from gare_index.store import IndexVersion
 from gare_search import by_example as E
 from gare_search import search as S
 from gare_serve.engine.search_requests import (
@@ -50,7 +51,7 @@ def ms(seconds: float) -> float:
     return round(seconds * 1000, 3)
 
 
-async def text_responses(state: ServiceState, version: Any, queries: list[str], asked: AskedOptions,
+async def text_responses(state: ServiceState, version: IndexVersion, queries: list[str], asked: AskedOptions,
                          t_start: float) -> list[SearchResponse]:
     """The responses to text queries on ``version``: 409 when it cannot serve the options (ncl_stage1)."""
     try:
@@ -60,7 +61,7 @@ async def text_responses(state: ServiceState, version: Any, queries: list[str], 
     return [await text_response(state, version, a, t_start) for a in answers]
 
 
-async def text_response(state: ServiceState, version: Any, a: TextAnswer, t_start: float) -> SearchResponse:
+async def text_response(state: ServiceState, version: IndexVersion, a: TextAnswer, t_start: float) -> SearchResponse:
     """One text query's response: its hits rendered (or the result cache's, re-signed), its stage timings."""
     if a.rendered is not None:  # a result-cache answer: its media URLs signed now
         hits = fresh_urls(state, a.rendered)
@@ -91,7 +92,7 @@ def example_errors() -> Iterator[None]:
         raise HTTPException(422, str(e)) from None
 
 
-async def example_response(state: ServiceState, version: Any, a: ExampleAnswer, example: dict[str, Any],
+async def example_response(state: ServiceState, version: IndexVersion, a: ExampleAnswer, example: dict[str, Any],
                            t_start: float) -> SearchResponse:
     """The response to one search by example: the same body, limits and per-stage metrics as a text query's."""
     opts, res = a.options, a.result

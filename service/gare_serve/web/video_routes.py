@@ -10,6 +10,7 @@ from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import FileResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from gare_index.store import IndexVersion
 from gare_serve.engine.state import ServiceState
 from gare_serve.media.thumbnails import make_thumbnail
 from gare_serve.web.deps import StateDep, VideoId, require_media, require_search
@@ -21,14 +22,14 @@ log = logging.getLogger(__name__)
 router = APIRouter(tags=["videos"])
 
 
-def _metadata_or_404(version: Any, video_id: int) -> dict[str, Any]:
+def _metadata_or_404(version: IndexVersion, video_id: int) -> dict[str, Any]:
     try:
         return version.metadata([video_id])[0]
     except KeyError:
         raise HTTPException(404, f"no video with id {video_id} in index version {version.name}") from None
 
 
-def _file_or_404(state: ServiceState, version: Any, video_id: int) -> tuple[Path, dict[str, Any]]:
+def _file_or_404(state: ServiceState, version: IndexVersion, video_id: int) -> tuple[Path, dict[str, Any]]:
     meta = _metadata_or_404(version, video_id)
     p = version.path_of(video_id)  # from SQLite, never from the client
     if p is None:
