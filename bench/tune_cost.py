@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from index_common import table, write_results  # bench/ is on sys.path
 from serve_bench import loadavg, make_queries, write_random_gallery
+from support import CHECKOUT_PATH
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -94,7 +95,7 @@ def run_tune(index: Path, bank: Path, n_queries: int) -> dict[str, Any]:
            "--tune-queries", str(n_queries), "--no-progress"]
     print("running:", " ".join(cmd), flush=True)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": os.pathsep.join(str(REPO / r) for r in ("training", "indexer", "service", "."))}, capture_output=True, text=True)
+    proc = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": CHECKOUT_PATH}, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # KiB -> GiB (the largest child's)
     res: dict[str, Any] = {"command": f"gare-index tune --index INDEX --from-bank BANK --tune-queries {n_queries}",
