@@ -8,10 +8,15 @@ memory-mapped store. Elsewhere (CUDA, or a layout the kernel cannot read) it is 
 once, ascending (memmap friendly), as one :class:`gare.psi_fold_videos.VideoConstants` on the device, and each
 query's candidates as positions in it. Either way the constants are the stored ones when they are valid for the
 model's psi, else the ones folded in memory for the version (:func:`gare_index.psi_consts.served`).
+
+A :class:`gare_index.resident_version.ResidentVersion` (the version copied onto the device) gives the same
+VideoConstants by index_select on its device tensors: no host array is read and no candidate row crosses from
+the host (only the candidates' row numbers do).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from dataclasses import dataclass
@@ -25,7 +30,11 @@ from gare.psi_fold_videos import VideoConstants
 from gare.psi_fold_weights import PsiFold
 from gare_index import psi_consts
 from gare_index.frame_quant import QuantFrames
+from gare_index.resident import ResidentIndex
+from gare_index.resident_version import ResidentVersion
 from gare_index.version_protocol import PsiVersion
+
+log = logging.getLogger(__name__)
 
 _LOCK = threading.Lock()
 
@@ -115,6 +124,24 @@ def unpad(s: np.ndarray, sizes: list[int]) -> np.ndarray:
     return np.concatenate([s[i, :k] for i, k in enumerate(sizes)]) if len(sizes) > 1 else s[0, : sizes[0]].copy()
 
 
+_RESIDENT_WARNED: set[tuple[str, str]] = set()  # (version name, psi fingerprint) warned about once
+
+
+def _resident_serves(resident: ResidentIndex, fold: PsiFold, device: torch.device) -> bool:
+    """Whether a rerank on `device` with psi `fold` reads `resident`: its constants are `fold`'s, and the rerank
+    runs where the copy lives (a CUDA rerank on a CUDA copy; the CPU only for a CPU copy: a GPU-resident index
+    reranked on the CPU keeps the compiled kernel over the memory maps, what RerankSettings.device="cpu" asks)."""
+    if resident.fingerprint != fold.fingerprint:
+        key = (resident.name, fold.fingerprint)
+        if key not in _RESIDENT_WARNED:
+            _RESIDENT_WARNED.add(key)
+            log.warning("index version %s: its resident copy holds psi constants %s, the model's psi is %s; "
+                        "reranking from the host arrays (logged once)", resident.name, resident.fingerprint[:12],
+                        fold.fingerprint[:12])
+        return False
+    return bool(resident.devices) and device.type == resident.devices[0].type
+
+
 def candidate_constants(model: PsiModel, version: PsiVersion, rows: np.ndarray, sizes: list[int],
                         device: torch.device) -> CandidateConstants:
     """Everything the psi pair stage needs to score the candidates `rows` (flat (Σ K_i,) row numbers, query i's
@@ -122,6 +149,16 @@ def candidate_constants(model: PsiModel, version: PsiVersion, rows: np.ndarray, 
     version, the kernel's views with the rows themselves (read in place); elsewhere the unique rows' constants
     on `device` with each candidate's position among them. Padded to the batch's largest K (:func:`padded`)."""
     fold = psi_consts.fold_of(model)
+    if isinstance(version, ResidentVersion):
+        if _resident_serves(version.resident, fold, device):
+            # the candidates' rows by index_select on the device copy: no host array is read
+            uniq, inv = np.unique(rows, return_inverse=True)
+            with torch.inference_mode():
+                videos = version.resident.gather(uniq, device)
+            qfold = _cpu_fold(fold) if device.type == "cpu" and fold.device.type != "cpu" else fold
+            return CandidateConstants(fold=qfold, temp=model.cfg.temp, idx=padded(inv.reshape(-1), sizes),
+                                      kernel=None, videos=videos)
+        version = version.wrapped  # the host path over the memory-mapped version (its caches are per version)
     # the stored constants when valid (the check costs less than any gather), else those folded in memory
     if psi_consts.fold_status(version, fold) is None:
         consts = version.psi_consts

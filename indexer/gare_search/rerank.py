@@ -34,6 +34,7 @@ from gare.model_protocols import PsiModel
 from gare.psi_fold_queries import QueryFoldCache, fold_arrays, fold_queries
 from gare_index import psi_consts
 from gare_index.psi_candidates import candidate_constants, kernel_reads, unpad
+from gare_index.resident_version import ResidentVersion
 from gare_index.version_protocol import PsiVersion
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,12 @@ def fold_usable(model: PsiModel, version: PsiVersion) -> bool:
 
 def prepare(model: PsiModel, version: PsiVersion) -> None:
     """Get `version` ready for the rerank: fold its constants in memory now (one WARNING) when it stores no
-    valid ones, so that no request pays for it."""
+    valid ones, so that no request pays for it. A resident version whose device copy holds this psi's
+    constants needs nothing (its rerank reads the copy); otherwise its wrapped version is prepared."""
+    if isinstance(version, ResidentVersion):
+        if version.resident.fingerprint == psi_consts.fold_of(model).fingerprint:
+            return
+        version = version.wrapped
     psi_consts.served(model, version)
 
 
