@@ -294,17 +294,18 @@ class ResidentIndex:
         keys, coss, idss = [], [], []
         out_dev = self.shards[0].device
         with torch.inference_mode():
+            # every device's product is launched before any top-k waits on the host (the tie check), so that
+            # several GPUs compute their ranges at the same time
+            scored = []
             for sh in self.shards:
-                m = sh.stop - sh.start
-                if m == 0:
-                    continue
-                s = torch.mm(host.to(sh.device), sh.stage1.t())  # (a, m) cosines
-                key = s + sh.biases if ncl_stage1 else s
-                ids = sh.ids.expand(a, m)
-                p = _topk_by_id(key, sh.ids, min(k, m))  # (a, k')
+                if sh.stop > sh.start:
+                    s = torch.mm(host.to(sh.device), sh.stage1.t())  # (a, m) cosines
+                    scored.append((sh, s, s + sh.biases if ncl_stage1 else s))
+            for sh, s, key in scored:
+                p = _topk_by_id(key, sh.ids, min(k, sh.stop - sh.start))  # (a, k') positions in the range
                 keys.append(key.gather(1, p).to(out_dev))
                 coss.append(s.gather(1, p).to(out_dev))
-                idss.append(ids.gather(1, p).to(out_dev))
+                idss.append(sh.ids[p].to(out_dev))
             if not keys:
                 return np.full((a, k), -np.inf, np.float32), np.full((a, k), -1, np.int64)
             key, cos, ids = (x[0] if len(x) == 1 else torch.cat(x, 1) for x in (keys, coss, idss))
