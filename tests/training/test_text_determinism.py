@@ -275,3 +275,17 @@ def test_cuda_batch_of_32_is_one_forward(cuda_model, captions, kind, graph):
         before = enc.forward_passes
         enc(cuda_model.tokenize(texts))
         assert enc.forward_passes - before == passes, (len(texts), enc.forward_passes - before)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graph_refuses_moved_weights(cuda_model, captions):
+    """A captured graph reads the weights where they were at capture: after the model moved it raises instead of
+    reading freed memory."""
+    enc = cuda_encoder(cuda_model, "model-fp32", True)
+    assert enc.tower.graph
+    enc.encode(captions[:2])
+    cuda_model.to("cpu")
+    cuda_model.to("cuda")
+    with pytest.raises(RuntimeError, match="weights moved since its CUDA graph was captured"):
+        enc.encode(captions[:2])

@@ -205,9 +205,10 @@ class FixedShapeEncoder:
             raise RuntimeError("the text tower's weights moved since its CUDA graph was captured (the model was "
                                "moved or its tensors replaced); build the encoder again")
         assert self._static_in is not None and self._static_out is not None
-        self._static_in.copy_(x)
-        self._graph.replay()
-        return self._static_out[:n].float().clone()  # clone: the next replay overwrites the static output
+        with torch.cuda.device(self.device):  # the graph's device, whatever device is current
+            self._static_in.copy_(x)
+            self._graph.replay()
+            return self._static_out[:n].float().clone()  # clone: the next replay overwrites the static output
 
     def _capture(self) -> None:
         """Capture the fixed-shape forward in a CUDA graph (warm-up on a side stream first); on failure log
@@ -222,7 +223,8 @@ class FixedShapeEncoder:
                         self.tower_fn(static_in)
                 torch.cuda.current_stream(self.device).wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
+                # thread_local: another thread's CUDA calls (a search running beside the build) do not void the capture
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                     static_out = self.tower_fn(static_in)
                 torch.cuda.synchronize(self.device)
         except Exception as e:  # noqa: BLE001 - any capture failure (an op that syncs, an unsupported kernel): eager

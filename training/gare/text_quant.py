@@ -294,9 +294,12 @@ def model_encoder(model: nn.Module, precision: str = "fp32", *, rows: int = DEFA
             raise RuntimeError("the model of this text encoder is gone")
         return m.encode_text(tokens)
 
-    weights = [*model.parameters(), *model.buffers()] if cuda_graph else []
+    # what the text tower reads (not the video tower, temporal transformer or psi): checked before each replay
+    clip = getattr(model, "clip", model)
+    weights = [t for n, t in [*clip.named_parameters(), *clip.named_buffers()] if not n.startswith("visual.")]
     return FixedShapeEncoder(autocast_tower(encode, dev, precision), rows, query_context(model), dev,
-                             cuda_graph=cuda_graph, probe=_probe(model) if check else None, weights=weights,
+                             cuda_graph=cuda_graph, probe=_probe(model) if check else None,
+                             weights=weights if cuda_graph else (),
                              kind=f"model-{precision}")
 
 
