@@ -29,22 +29,22 @@ def captions() -> list[str]:
 
 
 class Recording:
-    """The model's own tower, recording the shape of every call it gets."""
+    """A tower (the model's own encode_text), recording the shape of every call it gets."""
 
-    def __init__(self, model: GARE) -> None:
-        self.model = model
+    def __init__(self, encode) -> None:
+        self.encode = encode
         self.shapes: list[tuple[int, ...]] = []
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         self.shapes.append(tuple(tokens.shape))
-        return self.model.encode_text(tokens)
+        return self.encode(tokens)
 
 
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 32, 41])
 def test_every_tower_call_has_the_fixed_shape(model, captions, n):
     """n texts (tokens as the tokenizer pads them, or trimmed to the longest) -> ceil(n / rows) calls, each of
     exactly (rows, context); the rows kept are the real texts', in order."""
-    rec = Recording(model)
+    rec = Recording(model.encode_text)
     enc = FixedShapeEncoder(rec, 8, model.cfg.max_words, "cpu")
     texts = (captions * 2)[:n]
     tokens = model.tokenize(texts)
@@ -55,6 +55,16 @@ def test_every_tower_call_has_the_fixed_shape(model, captions, n):
     rec.shapes.clear()
     assert torch.equal(enc(Q.trim_tokens(tokens)), full)  # fewer columns: padded back to the context
     assert rec.shapes == [(8, model.cfg.max_words)] * -(-n // 8)
+
+
+def test_the_search_encoder_calls_the_model_at_the_fixed_shape_only(model, captions, monkeypatch):
+    """The service's encoder with the fixed scheme (built, its device check run, before recording): every call
+    of the model's encode_text is (rows, context), 35 texts in 5 calls of 8 rows."""
+    enc = load_query_encoder(model, "fp32", "cpu", "fp32", scheme="fixed", rows=8)
+    rec = Recording(model.encode_text)
+    monkeypatch.setattr(model, "encode_text", rec)
+    t = enc.encode(captions + captions[:3])
+    assert rec.shapes == [(8, model.cfg.max_words)] * 5 and t.shape == (35, model.cfg.embed_dim)
 
 
 def test_fixed_shape_equals_per_text_up_to_rounding(model, captions):

@@ -27,7 +27,9 @@ Batch invariance: a text's embedding is the same bits whatever else is in its ba
 the batch is padded. A batched float GEMM's rounding may depend on the row count M (MKL/oneDNN/cuBLAS pick
 their blocking and kernels by shape), attention and activations see the padded length, and a dynamic int8
 scale taken over the batch depends on the other texts; so "alone" and "in a batch" are made the same
-computation by construction, not by measurement. The scheme of each tower on each device:
+computation by construction (per text, packed rows) or the same kernel launches (fixed shapes, where a row's
+independence of its place and neighbours is checked on the device at build). The scheme of each tower on each
+device:
 - the model's own tower (``"fp32"``, at the search precision) on CUDA, and the fp16 tower (CUDA only): fixed
   shapes (``gare.text_fixed.FixedShapeEncoder``, :func:`model_encoder`): tokens padded to the model's query
   context (``cfg.max_words``, what its tokenizer pads to) and texts in chunks of ``rows`` (default 32) padded
