@@ -7,6 +7,7 @@ returns t as the text tower gives it; stage 1 uses the unit rows (:func:`unit_ro
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -14,7 +15,8 @@ import torch
 
 from gare.model import autocast
 from gare.model_protocols import SearchModel
-from gare.text_quant import encode_each
+from gare.text_fixed import DEFAULT_ROWS, FixedShapeEncoder, resolve_scheme
+from gare.text_quant import encode_each, model_encoder
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,25 @@ def trim_tokens(tokens: torch.Tensor) -> torch.Tensor:
     return tokens[:, :last]
 
 
+# model -> {(device, precision, rows): its own tower at fixed shapes}, built (and its device checked) once per
+# model; weak keys, and the encoders refer to their model weakly, so a model's entry goes with it
+_FIXED: weakref.WeakKeyDictionary[SearchModel, dict[tuple[str, str, int], FixedShapeEncoder]] = weakref.WeakKeyDictionary()
+
+
+def own_encoder(model: SearchModel, precision: str = "fp32", *, scheme: str = "auto",
+                rows: int = DEFAULT_ROWS) -> FixedShapeEncoder | None:
+    """The model's own tower as ``scheme`` runs it on the model's device (gare.text_fixed.SCHEMES; "auto": fixed
+    shapes on CUDA, per text elsewhere): a fixed-shape encoder (eager, built once per model, device, precision
+    and rows), or None for per text (:func:`encode_queries` runs :func:`gare.text_quant.encode_each`)."""
+    if resolve_scheme(scheme, model.device.type) == "per-text":
+        return None
+    key = (str(model.device), precision, int(rows))
+    built = _FIXED.setdefault(model, {})
+    if key not in built:
+        built[key] = model_encoder(model, precision, rows=rows)
+    return built[key]
+
+
 def encode_queries(
     model: SearchModel,
     texts: Sequence[str],
@@ -62,19 +83,25 @@ def encode_queries(
     *,
     trim: bool = True,
     tower: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    scheme: str = "auto",
+    rows: int = DEFAULT_ROWS,
 ) -> torch.Tensor:
     """Texts -> t (a, d) float32 on the model's device (un-normalised: psi needs |t|).
 
-    Batch-invariant: a text's embedding is the same bits alone or in any batch (the scheme is in
+    Batch-invariant: a text's embedding is the same bits alone or in any batch (the schemes are in
     gare.text_quant's docstring), so the service's micro-batches, its query cache and this offline path
-    agree. `tower`: a gare.text_quant encoder (int8, fp32-packed, fp16: batch-invariant themselves) instead
-    of the model's own encoder, which runs each text alone at its own length under `precision`'s autocast.
+    agree. `tower`: a gare.text_quant encoder (int8, fp32-packed, fp16, or the model's own at fixed shapes:
+    batch-invariant themselves) instead of the model's own encoder under `precision`'s autocast, which runs as
+    `scheme` says (:func:`own_encoder`: on CUDA at fixed shapes of `rows` texts, on the CPU each text alone at its
+    own length, unless `scheme` says otherwise).
     `trim=False` (the model's own encoder only): the whole batch in one call at the full context length,
     what training computes; not batch-invariant, a reference for comparisons.
     """
     if not texts:
         return torch.zeros(0, model.cfg.embed_dim, device=model.device)
     tokens = model.tokenize(list(texts))
+    if tower is None and trim:
+        tower = own_encoder(model, precision, scheme=scheme, rows=rows)
     if tower is not None:
         return tower(tokens).to(model.device).float()
     with torch.inference_mode(), autocast(model.device, precision):

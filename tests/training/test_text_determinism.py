@@ -1,5 +1,7 @@
 """Issue 24: a query's embedding is the same bits alone and inside any batch, on every text tower, and the
-service's encoder gives the offline path's bits (gare.text_quant's docstring has the scheme).
+service's encoder gives the offline path's bits (gare.text_quant's docstring has the scheme). Every tower and
+scheme the CPU has (the model's own tower per text and at fixed shapes, int8, fp32-packed) is checked here with
+real captions at several places in a batch and across fixed-shape chunks; the CUDA towers by the `gpu` tests.
 
 Before the fix the int8 tower quantised activations with one scale per batch, and every tower saw the batch's
 padding and row count: run on that code, the model's own encoder and the int8 tower gave other bits for a caption
@@ -17,9 +19,11 @@ import pytest
 import torch
 
 from gare.model import GARE
+from gare.text_fixed import DEFAULT_ROWS, FixedShapeEncoder
 from gare.text_quant import CUDA_TEXT_ENCODERS, QMAX, TEXT_ENCODERS, build_text_encoder, encode_each
 from gare_search import query as Q
 from gare_search import search as S
+from gare_search.text_encoder import load_query_encoder
 from gare_serve.engine.batch_worker import Job
 from gare_serve.engine.prometheus import Metrics
 from gare_serve.engine.state import ServiceState
@@ -76,9 +80,54 @@ def assert_batch_invariant(encode: Callable[[list[str]], torch.Tensor], texts: l
     assert torch.equal(rev, batch)
 
 
+def assert_invariant_at_places(encode: Callable[[list[str]], torch.Tensor], texts: list[str]) -> torch.Tensor:
+    """Each text alone == its row in the batch of all texts rotated by 0, 5 and 19 (every text at three places)
+    == its rows in a batch of len(texts) + 9 (> 32: a fixed-shape encoder's chunks crossed, the first 9 texts
+    again in the last chunk); torch.equal. Returns the texts alone (a, d)."""
+    alone = torch.cat([encode([t]) for t in texts])
+    for k in (0, 5, 19):
+        got = encode(texts[k:] + texts[:k])
+        differ = [(i + k) % len(texts) for i in range(len(texts)) if not torch.equal(got[i], alone[(i + k) % len(texts)])]
+        assert not differ, f"rotated by {k}: {len(differ)} texts differ from alone, e.g. {texts[differ[0]]!r}"
+    assert torch.equal(encode(texts + texts[:9]), torch.cat([alone, alone[:9]]))
+    return alone
+
+
 def test_model_encoder_is_batch_invariant(model, captions):
     """The model's own encoder (the service's `text_encoder: fp32`, the offline default)."""
     assert_batch_invariant(model_own(model), captions)
+
+
+# every scheme the model's own tower has on the CPU: name -> (precision, scheme, rows); per text is the CPU
+# default, "fixed" the code CUDA runs by default (rows 32: one chunk per 32 texts; rows 8: four chunks). bf16's
+# fixed shape passes the same build-time check (tests/training/test_text_fixed.py)
+OWN_CPU_SCHEMES = {
+    "fp32-per-text": ("fp32", "per-text", DEFAULT_ROWS),
+    "fp32-fixed": ("fp32", "fixed", DEFAULT_ROWS),
+    "fp32-fixed-8rows": ("fp32", "fixed", 8),
+}
+
+
+@pytest.mark.parametrize("name", list(OWN_CPU_SCHEMES))
+def test_model_encoder_schemes_are_invariant_at_every_place(model, captions, name):
+    """The model's own tower as the service builds it (load_query_encoder) and as encode_queries runs it with the
+    same scheme: a text alone == inside 32 mixed-length texts at three places and across chunks, bit for bit."""
+    precision, scheme, rows = OWN_CPU_SCHEMES[name]
+    enc = load_query_encoder(model, "fp32", "cpu", precision, scheme=scheme, rows=rows)
+    assert isinstance(enc.tower, FixedShapeEncoder) == (scheme == "fixed")
+    if scheme == "fixed":  # this CPU keeps a row's bits at the fixed shape: if it did not, the tower says so here
+        assert enc.tower.fixed, enc.tower.failures
+        assert enc.variant == f"model-{precision}@{rows}x{model.cfg.max_words}"
+    else:
+        assert enc.variant == precision
+    alone = assert_invariant_at_places(enc.encode, captions)
+    offline = S.encode_queries(model, captions, precision, scheme=scheme, rows=rows)
+    assert torch.equal(offline, alone)
+
+
+@pytest.mark.parametrize("kind", CPU_TOWERS)
+def test_cpu_tower_is_invariant_at_every_place(model, captions, kind):
+    assert_invariant_at_places(with_tower(model, kind), captions)
 
 
 @pytest.mark.parametrize("kind", CPU_TOWERS)
@@ -163,17 +212,80 @@ def test_service_encoder_equals_offline(service_states, captions, kind):
             assert [h.score for h in r.hits] == pytest.approx([h.score for h in want.hits], abs=1e-5)
 
 
+CUDA_KINDS = [*CUDA_TEXT_ENCODERS, "model-fp32", "model-fp16", "model-bf16"]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture()
+def cuda_model(model):
+    """The module's model on the GPU for one test, back on the CPU after it."""
+    yield model.to("cuda")
+    model.to("cpu")
+
+
+def cuda_encoder(model: GARE, kind: str, cuda_graph: bool, rows: int = DEFAULT_ROWS):
+    """The service's encoder for a CUDA kind: the fp16 tower, or "model-<precision>" the model's own tower."""
+    if kind.startswith("model-"):
+        return load_query_encoder(model, "fp32", "cuda", kind.removeprefix("model-"), rows=rows, cuda_graph=cuda_graph)
+    return load_query_encoder(model, kind, "cuda", "fp32", rows=rows, cuda_graph=cuda_graph)
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("kind", [*CUDA_TEXT_ENCODERS, "model-fp32", "model-fp16", "model-bf16"])
-def test_cuda_encoders_are_batch_invariant(model, captions, kind):
-    """The same scheme on CUDA: the half-precision towers and the model's own encoder under autocast."""
-    m = model.to("cuda")
-    try:
-        if kind.startswith("model-"):
-            precision = kind.removeprefix("model-")
-            assert_batch_invariant(lambda texts: S.encode_queries(m, texts, precision), captions)
-        else:
-            assert_batch_invariant(with_tower(m, kind), captions)
-    finally:
-        model.to("cpu")
+@needs_cuda
+@pytest.mark.parametrize("kind", CUDA_KINDS)
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_cuda_encoders_are_batch_invariant(cuda_model, captions, kind, graph):
+    """The CUDA schemes (fixed shapes, eager and replayed from a CUDA graph): a text alone == inside 32
+    mixed-length texts at three places and across chunks, bit for bit. The encoder must run the fixed shape
+    (a device whose kernels round a row by its place fails here, naming what its build-time check found) and,
+    with `graph`, the captured graph (a failed capture fails here)."""
+    enc = cuda_encoder(cuda_model, kind, graph)
+    assert isinstance(enc.tower, FixedShapeEncoder)
+    assert enc.tower.fixed, f"{kind}: the fixed shape breaks invariance on this GPU: {enc.tower.failures}"
+    assert enc.tower.graph == graph, f"{kind}: CUDA graph capture failed (see the warning)"
+    assert_invariant_at_places(enc.encode, captions)
+    assert_batch_invariant(enc.encode, captions)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kind", CUDA_KINDS)
+def test_cuda_graph_equals_eager_and_offline(cuda_model, captions, kind):
+    """The graph replays the eager forward's kernels: the same bits; and the offline path (encode_queries, eager
+    at the default rows) gives the service's bits."""
+    eager, graph = cuda_encoder(cuda_model, kind, False), cuda_encoder(cuda_model, kind, True)
+    assert graph.tower.graph and eager.variant == graph.variant
+    want = eager.encode(captions)
+    assert torch.equal(graph.encode(captions), want)
+    if kind.startswith("model-"):
+        assert torch.equal(S.encode_queries(cuda_model, captions, kind.removeprefix("model-")), want)
+    else:
+        assert torch.equal(S.encode_queries(cuda_model, captions, tower=build_text_encoder(cuda_model, kind)), want)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kind", CUDA_KINDS)
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_cuda_batch_of_32_is_one_forward(cuda_model, captions, kind, graph):
+    """The cost claim in calls, not time: 32 texts are one fixed-shape forward (or graph replay), 41 texts two,
+    one text one."""
+    enc = cuda_encoder(cuda_model, kind, graph).tower
+    for texts, passes in ((captions, 1), (captions + captions[:9], 2), (captions[:1], 1)):
+        before = enc.forward_passes
+        enc(cuda_model.tokenize(texts))
+        assert enc.forward_passes - before == passes, (len(texts), enc.forward_passes - before)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graph_refuses_moved_weights(cuda_model, captions):
+    """A captured graph reads the weights where they were at capture: after the model moved it raises instead of
+    reading freed memory."""
+    enc = cuda_encoder(cuda_model, "model-fp32", True)
+    assert enc.tower.graph
+    enc.encode(captions[:2])
+    cuda_model.to("cpu")
+    cuda_model.to("cuda")
+    with pytest.raises(RuntimeError, match="weights moved since its CUDA graph was captured"):
+        enc.encode(captions[:2])

@@ -16,8 +16,9 @@ Towers (:func:`build_text_encoder`, ``kind``), one per device, each the measured
 - ``"fp16"`` (CUDA): :class:`TextTower` with its weights stored in half precision on the model's GPU (no
   autocast casts per layer: at the service's batch sizes the tower is launch-bound, and autocast's casts made
   fp16 slower than fp32 there); the projection to t stays fp32.
-The model's own tower (``GARE.encode_text``, run per text by :func:`encode_each`) is the exact reference and the
-search's ``"fp32"`` option. Asking for int8 on a CUDA model or fp16 on the CPU raises :class:`ValueError`.
+The model's own tower (``GARE.encode_text``) is the exact reference and the search's ``"fp32"`` option: per text
+(:func:`encode_each`) or at fixed shapes (:func:`model_encoder`), below. Asking for int8 on a CUDA model or fp16
+on the CPU raises :class:`ValueError`.
 
 Every encoder is a callable ``tokens (a, L) int64 -> t (a, d) float32`` on the model's device, L <= context
 length; the embedding is un-normalised like ``GARE.encode_text`` (psi needs |t|).
@@ -26,22 +27,36 @@ Batch invariance: a text's embedding is the same bits whatever else is in its ba
 the batch is padded. A batched float GEMM's rounding may depend on the row count M (MKL/oneDNN/cuBLAS pick
 their blocking and kernels by shape), attention and activations see the padded length, and a dynamic int8
 scale taken over the batch depends on the other texts; so "alone" and "in a batch" are made the same
-computation by construction, not by measurement:
-- fp16 (and the model's own encoder, :func:`encode_each`): every text runs alone at its own length (a batch of
-  one, L = its EOT position + 1), the same shapes as when it is sent alone;
-- int8 and fp32-packed: the texts' tokens are packed back to back without padding (T rows); every op on the
-  packed rows computes each row on its own, and what mixes rows runs per text (``gare.text_packed``). int8's
+computation by construction (per text, packed rows) or the same kernel launches (fixed shapes, where a row's
+independence of its place and neighbours is checked on the device at build). The scheme of each tower on each
+device:
+- the model's own tower (``"fp32"``, at the search precision) on CUDA, and the fp16 tower (CUDA only): fixed
+  shapes (``gare.text_fixed.FixedShapeEncoder``, :func:`model_encoder`): tokens padded to the model's query
+  context (``cfg.max_words``, what its tokenizer pads to) and texts in chunks of ``rows`` (default 32) padded
+  with filler rows, so every forward has the one shape (rows, context) and a text alone runs the same kernels as
+  beside 31 others; optionally replayed from a CUDA graph (same kernels, same bits). Why: a GPU forward at
+  query sizes is launch-bound, so per text 32 texts cost ~32x one, and at a fixed shape ~1x. A row's bits not
+  depending on its place and neighbours within one launch is checked when the encoder is built (probe texts);
+  a device that fails runs each text alone instead, with a warning;
+- the model's own tower on the CPU: each text alone at its own length (:func:`encode_each`, the shapes it has
+  when sent alone), by default: a CPU forward is compute-bound, and padding to a fixed shape would multiply its
+  work; the fixed-shape scheme is selectable there too (``scheme="fixed"``, the code the GPU runs);
+- int8 and fp32-packed (CPU): the texts' tokens are packed back to back without padding (T rows); every op on
+  the packed rows computes each row on its own, and what mixes rows runs per text (``gare.text_packed``). int8's
   products are exact integer sums, so its rows are independent by construction; fp32-packed's float GEMMs are
   checked for it on the machine when the tower is built, and a tower that fails the check runs each text alone
-  (as fp16) instead, with a warning. This keeps the towers' batching, which a batch of one would lose.
-The guarantee is per machine and thread count (a different CPU or ``torch.set_num_threads`` may round
-differently, for a text alone as in a batch).
+  instead, with a warning. This keeps the towers' batching, which a batch of one would lose.
+Per text and fixed shapes give a text other bits (other shapes, other rounding; ~1e-6 apart at fp32), each
+invariant on its own, so the scheme is part of what made an embedding (``gare_search.text_encoder``'s variant).
+The guarantee is per machine and thread count (a different CPU or GPU, or ``torch.set_num_threads``, may
+round differently, for a text alone as in a batch).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +64,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gare.text_fixed import DEFAULT_ROWS, FixedShapeEncoder, autocast_tower, encode_each
 from gare.text_packed import Fp32RowLinear, PackedTextTower, rows_independent, token_lengths
 
 log = logging.getLogger(__name__)
@@ -68,19 +84,15 @@ DEFAULT_CUDA_TEXT_ENCODER = "fp16"
 # so every x86 kernel sums exactly, and float32 holds the int32 sums exactly up to K = 2^24 / 63^2 = 4227.
 QMAX = 63
 
+# The texts a fixed-shape encoder checks its device with (FixedShapeEncoder.check): short, middling, and one that
+# fills any query context, so that a row's place and its neighbours' lengths both vary.
+PROBE_TEXTS = ("a", "a man plays the guitar on a stage at night",
+               "a yellow square sits still, then a violet plus sign bounces quickly across a black screen while "
+               "two small red circles move slowly to the left and a green line grows from the bottom to the top")
+
 __all__ = ["TEXT_ENCODERS", "CUDA_TEXT_ENCODERS", "DEFAULT_CPU_TEXT_ENCODER", "DEFAULT_CUDA_TEXT_ENCODER", "QMAX", "half_tower", "TextTower",
-           "Int8Linear", "Int8TextTower", "fp32_packed_encoder", "token_lengths", "encode_each", "build_text_encoder", "quantize_int8"]
-
-
-def encode_each(encode: Callable[[torch.Tensor], torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
-    """``encode`` run on every text alone at its own length: tokens (a, L) -> t (a, d).
-
-    Text i gets ``encode(tokens[i:i+1, :L_i])``, exactly the call it gets when it is sent alone, so its
-    embedding cannot depend on the rest of the batch (see the module docstring). ``a`` must be >= 1.
-    """
-    if tokens.shape[0] == 0:
-        raise ValueError("encode_each needs at least one text")
-    return torch.cat([encode(tokens[i : i + 1, :n]) for i, n in enumerate(token_lengths(tokens))])
+           "Int8Linear", "Int8TextTower", "fp32_packed_encoder", "token_lengths", "encode_each", "build_text_encoder", "quantize_int8",
+           "DEFAULT_ROWS", "PROBE_TEXTS", "query_context", "model_encoder", "describe"]
 
 
 class _Attention(nn.Module):
@@ -224,6 +236,10 @@ class _TorchEncoder:
         self.device = torch.device(device)
         self.per_text = per_text
 
+    @property
+    def scheme(self) -> str:
+        return "per text" if self.per_text else "packed rows"
+
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         tokens = tokens.to(self.device)
         with torch.inference_mode():
@@ -238,6 +254,55 @@ def fp32_packed_encoder(tower: PackedTextTower) -> Callable[[torch.Tensor], torc
         log.warning("text encoder fp32-packed: this CPU's float GEMM is not row-independent (%s); encoding one "
                     "text at a time (the same bits, without the batching's speed)", failures[0])
     return _TorchEncoder(tower, "fp32-packed", per_text=bool(failures))
+
+
+def query_context(model: nn.Module) -> int:
+    """The token length a query is tokenized to: a GARE model's ``cfg.max_words`` (its tokenizer pads to it),
+    else the CLIP text context (``context_length``, what open_clip's tokenizer pads to)."""
+    cfg = getattr(model, "cfg", None)
+    if cfg is not None and getattr(cfg, "max_words", None):
+        return int(cfg.max_words)
+    clip = getattr(model, "clip", model)
+    return int(getattr(clip, "context_length", clip.positional_embedding.shape[0]))
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    dev = getattr(model, "device", None)
+    return torch.device(dev) if dev is not None else next(model.parameters()).device
+
+
+def _probe(model: nn.Module) -> torch.Tensor | None:
+    """PROBE_TEXTS tokenized by the model (None for a model without a tokenizer: no device check)."""
+    tokenize = getattr(model, "tokenize", None)
+    if tokenize is None:
+        log.info("text encoder: %s has no tokenize(); the fixed-shape device check is skipped", type(model).__name__)
+        return None
+    return tokenize(list(PROBE_TEXTS))
+
+
+def model_encoder(model: nn.Module, precision: str = "fp32", *, rows: int = DEFAULT_ROWS, cuda_graph: bool = False,
+                  check: bool = True) -> FixedShapeEncoder:
+    """The model's own tower (``model.encode_text`` under ``precision``'s autocast) at the fixed shape
+    (rows, :func:`query_context`) on the model's device (``gare.text_fixed``). ``check``: probe the device at
+    build (PROBE_TEXTS). The encoder refers to the model weakly (a cache of encoders must not keep models alive);
+    with ``cuda_graph`` it reads the weights where they were at capture (moving the model afterwards makes a call
+    raise)."""
+    dev = _model_device(model)
+    ref = weakref.ref(model)
+
+    def encode(tokens: torch.Tensor) -> torch.Tensor:  # (rows, L) -> (rows, d) float32
+        m = ref()
+        if m is None:
+            raise RuntimeError("the model of this text encoder is gone")
+        return m.encode_text(tokens)
+
+    # what the text tower reads (not the video tower, temporal transformer or psi): checked before each replay
+    clip = getattr(model, "clip", model)
+    weights = [t for n, t in [*clip.named_parameters(), *clip.named_buffers()] if not n.startswith("visual.")]
+    return FixedShapeEncoder(autocast_tower(encode, dev, precision), rows, query_context(model), dev,
+                             cuda_graph=cuda_graph, probe=_probe(model) if check else None,
+                             weights=weights if cuda_graph else (),
+                             kind=f"model-{precision}")
 
 
 def half_tower(model: nn.Module, kind: str) -> TextTower:
@@ -255,14 +320,20 @@ def half_tower(model: nn.Module, kind: str) -> TextTower:
     return tower.eval()
 
 
-def build_text_encoder(model: nn.Module, kind: str = DEFAULT_CPU_TEXT_ENCODER) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The text tower ``kind`` of a GARE model: ``tokens (a, L) -> t (a, d) float32`` on its device."""
+def build_text_encoder(model: nn.Module, kind: str = DEFAULT_CPU_TEXT_ENCODER, *, rows: int = DEFAULT_ROWS,
+                       cuda_graph: bool = True) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The text tower ``kind`` of a GARE model: ``tokens (a, L) -> t (a, d) float32`` on its device.
+
+    ``rows``, ``cuda_graph``: the CUDA towers' fixed shape (rows texts per forward) and whether its forward is
+    replayed from a CUDA graph (module docstring); the CPU towers pack rows and ignore both."""
     if kind not in TEXT_ENCODERS:
         raise ValueError(f"unknown text encoder {kind!r}; choose one of {', '.join(TEXT_ENCODERS)} "
                          "(or the model's own tower)")
     if kind in CUDA_TEXT_ENCODERS:
         tower = half_tower(model, kind)
-        return _TorchEncoder(tower, kind, tower.text_projection.device)
+        # the encoder owns the tower (its own copy of the weights): nothing can move them under a graph
+        return FixedShapeEncoder(tower, rows, query_context(model), tower.text_projection.device,
+                                 cuda_graph=cuda_graph, probe=_probe(model), kind=kind)
     _check_cpu(model, kind)
     if kind == "fp32-packed":
         return fp32_packed_encoder(PackedTextTower(TextTower.from_model(model), Fp32RowLinear))
@@ -270,4 +341,7 @@ def build_text_encoder(model: nn.Module, kind: str = DEFAULT_CPU_TEXT_ENCODER) -
 
 
 def describe(encoder: Any) -> str:
-    return getattr(encoder, "kind", type(encoder).__name__)
+    """An encoder's kind and scheme, for logs: e.g. "int8 (packed rows)", "fp16 (fixed 32x32, CUDA graph)"."""
+    kind = getattr(encoder, "kind", None) or type(encoder).__name__
+    scheme = getattr(encoder, "scheme", None)
+    return f"{kind} ({scheme})" if scheme else kind
