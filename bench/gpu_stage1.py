@@ -11,10 +11,12 @@
   whose recall@256 of the exact top-10 is >= the target); for each, recall on both query sets, p50 for
   1 and 32 queries, and the CPU master copy's answers against the GPU copy's on the same data.
 - ``index_build``: `gare_build.build.build` (the code behind `gare-index build`) over generated mp4s
-  (``write_videos``, ``--build-videos``) with the ViT-B/32 vision tower (random weights), fp32 and bf16:
-  frames/s decoded and encoded (decode in worker processes, overlapped; the workers hand on uint8 frames,
-  normalised on the GPU).
-- ``http_search``: a 1M-entry gallery in the real index format (serve_bench.write_gallery), `gare-serve`
+  (``write_videos``, ``--build-videos``) with the ViT-B/32 vision tower (random weights), fp32 (``--build-precisions``)
+  and the CLI's ``--workers auto``: frames/s decoded and encoded (decode in worker processes, overlapped; the
+  workers hand on uint8 frames, normalised on the encoder's device), and where the encode loop's time went
+  (``RunReport.encode_stages``).
+- ``http_search``: a 1M-entry gallery in the real index format (write_gallery_device: serve_bench.write_gallery's
+  gallery drawn on the device), `gare-serve`
   on the device (one worker; the ANN on the GPU), closed-loop HTTP clients (serve_http.closed_loop): p50,
   p99 and q/s at 1 and 32 clients.
 """
@@ -409,36 +411,51 @@ def write_gallery_device(root: Path, n: int, ckpt: dict[str, Any], fold: Any, *,
 
 
 def write_videos(dest: Path, n: int, *, size: int = 224, seconds: float = 12.0, fps: float = 8.0) -> str:
-    """n seeded mp4 files (MPEG-4 Part 2, written by OpenCV's FFmpeg: the GPU machine has OpenCV but no PyAV)
-    of moving coloured blocks over a drifting background, in parallel threads; returns their description."""
+    """n seeded mp4 files of moving coloured blocks over a drifting background, in parallel threads: MPEG-4 Part 2
+    by OpenCV's FFmpeg where OpenCV is (the GPU machine has OpenCV but no PyAV), else H.264 by PyAV
+    (gare_train.synth.write_video: a CPU machine's smoke run); returns their description."""
     from concurrent.futures import ThreadPoolExecutor
 
-    import cv2
-
+    try:
+        import cv2
+    except ImportError:
+        cv2 = None
     dest.mkdir(parents=True, exist_ok=True)
     frames = int(round(seconds * fps))
 
-    def one(i: int) -> int:
+    def draw(i: int) -> np.ndarray:  # (T, S, S, 3) uint8
         rng = np.random.default_rng(i)
-        w = cv2.VideoWriter(str(dest / f"video{i:04d}.mp4"), cv2.VideoWriter_fourcc(*"mp4v"), fps, (size, size))
-        if not w.isOpened():
-            raise RuntimeError(f"OpenCV could not open an mp4v writer for {dest}")
         bg = rng.integers(0, 255, 3)
         blocks = [(rng.integers(0, size - 40, 2), rng.integers(-6, 7, 2), rng.integers(0, 255, 3), int(rng.integers(16, 48)))
                   for _ in range(4)]
+        out = np.empty((frames, size, size, 3), np.uint8)
         for t in range(frames):
-            f = np.empty((size, size, 3), np.uint8)
+            f = out[t]
             f[:] = (bg + 2 * t) % 255
             for pos, vel, col, side in blocks:
                 y, x = (pos + vel * t) % (size - side)
                 f[y:y + side, x:x + side] = col
+        return out
+
+    def one(i: int) -> int:
+        path = dest / f"video{i:04d}.mp4"
+        if cv2 is None:
+            from gare_train.synth import write_video
+
+            write_video(path, draw(i), fps)
+            return i
+        w = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (size, size))
+        if not w.isOpened():
+            raise RuntimeError(f"OpenCV could not open an mp4v writer for {dest}")
+        for f in draw(i):
             w.write(f)
         w.release()
         return i
 
     with ThreadPoolExecutor(min(16, os.cpu_count() or 2)) as ex:
         list(ex.map(one, range(n)))
-    return f"{n} mp4 (MPEG-4 Part 2 via OpenCV, {size}x{size}, {seconds:g} s at {fps:g} fps)"
+    codec = "MPEG-4 Part 2 via OpenCV" if cv2 is not None else "H.264 via PyAV (no OpenCV here)"
+    return f"{n} mp4 ({codec}, {size}x{size}, {seconds:g} s at {fps:g} fps)"
 
 
 SECTIONS = {"faiss_stage1": section_faiss_stage1, "http_search": section_http_search, "index_build": section_index_build}
@@ -523,7 +540,7 @@ def markdown(sec: dict[str, Any]) -> list[str]:
               f"vision tower (random weights), batch {ib['batch_size']}, {ib['decode_workers']} decode worker processes"
               + (f" on {ib['cores']} cores" if "cores" in ib else "")
               + (f" (decoded in batches of {ib['decode_batch']} videos; the workers send {ib['frames_sent']} frames, "
-                 "normalised on the GPU)" if "decode_batch" in ib else "") + ". "
+                 "normalised on the encoder's device)" if "decode_batch" in ib else "") + ". "
               "*frames/s* = frames decoded and encoded per second of the encode loop (decode overlapped); *wall* = the "
               "whole build (scan, checksums, encode, NCL biases, ANN, version write).", "",
               "| precision | videos | frames | frames/s | videos/s | encode s | wall s |", "|---|---|---|---|---|---|---|"]

@@ -258,7 +258,7 @@ def _loader_run(
 
 # Decode batches per worker the library is split into at least (when it is small enough to need splitting): with
 # one batch per worker every worker finishes at about the same time and the encoder starts only then (the H200 run
-# at 5215253, bench/results/gpu_bench.md: 600 videos in 16 batches of 38); with several, the encoder works on the
+# at 5215253, bench/results/history/gpu_bench_h200_5215253.md: 600 videos in 16 batches of 38); with several, the encoder works on the
 # first batches while the workers decode the next ones.
 DECODE_WAVES = 4
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gare.model import resolve_device
 from gare_build.discover import Clip
 from gare_build.tuning.version_tuning import Stage1Options
 from gare_index.ann_params import INDEX_TYPES
@@ -28,8 +29,6 @@ def auto_decode_workers(device: str) -> int:
     """Decode worker processes for ``--workers auto``: with the encoder on a GPU, decoding is the build's CPU work,
     so every usable core but one (the loop that feeds the GPU and writes the work cache) decodes; on the CPU the
     encoder needs the cores itself, so 2 (what the build always used there)."""
-    from gare.model import resolve_device
-
     try:
         on_gpu = resolve_device(device).type == "cuda"
     except (RuntimeError, ValueError):  # an unusable --device fails later with its own message
