@@ -126,12 +126,36 @@ def test_workers_auto_by_device(monkeypatch):
     assert auto_decode_workers("cuda") == 2
 
 
+def small_videos(dest: Path, n: int = 12) -> Path:
+    """n small mp4 files (32x32, 2 s at 8 fps, a moving block): PyAV's H.264 where PyAV is (tests.indexer.support),
+    else OpenCV's MPEG-4 Part 2 (the lent GPU machine has OpenCV and no PyAV)."""
+    import importlib.util
+
+    if importlib.util.find_spec("av") is not None:
+        from tests.indexer.support import make_corpus
+
+        return make_corpus(dest, n=n)
+    import cv2
+
+    out = dest / "videos"
+    out.mkdir(parents=True)
+    for i in range(n):
+        w = cv2.VideoWriter(str(out / f"video{i}.mp4"), cv2.VideoWriter_fourcc(*"mp4v"), 8.0, (32, 32))
+        assert w.isOpened()
+        for t in range(16):
+            f = np.full((32, 32, 3), (20 * i + 3 * t) % 255, np.uint8)
+            f[(2 * t) % 24:(2 * t) % 24 + 8, (i + t) % 24:(i + t) % 24 + 8] = (255 - 10 * i) % 255
+            w.write(f)
+        w.release()
+    return out
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_overlapped_loop_stores_the_plain_loops_bits(tmp_path, ckpt, corpus):
+def test_cuda_overlapped_loop_stores_the_plain_loops_bits(tmp_path, ckpt):
     """Pinned memory, non_blocking copies both ways and CUDA-event timing change no bit of what is stored."""
     dev = torch.device("cuda")
-    jobs = jobs_of(corpus)
+    jobs = jobs_of(small_videos(tmp_path / "corpus"))
     opts = BuildOptions(batch_size=4, workers=2, progress=False)
     model, cache, report, _ = run_encoder(tmp_path, ckpt, jobs, opts, dev)
     want = reference_features(model, jobs, decode_batch_size(len(jobs), 4, 2), dev)
