@@ -52,6 +52,11 @@ from support import git_commit  # noqa: E402
 D, FR, K = 512, 12, 256
 
 
+class SectionNotRun(Exception):
+    """A section that cannot run here for a stated reason (not a failure of what it measures): the report lists it
+    as not run, with the reason, and its targets as not measured."""
+
+
 # ------------------------------------------------------------------------------------------ timing
 def sync(dev: torch.device) -> None:
     if dev.type == "cuda":
@@ -221,7 +226,7 @@ def section_fidelity(ctx: dict[str, Any]) -> dict[str, Any]:
 
     dev, assets = ctx["dev"], ctx["args"].assets
     if assets is None or not (assets / "fidelity.json").exists():
-        raise FileNotFoundError(f"no fidelity assets under {assets} (make them with --prepare on the CPU)")
+        raise SectionNotRun(f"no fidelity inputs under {assets} (made on the CPU by --prepare, carried as .gpuassets)")
     meta = json.loads((assets / "fidelity.json").read_text())
     gal = load_file(str(assets / "gallery.safetensors"))
     model, _ = load_model(assets / "model.safetensors", dev)
@@ -909,6 +914,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             r = SECTIONS[name](ctx)
             res["sections"][name] = {"ok": True, "seconds": time.perf_counter() - t0, "result": r}
+        except SectionNotRun as e:
+            print(f"{name}: not run ({e})", flush=True)
+            res["sections"][name] = {"ok": False, "seconds": time.perf_counter() - t0, "skipped": str(e)}
         except Exception:  # recorded as a failure in the report; the other sections still run
             err = traceback.format_exc()
             print(err, flush=True)
