@@ -7,7 +7,11 @@ model), psi constants at build time, NCL Sinkhorn and served-score biases, and t
     python bench/gpu_bench.py --render bench/results/gpu_bench.json                   # rewrite the .md
 
 Every section runs in one process on one device; a section that fails is recorded as failed (with its error)
-and the others still run. Timings are medians of repeated calls after warm-up, synchronised with the GPU
+and the others still run; with --deadline-s a section expected (SECTION_SECONDS) to end past the deadline is not
+run and the report says so. The report puts TARGETS (the issue's targets: name, how measured, threshold, the
+observation key) beside the figures, met / not met computed from this run's own observations (OBSERVE), and "not
+measured" with the reason where the section failed, did not run, ran on the CPU or below the target's scale;
+bench/gpu_check.sh passes the `gpu` tests' junit XML in as the gpu_tests section. Timings are medians of repeated calls after warm-up, synchronised with the GPU
 (torch.cuda.synchronize) and wall-clock. ViT-B/32 sizes (d = 512, f = 12) with random weights unless a
 section says otherwise: timing does not depend on the values. The fidelity section uses the trained benchmark
 model (gare-cpu-small, its test split) prepared on the CPU with ``--prepare``: the CPU fp32 embeddings and
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import re
@@ -27,6 +32,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +50,11 @@ from psi_reference import FoldedAttention, fused_pair_scores  # noqa: E402
 from support import git_commit  # noqa: E402
 
 D, FR, K = 512, 12, 256
+
+
+class SectionNotRun(Exception):
+    """A section that cannot run here for a stated reason (not a failure of what it measures): the report lists it
+    as not run, with the reason, and its targets as not measured."""
 
 
 # ------------------------------------------------------------------------------------------ timing
@@ -173,7 +184,24 @@ def section_text_encoder(ctx: dict[str, Any]) -> dict[str, Any]:
                 rows.append({"impl": impl, "precision": prec, "batch": b, "ms_per_call": r["ms"],
                              "queries_per_s": b / r["ms"] * 1e3, "reps_ms": r["reps_ms"]})
                 print(f"text encoder {impl} {prec} batch {b}: {r['ms']:.2f} ms/call, {b / r['ms'] * 1e3:.0f} q/s", flush=True)
-    out: dict[str, Any] = {"model": "ViT-B/32 text tower (open_clip ViT-B-32, random weights)", "rows": rows}
+    # batch invariance: each text of a batch of n against the same text alone (bitwise, torch.equal), per encoder
+    n_inv = min(32, max(args.batches))
+    texts = make_queries(n_inv, seed=77)
+    invariance = []
+    with torch.inference_mode():
+        for impl, prec, fn in _text_encoders(model, dev):
+            together = fn(texts).float().cpu()
+            alone = torch.cat([fn([t]).float().cpu() for t in texts])
+            same = [bool(torch.equal(together[i], alone[i])) for i in range(n_inv)]
+            invariance.append({"impl": impl, "precision": prec, "texts": n_inv, "rows_equal": sum(same),
+                               "bitwise_equal": all(same), "max_abs_diff": float((together - alone).abs().max())})
+            print(f"text encoder {impl} {prec}: {sum(same)}/{n_inv} texts bitwise equal alone and in a batch", flush=True)
+    from gare_search.query import resolve_precision
+
+    out: dict[str, Any] = {"model": "ViT-B/32 text tower (open_clip ViT-B-32, random weights)", "rows": rows,
+                           "invariance": invariance,
+                           # what the service runs on this device by default (the targets read its rows)
+                           "served": {"impl": "model", "precision": resolve_precision("auto", dev)}}
     if dev.type == "cuda":  # the same tower on this machine's CPU, one thread, one query (fp32): the ratio's base
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
@@ -198,7 +226,7 @@ def section_fidelity(ctx: dict[str, Any]) -> dict[str, Any]:
 
     dev, assets = ctx["dev"], ctx["args"].assets
     if assets is None or not (assets / "fidelity.json").exists():
-        raise FileNotFoundError(f"no fidelity assets under {assets} (make them with --prepare on the CPU)")
+        raise SectionNotRun(f"no fidelity inputs under {assets} (made on the CPU by --prepare, carried as .gpuassets)")
     meta = json.loads((assets / "fidelity.json").read_text())
     gal = load_file(str(assets / "gallery.safetensors"))
     model, _ = load_model(assets / "model.safetensors", dev)
@@ -414,10 +442,216 @@ def section_search(ctx: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def section_gpu_tests(ctx: dict[str, Any]) -> dict[str, Any]:
+    """The `gpu` tests' outcome, from the junit XML that bench/gpu_check.sh had pytest write just before this run
+    (same device, same tree): counts, and the names of the tests that did not pass."""
+    import xml.etree.ElementTree as ET
+
+    args = ctx["args"]
+    if args.gpu_tests_junit is None or not args.gpu_tests_junit.exists():
+        raise FileNotFoundError(f"no junit XML of the gpu tests at {args.gpu_tests_junit} (bench/gpu_check.sh writes it)")
+    root = ET.parse(args.gpu_tests_junit).getroot()
+    cases = list(root.iter("testcase"))
+    out: dict[str, Any] = {"junit": str(args.gpu_tests_junit), "pytest_exit_status": args.gpu_tests_status,
+                           "total": len(cases), "failed_tests": [], "error_tests": [], "skipped_tests": []}
+    for tc in cases:
+        name = f"{tc.get('classname', '')}::{tc.get('name', '')}"
+        for tag, bucket in (("failure", "failed_tests"), ("error", "error_tests"), ("skipped", "skipped_tests")):
+            el = tc.find(tag)
+            if el is not None:
+                out[bucket].append(f"{name}: {(el.get('message') or '').strip()[:200]}")
+                break
+    # a collection error has no testcase of its own: the suite's counters carry it
+    suite_errors = sum(int(ts.get("errors", 0)) for ts in root.iter("testsuite"))
+    out["failed"], out["skipped"] = len(out["failed_tests"]), len(out["skipped_tests"])
+    out["errors"] = max(len(out["error_tests"]), suite_errors)
+    out["passed"] = out["total"] - out["failed"] - len(out["error_tests"]) - out["skipped"]
+    print(f"gpu tests: {out['passed']} passed, {out['failed']} failed, {out['errors']} errors, {out['skipped']} skipped "
+          f"(pytest exit status {args.gpu_tests_status})", flush=True)
+    return out
+
+
+# The sections, in the order a full run takes them (the most wanted first: a run cut short keeps those). A section is
+# a function ctx -> JSON-able dict; to add one: write it, list it here with its expected seconds in SECTION_SECONDS,
+# give it an observer in OBSERVE and its targets in TARGETS (below), and its markdown in markdown().
 SECTIONS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    "env": section_env, **gpu_stage1.SECTIONS, "text_encoder": section_text_encoder, "fidelity": section_fidelity,
-    "psi": section_psi, "sinkhorn": section_sinkhorn, "served_biases": section_served_biases, "search": section_search,
+    "env": section_env, "gpu_tests": section_gpu_tests, "index_build": gpu_stage1.SECTIONS["index_build"],
+    "http_search": gpu_stage1.SECTIONS["http_search"], "faiss_stage1": gpu_stage1.SECTIONS["faiss_stage1"],
+    "text_encoder": section_text_encoder, "search": section_search, "fidelity": section_fidelity, "psi": section_psi,
+    "sinkhorn": section_sinkhorn, "served_biases": section_served_biases,
 }
+# Expected seconds of each section at the default sizes on an H100/H200 (from the runs at 5215253 and 251db38, less
+# what the defaults dropped since: 10M entries, the second build precision, numpy's 1M gallery): a run with
+# --deadline-s skips a section that would not finish in the time left (and says so) instead of being cut off.
+SECTION_SECONDS: dict[str, float] = {
+    "env": 1, "gpu_tests": 0, "index_build": 45, "http_search": 110, "faiss_stage1": 60, "text_encoder": 25,
+    "search": 26, "fidelity": 6, "psi": 4, "sinkhorn": 14, "served_biases": 2,
+}
+
+
+# ------------------------------------------------------------------------------------------ targets
+@dataclass(frozen=True)
+class Target:
+    """One target of the report: met / not met from this run's own observations (OBSERVE), never from another run.
+
+    ``key`` names an observation "section.name"; ``op`` "<=", ">=" or "=="; ``scope``: (observation key, at least)
+    pairs that say the run measured at the target's scale (a smoke run at 3,000 entries does not count for 1M);
+    ``needs_cuda``: only a run on a CUDA device counts."""
+
+    name: str
+    how: str
+    key: str
+    op: str
+    threshold: Any
+    unit: str = ""
+    scope: tuple[tuple[str, float], ...] = ()
+    needs_cuda: bool = True
+
+    def holds(self, value: Any) -> bool:
+        if self.op == "<=":
+            return value <= self.threshold
+        if self.op == ">=":
+            return value >= self.threshold
+        if self.op == "==":
+            return value == self.threshold
+        raise ValueError(f"target {self.name!r}: op must be <=, >= or ==, got {self.op!r}")
+
+
+def _obs_gpu_tests(r: dict[str, Any]) -> dict[str, Any]:
+    return {"gpu_tests.total": r["total"], "gpu_tests.passed": r["passed"],
+            "gpu_tests.not_passed": r["total"] - r["passed"] + (r["errors"] - len(r["error_tests"]))}
+
+
+def _obs_index_build(r: dict[str, Any]) -> dict[str, Any]:
+    row = next((x for x in r["rows"] if x["precision"] == "fp32"), r["rows"][0])  # fp32: the build's default
+    out = {"index_build.frames_per_s": row["frames_per_s"], "index_build.videos": row["videos"],
+           "index_build.precision": row["precision"], "index_build.decode_workers": r["decode_workers"]}
+    st = row.get("stages") or {}
+    for k in ("share_waiting", "share_device", "decode_frames_per_s_all_workers", "encode_frames_per_s"):
+        if st.get(k) is not None:
+            out[f"index_build.{k}"] = st[k]
+    return out
+
+
+def _obs_http(r: dict[str, Any]) -> dict[str, Any]:
+    dev = r.get("default_rerank_device", "model")  # what gare-serve runs without GARE_RERANK_DEVICE
+    by = {x["clients"]: x for x in r["rows"] if x.get("rerank_device", "model") == dev}
+    out: dict[str, Any] = {"http_search.entries": r["entries"], "http_search.rerank_device": dev,
+                           "http_search.errors": sum(x["errors"] for x in r["rows"])}
+    if 1 in by:
+        out["http_search.p50_ms_1_client"] = by[1]["latency_p50"]
+    if 32 in by:
+        out["http_search.qps_32_clients"] = by[32]["qps"]
+        out["http_search.p99_ms_32_clients"] = by[32]["latency_p99"]
+    return out
+
+
+def _obs_stage1(r: dict[str, Any]) -> dict[str, Any]:
+    rows = [x for x in r["rows"] if "ivf" in x]
+    if not rows:
+        return {"stage1.error": "; ".join(x.get("error", "?") for x in r["rows"])[:300]}
+    row = min(rows, key=lambda x: abs(math.log(x["entries"] / 1e6)))  # the size the target is stated at, or nearest
+    iv = row["ivf"]
+    out: dict[str, Any] = {"stage1.entries": row["entries"], "stage1.torch_exact_p50_ms_1q": row["torch_exact"]["p50_ms_1q"]}
+    if iv.get("chosen_nprobe") is not None:  # the product's stage 1 at this size: IVF-Flat, nprobe tuned
+        out.update({"stage1.method": f"faiss IVF-Flat nlist {iv['nlist']} nprobe {iv['chosen_nprobe']} (GPU: {iv.get('on_gpu')})",
+                    "stage1.recall_held_out": iv["recall_held_out"], "stage1.recall_tune": iv["recall_tune"],
+                    "stage1.p50_ms_1q": iv["p50_ms_1q"]})
+    elif iv["frontier"]:  # the tuning target was not reached: the last step's figures
+        f = iv["frontier"][-1]
+        out.update({"stage1.method": f"faiss IVF-Flat nlist {iv['nlist']} nprobe {f['nprobe']} (tuning target not reached)",
+                    "stage1.recall_held_out": f["recall_held_out"], "stage1.recall_tune": f["recall_tune"],
+                    "stage1.p50_ms_1q": f["p50_ms_1q"]})
+    return out
+
+
+def _obs_text(r: dict[str, Any]) -> dict[str, Any]:
+    sv = r.get("served", {"impl": "model", "precision": "fp32"})
+    ms = {x["batch"]: x["ms_per_call"] for x in r["rows"]
+          if x.get("impl", "model") == sv["impl"] and x["precision"] == sv["precision"]}
+    out: dict[str, Any] = {"text_encoder.encoder": f"{sv['impl']} {sv['precision']}"}
+    if 1 in ms and 32 in ms:
+        out["text_encoder.ms_32_over_1"] = ms[32] / ms[1]
+    inv = [x for x in r.get("invariance", []) if x["impl"] == sv["impl"] and x["precision"] == sv["precision"]]
+    if inv:
+        out["text_encoder.bitwise_alone_vs_batch"] = inv[0]["bitwise_equal"]
+        out["text_encoder.invariance_texts"] = inv[0]["texts"]
+    return out
+
+
+OBSERVE: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "gpu_tests": _obs_gpu_tests, "index_build": _obs_index_build, "http_search": _obs_http,
+    "faiss_stage1": _obs_stage1, "text_encoder": _obs_text,
+}
+_HTTP = "closed-loop HTTP clients, distinct queries, psi rerank on, caches off, gare-serve's default rerank device"
+TARGETS: list[Target] = [
+    Target("HTTP two-stage search at 1M: p50 at one client", _HTTP, "http_search.p50_ms_1_client", "<=", 5.0, "ms",
+           (("http_search.entries", 1_000_000),)),
+    Target("HTTP two-stage search at 1M: q/s at 32 clients", _HTTP, "http_search.qps_32_clients", ">=", 1000.0, "q/s",
+           (("http_search.entries", 1_000_000),)),
+    Target("HTTP two-stage search at 1M: p99 at 32 clients", _HTTP, "http_search.p99_ms_32_clients", "<=", 50.0, "ms",
+           (("http_search.entries", 1_000_000),)),
+    Target("HTTP answers without errors", _HTTP, "http_search.errors", "==", 0, "errors"),
+    Target("CUDA text tower: 32 texts in at most 3x the time of one", "median ms per call, the served encoder and "
+           "precision, batch 32 / batch 1", "text_encoder.ms_32_over_1", "<=", 3.0, "x"),
+    Target("CUDA text tower: each text bitwise equal alone and among 32", "torch.equal per row, the served encoder",
+           "text_encoder.bitwise_alone_vs_batch", "==", True, "", (("text_encoder.invariance_texts", 32),)),
+    Target("Stage 1 at 1M: recall of the exact top-10 within K = 256", "held-out queries (another distribution "
+           "than the tuning queries), the product's stage 1 (AnnIndex on the GPU)", "stage1.recall_held_out", ">=",
+           0.995, "", (("stage1.entries", 1_000_000),)),
+    Target("Stage 1 at 1M: p50 for one query", "AnnIndex.search, one query, the same method as the recall",
+           "stage1.p50_ms_1q", "<=", 1.0, "ms", (("stage1.entries", 1_000_000),)),
+    Target("gare-index build: frames/s", "gare_build.build.build (fp32, the CLI's --workers auto) over generated "
+           "mp4s; frames per second of the encode loop", "index_build.frames_per_s", ">=", 2000.0, "frames/s",
+           (("index_build.videos", 600),)),
+    Target("Every gpu test passes", "pytest -m gpu (bench/gpu_check.sh) before this run, its junit XML; a skip "
+           "counts as not passed", "gpu_tests.not_passed", "==", 0, "not passed", (("gpu_tests.total", 1),)),
+]
+
+
+def observations(res: dict[str, Any]) -> dict[str, Any]:
+    """Every observation of a run's JSON (OBSERVE over the sections that ran and succeeded)."""
+    out: dict[str, Any] = {}
+    for name, sec in res["sections"].items():
+        if sec.get("ok") and name in OBSERVE:
+            try:
+                out.update(OBSERVE[name](sec["result"]))
+            except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:  # an older JSON's shape
+                out[f"{name}.observe_error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def evaluate(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """TARGETS against this run's observations: met / NOT MET / not measured (and why)."""
+    obs = observations(res)
+    on_cuda = res["sections"].get("env", {}).get("result", {}).get("device", "").startswith("cuda")
+    rows = []
+    for t in TARGETS:
+        section = SECTION_OF_PREFIX.get(t.key.split(".")[0], t.key.split(".")[0])
+        sec = res["sections"].get(section)
+        value = obs.get(t.key)
+        if sec is None:
+            status = "not measured (section not run)"
+        elif sec.get("skipped"):
+            status = f"not measured (section not run: {sec['skipped']})"
+        elif not sec.get("ok"):
+            status = "not measured (section failed)"
+        elif value is None:
+            status = "not measured (no observation" + (f": {obs[section + '.observe_error']}" if section + ".observe_error" in obs else "") + ")"
+        else:
+            short = [(k, v) for k, v in t.scope if not (isinstance(obs.get(k), (int, float)) and obs[k] >= v)]
+            if short:
+                status = "not measured (" + ", ".join(f"{k.split('.')[-1]} {_f(obs.get(k), 0)} < {v:,}" for k, v in short) + ")"
+            elif t.needs_cuda and not on_cuda:
+                status = "not measured (ran on the CPU)"
+            else:
+                status = "met" if t.holds(value) else "NOT MET"
+        rows.append({"target": t.name, "how": t.how, "key": t.key, "threshold": f"{t.op} {t.threshold} {t.unit}".strip(),
+                     "observed": value, "status": status})
+    return rows
+
+
+SECTION_OF_PREFIX = {"stage1": "faiss_stage1"}  # observation prefixes that are not their section's name
 
 
 # ------------------------------------------------------------------------------------------ fidelity inputs
@@ -472,19 +706,45 @@ def last_line(error: str) -> str:
 
 def markdown(res: dict[str, Any]) -> str:
     env = res["sections"].get("env", {}).get("result", {})
+    commit = res["commit"]
+    dirty = "unknown" if commit == "unknown" else ("yes" if commit.endswith("-dirty") else "no")
+    if res.get("commit_source", "git") != "git":  # a copy without .git: the caller named the commit (and -dirty)
+        dirty += ", as the caller gave it"
     L = ["# GPU figures", "", "<!-- generated by bench/gpu_bench.py; do not edit by hand -->", "",
-         f"Command: `{res['command']}` at commit `{res['commit']}`, {res['date']}.",
+         f"Command: `{res['command']}`" + (f" (from `{res['wrapper']}`)" if res.get("wrapper") else "")
+         + f" at commit `{commit}` (tree dirty: {dirty}; {res.get('commit_source', 'git')}), {res['date']}, host "
+         f"`{res.get('host', '?')}`" + (f"; {res['wall_s']:.0f} s" if res.get("wall_s") else "") + "."
+         + (" **Quick smoke run (small sizes)**." if res.get("quick") else ""),
          f"Device: {env.get('gpu') or env.get('device')}; CPU {env.get('cpu')} ({env.get('cores')} cores); "
          f"driver {env.get('driver')}; torch {env.get('torch')} (CUDA {env.get('cuda')}), faiss {env.get('faiss')} "
          f"({env.get('faiss_distribution')}; compile options: {env.get('faiss_compile_options')}; GPUs seen by faiss: {env.get('faiss_gpus')}, "
          f"CAGRA: {env.get('faiss_cagra')}); shared libraries found: "
          + ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in env.get("shared_libraries", {}).items()) + ".", ""]
+    if env.get("device") == "cpu":
+        L += ["**No CUDA device: every section ran on the CPU (one thread); the targets are not measured.**", ""]
     L.append("| section | status | seconds |")
     L.append("|---|---|---|")
     for name, s in res["sections"].items():
-        L.append(f"| {name} | {'ok' if s['ok'] else 'FAILED: ' + last_line(s['error'])} | {s['seconds']:.1f} |")
+        status = ("ok" if s["ok"] else f"not run: {s['skipped']}" if s.get("skipped") else "FAILED: " + last_line(s["error"]))
+        L.append(f"| {name} | {status} | {s['seconds']:.1f} |")
+    L.append("")
+    L += ["## Targets (this run's own observations)", "",
+          "| target | how measured | threshold | observed | status |", "|---|---|---|---|---|"]
+    for t in evaluate(res):
+        obs = t["observed"]
+        shown = "-" if obs is None else (f"{obs:,.4g}" if isinstance(obs, float) else str(obs))
+        status = t["status"] if t["status"] != "met" else "met"
+        L.append(f"| {t['target']} | {t['how']} | {t['threshold']} | {shown} | **{status}** |")
     L.append("")
     sec = {k: v["result"] for k, v in res["sections"].items() if v["ok"]}
+    if "gpu_tests" in sec:
+        gt = sec["gpu_tests"]
+        L += ["## The `gpu` tests", "", f"`pytest -m gpu` just before this run on the same device (bench/gpu_check.sh; "
+              f"exit status {gt['pytest_exit_status']}): {gt['passed']} passed, {gt['failed']} failed, {gt['errors']} "
+              f"errors, {gt['skipped']} skipped of {gt['total']}.", ""]
+        L += [f"- {kind}: `{name}`" for kind, key in (("failed", "failed_tests"), ("error", "error_tests"),
+                                                      ("skipped", "skipped_tests")) for name in gt[key]]
+        L.append("")
     if "text_encoder" in sec:
         te = sec["text_encoder"]
         L += ["## Text encoder", "", f"{te['model']}, `gare_search.search.encode_queries` (autocast, trimmed tokens); "
@@ -496,6 +756,12 @@ def markdown(res: dict[str, Any]) -> str:
         for r in te["rows"]:
             L.append(f"| {r.get('impl', 'model')} | {r['precision']} | {r['batch']} | {r['ms_per_call']:.2f} | {r['queries_per_s']:,.0f} |")
         L.append("")
+        if te.get("invariance"):
+            L += ["Batch invariance: each text of one batch against the same text encoded alone (`torch.equal` per row).", "",
+                  "| encoder | precision | texts | rows bitwise equal | max abs diff |", "|---|---|---|---|---|"]
+            L += [f"| {r['impl']} | {r['precision']} | {r['texts']} | {r['rows_equal']} | {r['max_abs_diff']:.2e} |"
+                  for r in te["invariance"]]
+            L.append("")
     if "fidelity" in sec:
         fi = sec["fidelity"]
         ref = fi["cpu_reference"]
@@ -567,8 +833,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "gpu_bench")
     ap.add_argument("--assets", type=Path, default=REPO / ".gpuassets", help="fidelity inputs made by --prepare")
-    ap.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=list(SECTIONS))
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128, 512])
+    ap.add_argument("--sections", nargs="+", default=[k for k in SECTIONS if k != "gpu_tests"], choices=list(SECTIONS),
+                    help="default: every section (gpu_tests too when --gpu-tests-junit is given)")
+    ap.add_argument("--gpu-tests-junit", type=Path, help="the gpu tests' junit XML (bench/gpu_check.sh): its outcome "
+                    "becomes the gpu_tests section")
+    ap.add_argument("--gpu-tests-status", type=int, help="pytest's exit status for that junit XML")
+    ap.add_argument("--deadline-s", type=float, help="seconds this run may take: a section expected (SECTION_SECONDS) "
+                    "to end past it is not run and the report says so")
+    ap.add_argument("--wrapper", help="the command that ran this one (bench/gpu_check.sh records itself)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--distinct", type=int, default=16384, help="distinct videos folded (psi and served-bias sections)")
     ap.add_argument("--rerank-queries", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--exhaustive-entries", type=int, default=1_000_000)
@@ -592,7 +865,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.render:
         res = json.loads(args.render.read_text())
-        args.render.with_suffix(".md").write_text(markdown(res))
+        args.render.with_suffix(".md").write_text(markdown(res))  # the targets are evaluated afresh from the figures
         return 0
     if args.prepare:
         if not (args.checkpoint and args.corpus):
@@ -604,25 +877,46 @@ def main(argv: list[str] | None = None) -> int:
         args.rerank_queries, args.queue, args.sinkhorn_entries, args.served_queries = [1, 4], 512, [4096], 16
         args.search_entries, args.search_batches, args.reps = 2000, [1, 4], 1
         gpu_stage1.quick(args)
+    if args.gpu_tests_junit is not None and "gpu_tests" not in args.sections:
+        args.sections = [k for k in SECTIONS if k in {"gpu_tests", *args.sections}]  # in the registry's order
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type == "cpu":
         torch.set_num_threads(1)
         print("no CUDA here: every section runs on the CPU (one thread); the report says so", flush=True)
     else:
         torch.backends.cuda.matmul.allow_tf32 = False  # exact fp32 (fp16/bf16 are measured as such)
+    import socket
+
     res: dict[str, Any] = {"command": "python bench/gpu_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                           "commit": args.commit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                           "wrapper": args.wrapper, "commit": args.commit,
+                           "commit_source": "GARE_COMMIT, given by the caller" if os.environ.get("GARE_COMMIT") else "git",
+                           "host": socket.gethostname(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                            "quick": args.quick, "sections": {}}
     ctx: dict[str, Any] = {"dev": dev, "args": args}
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    t_run = time.perf_counter()
     for name in args.sections:
-        if name != "env" and "model" not in ctx:
+        left = None if args.deadline_s is None else args.deadline_s - (time.perf_counter() - t_run)
+        need = SECTION_SECONDS.get(name, 30.0)
+        if left is not None and not args.quick and need > left:
+            why = f"time budget: expected ~{need:.0f} s, {max(left, 0):.0f} s left of --deadline-s {args.deadline_s:g}"
+            print(f"== {name}: not run ({why})", flush=True)
+            res["sections"][name] = {"ok": False, "seconds": 0.0, "skipped": why}
+            continue
+        if name not in ("env", "gpu_tests") and "model" not in ctx:
             ctx["model"] = vit_b32(dev)
         t0 = time.perf_counter()
         print(f"== {name}", flush=True)
+        # on disk while it runs: a run killed here (the device call's time limit) reports this section as unfinished
+        res["sections"][name] = {"ok": False, "seconds": 0.0,
+                                 "error": "RuntimeError: did not finish (the run ended during this section)"}
+        write_report(res, args.out)
         try:
             r = SECTIONS[name](ctx)
             res["sections"][name] = {"ok": True, "seconds": time.perf_counter() - t0, "result": r}
+        except SectionNotRun as e:
+            print(f"{name}: not run ({e})", flush=True)
+            res["sections"][name] = {"ok": False, "seconds": time.perf_counter() - t0, "skipped": str(e)}
         except Exception:  # recorded as a failure in the report; the other sections still run
             err = traceback.format_exc()
             print(err, flush=True)
@@ -630,11 +924,23 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
-        args.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
-        args.out.with_suffix(".md").write_text(markdown(res))  # after every section: a run cut short keeps its report
-    failed = [k for k, v in res["sections"].items() if not v["ok"]]
-    print(f"wrote {args.out.with_suffix('.md')}; failed sections: {failed or 'none'}", flush=True)
+        res["wall_s"] = time.perf_counter() - t_run
+        write_report(res, args.out)  # after every section: a run cut short keeps its report
+    write_report(res, args.out)
+    failed = [k for k, v in res["sections"].items() if not v["ok"] and not v.get("skipped")]
+    skipped = [k for k, v in res["sections"].items() if v.get("skipped")]
+    print(f"wrote {args.out.with_suffix('.md')}; failed sections: {failed or 'none'}; not run: {skipped or 'none'}",
+          flush=True)
+    for t in evaluate(res):
+        print(f"target: {t['target']}: {t['observed']} ({t['threshold']}): {t['status']}", flush=True)
     return 1 if failed else 0
+
+
+def write_report(res: dict[str, Any], out: Path) -> None:
+    """The JSON (with the observations and the targets' outcome, recomputed by --render) and its markdown."""
+    res = {**res, "observations": observations(res), "targets": evaluate(res)}
+    out.with_suffix(".json").write_text(json.dumps(res, indent=1, default=str))
+    out.with_suffix(".md").write_text(markdown(res))
 
 
 if __name__ == "__main__":

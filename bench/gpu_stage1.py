@@ -11,10 +11,12 @@
   whose recall@256 of the exact top-10 is >= the target); for each, recall on both query sets, p50 for
   1 and 32 queries, and the CPU master copy's answers against the GPU copy's on the same data.
 - ``index_build``: `gare_build.build.build` (the code behind `gare-index build`) over generated mp4s
-  (``write_videos``, ``--build-videos``) with the ViT-B/32 vision tower (random weights), fp32 and bf16:
-  frames/s decoded and encoded (decode in worker processes, overlapped; the workers hand on uint8 frames,
-  normalised on the GPU).
-- ``http_search``: a 1M-entry gallery in the real index format (serve_bench.write_gallery), `gare-serve`
+  (``write_videos``, ``--build-videos``) with the ViT-B/32 vision tower (random weights), fp32 (``--build-precisions``)
+  and the CLI's ``--workers auto``: frames/s decoded and encoded (decode in worker processes, overlapped; the
+  workers hand on uint8 frames, normalised on the encoder's device), and where the encode loop's time went
+  (``RunReport.encode_stages``).
+- ``http_search``: a 1M-entry gallery in the real index format (write_gallery_device: serve_bench.write_gallery's
+  gallery drawn on the device), `gare-serve`
   on the device (one worker; the ANN on the GPU), closed-loop HTTP clients (serve_http.closed_loop): p50,
   p99 and q/s at 1 and 32 clients.
 """
@@ -249,7 +251,7 @@ def section_faiss_stage1(ctx: dict[str, Any]) -> dict[str, Any]:
 def section_index_build(ctx: dict[str, Any]) -> dict[str, Any]:
     from gare.checkpoint import save_checkpoint
     from gare_build.build import build
-    from gare_build.pipeline.options import BuildOptions
+    from gare_build.pipeline.options import BuildOptions, auto_decode_workers
 
     dev, model, args = ctx["dev"], ctx["model"], ctx["args"]
     work = Path(tempfile.mkdtemp(prefix="gare-gpu-build-"))
@@ -262,29 +264,30 @@ def section_index_build(ctx: dict[str, Any]) -> dict[str, Any]:
         torch.manual_seed(0)
         save_checkpoint(ckpt, model.to("cpu"), queues={"text": torch.randn(16384, model.cfg.embed_dim)})
         model.to(dev)
-        workers = min(16, os.cpu_count() or 2)
+        workers = args.build_workers if args.build_workers is not None else auto_decode_workers(dev.type)  # = the CLI's
         rows = []
-        for precision in ("fp32", "bf16"):
+        for precision in args.build_precisions:
             out = work / f"index-{precision}"
             t0 = time.perf_counter()
             r = build(ckpt, videos, out, BuildOptions(batch_size=args.build_batch, workers=workers, precision=precision,
                                                      progress=False, device=dev.type))
             rows.append({"precision": precision, "videos": r.encoded, "frames": r.frames_encoded,
                          "frames_per_s": r.frames_per_s, "videos_per_s": r.videos_per_s, "encode_s": r.encode_s,
-                         "wall_s": time.perf_counter() - t0, "failed": len(getattr(r, "failed", []) or [])})
+                         "wall_s": time.perf_counter() - t0, "failed": len(getattr(r, "failed", []) or []),
+                         "stages": r.encode_stages})
             print(f"build {precision}: {rows[-1]}", flush=True)
             shutil.rmtree(out, ignore_errors=True)
         from gare.video_loader import decode_batch_size
 
-        return {"videos_in_library": args.build_videos, "decode_workers": workers, "batch_size": args.build_batch,
-                "decode_batch": decode_batch_size(args.build_videos, args.build_batch, workers), "frames_sent": "uint8",
-                "video_format": fmt, "videos_written_s": made_s, "rows": rows}
+        return {"videos_in_library": args.build_videos, "decode_workers": workers, "cores": len(os.sched_getaffinity(0)),
+                "batch_size": args.build_batch, "decode_batch": decode_batch_size(args.build_videos, args.build_batch, workers),
+                "frames_sent": "uint8", "video_format": fmt, "videos_written_s": made_s, "rows": rows}
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
 def section_http_search(ctx: dict[str, Any]) -> dict[str, Any]:
-    from serve_bench import make_queries, write_gallery
+    from serve_bench import make_queries
     from serve_http import closed_loop, serve
     from support import stop_process
 
@@ -300,10 +303,13 @@ def section_http_search(ctx: dict[str, Any]) -> dict[str, Any]:
         save_checkpoint(path, cpu_model)
         ckpt = {"path": str(path), "sha256": file_sha256(path), "model_config": cpu_model.cfg.to_dict()}
         t0 = time.perf_counter()
-        gal = write_gallery(work, args.http_entries, ckpt, fold=fold_weights(cpu_model.psi), device=dev)
+        gal = write_gallery_device(work, args.http_entries, ckpt, fold_weights(cpu_model.psi), device=dev)
         model.to(dev)
+        from gare_search.rerank import RerankSettings
+
         out: dict[str, Any] = {"entries": args.http_entries, "gallery": gal, "write_s": time.perf_counter() - t0,
-                               "duration_s": args.http_duration, "rows": []}
+                               "duration_s": args.http_duration, "rows": [],
+                               "default_rerank_device": RerankSettings().device}
         print(f"http: gallery of {args.http_entries:,} written in {out['write_s']:.0f}s", flush=True)
         ctx["model"] = model
         stream = make_queries(20000, seed=11)
@@ -330,51 +336,144 @@ def section_http_search(ctx: dict[str, Any]) -> dict[str, Any]:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def write_gallery_device(root: Path, n: int, ckpt: dict[str, Any], fold: Any, *, device: torch.device, seed: int = 0,
+                         chunk: int = 65536) -> dict[str, Any]:
+    """serve_bench.write_gallery's gallery drawn with torch on ``device``: the same arrays (float16 frames, unit
+    stage-1 vectors, norms, masks, psi's folded constants, synthetic biases), metadata rows and ANN parameters, and
+    the same structure (clustered directions, per-frame noise from a bank of 4,096, 20% shorter clips, padded). At
+    1M entries numpy on one core took 108 s of a 176-s HTTP section (H200, 5215253); here the device draws and
+    folds and the host only hashes and writes. The values differ from write_gallery's (another generator); the
+    search's cost does not depend on them."""
+    from serve_bench import _HashedNpy
+
+    from gare.psi_fold_videos import fold_videos, packed_width
+    from gare_index.ann_params import AnnParams, choose_index_type
+    from gare_index.psi_consts import manifest_entry
+    from gare_index.store import ExistingFile, write_version
+
+    fr_n = 12
+    t0 = time.perf_counter()
+    stage = root / "stage"
+    stage.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator(device=device).manual_seed(seed)
+    n_clusters = max(32, n // 500)
+    centres = F.normalize(torch.randn(n_clusters, D, generator=g, device=device), dim=-1)  # (C, d)
+    bank = torch.randn(4096, fr_n, D, generator=g, device=device) * (0.6 / math.sqrt(D))  # (4096, f, d) frame noise
+    fold_d = fold.to(device)
+    frames_w = _HashedNpy(stage / "frames.npy", (n, fr_n, D), np.float16)
+    units_w = _HashedNpy(stage / "units.npy", (n, D), np.float32)
+    consts_w = _HashedNpy(stage / "psi_consts.npy", (n, packed_width(fr_n)), np.float32)
+    norms = np.empty(n, np.float32)
+    masks = np.ones((n, fr_n), np.uint8)
+    with torch.no_grad():
+        for s in range(0, n, chunk):
+            c = min(n, s + chunk) - s
+            direction = centres[torch.randint(0, n_clusters, (c,), generator=g, device=device)]
+            direction = F.normalize(direction + torch.randn(c, D, generator=g, device=device) * (0.35 / math.sqrt(D)), dim=-1)
+            fr = direction[:, None, :] + bank[torch.randint(0, bank.shape[0], (c,), generator=g, device=device)]  # (c, f, d)
+            short = torch.rand(c, generator=g, device=device) < 0.2
+            used = torch.where(short, torch.randint(4, fr_n + 1, (c,), generator=g, device=device), fr_n)  # (c,)
+            m = (torch.arange(fr_n, device=device)[None, :] < used[:, None]).to(torch.uint8)  # (c, f)
+            fr16 = (fr * m[:, :, None]).half()
+            vbar = fr16.float().sum(1) / used[:, None]  # v-bar from the stored (fp16) frames, (c, d)
+            nr = vbar.norm(dim=1)
+            consts = fold_videos(fr16, m, fold_d, vbar=vbar).packed
+            masks[s:s + c] = m.cpu().numpy()
+            norms[s:s + c] = nr.cpu().numpy()
+            frames_w.rows(fr16.cpu().numpy())
+            units_w.rows((vbar / nr[:, None]).cpu().numpy())
+            consts_w.rows(consts.cpu().numpy())
+    arrays: dict[str, Any] = {"psi_consts": ExistingFile(stage / "psi_consts.npy", consts_w.close())}
+    frames_sha, units_sha = frames_w.close(), units_w.close()
+    t_gen = time.perf_counter() - t0
+    rng = np.random.default_rng(seed)
+    biases = (rng.standard_normal(n) * 0.005).astype(np.float32)  # synthetic NCL biases (values do not affect cost)
+    index_type = choose_index_type(n)
+    params = AnnParams(index_type)
+    if index_type == "ivf" and n >= 500_000:
+        params = AnnParams("ivf", nlist=1024, nprobe=32)  # as write_gallery (the earlier HTTP figures)
+    rows = ({"id": int(i), "path": f"/library/clip{i:07d}.mp4", "size": 1_000_000, "mtime": 0.0, "checksum": "",
+             "duration": 10.0, "fps": 30.0, "frames_used": int(masks[i].sum()), "start": None, "end": None}
+            for i in range(n))
+    t1 = time.perf_counter()
+    name = write_version(
+        root / "index",
+        {"ids": np.arange(n, dtype=np.int64), "norms": norms, "units": ExistingFile(stage / "units.npy", units_sha),
+         "frames": ExistingFile(stage / "frames.npy", frames_sha), "masks": masks, "biases": biases, **arrays},
+        rows,
+        {"checkpoint": ckpt, "ann_params": params.to_dict(), "biases": {"source": "synthetic", "gamma": None},
+         "synthetic": True, "psi_fold": manifest_entry(fold, fr_n, ckpt["sha256"])},
+    )
+    t_write = time.perf_counter() - t1
+    shutil.rmtree(stage, ignore_errors=True)
+    return {"generate_s": round(t_gen, 1), "write_version_s": round(t_write, 1), "version": name, "drawn_on": str(device),
+            "index_type": params.index_type, "ann_params": params.to_dict(), "frames_bytes": n * fr_n * D * 2}
+
+
 def write_videos(dest: Path, n: int, *, size: int = 224, seconds: float = 12.0, fps: float = 8.0) -> str:
-    """n seeded mp4 files (MPEG-4 Part 2, written by OpenCV's FFmpeg: the GPU machine has OpenCV but no PyAV)
-    of moving coloured blocks over a drifting background, in parallel threads; returns their description."""
+    """n seeded mp4 files of moving coloured blocks over a drifting background, in parallel threads: MPEG-4 Part 2
+    by OpenCV's FFmpeg where OpenCV is (the GPU machine has OpenCV but no PyAV), else H.264 by PyAV
+    (gare_train.synth.write_video: a CPU machine's smoke run); returns their description."""
     from concurrent.futures import ThreadPoolExecutor
 
-    import cv2
-
+    try:
+        import cv2
+    except ImportError:
+        cv2 = None
     dest.mkdir(parents=True, exist_ok=True)
     frames = int(round(seconds * fps))
 
-    def one(i: int) -> int:
+    def draw(i: int) -> np.ndarray:  # (T, S, S, 3) uint8
         rng = np.random.default_rng(i)
-        w = cv2.VideoWriter(str(dest / f"video{i:04d}.mp4"), cv2.VideoWriter_fourcc(*"mp4v"), fps, (size, size))
-        if not w.isOpened():
-            raise RuntimeError(f"OpenCV could not open an mp4v writer for {dest}")
         bg = rng.integers(0, 255, 3)
         blocks = [(rng.integers(0, size - 40, 2), rng.integers(-6, 7, 2), rng.integers(0, 255, 3), int(rng.integers(16, 48)))
                   for _ in range(4)]
+        out = np.empty((frames, size, size, 3), np.uint8)
         for t in range(frames):
-            f = np.empty((size, size, 3), np.uint8)
+            f = out[t]
             f[:] = (bg + 2 * t) % 255
             for pos, vel, col, side in blocks:
                 y, x = (pos + vel * t) % (size - side)
                 f[y:y + side, x:x + side] = col
+        return out
+
+    def one(i: int) -> int:
+        path = dest / f"video{i:04d}.mp4"
+        if cv2 is None:
+            from gare_train.synth import write_video
+
+            write_video(path, draw(i), fps)
+            return i
+        w = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (size, size))
+        if not w.isOpened():
+            raise RuntimeError(f"OpenCV could not open an mp4v writer for {dest}")
+        for f in draw(i):
             w.write(f)
         w.release()
         return i
 
     with ThreadPoolExecutor(min(16, os.cpu_count() or 2)) as ex:
         list(ex.map(one, range(n)))
-    return f"{n} mp4 (MPEG-4 Part 2 via OpenCV, {size}x{size}, {seconds:g} s at {fps:g} fps)"
+    codec = "MPEG-4 Part 2 via OpenCV" if cv2 is not None else "H.264 via PyAV (no OpenCV here)"
+    return f"{n} mp4 ({codec}, {size}x{size}, {seconds:g} s at {fps:g} fps)"
 
 
 SECTIONS = {"faiss_stage1": section_faiss_stage1, "http_search": section_http_search, "index_build": section_index_build}
 
 
 def add_arguments(ap: Any) -> None:
-    ap.add_argument("--stage1-entries", type=int, nargs="+", default=[1_000_000, 10_000_000])
+    ap.add_argument("--stage1-entries", type=int, nargs="+", default=[1_000_000],
+                    help="gallery sizes (10000000 adds ~130 s on an H200: past one device call with every section)")
     ap.add_argument("--stage1-queries", type=int, default=1000)
     ap.add_argument("--stage1-iters", type=int, default=30)
     ap.add_argument("--stage1-target", type=float, default=0.995)
     ap.add_argument("--build-batch", type=int, default=64)
+    ap.add_argument("--build-precisions", nargs="+", default=["fp32"], choices=["fp32", "bf16", "fp16"],
+                    help="one build per value (fp32: the build's default; the stage times say whether the encoder bounds it)")
+    ap.add_argument("--build-workers", type=int, default=None, help="decode workers (default: the CLI's --workers auto)")
     ap.add_argument("--http-entries", type=int, default=1_000_000)
     ap.add_argument("--http-clients", type=int, nargs="+", default=[1, 32])
-    ap.add_argument("--http-duration", type=float, default=10.0)
+    ap.add_argument("--http-duration", type=float, default=6.0, help="seconds of load per client count")
     from gare_search.rerank import RERANK_DEVICES
 
     ap.add_argument("--http-rerank-devices", nargs="+", default=list(RERANK_DEVICES), choices=RERANK_DEVICES,
@@ -439,14 +538,37 @@ def markdown(sec: dict[str, Any]) -> list[str]:
         L += ["## `gare-index build` on the GPU", "",
               f"`gare_build.build.build` over {ib['videos_in_library']} generated videos ({ib['video_format']}); ViT-B/32 "
               f"vision tower (random weights), batch {ib['batch_size']}, {ib['decode_workers']} decode worker processes"
+              + (f" on {ib['cores']} cores" if "cores" in ib else "")
               + (f" (decoded in batches of {ib['decode_batch']} videos; the workers send {ib['frames_sent']} frames, "
-                 "normalised on the GPU)" if "decode_batch" in ib else "") + ". "
+                 "normalised on the encoder's device)" if "decode_batch" in ib else "") + ". "
               "*frames/s* = frames decoded and encoded per second of the encode loop (decode overlapped); *wall* = the "
               "whole build (scan, checksums, encode, NCL biases, ANN, version write).", "",
               "| precision | videos | frames | frames/s | videos/s | encode s | wall s |", "|---|---|---|---|---|---|---|"]
         L += [f"| {r['precision']} | {r['videos']} | {r['frames']} | {r['frames_per_s']:,.0f} | {r['videos_per_s']:.1f} | "
               f"{r['encode_s']:.1f} | {r['wall_s']:.1f} |" for r in ib["rows"]]
         L.append("")
+        staged = [r for r in ib["rows"] if r.get("stages")]
+        if staged:
+            L += ["Where the encode loop's time went (`RunReport.encode_stages`: seconds summed over batches; the decode "
+                  "workers, the device and the cache writer overlap, so the part close to *loop* bounds the rate). "
+                  "*waiting*: the loop blocked on decoded batches (*first*: until the first one); *device*: transfer + "
+                  "encode + copy back (CUDA events); *decode per worker*: frames/s of one worker by its own clock "
+                  "(x workers: what decoding alone would give); *cpu/wall*: the workers' CPU share while decoding "
+                  "(below 1: waiting for a core).", "",
+                  "| precision | batches | loop s | waiting s (first) | device s: transfer / encode / back | host s | "
+                  "cache writes s | decode frames/s per worker (x workers) | cpu/wall | device alone frames/s |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+            for r in staged:
+                st = r["stages"]
+                per = st.get("decode_frames_per_s_per_worker")
+                dec = "-" if per is None else f"{per:,.0f} ({st['decode_frames_per_s_all_workers']:,.0f})"
+                cw = "-" if not st.get("decode_s") else f"{st['decode_cpu_s'] / st['decode_s']:.2f}"
+                enc = st.get("encode_frames_per_s")
+                L.append(f"| {r['precision']} | {st['batches']} | {st['loop_s']:.2f} | {st['wait_s']:.2f} "
+                         f"({st['first_batch_s'] or 0:.2f}) | {st['device_s']:.2f}: {st['transfer_s']:.2f} / "
+                         f"{st['encode_s']:.2f} / {st['to_host_s']:.2f} | {st['host_s']:.2f} | {st['write_s']:.2f} | {dec} | "
+                         f"{cw} | {'-' if enc is None else f'{enc:,.0f}'} |")
+            L.append("")
     if "http_search" in sec:
         hs = sec["http_search"]
         g = hs["gallery"]

@@ -18,7 +18,7 @@ from gare.data_args import data_spec
 from gare_build.build import build, recompute_biases, remove, stats
 from gare_build.cli_parser import build_parser
 from gare_build.compare import CompareOptions, run_compare
-from gare_build.pipeline.options import BUILD_LOCK, BuildOptions, RunReport
+from gare_build.pipeline.options import BUILD_LOCK, BuildOptions, RunReport, auto_decode_workers
 from gare_build.retune import retune
 from gare_build.shard_build import (
     biases_sharded,
@@ -98,7 +98,8 @@ def _cmd_build(args: argparse.Namespace) -> int:
     opts = BuildOptions(
         index_type=args.index_type, nlist=args.nlist, nprobe=args.nprobe, hnsw_m=args.hnsw_m, ef_search=args.ef_search,
         ef_construction=args.ef_construction, pq_m=args.pq_m, rescore=args.rescore, rebuild_ann=args.rebuild_ann,
-        segment=args.segment, overlap=args.overlap, batch_size=args.batch_size, workers=args.workers,
+        segment=args.segment, overlap=args.overlap, batch_size=args.batch_size,
+        workers=auto_decode_workers(args.device) if args.workers == "auto" else args.workers,
         device=args.device, precision=args.precision, engine=args.engine, scheduler=args.scheduler,
         dask_workers=args.dask_workers, shard_size=args.shard_size, store_kv=None, frames_dtype=args.frames_dtype,
         keep=args.keep,

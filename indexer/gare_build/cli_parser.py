@@ -56,6 +56,19 @@ def _positive_int(s: str) -> int:
     return v
 
 
+def _workers(s: str) -> int | str:
+    """--workers: "auto" (gare_build.pipeline.options.auto_decode_workers) or a count >= 0."""
+    if s == "auto":
+        return s
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not auto or an integer: {s!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {s!r}")
+    return v
+
+
 def _unit_float(s: str) -> float:
     v = _nonneg_float(s)
     if v > 1:
@@ -166,7 +179,9 @@ def _add_encode_args(p: argparse.ArgumentParser, *, build: bool) -> None:
                    help="index windows of SECONDS of each video as separate entries (with start/end)")
     g.add_argument("--overlap", type=_nonneg_float, default=0.0, metavar="SECONDS", help="overlap of consecutive windows")
     g.add_argument("--batch-size", type=_positive_int, default=16, help="clips per encoder batch (default 16)")
-    g.add_argument("--workers", type=int, default=2, help="decode worker processes (default 2; 0 decodes in the main process)")
+    g.add_argument("--workers", type=_workers, default="auto",
+                   help="decode worker processes (default auto: all usable cores but one when the encoder runs on a GPU, "
+                        "else 2; 0 decodes in the main process)")
     g.add_argument("--device", default="auto", help="auto (cuda when present) | cpu | cuda | cuda:N")
     g.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
                    help="encoder autocast (default fp32; bf16 on CPUs with AVX512-bf16 or GPUs; fp16 on CUDA only)")

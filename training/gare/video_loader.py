@@ -139,7 +139,12 @@ def _decode_worker(ds: ClipDataset, tasks: Any, results: Any) -> None:
         if task is None:
             return
         b, indices = task
-        results.put((b, collate_clips([ds[i] for i in indices])))
+        t0, c0 = time.perf_counter(), time.process_time()
+        batch = collate_clips([ds[i] for i in indices])
+        # this worker's own clocks for the batch (wall and CPU seconds): the consumer can tell decode-bound from
+        # starved workers without timing anything itself
+        batch["decode_s"], batch["decode_cpu_s"] = time.perf_counter() - t0, time.process_time() - c0
+        results.put((b, batch))
 
 
 def _stop(workers: list[Any], tasks: list[Any], *, clean: bool) -> None:
@@ -253,7 +258,7 @@ def _loader_run(
 
 # Decode batches per worker the library is split into at least (when it is small enough to need splitting): with
 # one batch per worker every worker finishes at about the same time and the encoder starts only then (the H200 run
-# at 5215253, bench/results/gpu_bench.md: 600 videos in 16 batches of 38); with several, the encoder works on the
+# at 5215253, bench/results/history/gpu_bench_h200_5215253.md: 600 videos in 16 batches of 38); with several, the encoder works on the
 # first batches while the workers decode the next ones.
 DECODE_WAVES = 4
 
@@ -283,7 +288,8 @@ def iter_decoded(
 ) -> Iterator[dict[str, Any]]:
     """Decode ``(key, path, start, end)`` items in batches, in order, in worker processes (:func:`_loader_run`).
 
-    Yields :func:`collate_clips` dicts. Undecodable files are reported in ``failed`` with a reason.
+    Yields :func:`collate_clips` dicts. Undecodable files are reported in ``failed`` with a reason. A batch decoded
+    in a worker process also carries ``decode_s`` / ``decode_cpu_s``: that worker's wall and CPU seconds for it.
     If a worker process dies (e.g. the decoder crashes) or no batch arrives for ``timeout`` seconds,
     the batch in flight is retried one clip at a time in fresh workers, so that only the culprit is
     reported as failed, and decoding resumes after it. ``num_workers=0`` decodes in this process

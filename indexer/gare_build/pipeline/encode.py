@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -57,24 +59,142 @@ def cached_model(checkpoint: str, sha256: str, device: str = "auto") -> tuple[An
     return hit, dev
 
 
-@torch.no_grad()
-def encode_batch(model: Any, device: torch.device, precision: str, batch: dict[str, Any]) -> tuple[Shard | None, dict[str, str], int]:
-    """Encode one collate_clips batch -> (shard of good clips or None, {key: reason} failures, frames used).
+@dataclass
+class EncodeStages:
+    """Where the local engine's encode loop spends its time: seconds summed over the batches, from a few clock reads
+    per batch (on CUDA, events read once the batch's features are back on the host, which the loop waits for anyway:
+    no extra synchronisation). ``RunReport.encode_stages`` carries :meth:`to_dict`.
 
-    The padded rows are whatever `model.encode_video` returns: zero for models trained here, the encoder's
-    features (and v̄ the mean over all rows) for a checkpoint with `cfg.reference_padding`; both are stored as is.
+    The loop overlaps three things: the decode workers (processes) decode the next batches while the device encodes
+    one batch and a background thread writes the previous one to the work cache. So the parts do not add up to
+    ``loop_s``; the one that is close to ``loop_s`` is the bottleneck: ``wait_s`` (the encoder waited for decoded
+    batches: decode-bound), ``device_s`` (transfer + encode + copy back: encoder-bound) or ``write_s``.
+    """
+
+    workers: int = 0  # decode worker processes (0: decoded in this process, inside wait_s)
+    batches: int = 0
+    videos: int = 0
+    frames: int = 0  # real (unpadded) frames decoded
+    loop_s: float = 0.0  # wall seconds of the whole loop (worker start to the last write)
+    first_batch_s: float | None = None  # loop start to the first decoded batch: worker start + one batch's decode
+    wait_s: float = 0.0  # the loop blocked on the decode workers for the next batch (first_batch_s included)
+    transfer_s: float = 0.0  # uint8 frames and masks host -> device (CUDA; 0 on the CPU: nothing crosses)
+    encode_s: float = 0.0  # normalise + vision tower + temporal module on the device
+    to_host_s: float = 0.0  # features and v-bar device -> host
+    host_s: float = 0.0  # the loop's own host work per batch: pinning, submitting, checks, float16 conversion
+    write_s: float = 0.0  # work-cache writes (atomic npz + fsync), in the writer thread
+    decode_s: float = 0.0  # decode + collate wall seconds summed over the workers' batches (worker-side clocks)
+    decode_cpu_s: float = 0.0  # the same in CPU seconds of the workers (< decode_s: the workers waited for a core)
+    timed_on: str = "cpu"  # "cuda events" | "cpu" (perf_counter around synchronous ops)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        r = lambda x: None if x is None else round(float(x), 4)  # noqa: E731
+        out: dict[str, Any] = {k: (r(v) if isinstance(v, float) else v) for k, v in self.__dict__.items() if k != "extra"}
+        dev = self.transfer_s + self.encode_s + self.to_host_s
+        out["device_s"] = r(dev)
+        out["frames_per_s"] = r(self.frames / self.loop_s) if self.loop_s > 0 else None
+        # one worker's decode rate, and what all of them would reach if nothing else limited them
+        rate = self.frames / self.decode_s if self.decode_s > 0 else None
+        out["decode_frames_per_s_per_worker"] = r(rate)
+        out["decode_frames_per_s_all_workers"] = r(rate * self.workers) if rate is not None and self.workers else None
+        out["encode_frames_per_s"] = r(self.frames / dev) if dev > 0 else None  # the device alone, back to back
+        out["share_waiting"] = r(self.wait_s / self.loop_s) if self.loop_s > 0 else None
+        out["share_device"] = r(dev / self.loop_s) if self.loop_s > 0 else None
+        return out | self.extra
+
+    def line(self) -> str:
+        """One log/summary line: where the loop's time went."""
+        d = self.to_dict()
+        s = (f"encode loop {self.loop_s:.2f}s over {self.batches} batches: waited {self.wait_s:.2f}s for decoded batches "
+             f"(first after {self.first_batch_s or 0.0:.2f}s), device {d['device_s']:.2f}s (transfer {self.transfer_s:.2f}, "
+             f"encode {self.encode_s:.2f}, back {self.to_host_s:.2f}), host {self.host_s:.2f}s, cache writes "
+             f"{self.write_s:.2f}s")
+        if d["decode_frames_per_s_per_worker"] is not None:
+            s += (f"; decode {d['decode_frames_per_s_per_worker']:.0f} frames/s per worker x {self.workers} workers "
+                  f"(cpu/wall {self.decode_cpu_s / max(self.decode_s, 1e-9):.2f})")
+        return s
+
+
+@dataclass
+class _Submitted:
+    """One batch on its way through the device: the host copies of its outputs are valid once ``done`` (a CUDA
+    event, or None on the CPU) has completed."""
+
+    keys: list[str]
+    mask: torch.Tensor  # (b, f) int64, host
+    feats: torch.Tensor  # (b, f, d) float32, host (pinned on CUDA, filled asynchronously)
+    vbar: torch.Tensor  # (b, d) float32, host
+    events: list[Any] | None  # CUDA: [start, copied in, encoded, copied back]
+
+
+def submit_batch(model: Any, device: torch.device, precision: str, batch: dict[str, Any],
+                 stages: EncodeStages | None = None) -> _Submitted | None:
+    """Queue one collate_clips batch on the encoder's device (None for a batch without good clips).
+
+    On CUDA nothing here waits for the device: the uint8 frames go from pinned memory with non_blocking copies and
+    the features come back into pinned memory the same way, so the caller can fetch the next decoded batch while
+    this one is encoded; :func:`finish_batch` waits. On the CPU every op runs here, synchronously. The arithmetic is
+    the same either way (copies move bits, they do not change them).
     """
     keys = list(batch["keys"])
     if not keys:
-        return None, {}, 0
-    frames = batch["frames"]
+        return None
+    frames, mask = batch["frames"], batch["mask"]
+    cuda = device.type == "cuda"
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if cuda and stages is not None else None
+    stream = torch.cuda.current_stream(device) if events else None  # the stream this batch's work goes to
+    t0 = time.perf_counter()
+    if events:
+        events[0].record(stream)
+    if cuda:  # pinned host memory: the copy is a DMA that does not hold this thread
+        frames = frames.pin_memory().to(device, non_blocking=True)  # (b, f, 3, S, S) uint8 (or float32)
+        mask_dev = mask.pin_memory().to(device, non_blocking=True)  # (b, f) int64
+    else:
+        mask_dev = mask
+    t1 = time.perf_counter()
+    if events:
+        events[1].record(stream)
     if frames.dtype == torch.uint8:  # iter_decoded(as_uint8=True): normalised here, on the encoder's device
-        frames = normalize_frames(frames.to(device), batch["mask"])
+        frames = normalize_frames(frames.to(device), mask_dev)
     with autocast(device, precision):
-        feats, vbar = model.encode_video(frames, batch["mask"])
-    feats = feats.float().cpu().numpy()
-    vbar = vbar.float().cpu().numpy()
-    masks = batch["mask"].cpu().numpy().astype(np.uint8)
+        feats, vbar = model.encode_video(frames, mask_dev)
+    feats, vbar = feats.float(), vbar.float()
+    t2 = time.perf_counter()
+    if events:
+        events[2].record(stream)
+        feats = feats.to("cpu", non_blocking=True)  # pinned host tensors (non_blocking device -> host copies pin)
+        vbar = vbar.to("cpu", non_blocking=True)
+        events[3].record(stream)
+    else:
+        feats, vbar = feats.cpu(), vbar.cpu()
+    t3 = time.perf_counter()
+    if stages is not None:
+        if events:
+            stages.host_s += t3 - t0  # the device's own times are read from the events in finish_batch
+        else:
+            stages.transfer_s += t1 - t0
+            stages.encode_s += t2 - t1
+            stages.to_host_s += t3 - t2
+    return _Submitted(keys, mask, feats, vbar, events)
+
+
+def finish_batch(sub: _Submitted | None, stages: EncodeStages | None = None) -> tuple[Shard | None, dict[str, str], int]:
+    """Wait for a submitted batch -> (shard of good clips or None, {key: reason} failures, frames used)."""
+    if sub is None:
+        return None, {}, 0
+    t0 = time.perf_counter()
+    if sub.events:
+        sub.events[3].synchronize()
+        if stages is not None:
+            stages.transfer_s += sub.events[0].elapsed_time(sub.events[1]) / 1e3
+            stages.encode_s += sub.events[1].elapsed_time(sub.events[2]) / 1e3
+            stages.to_host_s += sub.events[2].elapsed_time(sub.events[3]) / 1e3
+    t1 = time.perf_counter()
+    keys = sub.keys
+    feats = sub.feats.numpy()
+    vbar = sub.vbar.numpy()
+    masks = sub.mask.numpy().astype(np.uint8)
     norms = np.linalg.norm(vbar.astype(np.float64), axis=1)
     good = np.isfinite(feats).all(axis=(1, 2)) & np.isfinite(vbar).all(axis=1) & (norms > 1e-12)
     failed = {k: "the encoder produced a zero or non-finite embedding" for k, g in zip(keys, good, strict=True) if not g}
@@ -84,7 +204,61 @@ def encode_batch(model: Any, device: torch.device, precision: str, batch: dict[s
     if not np.isfinite(f16).all():  # float16 overflow (|x| > 65504): a broken model, not a broken file
         raise RuntimeError("frame features overflow float16; the checkpoint produces values above 65504")
     shard = Shard([k for k, g in zip(keys, good, strict=True) if g], f16, vbar[good].astype(np.float32), masks[good])
+    if stages is not None:
+        stages.host_s += time.perf_counter() - t1
+        if not sub.events:  # on the CPU nothing was left to wait for
+            stages.host_s += t1 - t0
     return shard, failed, int(masks[good].sum())
+
+
+@torch.no_grad()
+def encode_batch(model: Any, device: torch.device, precision: str, batch: dict[str, Any]) -> tuple[Shard | None, dict[str, str], int]:
+    """Encode one collate_clips batch -> (shard of good clips or None, {key: reason} failures, frames used).
+
+    The padded rows are whatever `model.encode_video` returns: zero for models trained here, the encoder's
+    features (and v̄ the mean over all rows) for a checkpoint with `cfg.reference_padding`; both are stored as is.
+    """
+    return finish_batch(submit_batch(model, device, precision, batch))
+
+
+class _CacheWriter:
+    """One background thread that runs ``record`` (the work-cache write, an atomic npz with fsyncs, and the
+    counters) for each finished batch in order, so that the encode loop does not wait for the disk. At most
+    ``depth`` batches wait; an error in the thread is raised in the loop at the next :meth:`put` or at
+    :meth:`close`."""
+
+    def __init__(self, record: Callable[..., None], stages: EncodeStages, depth: int = 2) -> None:
+        self._record, self._stages = record, stages
+        self._q: queue.Queue[tuple[Any, ...] | None] = queue.Queue(maxsize=depth)
+        self._err: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="gare-cache-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            if self._err is not None:  # drain after a failure; the loop raises it
+                continue
+            t0 = time.perf_counter()
+            try:
+                self._record(*item)
+            except BaseException as e:  # noqa: BLE001 - handed to the loop's thread
+                self._err = e
+            self._stages.write_s += time.perf_counter() - t0
+
+    def put(self, *item: Any) -> None:
+        if self._err is not None:
+            raise self._err
+        self._q.put(item)
+
+    def close(self, *, raise_error: bool = True) -> None:
+        """Write what is queued (finished batches are worth keeping for a resumed run), then stop the thread."""
+        self._q.put(None)
+        self._thread.join()
+        if raise_error and self._err is not None:
+            raise self._err
 
 
 def encode_shard(
@@ -158,6 +332,7 @@ class Encoder:
         self.progress = progress
         self._pbar = None
         self._t0 = 0.0
+        self.stages: EncodeStages | None = None  # the local engine's time accounting, after run()
 
     def _record(self, shard: Shard | None, failed: dict[str, str], frames_used: int, done: int) -> None:
         self.failed.update(failed)
@@ -194,16 +369,7 @@ class Encoder:
                     n_workers=self.opts.dask_workers, on_result=on_result, decode_timeout=self.opts.decode_timeout,
                 )
             else:
-                cfg = model.cfg
-                for batch in iter_decoded(
-                    jobs, max_frames=cfg.max_frames, framerate=cfg.video_framerate, image_size=cfg.image_size,
-                    batch_size=decode_batch_size(len(jobs), self.opts.batch_size, self.opts.workers),
-                    num_workers=self.opts.workers, timeout=self.opts.decode_timeout, as_uint8=True,
-                ):
-                    failed = {k: r for k, r in batch["failed"]}
-                    shard, bad, nf = encode_batch(model, device, precision, batch)
-                    failed.update(bad)
-                    self._record(shard, failed, nf, len(batch["keys"]) + len(batch["failed"]))
+                self._run_local(jobs, model=model, device=device, precision=precision)
         finally:
             self.report.encode_s = round(time.time() - self._t0, 3)
             self._pbar.close()
@@ -211,6 +377,59 @@ class Encoder:
         el = max(self.report.encode_s, 1e-9)
         self.report.videos_per_s = round(self.report.encoded / el, 3)
         self.report.frames_per_s = round(self.report.frames_encoded / el, 3)
+
+    @torch.no_grad()
+    def _run_local(self, jobs: list[Job], *, model: Any, device: Any, precision: str) -> None:
+        """Decode in worker processes, encode in this one, write the work cache in a thread; batch n is on the device
+        while batch n + 1 is fetched and batch n - 1 is written. The batches, their order and their arithmetic are
+        those of a plain loop (the output is the same bits); only the waiting overlaps. Times: :class:`EncodeStages`."""
+        cfg = model.cfg
+        stages = EncodeStages(workers=self.opts.workers, timed_on="cuda events" if device.type == "cuda" else "cpu")
+        writer = _CacheWriter(self._record, stages)
+        it = iter_decoded(
+            jobs, max_frames=cfg.max_frames, framerate=cfg.video_framerate, image_size=cfg.image_size,
+            batch_size=decode_batch_size(len(jobs), self.opts.batch_size, self.opts.workers),
+            num_workers=self.opts.workers, timeout=self.opts.decode_timeout, as_uint8=True,
+        )
+        t_loop = time.perf_counter()
+        pending: tuple[_Submitted | None, dict[str, str], int] | None = None  # (submitted, decode failures, clips)
+        ok = False
+        try:
+            while True:
+                t0 = time.perf_counter()
+                batch = next(it, None)
+                stages.wait_s += time.perf_counter() - t0
+                if stages.first_batch_s is None:
+                    stages.first_batch_s = time.perf_counter() - t_loop
+                if batch is None:
+                    break
+                stages.batches += 1
+                stages.videos += len(batch["keys"])
+                if batch["mask"] is not None:
+                    stages.frames += int(batch["mask"].sum())
+                stages.decode_s += float(batch.get("decode_s", 0.0))
+                stages.decode_cpu_s += float(batch.get("decode_cpu_s", 0.0))
+                cur = (submit_batch(model, device, precision, batch, stages), {k: r for k, r in batch["failed"]},
+                       len(batch["keys"]) + len(batch["failed"]))
+                if pending is not None:
+                    self._finish(pending, writer, stages)
+                pending = cur
+            if pending is not None:
+                self._finish(pending, writer, stages)
+            ok = True
+        finally:
+            it.close()  # stops the decode workers when the loop ends early
+            writer.close(raise_error=ok)
+            stages.loop_s = time.perf_counter() - t_loop
+            self.stages = stages
+            self.report.encode_stages = stages.to_dict()
+        log.info("%s", stages.line())
+
+    def _finish(self, pending: tuple[_Submitted | None, dict[str, str], int], writer: _CacheWriter,
+                stages: EncodeStages) -> None:
+        sub, failed, done = pending
+        shard, bad, nf = finish_batch(sub, stages)
+        writer.put(shard, {**failed, **bad}, nf, done)
 
 
 def collect_entries(p: Plan, enc: Encoder, report: RunReport) -> tuple[list[Entry], np.ndarray, np.ndarray, int]:

@@ -6,6 +6,7 @@ import dataclasses
 import datetime as _dt
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gare.model import resolve_device
 from gare_build.discover import Clip
 from gare_build.tuning.version_tuning import Stage1Options
 from gare_index.ann_params import INDEX_TYPES
@@ -21,6 +23,20 @@ from gare_index.store import REPORT_FILE, atomic_write_text
 BUILD_LOCK = ".build.lock"
 EXIT_OK, EXIT_FAILED, EXIT_SKIPPED = 0, 1, 3
 PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def auto_decode_workers(device: str) -> int:
+    """Decode worker processes for ``--workers auto``: with the encoder on a GPU, decoding is the build's CPU work,
+    so every usable core but one (the loop that feeds the GPU and writes the work cache) decodes; on the CPU the
+    encoder needs the cores itself, so 2 (what the build always used there)."""
+    try:
+        on_gpu = resolve_device(device).type == "cuda"
+    except (RuntimeError, ValueError):  # an unusable --device fails later with its own message
+        on_gpu = False
+    if not on_gpu:
+        return 2
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    return max(2, cores - 1)
 
 
 def progress_enabled(opt: bool | None) -> bool:
@@ -147,6 +163,8 @@ class RunReport:
     encode_s: float = 0.0
     videos_per_s: float = 0.0
     frames_per_s: float = 0.0
+    # the local engine's encode loop: where its time went (gare_build.pipeline.encode.EncodeStages.to_dict)
+    encode_stages: dict[str, Any] | None = None
     engine: str = "local"
     index_type: str | None = None
     biases: dict[str, Any] = field(default_factory=dict)
@@ -180,6 +198,12 @@ class RunReport:
                 f" at {self.videos_per_s:.1f} videos/s, {self.frames_per_s:.1f} frames/s; {self.from_cache} from the"
                 f" work cache, {self.from_index} reused from the index)"
             )
+            st = self.encode_stages
+            if st and st.get("batches"):  # which part of the encode loop bounds the rate
+                s += (f"; encode loop {st['loop_s']:.1f}s: {st['wait_s']:.1f}s waiting for decoded batches, device"
+                      f" {st['device_s']:.1f}s, cache writes {st['write_s']:.1f}s")
+                if st.get("decode_frames_per_s_per_worker"):
+                    s += f", decode {st['decode_frames_per_s_per_worker']:.0f} frames/s per worker x {st['workers']}"
         if self.removed:
             s += f"; {self.removed} removed"
         s += f"; {len(self.skipped)} skipped"
