@@ -153,20 +153,28 @@ def _installed(dist: str) -> bool:
 
 
 def _text_encoders(model, dev: torch.device) -> list[tuple[str, str, Callable[[list[str]], torch.Tensor]]]:
-    """(impl, precision, texts -> t) for every text encoder this device offers: the model's own tower through
-    gare_search.search.encode_queries (autocast for fp16/bf16), and on CUDA the half-precision towers of
-    gare.text_quant (what `text_encoder` fp16 serves); both tokenise and trim as the service does."""
-    from gare.text_quant import build_text_encoder
-    from gare_search.query import encode_queries, trim_tokens
+    """(impl, precision, texts -> t) for every text encoder the service offers on this device, built as the service
+    builds them (gare_search.text_encoder.load_query_encoder: on CUDA fixed-shape micro-batches of 32 rows replayed
+    as a CUDA graph): the model's own tower at each precision (autocast for fp16/bf16) and, on CUDA, the
+    half-precision tower of gare.text_quant; on the CPU the int8 and fp32-packed towers."""
+    from gare_search.text_encoder import load_query_encoder
 
     out: list[tuple[str, str, Callable[[list[str]], torch.Tensor]]] = []
     for prec in (["fp32", "fp16", "bf16"] if dev.type == "cuda" else ["fp32", "bf16"]):
-        out.append(("model", prec, lambda texts, prec=prec: encode_queries(model, texts, prec)))
-    if dev.type == "cuda":
-        for kind in ("fp16",):  # the half-precision towers the product offers (bf16's lost: gpu_bench.md)
-            enc = build_text_encoder(model, kind)
-            out.append(("tower", kind, lambda texts, enc=enc: enc(trim_tokens(model.tokenize(texts)))))
+        out.append(("model", prec, load_query_encoder(model, "fp32", dev, prec).encode))
+    for kind in (["fp16"] if dev.type == "cuda" else ["int8", "fp32-packed"]):
+        out.append(("tower", kind, load_query_encoder(model, kind, dev, "fp32").encode))
     return out
+
+
+def _served_encoder(dev: torch.device) -> dict[str, str]:
+    """What gare-serve runs on this device with its defaults (text_encoder auto, precision auto)."""
+    from gare_search.query import resolve_precision
+    from gare_search.text_encoder import choose_text_encoder
+
+    prec = resolve_precision("auto", dev)
+    kind = choose_text_encoder("auto", dev.type, prec)
+    return {"impl": "model", "precision": prec} if kind == "fp32" else {"impl": "tower", "precision": kind}
 
 
 def section_text_encoder(ctx: dict[str, Any]) -> dict[str, Any]:
@@ -196,12 +204,10 @@ def section_text_encoder(ctx: dict[str, Any]) -> dict[str, Any]:
             invariance.append({"impl": impl, "precision": prec, "texts": n_inv, "rows_equal": sum(same),
                                "bitwise_equal": all(same), "max_abs_diff": float((together - alone).abs().max())})
             print(f"text encoder {impl} {prec}: {sum(same)}/{n_inv} texts bitwise equal alone and in a batch", flush=True)
-    from gare_search.query import resolve_precision
-
     out: dict[str, Any] = {"model": "ViT-B/32 text tower (open_clip ViT-B-32, random weights)", "rows": rows,
                            "invariance": invariance,
                            # what the service runs on this device by default (the targets read its rows)
-                           "served": {"impl": "model", "precision": resolve_precision("auto", dev)}}
+                           "served": _served_encoder(dev)}
     if dev.type == "cuda":  # the same tower on this machine's CPU, one thread, one query (fp32): the ratio's base
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
@@ -395,10 +401,12 @@ def section_search(ctx: dict[str, Any]) -> dict[str, Any]:
 
     from gare.checkpoint import file_sha256, save_checkpoint
     from gare.psi_fold_weights import fold_weights
+    from gare_index.resident_version import load_resident
     from gare_index.store import open_index
     from gare_search import rerank
-    from gare_search.query import encode_queries, resolve_precision
+    from gare_search.query import resolve_precision
     from gare_search.search import SearchOptions, search_batch
+    from gare_search.text_encoder import load_query_encoder
 
     dev, model, args = ctx["dev"], ctx["model"], ctx["args"]
     work = Path(tempfile.mkdtemp(prefix="gare-gpu-bench-"))
@@ -412,29 +420,39 @@ def section_search(ctx: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"entries": args.search_entries, "gallery": gal, "write_s": time.perf_counter() - t0, "rows": []}
     prec = resolve_precision("auto", dev)  # what the service runs by default on this device
     version = open_index(work / "index", use_gpu=False)
+    resident = None
     try:
         opts = SearchOptions()
         out["candidates"] = opts.candidates
         out["precision"] = prec
-        # the rerank the service serves, the fold: where the model is, and on the CPU kernel (GARE_RERANK_DEVICE cpu)
-        for impl, rd in (("fold", "model"), ("fold, CPU kernel", "cpu")):
+        encoder = load_query_encoder(model, "auto", dev, prec)  # the service's default text tower here
+        out["text_encoder"] = encoder.describe()
+        resident = load_resident(version, model, k=opts.candidates)  # what gare-serve serves on a GPU
+        out["resident_decision"] = resident.decision.as_dict()
+        # the rerank the service serves, the fold: where the model is, on the CPU kernel (GARE_RERANK_DEVICE cpu),
+        # and over the device-resident copy (stage 1 by the load-time choice, the candidates' rows on the device)
+        for impl, rd, served in (("fold", "model", version), ("fold, CPU kernel", "cpu", version),
+                                 ("resident", "model", resident)):
             placement = rerank.RerankSettings(device=rd)
             rerank.warm_up(dev, placement)
             for nq in args.search_batches:
                 texts = make_queries(nq, seed=100 + nq)
                 stages: list[dict[str, float]] = []
 
-                def run(texts=texts, stages=stages, placement=placement):
-                    res = search_batch(model, version, texts, opts, precision=prec, rerank_settings=placement)
+                def run(texts=texts, stages=stages, placement=placement, served=served):
+                    res = search_batch(model, served, texts, opts, precision=prec, rerank_settings=placement,
+                                       encoder=encoder.encode)
                     stages.append(res[0].timings)
 
-                enc = timed_ms(lambda texts=texts: encode_queries(model, texts, prec), dev, iters=5, reps=args.reps)
+                enc = timed_ms(lambda texts=texts: encoder.encode(texts), dev, iters=5, reps=args.reps)
                 tot = timed_ms(run, dev, iters=5, reps=args.reps)
                 st = {k: 1e3 * statistics.median(s[k] for s in stages[2:]) for k in ("encode", "ann", "rerank", "rank", "total")}
                 out["rows"].append({"rerank_impl": impl, "queries": nq, "encoder_alone_ms": enc["ms"], "search_ms": tot["ms"],
                                     "search_over_encoder": tot["ms"] / enc["ms"], "stage_ms": st})
                 print(f"search ({impl}) Q={nq}: {tot['ms']:.2f} ms (encoder alone {enc['ms']:.2f} ms), stages {st}", flush=True)
     finally:
+        if resident is not None:
+            resident.resident.release()
         version.close()
         import shutil
 
@@ -553,6 +571,11 @@ def _obs_stage1(r: dict[str, Any]) -> dict[str, Any]:
     row = min(rows, key=lambda x: abs(math.log(x["entries"] / 1e6)))  # the size the target is stated at, or nearest
     iv = row["ivf"]
     out: dict[str, Any] = {"stage1.entries": row["entries"], "stage1.torch_exact_p50_ms_1q": row["torch_exact"]["p50_ms_1q"]}
+    dec, rx = row.get("decision"), row.get("resident_exact")
+    if dec is not None and rx is not None and dec["method"] == "exact":  # the product's choice: the resident exact search
+        out.update({"stage1.method": f"resident exact ({dec['reason']})", "stage1.recall_held_out": rx["recall_held_out"],
+                    "stage1.recall_tune": rx["recall_tune"], "stage1.p50_ms_1q": rx["p50_ms_1q"]})
+        return out
     if iv.get("chosen_nprobe") is not None:  # the product's stage 1 at this size: IVF-Flat, nprobe tuned
         out.update({"stage1.method": f"faiss IVF-Flat nlist {iv['nlist']} nprobe {iv['chosen_nprobe']} (GPU: {iv.get('on_gpu')})",
                     "stage1.recall_held_out": iv["recall_held_out"], "stage1.recall_tune": iv["recall_tune"],
@@ -597,9 +620,9 @@ TARGETS: list[Target] = [
     Target("CUDA text tower: each text bitwise equal alone and among 32", "torch.equal per row, the served encoder",
            "text_encoder.bitwise_alone_vs_batch", "==", True, "", (("text_encoder.invariance_texts", 32),)),
     Target("Stage 1 at 1M: recall of the exact top-10 within K = 256", "held-out queries (another distribution "
-           "than the tuning queries), the product's stage 1 (AnnIndex on the GPU)", "stage1.recall_held_out", ">=",
+           "than the tuning queries), the product's stage 1 (the method the load-time rule picks: resident exact or the tuned IVF-Flat on the GPU)", "stage1.recall_held_out", ">=",
            0.995, "", (("stage1.entries", 1_000_000),)),
-    Target("Stage 1 at 1M: p50 for one query", "AnnIndex.search, one query, the same method as the recall",
+    Target("Stage 1 at 1M: p50 for one query", "ResidentIndex.search or AnnIndex.search, one query, the same method as the recall",
            "stage1.p50_ms_1q", "<=", 1.0, "ms", (("stage1.entries", 1_000_000),)),
     Target("gare-index build: frames/s", "gare_build.build.build (fp32, the CLI's --workers auto) over generated "
            "mp4s; frames per second of the encode loop", "index_build.frames_per_s", ">=", 2000.0, "frames/s",
@@ -747,11 +770,14 @@ def markdown(res: dict[str, Any]) -> str:
         L.append("")
     if "text_encoder" in sec:
         te = sec["text_encoder"]
-        L += ["## Text encoder", "", f"{te['model']}, `gare_search.search.encode_queries` (autocast, trimmed tokens); "
+        L += ["## Text encoder", "", f"{te['model']}, each encoder built as the service builds it "
+              "(`gare_search.text_encoder.load_query_encoder`: on CUDA fixed-shape micro-batches of 32 rows x the query "
+              "context, replayed as a CUDA graph; on the CPU the model's tower one text at a time and the packed towers); "
+              f"the service's default here: {te.get('served', {}).get('impl', '?')} {te.get('served', {}).get('precision', '?')}; "
               "median wall-clock per call." + (f" The same tower on this machine's CPU, fp32, one thread, one query: "
               f"{te['cpu_fp32_1q_1thread_ms']:.2f} ms." if "cpu_fp32_1q_1thread_ms" in te else ""), "",
-              "`model` = the model's own tower (fp16/bf16 under autocast); `tower` = gare.text_quant's tower with "
-              "half-precision weights (`text_encoder` fp16/bf16).", "",
+              "`model` = the model's own tower (fp16/bf16 under autocast); `tower` = a gare.text_quant tower "
+              "(`text_encoder` fp16 on CUDA: half-precision weights; int8 / fp32-packed on the CPU).", "",
               "| encoder | precision | batch | ms per call | queries/s |", "|---|---|---|---|---|"]
         for r in te["rows"]:
             L.append(f"| {r.get('impl', 'model')} | {r['precision']} | {r['batch']} | {r['ms_per_call']:.2f} | {r['queries_per_s']:,.0f} |")
@@ -812,10 +838,14 @@ def markdown(res: dict[str, Any]) -> str:
     if "search" in sec:
         se = sec["search"]
         L += [f"## Two-stage search end to end ({se['entries']:,} entries, {se['gallery']['index_type']}, K = {se['candidates']}, "
-              f"text encoder {se['precision']})", "",
-              "`gare_search.search.search_batch` over a gallery written in the real index format (serve_bench.write_gallery); the "
-              "ANN runs in faiss on the CPU (the section opens the index with `use_gpu=False`; the encoder and the rerank run on "
-              "the device; the HTTP section serves with the ANN on the GPU).", "",
+              f"precision {se['precision']}, text encoder {se.get('text_encoder', '?')})", "",
+              "`gare_search.search.search_batch` over a gallery written in the real index format (serve_bench.write_gallery). "
+              "*fold* and *fold, CPU kernel*: the index opened with `use_gpu=False` (faiss on the CPU; the rerank's "
+              "candidate rows read from the memory-mapped arrays); *resident*: the same version copied to the device "
+              "(`gare_index.resident_version.load_resident`, what gare-serve serves on a GPU: stage 1 by the load-time "
+              "choice, the candidates' rows gathered on the device)."
+              + (f" Load-time choice: **{se['resident_decision']['method']}** ({se['resident_decision']['reason']})."
+                 if se.get("resident_decision") else ""), "",
               "| rerank impl | queries per call | encoder alone ms | search ms | search / encoder | encode | ann | rerank | rank |",
               "|---|---|---|---|---|---|---|---|---|"]
         for r in se["rows"]:

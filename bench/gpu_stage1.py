@@ -157,6 +157,8 @@ def stage1_at(n: int, args: Any, dev: torch.device) -> dict[str, Any]:
     out["torch_exact"] = {f"p50_ms_{m}q": p50_ms(lambda m=m: torch.topk(qt[:m] @ x.T, K, dim=1), dev, args.stage1_iters)
                           for m in (1, 32)}
     print(f"stage1 n={n:,}: data + exact in {out['generate_and_exact_s']:.1f}s; torch exact {out['torch_exact']}", flush=True)
+    out["resident_exact"] = resident_exact(x, qt, qh, exact10, dev, args.stage1_iters)
+    print(f"  resident exact (the product's exact stage 1): {out['resident_exact']}", flush=True)
     t0 = time.perf_counter()
     xh = x.cpu().numpy()
     x = data = None  # the gallery lives on the host from here (faiss's copies go to the device)
@@ -228,8 +230,50 @@ def stage1_at(n: int, args: Any, dev: torch.device) -> dict[str, Any]:
         del ann
     out["ivf"] = ivf
     print(f"  ivf: { {k: v for k, v in ivf.items() if k != 'frontier'} }", flush=True)
+    out["decision"] = stage1_decision(out, dev, args.stage1_iters)
+    print(f"  the product's choice (gare_index.resident_version.decide): {out['decision']}", flush=True)
     index = xh = None
     return out
+
+
+def resident_exact(x: torch.Tensor, qt: torch.Tensor, qh: torch.Tensor, exact10: dict[str, np.ndarray],
+                   dev: torch.device, iters: int) -> dict[str, Any]:
+    """The product's exact stage 1 (gare_index.resident.ResidentIndex.search: one product + top-k with ties by id)
+    over the gallery x (n, d) already on the device: recall of the exact top-10 within K and p50 for 1 and 32
+    queries. Only the stage-1 tensors are filled (search reads nothing else)."""
+    from gare_index.resident import ResidentEstimate, ResidentIndex, ResidentShard
+
+    n = x.shape[0]
+    empty = torch.zeros(0, device=dev)
+    shard = ResidentShard(device=dev, start=0, stop=n, stage1=x, ids=torch.arange(n, device=dev),
+                          biases=torch.zeros(n, device=dev), units=x, norms=empty, frames=empty, frame_scales=None,
+                          packed=empty)
+    est = ResidentEstimate(version="bench", devices=(str(dev),), ranges=((0, n),), row_bytes=4 * x.shape[1] + 12,
+                           workspace_queries=0, bytes=(n * (4 * x.shape[1] + 12),))
+    ri = ResidentIndex("bench", [shard], "none", int(x.shape[1]), 0, est)
+    qt_n, qh_n = qt.cpu().numpy(), qh.cpu().numpy()
+    out: dict[str, Any] = {
+        "recall_tune": recall(batched_search(ri.search, qt_n, K)[1], exact10["tune"]),
+        "recall_held_out": recall(batched_search(ri.search, qh_n, K)[1], exact10["held_out"]),
+        "p50_ms_1q": p50_ms(lambda: ri.search(qt_n[:1], K), dev, iters),
+        "p50_ms_32q": p50_ms(lambda: ri.search(np.ascontiguousarray(qt_n[:32]), K), dev, iters)}
+    ri.release()
+    return out
+
+
+def stage1_decision(row: dict[str, Any], dev: torch.device, iters: int) -> dict[str, Any]:
+    """What the service's load-time rule (gare_index.resident_version.decide) picks between the resident exact
+    search and the tuned IVF-Flat from this section's p50s at one query (the service times its own index again)."""
+    from gare_index.resident_version import decide
+
+    iv = row["ivf"]
+    ann_p50 = iv.get("p50_ms_1q") if iv.get("chosen_nprobe") is not None else None
+    ann = (f"faiss IVF-Flat nlist {iv['nlist']} nprobe {iv['chosen_nprobe']} (GPU: {iv.get('on_gpu')})"
+           if ann_p50 is not None else "faiss IVF-Flat (recall target not reached: not a candidate)")
+    if ann_p50 is None:
+        return {"method": "exact", "exact_p50_ms": row["resident_exact"]["p50_ms_1q"], "ann_p50_ms": None, "ann": ann,
+                "reason": "the IVF-Flat did not reach the recall target at any nprobe: exact is the only candidate"}
+    return decide(row["resident_exact"]["p50_ms_1q"], ann_p50, sample=iters, k=K, devices=[str(dev)], ann=ann).as_dict()
 
 
 def section_faiss_stage1(ctx: dict[str, Any]) -> dict[str, Any]:
@@ -505,6 +549,10 @@ def markdown(sec: dict[str, Any]) -> list[str]:
                 continue
             te = r["torch_exact"]
             L.append(f"| {r['entries']:,} | torch exact (matmul + top-k) | | 1 | 1 | {te['p50_ms_1q']:.3f} | {te['p50_ms_32q']:.3f} | |")
+            rx = r.get("resident_exact")
+            if rx is not None:
+                L.append(f"| {r['entries']:,} | resident exact (`ResidentIndex.search`, the product's) | | {rx['recall_tune']:.4f} | "
+                         f"{rx['recall_held_out']:.4f} | {rx['p50_ms_1q']:.3f} | {rx['p50_ms_32q']:.3f} | |")
             fl = r["flat"]
             L.append(f"| {r['entries']:,} | faiss flat ({'GPU' if fl['on_gpu'] else 'CPU'}) | {fl['build_s']:.1f} | "
                      f"{fl['recall_tune']:.4f} | {fl['recall_held_out']:.4f} | {fl['p50_ms_1q']:.3f} | {fl['p50_ms_32q']:.3f} | "
@@ -518,6 +566,11 @@ def markdown(sec: dict[str, Any]) -> list[str]:
                          f"({'GPU' if iv['on_gpu'] else 'CPU'}) | {iv['build_s']:.1f} | {iv['recall_tune']:.4f} | "
                          f"{iv['recall_held_out']:.4f} | {iv['p50_ms_1q']:.3f} | {iv['p50_ms_32q']:.3f} | recall "
                          f"{iv['gpu_recall_same_queries']:.4f} (GPU) vs {iv['cpu_copy_recall_tune']:.4f} (CPU copy), 256 queries |")
+        L.append("")
+        for r in fs["rows"]:
+            if r.get("decision"):
+                L.append(f"- {r['entries']:,} entries: the load-time rule (`gare_index.resident_version.decide`) picks "
+                         f"**{r['decision']['method']}**: {r['decision']['reason']}.")
         L.append("")
         for r in fs["rows"]:
             if "ivf" in r and r["ivf"]["frontier"]:
