@@ -83,6 +83,17 @@ class Settings(BaseSettings):
         "(SO_REUSEPORT: the kernel spreads connections evenly), shared = one socket for all (the first worker awake "
         "takes every queued connection); auto = reuseport on Linux, else shared (gare_serve/processes/port_group.py)"
     )
+    engine: Literal["auto", "in_process", "shared"] = Field(
+        "auto", description="where the searches run under gare-serve: in_process = every HTTP worker loads the model "
+        "and the index itself; shared = one engine process loads them once on the device and searches for every "
+        "worker, its micro-batches holding the queries of all of them (the workers keep routes, auth, limits, the "
+        "result cache and the metadata; gare_serve/engine/engine_server.py); auto = shared when the device resolves "
+        "to CUDA and there are several workers, else in_process"
+    )
+    engine_timeout_s: float = Field(
+        60.0, gt=0, le=3600, description="with engine=shared: a worker answers 503 when the engine has not answered "
+        "a call within this"
+    )
     run_dir: Path | None = Field(
         None, description="shared state of the workers of one gare-serve (set by gare-serve --workers; see gare_serve/engine/worker_board.py)"
     )
