@@ -209,3 +209,14 @@ def test_a_killed_engine_gives_503_then_the_supervisor_restarts_it(server):
     again = httpx.post(srv.base_url + "/v1/search", json=q, timeout=60)
     assert again.status_code == 200 and _hits(again.json()) == _hits(before.json())
     assert _metric(httpx.get(srv.base_url + "/metrics", timeout=30).text, "gare_engine_starts_total") == 2
+
+
+def test_stopping_the_supervisor_stops_the_engine_after_the_workers(server):
+    srv, _, _ = server
+    ready = _ready(srv)
+    pids = [ready["engine"]["pid"], *(w["pid"] for w in ready["workers"])]
+    assert srv.stop() == 0, srv.output()[-3000:]
+    assert not any(_alive(p) for p in pids)
+    out = srv.output()
+    assert "stopped the search engine" in out and out.rindex("stopped the search engine") > out.rindex(
+        "Waiting for child process")  # the engine stops last, after the workers have drained
