@@ -297,15 +297,15 @@ def serve_workers(settings: Settings, workers: int, group: Any = None, engine_th
     os.environ.pop("GARE_CONFIG", None)  # the exported values already include the file's
     os.environ.update(worker_environment(settings, workers, run_dir, prom_dir))
     log.info(
-        "starting %d workers, %d torch threads each, %s listening socket%s (run dir %s)", workers,
+        "starting %d workers, %d torch threads each, %s listening socket%s (run dir %s)%s", workers,
         settings.torch_threads, "a" if mode == "reuseport" else "one shared", " each" if mode == "reuseport" else "",
-        run_dir,
+        run_dir, f", and one search engine ({engine_threads} torch threads)" if settings.engine == "shared" else "",
     )
     supervisor = None
     engine = None
     if settings.engine == "shared":
         try:
-            engine = EngineProcess(settings, run_dir, engine_threads)
+            engine = EngineProcess(settings, run_dir, engine_threads, workers)
         except ValueError as e:  # the run directory's path cannot hold the engine's socket
             print(f"gare-serve: {e}", file=sys.stderr)
             shutil.rmtree(run_dir, ignore_errors=True)

@@ -169,9 +169,9 @@ class Settings(BaseSettings):
     )
 
     # micro-batching
-    batch_max_size: int = Field(32, ge=1, le=4096, description="most queries the worker processes at once")
+    batch_max_size: int = Field(32, ge=1, le=4096, description="most queries one micro-batch holds (a worker's, or the shared engine's across workers)")
     batch_max_wait_ms: float = Field(2.0, ge=0, le=1000, description="how long a lone query waits for company")
-    batch_queue_size: int = Field(1024, ge=1, description="queries waiting beyond this get 503")
+    batch_queue_size: int = Field(1024, ge=1, description="queries waiting beyond this get 503 (per worker; the shared engine holds this many per worker)")
 
     # adaptive query bank (opt-in; embeddings only, never query text: see gare_serve/engine/traffic_bank.py)
     query_bank_size: int = Field(0, ge=0, le=10_000_000, description="keep the last N served query embeddings; 0 = off")

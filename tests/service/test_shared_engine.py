@@ -17,8 +17,11 @@ import pytest
 
 from gare_search import search as S
 from gare_serve.app import create_app
-from gare_serve.engine.engine_wire import EngineVersionGone
+from gare_serve.engine.engine_server import EngineState, engine_settings
+from gare_serve.engine.engine_wire import EngineVersionGone, prove_and_check
+from gare_serve.engine.prometheus import Metrics
 from gare_serve.engine.remote_state import EngineClientState, MetadataVersion
+from gare_serve.engine.versions import VersionHandle
 from gare_serve.processes.engine_process import EngineProcess, resolve_engine
 from tests.service.support import copy_index, running_app, settings
 
@@ -66,6 +69,70 @@ def test_engine_mode_resolution():
     assert resolve_engine("shared", "cpu", 1) == "shared" and resolve_engine("in_process", "cpu", 8) == "in_process"
     with pytest.raises(ValueError, match="sideways"):
         resolve_engine("sideways", "cpu", 2)
+
+
+def test_engine_settings_are_the_workers_with_the_engine_role(tmp_path):
+    w = settings(tmp_path, engine="shared", run_dir=tmp_path, torch_threads=1, batch_queue_size=100,
+                 result_cache_entries=50)
+    e = engine_settings(w, 6, workers=3)
+    assert (e.engine, e.run_dir, e.result_cache_entries, e.torch_threads) == ("in_process", None, 0, 6)
+    assert e.batch_queue_size == 300  # what the three workers' own queues held
+    assert e.index == w.index and e.batch_max_size == w.batch_max_size and e.text_encoder == w.text_encoder
+
+
+def test_the_wire_admits_only_a_peer_that_knows_the_key(tmp_path):
+    async def go(client_key: bytes) -> dict[str, str]:
+        seen: dict[str, str] = {}
+        done = asyncio.Event()
+
+        async def handler(r, w):
+            try:
+                await prove_and_check(r, w, b"k" * 32)
+                seen["engine"] = "admitted"
+            except (ConnectionError, asyncio.IncompleteReadError):
+                seen["engine"] = "refused"
+            finally:
+                w.close()
+                done.set()
+
+        server = await asyncio.start_unix_server(handler, path=str(tmp_path / "s"))
+        r, w = await asyncio.open_unix_connection(str(tmp_path / "s"))
+        try:
+            await prove_and_check(r, w, client_key)
+            seen["worker"] = "admitted"
+        except (ConnectionError, asyncio.IncompleteReadError):
+            seen["worker"] = "refused"
+        w.close()
+        await done.wait()
+        server.close()
+        await server.wait_closed()
+        return seen
+
+    assert _run(go(b"k" * 32)) == {"engine": "admitted", "worker": "admitted"}
+    assert _run(go(b"x" * 32)) == {"engine": "refused", "worker": "refused"}  # each side checks the other
+
+
+def test_the_engine_keeps_a_replaced_version_for_its_window_then_closes_it(tmp_path):
+    class Version:
+        def __init__(self, name):
+            self.name, self.closed = name, False
+
+        def close(self):
+            self.closed = True
+
+    state = EngineState(settings(tmp_path, reload_wait_s=10), Metrics())
+    old, state.handle = VersionHandle(Version("v000001")), VersionHandle(Version("v000002"))
+    old.acquire()  # a search in flight on the old version
+    state.retire_version(old)
+    assert state.acquire_named("v000001") is old  # a worker still on it is served from it
+    old.release()
+    old.release()  # the searches end: the engine's own reference keeps it open
+    assert not old.version.closed and old.refs == 1
+    until = state.retained["v000001"][1]
+    assert state.expire_retained(now=until - 0.5) == [] and not old.version.closed
+    assert state.expire_retained(now=until) == ["v000001"] and old.version.closed
+    with pytest.raises(EngineVersionGone, match="v000001.*serves v000002"):
+        state.acquire_named("v000001")
 
 
 def test_answers_equal_the_in_process_ones(env):

@@ -69,8 +69,8 @@ def wait_for_engine(run_dir: str | os.PathLike, wait_s: float, poll_s: float = 0
 
 
 class EngineLink:
-    """This worker's connection to the engine in ``run_dir``. Use it from the worker's event loop (:meth:`call`),
-    or from a thread once the loop is known (:meth:`call_threadsafe`)."""
+    """This worker's connection to the engine in ``run_dir``, used from the worker's event loop (:meth:`call`;
+    ``loop`` is that loop once the worker has started, for calls from its threads)."""
 
     def __init__(self, run_dir: str | os.PathLike, *, timeout_s: float, metrics: Metrics | None = None) -> None:
         self.run_dir = Path(run_dir)
@@ -177,13 +177,6 @@ class EngineLink:
         if self.metrics is not None:
             self.metrics.engine_roundtrip.labels(op).observe(time.perf_counter() - t0)
         return value
-
-    def call_threadsafe(self, op: str, *args: Any) -> Any:
-        """:meth:`call` from a thread other than the event loop's (a route's thread-pool work)."""
-        loop = self.loop
-        if loop is None:
-            raise EngineUnavailable(f"the search engine link is not started; {RETRY}")
-        return asyncio.run_coroutine_threadsafe(self.call(op, *args), loop).result()
 
     async def close(self) -> None:
         task, self._reader_task = self._reader_task, None

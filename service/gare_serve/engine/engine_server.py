@@ -55,11 +55,13 @@ __all__ = ["EngineServer", "EngineState", "engine_settings", "run_engine"]
 STARTUP_FAILURE = 3  # uvicorn's exit status for a process that failed to start: the supervisor stops, not restarts
 
 
-def engine_settings(settings: Settings, torch_threads: int | None) -> Settings:
+def engine_settings(settings: Settings, torch_threads: int | None, workers: int = 1) -> Settings:
     """The engine's own settings from the workers' ones: it is the in-process engine (no run directory of its own,
-    no result cache: whole results are the workers' business), with ``torch_threads`` threads."""
+    no result cache: whole results are the workers' business), with ``torch_threads`` threads and a queue bound of
+    ``batch_queue_size`` per worker (what each worker's own queue held in process)."""
     return settings.model_copy(update={"engine": "in_process", "run_dir": None, "result_cache_entries": 0,
-                                       "torch_threads": torch_threads or settings.torch_threads})
+                                       "torch_threads": torch_threads or settings.torch_threads,
+                                       "batch_queue_size": settings.batch_queue_size * max(1, workers)})
 
 
 class EngineState(ServiceState):

@@ -61,11 +61,12 @@ class EngineProcess:
     """The engine of one ``gare-serve``: its settings (``gare_serve.engine.engine_server.engine_settings``), its run
     directory (socket and key) and the current process."""
 
-    def __init__(self, settings: Settings, run_dir: str | os.PathLike, torch_threads: int | None = None) -> None:
+    def __init__(self, settings: Settings, run_dir: str | os.PathLike, torch_threads: int | None = None,
+                 workers: int = 1) -> None:
         self.run_dir = Path(run_dir)
         self.address = engine_address(self.run_dir)  # ValueError now when the path cannot be a Unix socket
         write_engine_key(self.run_dir)
-        self.settings = engine_settings(settings, torch_threads)
+        self.settings = engine_settings(settings, torch_threads, workers)
         self.process: Any = None
         self.starts = 0
         self.failed_to_start = False
