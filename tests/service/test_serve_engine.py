@@ -26,6 +26,7 @@ from tests.service.support import UvicornProcess, copy_index, running_app, setti
 
 KEY = "engine-workers-key"
 HANG_S = 600  # hang guards: an engine start (torch import, model, kernel compile) on a busy 2-core machine
+ENGINE_TIMEOUT_S = 10  # a call (and the supervisor's hello) unanswered this long: the engine is not answering
 INDEX_FILES = ("units.npy", "frames.npy", "ann.faiss")  # what stage 1 and the rerank read: the engine's alone
 
 
@@ -66,7 +67,8 @@ def server(service_env, tmp_path_factory):
     prom = root / "prom"
     prom.mkdir()
     env = {"GARE_API_KEYS": KEY, "PROMETHEUS_MULTIPROC_DIR": str(prom), "GARE_WORKER_HEALTHCHECK_S": "900",
-           "GARE_RECALL_SAMPLE_RATE": "0", "GARE_INDEX_POLL_S": "0", "GARE_RELOAD_WAIT_S": "60"}
+           "GARE_RECALL_SAMPLE_RATE": "0", "GARE_INDEX_POLL_S": "0", "GARE_RELOAD_WAIT_S": "60",
+           "GARE_ENGINE_TIMEOUT_S": str(ENGINE_TIMEOUT_S)}
     args = ["--index", str(idx), "--workers", "2", "--engine", "shared", "--device", "cpu", "--text-encoder", "fp32",
             "--result-cache-entries", "0", "--batch-max-wait-ms", "50"]
     with UvicornProcess(args, env=env, ready_timeout_s=HANG_S) as srv:
@@ -186,8 +188,42 @@ def test_reload_reaches_the_engine_and_both_workers(server):
     assert all(h["id"] != 4 for x in rs for h in x.json()["results"])
 
 
+def _restarted(srv, old: int) -> dict:
+    """/readyz once a new engine (not ``old``) answers; hang guard HANG_S."""
+    deadline = time.monotonic() + HANG_S
+    while True:
+        rr = httpx.get(srv.base_url + "/readyz", timeout=30)
+        body = rr.json()
+        if rr.status_code == 200 and body["engine"]["pid"] != old:
+            return body
+        assert "engine" in body and time.monotonic() < deadline, rr.text
+        time.sleep(0.5)
+
+
+def test_a_hung_engine_gives_503_then_the_supervisor_replaces_it(server):
+    """SIGSTOP: alive, not answering. The workers answer 503 once a call waited engine_timeout_s; the supervisor's
+    hello gets no answer either, so it kills the engine and starts another."""
+    srv, _, sh = server
+    q = {"query": sh["captions"][1], "k": 5}
+    before = httpx.post(srv.base_url + "/v1/search", json=q, timeout=60)
+    old = _ready(srv)["engine"]["pid"]
+    os.kill(old, signal.SIGSTOP)
+    try:
+        r = httpx.post(srv.base_url + "/v1/search", json=q, timeout=10 * ENGINE_TIMEOUT_S)
+        # "did not answer" when the call's wait ran out first, "stopped answering" when the supervisor killed it first
+        assert r.status_code == 503 and "search engine" in r.json()["detail"], r.text
+        _restarted(srv, old)
+    finally:
+        if _alive(old):  # the supervisor did not kill it: let it go on, so the module can end
+            os.kill(old, signal.SIGCONT)
+    assert not _alive(old)
+    again = httpx.post(srv.base_url + "/v1/search", json=q, timeout=60)
+    assert again.status_code == 200 and _hits(again.json()) == _hits(before.json())
+    assert "did not answer within" in srv.output()
+
+
 def test_a_killed_engine_gives_503_then_the_supervisor_restarts_it(server):
-    """Last: the restart costs an engine start."""
+    """Near the end: each restart costs an engine start."""
     srv, _, sh = server
     q = {"query": sh["captions"][0], "k": 5}
     before = httpx.post(srv.base_url + "/v1/search", json=q, timeout=60)
@@ -199,16 +235,10 @@ def test_a_killed_engine_gives_503_then_the_supervisor_restarts_it(server):
         time.sleep(0.05)
     r = httpx.post(srv.base_url + "/v1/search", json=q, timeout=60)
     assert r.status_code == 503 and "search engine" in r.json()["detail"], r.text
-    while True:
-        rr = httpx.get(srv.base_url + "/readyz", timeout=30)
-        if rr.status_code == 200:
-            break
-        assert "engine" in rr.json() and time.monotonic() < deadline, rr.text
-        time.sleep(0.5)
-    assert rr.json()["engine"]["pid"] != old
+    _restarted(srv, old)
     again = httpx.post(srv.base_url + "/v1/search", json=q, timeout=60)
     assert again.status_code == 200 and _hits(again.json()) == _hits(before.json())
-    assert _metric(httpx.get(srv.base_url + "/metrics", timeout=30).text, "gare_engine_starts_total") == 2
+    assert _metric(httpx.get(srv.base_url + "/metrics", timeout=30).text, "gare_engine_starts_total") == 3
 
 
 def test_stopping_the_supervisor_stops_the_engine_after_the_workers(server):

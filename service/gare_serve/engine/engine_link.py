@@ -5,7 +5,8 @@ carrying all of its requests at once, answers matched by request id (``gare_serv
 (not reachable, connection lost, no answer within ``engine_timeout_s``) raises
 :class:`gare_serve.engine.engine_wire.EngineUnavailable`, which the app answers with 503 and its message. An error the
 engine raised (a typed search error, a refused reload) is raised again here, so the routes map it as in process.
-:func:`wait_for_engine` is the worker's start: it waits for the engine's description while the engine loads.
+:func:`wait_for_engine` is the worker's start: it waits for the engine's description while the engine loads;
+:func:`ping_engine` is the supervisor's liveness check.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from gare_serve.engine.prometheus import Metrics
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EngineLink", "wait_for_engine"]
+__all__ = ["EngineLink", "ping_engine", "wait_for_engine"]
 
 _LOST = (asyncio.IncompleteReadError, ConnectionError, OSError, EOFError, pickle.UnpicklingError)
 RETRY = "gare-serve restarts it: retry shortly"
@@ -66,6 +67,15 @@ def wait_for_engine(run_dir: str | os.PathLike, wait_s: float, poll_s: float = 0
             raise EngineUnavailable(f"the search engine did not answer at {engine_address(run_dir)} within "
                                     f"{wait_s:g} s: {last}")
         time.sleep(poll_s)
+
+
+def ping_engine(run_dir: str | os.PathLike, timeout_s: float) -> bool:
+    """Whether the engine answers a hello within ``timeout_s`` (the supervisor's liveness check). Blocking."""
+    try:
+        asyncio.run(asyncio.wait_for(_hello_once(Path(run_dir), timeout_s), timeout_s))
+        return True
+    except (*_LOST, TimeoutError, RuntimeError):
+        return False
 
 
 class EngineLink:

@@ -5,9 +5,10 @@ workers (:func:`keep_engine`).
 One engine per device: the engine process loads the model, the query encoder and the index version once
 (``gare_serve.engine.engine_server``), and the HTTP workers, which load neither, send it their searches over a Unix
 socket in the run directory (``gare_serve.engine.engine_wire``). The supervisor starts the engine before the
-workers (its model loads while they import), restarts it when it dies (the workers answer 503 meanwhile and
-reconnect by themselves), stops the whole service when it cannot start (exit status 3, as for a worker), and stops
-it last, after the workers have drained their requests. The engine also gets SIGTERM from the kernel when the
+workers (its model loads while they import), restarts it when it dies or, once it has answered, stops answering (a
+hello every few seconds, within ``engine_timeout_s``; the workers answer 503 meanwhile and reconnect by themselves),
+stops the whole service when it cannot start (exit status 3, as for a worker), and stops it last, after the workers
+have drained their requests. The engine also gets SIGTERM from the kernel when the
 supervisor itself dies (``gare_serve.processes.worker_lifetime.die_with_parent``).
 
 A module of its own, at import level: the engine process is spawned, so :func:`engine_main` must be importable.
@@ -20,6 +21,7 @@ import multiprocessing
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ from uvicorn.config import STARTUP_FAILURE
 
 from gare.cli_logging import setup_cli_logging
 from gare.model import resolve_device
+from gare_serve.engine.engine_link import ping_engine
 from gare_serve.engine.engine_server import engine_settings, run_engine
 from gare_serve.engine.engine_wire import engine_address, write_engine_key
 from gare_serve.processes.worker_lifetime import die_with_parent
@@ -37,6 +40,7 @@ log = logging.getLogger(__name__)
 __all__ = ["EngineProcess", "engine_main", "keep_engine", "resolve_engine"]
 
 STOP_WAIT_S = 20  # the engine's own shutdown (finish its batch, write the query bank) before SIGKILL
+PING_EVERY_S = 5.0  # the supervisor asks the engine for a hello this often
 
 
 def resolve_engine(mode: str, device: str, workers: int) -> str:
@@ -70,6 +74,8 @@ class EngineProcess:
         self.process: Any = None
         self.starts = 0
         self.failed_to_start = False
+        self._answered = False
+        self._next_ping = 0.0
         self._lock = threading.Lock()
 
     @property
@@ -82,14 +88,28 @@ class EngineProcess:
                                    name="gare-engine", daemon=False)
         self.process.start()
         self.starts += 1
+        self._answered = False  # pinged only to see it answer until it has once (it loads the model first)
+        self._next_ping = 0.0
         log.info("started the search engine [%d] (device %s)", self.process.pid, self.settings.device)
 
     def keep_alive(self) -> bool:
-        """Restart the engine if it died; False when it failed to start (the service must stop)."""
+        """Restart the engine if it died, or if it answered once and then stopped answering (a hello within
+        ``engine_timeout_s``, asked every PING_EVERY_S); False when it failed to start (the service must stop)."""
         with self._lock:
             p = self.process
-            if p is None or p.is_alive():
+            if p is None:
                 return True
+            if p.is_alive():
+                if time.monotonic() < self._next_ping:
+                    return True
+                answered = ping_engine(self.run_dir, self.settings.engine_timeout_s if self._answered else 1.0)
+                self._next_ping = time.monotonic() + PING_EVERY_S
+                if answered or not self._answered:  # still loading, or fine
+                    self._answered = self._answered or answered
+                    return True
+                log.error("the search engine [%d] did not answer within %g s; killing it", p.pid,
+                          self.settings.engine_timeout_s)
+                p.kill()
             p.join()
             if p.exitcode == STARTUP_FAILURE:
                 log.error("the search engine [%d] failed to start (see its error above); stopping", p.pid)
