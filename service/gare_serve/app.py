@@ -29,6 +29,7 @@ from gare_serve.engine.follow import follow_current
 from gare_serve.engine.prometheus import Metrics, MetricsMiddleware, mark_worker_dead
 from gare_serve.engine.recall_watch import start_recall_watch
 from gare_serve.engine.reload import watch_reloads
+from gare_serve.engine.remote_state import ENGINE_POLL_S, EngineClientState, follow_engine
 from gare_serve.engine.startup import StartupError
 from gare_serve.engine.state import ServiceState
 from gare_serve.settings import Settings, SettingsError, load_api_key_hashes, load_settings
@@ -56,6 +57,10 @@ def create_app(settings: Settings | None = None, *, state_factory: Callable[[Set
         settings = load_settings(**overrides)
     elif overrides:
         settings = settings.model_copy(update=overrides)
+    if settings.engine == "shared" and state_factory is ServiceState:
+        # an HTTP worker of gare-serve's shared engine: no model here; searches go to the engine process
+        # ("auto" is decided by gare-serve, which starts the engine; anything else searches in process)
+        state_factory, follow = EngineClientState, follow_engine
     metrics = Metrics()
     # API keys are read now so that a bad key file fails at once, not in the middle of serving.
     try:
@@ -73,13 +78,17 @@ def create_app(settings: Settings | None = None, *, state_factory: Callable[[Set
             raise
         app.state.gare = state
         state.batcher.start()
-        recall_watch = start_recall_watch(state)  # stage-1 recall of sampled served queries (None when off)
+        # stage-1 recall of sampled served queries (None when off; a shared engine samples its own)
+        recall_watch = start_recall_watch(state) if state.runs_searches else None
         loop = asyncio.get_running_loop()
         tasks = []
         if state.board is not None:  # the other workers' admin reloads
             tasks.append(loop.create_task(watch_reloads(state, state.board), name="gare-reload-watch"))
-        if settings.index_poll_s > 0:  # a new CURRENT written by gare-index, on any host sharing the index
-            tasks.append(loop.create_task(follow(state, settings.index_poll_s), name="gare-follow-current"))
+        # a new CURRENT written by gare-index, on any host sharing the index (a shared engine follows it, and the
+        # workers follow the engine)
+        poll_s = settings.index_poll_s if state.runs_searches else ENGINE_POLL_S
+        if poll_s > 0:
+            tasks.append(loop.create_task(follow(state, poll_s), name="gare-follow-current"))
         try:
             yield
         finally:

@@ -26,6 +26,12 @@ over the cores. The workers share a run directory (reload generation, per-worker
 ``gare_serve.engine.worker_board``) and a Prometheus multiprocess directory, both emptied at start.
 ``--workers 1`` serves in this process, as before.
 
+One engine per device. With ``--engine shared`` (``auto``, the default, chooses it on CUDA with several workers)
+the workers load neither the model nor the index's vectors: one engine process does, on the device, and searches
+for all of them, its micro-batches holding the queries of every worker (``gare_serve.processes.engine_process``,
+``gare_serve.engine.engine_server``). It gets every usable core (``--torch-threads`` otherwise), the workers one
+thread each; the supervisor restarts it when it dies (the workers answer 503 meanwhile) and stops it last.
+
 Slow clients and shutdown. Both paths serve with ``gare_serve.web.http_limits.HeaderTimeoutH11Protocol`` (a request's
 headers within ``--header-timeout-s``; the body bound is the app's ``BodyTimeoutMiddleware``). SIGTERM or
 SIGINT stops accepting and drains the requests in flight (``GRACEFUL_SHUTDOWN_S``); with workers the
@@ -53,6 +59,7 @@ from gare_serve.engine.prometheus import Metrics
 from gare_serve.engine.startup import StartupError, resolve_checkpoint
 from gare_serve.engine.state import ServiceState
 from gare_serve.engine.worker_board import usable_cores
+from gare_serve.processes.engine_process import EngineProcess, keep_engine, resolve_engine
 from gare_serve.processes.port_group import PortGroup, resolve_worker_sockets
 from gare_serve.processes.uvicorn_config import NodelayConfig
 from gare_serve.processes.worker_lifetime import prompt_supervisor
@@ -88,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], help="text encoder precision")
     p.add_argument("--torch-threads", type=int, help="torch/FAISS threads per worker (default: usable cores // workers)")
     p.add_argument("--workers", type=int, help="worker processes (default: the usable cores; 1 = serve in this process)")
+    p.add_argument("--engine", choices=["auto", "in_process", "shared"],
+                   help="shared = one engine process loads the model and index on the device and searches for every "
+                        "worker (batches across them); in_process = each worker loads its own; auto (default) = "
+                        "shared on CUDA with several workers")
     p.add_argument("--worker-sockets", choices=["auto", "reuseport", "shared"],
                    help="with --workers N: reuseport = a listening socket per worker (SO_REUSEPORT: the kernel spreads "
                         "connections evenly), shared = one socket for all; auto (default) = reuseport on Linux")
@@ -121,7 +132,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         "index", "checkpoint", "host", "port", "device", "precision", "torch_threads", "library_root",
         "cors_origins", "require_key_for_search", "api_keys_file", "verify_index", "batch_max_size",
         "batch_max_wait_ms", "log_level", "workers", "text_encoder", "query_cache_entries", "result_cache_entries",
-        "header_timeout_s", "body_timeout_s", "worker_sockets", "rerank_device",
+        "header_timeout_s", "body_timeout_s", "worker_sockets", "rerank_device", "engine",
     ]
     overrides: dict[str, Any] = {n: getattr(args, n) for n in names}
     return load_settings(args.config, **overrides)
@@ -147,10 +158,18 @@ def main(argv: list[str] | None = None) -> int:
     # Several workers with a socket each: take the port first, so that an address in use fails in a moment,
     # not after the checks below.
     group = None
-    if not args.check and (settings.workers or usable_cores()) > 1:
-        group, status = open_port_group(settings)
-        if status:
-            return status
+    if not args.check:
+        workers = settings.workers or usable_cores()
+        try:
+            engine = resolve_engine(settings.engine, settings.device, workers)
+        except (ValueError, RuntimeError) as e:
+            print(f"gare-serve: {e}", file=sys.stderr)
+            return 2
+        settings = settings.model_copy(update={"engine": engine})
+        if workers > 1 or engine == "shared":
+            group, status = open_port_group(settings)
+            if status:
+                return status
     try:
         return _serve(args, settings, group)
     finally:
@@ -180,6 +199,11 @@ def _serve(args: argparse.Namespace, settings: Settings, group: Any) -> int:
         return 0
 
     workers = settings.workers or usable_cores()
+    if settings.engine == "shared":
+        # the engine computes for everyone: every usable core unless told; the workers render and wait
+        engine_threads = settings.torch_threads or usable_cores()
+        settings = settings.model_copy(update={"torch_threads": settings.torch_threads or 1})
+        return serve_workers(settings, workers, group, engine_threads=engine_threads)
     if settings.torch_threads is None:
         settings = settings.model_copy(update={"torch_threads": max(1, usable_cores() // workers)})
     if workers > 1:
@@ -254,9 +278,11 @@ def open_port_group(settings: Settings) -> tuple[Any, int]:
         return None, 1
 
 
-def serve_workers(settings: Settings, workers: int, group: Any = None) -> int:
+def serve_workers(settings: Settings, workers: int, group: Any = None, engine_threads: int | None = None) -> int:
     """Run ``workers`` uvicorn worker processes behind one port (see the module docstring); ``group``: the port
-    group ``main`` already bound (:func:`open_port_group`), closed here when the workers are done."""
+    group ``main`` already bound (:func:`open_port_group`), closed here when the workers are done. With
+    ``settings.engine`` shared, one engine process (``engine_threads`` torch threads) searches for all of them
+    (``gare_serve.processes.engine_process``)."""
     if group is None:
         group, status = open_port_group(settings)  # None again with worker_sockets=shared
         if status:
@@ -271,11 +297,19 @@ def serve_workers(settings: Settings, workers: int, group: Any = None) -> int:
     os.environ.pop("GARE_CONFIG", None)  # the exported values already include the file's
     os.environ.update(worker_environment(settings, workers, run_dir, prom_dir))
     log.info(
-        "starting %d workers, %d torch threads each, %s listening socket%s (run dir %s)", workers,
+        "starting %d workers, %d torch threads each, %s listening socket%s (run dir %s)%s", workers,
         settings.torch_threads, "a" if mode == "reuseport" else "one shared", " each" if mode == "reuseport" else "",
-        run_dir,
+        run_dir, f", and one search engine ({engine_threads} torch threads)" if settings.engine == "shared" else "",
     )
     supervisor = None
+    engine = None
+    if settings.engine == "shared":
+        try:
+            engine = EngineProcess(settings, run_dir, engine_threads, workers)
+        except ValueError as e:  # the run directory's path cannot hold the engine's socket
+            print(f"gare-serve: {e}", file=sys.stderr)
+            shutil.rmtree(run_dir, ignore_errors=True)
+            return 2
     try:
         # what uvicorn.run(..., workers=N) does, with listening sockets that keep TCP_NODELAY, the header
         # timeout, and workers that die with this process (gare_serve.processes.uvicorn_config)
@@ -295,7 +329,8 @@ def serve_workers(settings: Settings, workers: int, group: Any = None) -> int:
                 f"Uvicorn running on {fmt} (Press CTRL+C to quit)", "http", settings.host, group.port)
         else:
             sockets = [config.bind_socket()]
-        supervisor = prompt_supervisor(uvicorn.supervisors.Multiprocess)(config, sockets=sockets)
+        base = prompt_supervisor(uvicorn.supervisors.Multiprocess)
+        supervisor = (base if engine is None else keep_engine(base, engine))(config, sockets=sockets)
         # On SIGTERM/SIGINT the supervisor sends SIGTERM to every worker and joins them all (each drains its
         # requests for at most GRACEFUL_SHUTDOWN_S): this process exits after its workers.
         supervisor.run()
@@ -304,11 +339,16 @@ def serve_workers(settings: Settings, workers: int, group: Any = None) -> int:
     finally:
         if supervisor is not None:
             _stop_workers(supervisor)
+        if engine is not None:
+            engine.stop()
         if group is not None:
             group.close()
         shutil.rmtree(run_dir, ignore_errors=True)
         if given:
             _empty_dir(prom_dir)
+    if engine is not None and engine.failed_to_start:
+        print("gare-serve: the search engine did not start (see the error above)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -83,6 +83,17 @@ class Settings(BaseSettings):
         "(SO_REUSEPORT: the kernel spreads connections evenly), shared = one socket for all (the first worker awake "
         "takes every queued connection); auto = reuseport on Linux, else shared (gare_serve/processes/port_group.py)"
     )
+    engine: Literal["auto", "in_process", "shared"] = Field(
+        "auto", description="where the searches run under gare-serve: in_process = every HTTP worker loads the model "
+        "and the index itself; shared = one engine process loads them once on the device and searches for every "
+        "worker, its micro-batches holding the queries of all of them (the workers keep routes, auth, limits, the "
+        "result cache and the metadata; gare_serve/engine/engine_server.py); auto = shared when the device resolves "
+        "to CUDA and there are several workers, else in_process"
+    )
+    engine_timeout_s: float = Field(
+        60.0, gt=0, le=3600, description="with engine=shared: a worker answers 503 when the engine has not answered "
+        "a call within this"
+    )
     run_dir: Path | None = Field(
         None, description="shared state of the workers of one gare-serve (set by gare-serve --workers; see gare_serve/engine/worker_board.py)"
     )
@@ -158,9 +169,9 @@ class Settings(BaseSettings):
     )
 
     # micro-batching
-    batch_max_size: int = Field(32, ge=1, le=4096, description="most queries the worker processes at once")
+    batch_max_size: int = Field(32, ge=1, le=4096, description="most queries one micro-batch holds (a worker's, or the shared engine's across workers)")
     batch_max_wait_ms: float = Field(2.0, ge=0, le=1000, description="how long a lone query waits for company")
-    batch_queue_size: int = Field(1024, ge=1, description="queries waiting beyond this get 503")
+    batch_queue_size: int = Field(1024, ge=1, description="queries waiting beyond this get 503 (per worker; the shared engine holds this many per worker)")
 
     # adaptive query bank (opt-in; embeddings only, never query text: see gare_serve/engine/traffic_bank.py)
     query_bank_size: int = Field(0, ge=0, le=10_000_000, description="keep the last N served query embeddings; 0 = off")

@@ -43,11 +43,14 @@ SearchBatchFn = Callable[..., list[S.QueryResult]]
 
 @dataclass(frozen=True)
 class Job:
-    """One queued text query: the index version its request holds, the text and its resolved options."""
+    """One queued text query: the index version its request holds, the text and its resolved options; ``origin``:
+    the HTTP worker (pid) that sent it, when a shared engine (``gare_serve.engine.engine_server``) batches queries of
+    several workers (0 in process)."""
 
     version: IndexVersion
     query: str
     options: S.SearchOptions
+    origin: int = 0
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,9 @@
 - ``gare_batch_size``: queries per micro-batch;
 - ``gare_index_entries`` and ``gare_index_info{version,index_type,checkpoint}``; ``gare_reloads_total{result}``.
 
+- ``gare_engine_*``: the shared engine (``engine=shared``): per query its queue wait, per batch the HTTP workers
+  whose queries it holds and a count of batches mixing workers, requests by kind, process starts; in the workers
+  the round trip of each call and the calls it could not answer (``gare_batch_size`` is then the engine's batches).
 - ``gare_query_cache_*``: the query embedding cache (gare_serve/engine/query_cache.py).
 - ``gare_result_cache_*``: the search result cache (gare_serve/engine/result_cache.py).
 - ``gare_stage1_recall*``: stage-1 recall of sampled served queries against an exact search
@@ -133,6 +136,34 @@ class Metrics:
         )
         self.recall_mean.set(math.nan)
         self.recall_target.set(math.nan)
+        # the shared engine (gare_serve.engine.engine_server; engine=shared): written by the engine process, and
+        # by the HTTP workers for their side of each call
+        self.engine_queue = Histogram(
+            "gare_engine_queue_seconds", "shared engine: a query's wait from its arrival in the engine to the start "
+            "of its batch", buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.engine_batch_workers = Histogram(
+            "gare_engine_batch_workers", "shared engine: HTTP workers whose queries share one batch",
+            buckets=BATCH_BUCKETS, registry=r,
+        )
+        self.engine_mixed_batches = Counter(
+            "gare_engine_mixed_batches", "shared engine: batches holding queries of more than one HTTP worker",
+            registry=r,
+        )
+        self.engine_requests = Counter(
+            "gare_engine_requests", "shared engine: requests received, by kind (texts, videos, image, reload, "
+            "status)", ["op"], registry=r,
+        )
+        self.engine_starts = Counter("gare_engine_starts", "shared engine: processes started (restarts included)",
+                                     registry=r)
+        self.engine_roundtrip = Histogram(
+            "gare_engine_roundtrip_seconds", "HTTP worker: a request to the shared engine, sent to answered, by "
+            "kind", ["op"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.engine_unavailable = Counter(
+            "gare_engine_unavailable", "HTTP worker: calls the shared engine could not answer (down, restarting, "
+            "not in time, version gone)", registry=r,
+        )
 
     def observe_stages(self, timings_s: dict[str, float]) -> None:
         for stage, v in timings_s.items():

@@ -114,7 +114,7 @@ async def reload_local(state: ServiceState) -> dict[str, Any]:
         advise_random_access(version)
         state.handle = VersionHandle(version)  # atomic swap: new requests see the new version
         state.result_cache.clear()  # keyed by version name anyway: the old entries could only take room
-        old.retire()  # closed when its last in-flight request finishes
+        state.retire_version(old)  # closed when its last in-flight request finishes
         state.publish_index(version)
         reloads.labels("ok").inc()
         log.info("reloaded: now serving %s (%d entries), was %s", version.name, version.n, old.version.name)

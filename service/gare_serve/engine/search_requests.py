@@ -69,7 +69,7 @@ async def search_texts(state: ServiceState, version: IndexVersion, queries: list
     # refused here, before the micro-batch, so it cannot fail other clients' queries
     version.check_stage1(ncl_stage1=opts.ncl_stage1)
     rc = state.result_cache
-    variant = state.encoder.variant if state.encoder is not None else ""
+    variant = state.encoder_variant
     keys = [rc.key(version.name, state.checkpoint_sha or "", variant, q, opts)
             for q in queries] if rc.enabled else [None] * len(queries)
     # whole answers, hits rendered with their metadata: no queue, no stage, no metadata read, no thread hop

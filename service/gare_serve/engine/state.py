@@ -51,12 +51,15 @@ __all__ = ["ServiceState"]
 class ServiceState:
     """Everything the lifespan loads: settings, model, query encoder, current version, batcher, caches."""
 
+    # this process runs the searches itself (False: an HTTP worker of a shared engine, gare_serve.engine.remote_state)
+    runs_searches = True
 
     def __init__(self, settings: Settings, metrics: Metrics) -> None:
         self.settings = settings
         self.metrics = metrics
         self.key_hashes = load_api_key_hashes(settings)
         self.model: GARE | None = None
+        self.model_cfg: Any = None  # the model's gare.config.ModelConfig (image size for uploads), set by load()
         self.device: Any = None
         self.precision = "fp32"
         # where the psi rerank runs and its threads: passed to every search this state runs
@@ -102,13 +105,7 @@ class ServiceState:
             except (ImportError, AttributeError):  # pragma: no cover - faiss is a dependency
                 pass
         path, sha = self.resolve_checkpoint()
-        if s.require_key_for_search:  # media URLs are signed: every worker and replica needs the same secret
-            try:
-                self.media = MediaSigner(resolve_secrets(
-                    secret=s.media_secret, secret_file=s.media_secret_file, previous=s.media_secret_previous,
-                    index_dir=s.index), s.media_token_ttl_s)
-            except MediaSecretError as e:
-                raise StartupError(str(e)) from None
+        self.load_media_secret()
         try:
             self.device = resolve_device(s.device)
         except RuntimeError as e:
@@ -122,6 +119,7 @@ class ServiceState:
         except (CheckpointError, OSError) as e:
             raise StartupError(f"cannot load checkpoint {path}: {e}") from None
         self.model, self.checkpoint_path, self.checkpoint_sha = model, path, sha
+        self.model_cfg = model.cfg
         try:
             self.encoder = load_query_encoder(model, s.text_encoder, self.device, self.precision)
         except TextEncoderError as e:
@@ -155,6 +153,17 @@ class ServiceState:
             "on" if self.result_cache.enabled else "off",
         )
         self.publish_worker()
+
+    def load_media_secret(self) -> None:
+        """When search needs a key, media URLs are signed: every worker and replica needs the same secret."""
+        s = self.settings
+        if s.require_key_for_search:
+            try:
+                self.media = MediaSigner(resolve_secrets(
+                    secret=s.media_secret, secret_file=s.media_secret_file, previous=s.media_secret_previous,
+                    index_dir=s.index), s.media_token_ttl_s)
+            except MediaSecretError as e:
+                raise StartupError(str(e)) from None
 
     def resolve_checkpoint(self) -> tuple[Path, str]:
         """(checkpoint path, its sha256) for the served index; a subclass serving another kind of index (the Ray
@@ -201,6 +210,20 @@ class ServiceState:
             self.board.publish(h.version.name if h is not None else None, h is not None, self.generation)
         except OSError as e:  # pragma: no cover - the run directory vanished
             log.error("cannot publish this worker's state in %s: %s", self.board.root, e)
+
+    def retire_version(self, old: VersionHandle) -> None:
+        """A reload replaced ``old``: it closes when its last in-flight request finishes (the shared engine keeps
+        it a while longer for the workers still on it: gare_serve.engine.engine_server)."""
+        old.retire()
+
+    @property
+    def encoder_variant(self) -> str:
+        """What makes this service's query embeddings (a result-cache key part): the encoder's variant."""
+        return self.encoder.variant if self.encoder is not None else ""
+
+    async def engine_report(self) -> dict[str, Any] | None:
+        """The shared engine this worker searches through, as /readyz shows it; None: searches run in process."""
+        return None
 
     def close(self) -> None:
         if self.board is not None:

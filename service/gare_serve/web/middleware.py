@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gare_serve.engine.batcher import BatcherClosed, BatcherOverloaded
+from gare_serve.engine.engine_wire import EngineUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -258,6 +259,11 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(BatcherClosed)
     async def _closed(request: Request, exc: BatcherClosed) -> JSONResponse:
         return JSONResponse({"detail": "the server is shutting down"}, status_code=503)
+
+    @app.exception_handler(EngineUnavailable)
+    async def _engine(request: Request, exc: EngineUnavailable) -> JSONResponse:
+        # engine=shared: the engine process is down, restarting or late (its message says which)
+        return JSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": "1"})
 
     @app.exception_handler(sqlite3.Error)
     async def _metadata(request: Request, exc: sqlite3.Error) -> JSONResponse:

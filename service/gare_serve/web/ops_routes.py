@@ -3,6 +3,7 @@ the API docs page (``/docs``: Swagger UI 5, which reads FastAPI's OpenAPI 3.1, f
 ``fastapi-offline`` package ships; no CDN)."""
 
 from pathlib import Path
+from typing import Any
 
 import fastapi_offline
 from fastapi import APIRouter, Request
@@ -38,18 +39,27 @@ _DOCS_HTML = f"""<!doctype html>
 router = APIRouter()
 
 
-@router.get("/healthz", tags=["ops"], summary="liveness")
-async def healthz() -> dict[str, str]:
-    return {"status": "ok"}
+@router.get("/healthz", tags=["ops"], summary="liveness (and, with a shared engine, whether it answered last)")
+async def healthz(request: Request) -> dict[str, Any]:
+    state = request.app.state.gare
+    link = getattr(state, "link", None)  # engine=shared: what the last call saw (no call here: liveness is cheap)
+    if link is None:
+        return {"status": "ok"}
+    return {"status": "ok", "engine": {"up": link.up, "pid": (link.info or {}).get("pid")}}
 
 
-@router.get("/readyz", tags=["ops"], summary="readiness: model and index loaded (in every worker)",
+@router.get("/readyz", tags=["ops"], summary="readiness: model and index loaded (in every worker; a shared engine answers)",
             responses={503: {"model": ErrorResponse}})
 async def readyz(request: Request) -> JSONResponse:
     state = request.app.state.gare
     if state is None or state.handle is None or not state.batcher.running:
         return JSONResponse({"status": "not ready", "detail": "model or index not loaded"}, status_code=503)
-    body = {"status": "ready", "index_version": state.handle.version.name, "n": state.handle.version.n}
+    body: dict[str, Any] = {"status": "ready", "index_version": state.handle.version.name, "n": state.handle.version.n}
+    engine = await state.engine_report()
+    if engine is not None:  # engine=shared: the engine must answer too
+        body["engine"] = engine
+        if not engine["up"]:
+            return JSONResponse({**body, "status": "not ready", "detail": engine["detail"]}, status_code=503)
     if state.board is not None:
         # several workers: ready only when every one of them is up and they all serve one version
         ok, recs = state.board.all_ready()

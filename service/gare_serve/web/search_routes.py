@@ -175,11 +175,11 @@ def make_router(settings: Settings) -> APIRouter:
                 raise HTTPException(413, f"image is larger than {settings.max_image_bytes} bytes")
             if not data:
                 raise HTTPException(422, "the image file is empty")
-            if state.model is None:  # not ready (the lifespan has not loaded the model): nothing to decode for
+            if state.model_cfg is None:  # not ready (the lifespan has not loaded the model): nothing to decode for
                 raise HTTPException(503, "the model is not loaded yet")
             try:  # reduced while decoded to a short side of at most 2 x the model's input side
                 pil = await run_in_threadpool(E.decode_image, data, kind, max_pixels=settings.max_image_pixels,
-                                              max_aspect=settings.max_image_aspect, image_size=state.model.cfg.image_size)
+                                              max_aspect=settings.max_image_aspect, image_size=state.model_cfg.image_size)
             except E.UnsupportedImageType as e:
                 raise HTTPException(415, str(e)) from None
             except E.ExampleError as e:
