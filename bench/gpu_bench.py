@@ -493,9 +493,10 @@ def section_gpu_tests(ctx: dict[str, Any]) -> dict[str, Any]:
 # a function ctx -> JSON-able dict; to add one: write it, list it here with its expected seconds in SECTION_SECONDS,
 # give it an observer in OBSERVE and its targets in TARGETS (below), and its markdown in markdown().
 SECTIONS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    "env": section_env, "gpu_tests": section_gpu_tests, "index_build": gpu_stage1.SECTIONS["index_build"],
+    # in the order they run: the sections with targets first, the cheapest of them first
+    "env": section_env, "gpu_tests": section_gpu_tests, "text_encoder": section_text_encoder,
     "http_search": gpu_stage1.SECTIONS["http_search"], "faiss_stage1": gpu_stage1.SECTIONS["faiss_stage1"],
-    "text_encoder": section_text_encoder, "search": section_search, "fidelity": section_fidelity, "psi": section_psi,
+    "index_build": gpu_stage1.SECTIONS["index_build"], "search": section_search, "fidelity": section_fidelity, "psi": section_psi,
     "sinkhorn": section_sinkhorn, "served_biases": section_served_biases,
 }
 # Expected seconds of each section at the default sizes on an H100/H200 (from the runs at 5215253 and 251db38, less

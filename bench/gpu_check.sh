@@ -67,9 +67,10 @@ echo "install: $(( $(date +%s) - t0 )) s"
 python3 -c "import faiss; print('faiss', faiss.__version__, 'GPUs seen by faiss:', faiss.get_num_gpus())" 2>&1 | tail -3
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$OUT/nvidia-smi.txt"
 budget=${GPU_CHECK_SECONDS:-480}
-timeout 170 python3 -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$OUT/pytest_gpu.xml" tests/test_cuda.py \
+timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$OUT/pytest_gpu.xml" tests/test_cuda.py \
     tests/training/test_sinkhorn.py tests/training/test_text_determinism.py tests/indexer/test_ann_gpu_plan.py \
-    tests/indexer/test_build_stages.py 2>&1 | tee "$OUT/pytest_gpu.log"
+    tests/indexer/test_build_stages.py tests/indexer/test_resident_gpu.py tests/service/test_serve_engine_gpu.py \
+    2>&1 | tee "$OUT/pytest_gpu.log"
 tests=${PIPESTATUS[0]}
 echo "tests: exit status $tests; $(( $(date +%s) - t0 )) s"
 left=$(( budget - 5 - ($(date +%s) - t0) ))

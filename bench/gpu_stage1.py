@@ -17,7 +17,8 @@
   (``RunReport.encode_stages``).
 - ``http_search``: a 1M-entry gallery in the real index format (write_gallery_device: serve_bench.write_gallery's
   gallery drawn on the device), `gare-serve`
-  on the device (one worker; the ANN on the GPU), closed-loop HTTP clients (serve_http.closed_loop): p50,
+  on the device (``--http-workers`` HTTP workers and, on CUDA, the shared engine with the resident index),
+  closed-loop HTTP clients (serve_http.closed_loop): p50,
   p99 and q/s at 1 and 32 clients.
 """
 
@@ -352,7 +353,7 @@ def section_http_search(ctx: dict[str, Any]) -> dict[str, Any]:
         from gare_search.rerank import RerankSettings
 
         out: dict[str, Any] = {"entries": args.http_entries, "gallery": gal, "write_s": time.perf_counter() - t0,
-                               "duration_s": args.http_duration, "rows": [],
+                               "duration_s": args.http_duration, "rows": [], "workers": args.http_workers,
                                "default_rerank_device": RerankSettings().device}
         print(f"http: gallery of {args.http_entries:,} written in {out['write_s']:.0f}s", flush=True)
         ctx["model"] = model
@@ -362,9 +363,11 @@ def section_http_search(ctx: dict[str, Any]) -> dict[str, Any]:
         for rd in args.http_rerank_devices:  # GARE_RERANK_DEVICE of the server (its gare_search.rerank.RerankSettings)
             os.environ["GARE_RERANK_DEVICE"] = rd
             t0 = time.perf_counter()
-            proc, url, log = serve(work / "index", 1, False, None)
+            proc, url, log = serve(work / "index", args.http_workers, False, None)
             out.setdefault("server_ready_s", {})[rd] = time.perf_counter() - t0
-            out["server"] = httpx.get(url + "/healthz", timeout=10).json()
+            # readiness as gare-serve reports it: the workers, the shared engine, the resident index's stage 1
+            out["server"] = httpx.get(url + "/readyz", timeout=30).json()
+            print(f"http server ({args.http_workers} workers): {out['server']}", flush=True)
             for clients in args.http_clients:
                 r = {**closed_loop(url, stream[clients * 100:], clients, args.http_duration), "rerank_device": rd}
                 out["rows"].append(r)
@@ -518,16 +521,19 @@ def add_arguments(ap: Any) -> None:
     ap.add_argument("--http-entries", type=int, default=1_000_000)
     ap.add_argument("--http-clients", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--http-duration", type=float, default=6.0, help="seconds of load per client count")
+    ap.add_argument("--http-workers", type=int, default=8,
+                    help="gare-serve --workers (several: the shared engine on CUDA batches for all of them)")
     from gare_search.rerank import RERANK_DEVICES
 
-    ap.add_argument("--http-rerank-devices", nargs="+", default=list(RERANK_DEVICES), choices=RERANK_DEVICES,
-                    help="serve once per value of GARE_RERANK_DEVICE")
+    ap.add_argument("--http-rerank-devices", nargs="+", default=[RERANK_DEVICES[0]], choices=RERANK_DEVICES,
+                    help="serve once per value of GARE_RERANK_DEVICE (default: the product's default only)")
     ap.add_argument("--build-videos", type=int, default=600)
 
 
 def quick(args: Any) -> None:
     args.stage1_entries, args.stage1_queries, args.stage1_iters = [20_000], 64, 3
     args.http_entries, args.http_clients, args.http_duration, args.build_batch, args.build_videos = 3000, [1, 4], 2.0, 8, 6
+    args.http_workers = 2
 
 
 def markdown(sec: dict[str, Any]) -> list[str]:
@@ -626,8 +632,10 @@ def markdown(sec: dict[str, Any]) -> list[str]:
         hs = sec["http_search"]
         g = hs["gallery"]
         L += [f"## Two-stage search over HTTP ({hs['entries']:,} entries)", "",
-              f"`gare-serve` (one worker) on the device over a gallery in the real index format (serve_bench.write_gallery: "
-              f"{g['index_type']} {g['ann_params']}); its /healthz: `{json.dumps(hs.get('server'))[:600]}`. Closed-loop clients, distinct queries, "
+              f"`gare-serve --workers {hs.get('workers', 1)}` (defaults otherwise: on CUDA one shared engine holds the "
+              f"model and the index for every worker) on the device over a gallery in the real index format "
+              f"(serve_bench.write_gallery: {g['index_type']} {g['ann_params']}); its /readyz: "
+              f"`{json.dumps(hs.get('server'))[:900]}`. Closed-loop clients, distinct queries, "
               f"{hs['duration_s']:g} s each; psi rerank on, caches off.", "",
               "| rerank on | clients | q/s | p50 ms | p99 ms | errors |", "|---|---|---|---|---|---|"]
         L += [f"| {r.get('rerank_device', 'model')} | {r['clients']} | {r['qps']:,.1f} | {r['latency_p50']:.2f} | "

@@ -67,6 +67,39 @@ class Settings(BaseSettings):
         f"half-precision weights) the CUDA option; auto = {DEFAULT_CPU_TEXT_ENCODER} on the CPU and "
         f"{DEFAULT_CUDA_TEXT_ENCODER} on CUDA (the measured defaults) at fp32 precision, else fp32",
     )
+    text_batch_rows: int = Field(
+        32, ge=1, le=1024, description="on CUDA the query text tower runs fixed-shape micro-batches of this many rows x "
+        "the query context (a text gets the same bits alone or beside others; gare.text_fixed); a change of it changes "
+        "the embeddings' rounding, so it is part of the query cache's key"
+    )
+    text_batching: Literal["auto", "per-text", "fixed"] = Field(
+        "auto", description="how the model's own text tower (text_encoder fp32) batches: fixed = fixed-shape "
+        "micro-batches of text_batch_rows rows, per-text = each text alone at its own length; auto = fixed on CUDA "
+        "(launch-bound: 32 texts cost one forward), per-text on the CPU (compute-bound); both give a text the same "
+        "bits alone or beside others"
+    )
+    text_cuda_graph: bool = Field(
+        True, description="replay the fixed-shape text tower as a CUDA graph (the same kernels, the same bits, without "
+        "the per-kernel launch cost); a capture that fails falls back to the eager forward with a warning"
+    )
+    gpu_index: Literal["auto", "off"] = Field(
+        "auto", description="auto = when the model runs on CUDA, copy the served index version (stage-1 vectors, the "
+        "rerank's frames and psi constants) into GPU memory (gare_index.resident) if it fits under gpu_index_max_bytes "
+        "and the free memory, else serve it from host memory with a warning; off = always the host path"
+    )
+    gpu_index_devices: str = Field(
+        "", description="comma-separated CUDA devices the resident index is split across (contiguous row ranges); "
+        "empty = the model's device (only a CUDA model gets a resident copy then); named devices are used whatever the "
+        "model's device (cpu: a copy in host memory searched exactly by torch)"
+    )
+    gpu_index_max_bytes: int | None = Field(
+        None, ge=0, description="most bytes the resident index may take on one device (None = what is free)"
+    )
+    stage1_method: Literal["auto", "exact", "ann"] = Field(
+        "auto", description="stage 1 of a resident index: exact (one matrix product + top-k on the device, recall "
+        "1.0), ann (the version's FAISS index), auto = the one measured faster at load (exact when it is as fast; "
+        "the choice and both timings are logged and shown by /readyz)"
+    )
     torch_threads: int | None = Field(
         None, ge=1, description="torch (and FAISS) intra-op threads; gare-serve sets usable cores // workers"
     )

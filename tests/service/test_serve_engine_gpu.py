@@ -54,6 +54,9 @@ def test_two_workers_share_one_cuda_engine(service_env, tmp_path):
         ready = httpx.get(srv.base_url + "/readyz", timeout=30).json()
         engine, workers = ready["engine"], [w["pid"] for w in ready["workers"]]
         assert engine["up"] and engine["device"].startswith("cuda") and engine["pid"] not in workers
+        # gpu_index auto: the engine serves the version from GPU memory, its stage 1 chosen by measurement
+        st = engine["stage1"]
+        assert st["resident"] is True and st["method"] in ("exact", "ann") and st["devices"][0].startswith("cuda"), st
         for pid in workers:
             assert not (_mapped(pid) & set(INDEX_FILES))
         with httpx.Client(base_url=srv.base_url, timeout=60) as c:

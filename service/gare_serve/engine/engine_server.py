@@ -121,7 +121,7 @@ class EngineState(ServiceState):
             "checkpoint_path": str(self.checkpoint_path) if self.checkpoint_path else None,
             "checkpoint_sha": self.checkpoint_sha, "query_bank": self.query_bank is not None,
             "queued": self.batcher.queued, "queries": self.batcher.items, "batches": self.batcher.batches,
-            "started": self.started,
+            "started": self.started, "stage1": self.stage1,
         }
 
 

@@ -111,6 +111,14 @@ async def reload_local(state: ServiceState) -> dict[str, Any]:
             version.close()
             reloads.labels("refused").inc()
             raise ReloadRefused(f"{e}; still serving {old.version.name}") from None
+        try:
+            version = await run_in_threadpool(state.on_device, version)
+        except Exception as e:  # noqa: BLE001 - a copy that fails (device error): keep serving the old version
+            version.close()
+            log.error("reload failed: cannot place index version %s on the device: %s", name, e)
+            reloads.labels("error").inc()
+            raise ReloadUnavailable(f"index version {name} could not be placed on the device ({e}); still serving "
+                                    f"{old.version.name}") from None
         advise_random_access(version)
         state.handle = VersionHandle(version)  # atomic swap: new requests see the new version
         state.result_cache.clear()  # keyed by version name anyway: the old entries could only take room

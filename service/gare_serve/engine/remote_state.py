@@ -293,7 +293,7 @@ class EngineClientState(ServiceState):
         except EngineUnavailable as e:
             return {"mode": "shared", "up": False, "detail": str(e)}
         return {"mode": "shared", "up": True, "pid": info["pid"], "version": info["version"],
-                "device": info["device"], "queued": info["queued"]}
+                "device": info["device"], "queued": info["queued"], "stage1": info.get("stage1")}
 
 
 async def follow_engine(state: EngineClientState, poll_s: float) -> None:

@@ -23,6 +23,8 @@ from fastapi import HTTPException
 
 from gare.checkpoint import CheckpointError, load_model
 from gare.model import GARE, resolve_device
+from gare_index.resident import ResidentTooLarge
+from gare_index.resident_version import load_resident
 from gare_index.store import IndexFormatError, IndexVersion, open_index
 from gare_search import by_example as E
 from gare_search import rerank
@@ -68,6 +70,8 @@ class ServiceState:
         self.checkpoint_path: Path | None = None
         self.checkpoint_sha: str | None = None
         self.handle: VersionHandle | None = None
+        # where the served version lives and its stage 1 (on_device: the resident copy's measured choice), for /readyz
+        self.stage1: dict[str, Any] | None = None
         self.reload_lock = asyncio.Lock()
         self.thumbs = ThumbnailCache(settings.thumbnail_cache_size)
         self.query_bank: QueryBank | None = None  # when GARE_QUERY_BANK_SIZE > 0
@@ -121,7 +125,9 @@ class ServiceState:
         self.model, self.checkpoint_path, self.checkpoint_sha = model, path, sha
         self.model_cfg = model.cfg
         try:
-            self.encoder = load_query_encoder(model, s.text_encoder, self.device, self.precision)
+            self.encoder = load_query_encoder(model, s.text_encoder, self.device, self.precision,
+                                              rows=s.text_batch_rows, scheme=s.text_batching,
+                                              cuda_graph=s.text_cuda_graph)
         except TextEncoderError as e:
             raise StartupError(str(e)) from None
         # the query-embedding cache keys a text as the tokenizer sees it
@@ -131,6 +137,7 @@ class ServiceState:
         )
         version = self.open_served(sha)
         self.check_fit(version)
+        version = self.on_device(version)
         advise_random_access(version)
         # "cpu" on a GPU model compiles the CPU kernel too: now, not in the first request
         rerank.warm_up(self.device, self.rerank_settings)
@@ -149,7 +156,7 @@ class ServiceState:
         log.info(
             "serving index %s version %s (%d entries, %s) with %s on %s (%s, text encoder %s, query cache %s, "
             "result cache %s)", s.index, version.name, version.n, version.manifest.index_type, path.name, self.device,
-            self.precision, self.encoder.kind, "on" if self.query_cache.enabled else "off",
+            self.precision, self.encoder.describe(), "on" if self.query_cache.enabled else "off",
             "on" if self.result_cache.enabled else "off",
         )
         self.publish_worker()
@@ -192,6 +199,29 @@ class ServiceState:
             )
         rerank.prepare(self.model, version)
         warm_index(version, self.settings.warm_index_bytes)  # the first searches after a load: no disk read per page
+
+    def on_device(self, version: Any) -> Any:
+        """The version to serve: on a CUDA model (``gpu_index`` auto), its device-resident copy
+        (:func:`gare_index.resident_version.load_resident`: stage 1 and the rerank's rows in GPU memory, stage 1 chosen
+        by measurement), on ``gpu_index_devices`` when named (``cpu`` too: a host copy with torch's exact stage 1);
+        the version itself when the copy does not fit (one WARNING naming the bytes), on a CPU model without named
+        devices, or for a view that is not one index version (the Ray ingress's sharded view)."""
+        s = self.settings
+        named = [d.strip() for d in s.gpu_index_devices.split(",") if d.strip()]
+        on_cuda = self.device is not None and torch.device(self.device).type == "cuda"
+        if s.gpu_index == "off" or not (on_cuda or named) or not isinstance(version, IndexVersion):
+            return version
+        devices = named or [str(self.device)]
+        try:
+            served = load_resident(version, self.model, k=s.default_candidates, devices=devices,
+                                   cap_bytes=s.gpu_index_max_bytes,
+                                   method=None if s.stage1_method == "auto" else s.stage1_method)
+        except ResidentTooLarge as e:
+            log.warning("%s", e)
+            self.stage1 = {"resident": False, "reason": str(e)}
+            return version
+        self.stage1 = {"resident": True, "devices": devices, **served.decision.as_dict()}
+        return served
 
     def publish_index(self, version: IndexVersion) -> None:
         """The served version in the metrics (gare_index_info)."""

@@ -55,6 +55,8 @@ async def readyz(request: Request) -> JSONResponse:
     if state is None or state.handle is None or not state.batcher.running:
         return JSONResponse({"status": "not ready", "detail": "model or index not loaded"}, status_code=503)
     body: dict[str, Any] = {"status": "ready", "index_version": state.handle.version.name, "n": state.handle.version.n}
+    if getattr(state, "stage1", None) is not None:  # a CUDA model: the resident copy and its measured stage 1
+        body["stage1"] = state.stage1
     engine = await state.engine_report()
     if engine is not None:  # engine=shared: the engine must answer too
         body["engine"] = engine
