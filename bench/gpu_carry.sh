@@ -20,6 +20,7 @@ PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp --platform m
 mkdir -p "$WORK/dl" "$WORK/payload" "$WORK/faisswheel"
 python3 -m pip download -q --no-deps "${PLAT[@]}" -d "$WORK/dl" faiss-gpu==1.15.1 nvidia-cuda-runtime-cu12==12.6.77 \
     nvidia-cublas-cu12==12.6.4.1
+# av (PyAV, ~36 MB): the tests' synthetic corpora write their mp4s with it (the device has OpenCV but no PyAV).
 # the MSR-VTT test captions for the CUDA batch-invariance test (../shared does not travel; gpu_check.sh points
 # GARE_MSRVTT_ANNO here). Carry .gpuwheels and .gpuassets (fidelity inputs, bench/gpu_bench.py --prepare) in the
 # last call: about 20 + 35 MB beside the ~6 MB tree.
@@ -29,7 +30,7 @@ python3 -m pip download -q --no-deps "${PLAT[@]}" -d "$REPO/.gpuwheels" open_cli
     wcwidth==0.9.4 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
     pydantic-settings==2.16.3 python-dotenv==1.2.4 fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 \
     itsdangerous==2.2.0 cachetools==8.0.2 python-multipart==0.0.34 fastapi_offline==1.7.7 decord==0.6.0 \
-    typing_extensions==4.16.0 opentelemetry-api==1.45.2
+    typing_extensions==4.16.0 opentelemetry-api==1.45.2 av==18.1.0
 # each large file compressed on its own (a re-run reuses what is already compressed)
 (cd "$WORK/faisswheel" && unzip -q -o "$WORK"/dl/faiss_gpu-1.15.1-*.whl)
 [ -f "$WORK/payload/faiss_gpu_tree.tar.xz" ] || tar -C "$WORK/faisswheel" -cf - . | xz -9 -T0 > "$WORK/payload/faiss_gpu_tree.tar.xz"
