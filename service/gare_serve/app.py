@@ -31,7 +31,15 @@ from gare_serve.engine.recall_watch import start_recall_watch
 from gare_serve.engine.reload import watch_reloads
 from gare_serve.engine.startup import StartupError
 from gare_serve.engine.state import ServiceState
-from gare_serve.settings import KeyRoles, Settings, SettingsError, load_key_roles, load_settings
+from gare_serve.settings import (
+    KEY_FIELDS,
+    KeyRoles,
+    Settings,
+    SettingsError,
+    hashed_key_list,
+    load_key_roles,
+    load_settings,
+)
 from gare_serve.web import admin_routes, ops_routes, search_routes, video_routes
 from gare_serve.web.http_limits import BodyTimeoutMiddleware
 from gare_serve.web.middleware import (
@@ -69,8 +77,9 @@ def create_app(settings: Settings | None = None, *, state_factory: Callable[[Set
     ``gare_serve.ray_serve.deployment``; one index's CURRENT by default)."""
     if settings is None:
         settings = load_settings(**overrides)
-    elif overrides:
-        settings = settings.model_copy(update=overrides)
+    elif overrides:  # model_copy skips the validators: keys given here are hashed as the settings' own are
+        settings = settings.model_copy(update={
+            k: hashed_key_list(v) if k in KEY_FIELDS else v for k, v in overrides.items()})
     metrics = Metrics()
     # API keys are read now so that a bad key file fails at once, not in the middle of serving.
     try:

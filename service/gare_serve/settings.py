@@ -39,6 +39,15 @@ class SettingsError(ValueError):
     """A configuration problem the operator must fix (message is shown as is)."""
 
 
+# The settings that list keys in clear: each entry is replaced by sha256:<hex> as the settings are read.
+KEY_FIELDS = ("search_keys", "admin_keys", "api_keys")
+
+
+def hashed_key_list(listed: str) -> str:
+    """A comma-separated key list with every entry as ``sha256:<hex>`` (entries already in that form kept)."""
+    return ",".join(f"sha256:{_key_digest(k)}" for k in _split_keys(listed))
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", validate_default=True)
 
@@ -231,11 +240,11 @@ class Settings(BaseSettings):
     def _empty_is_none(cls, v: Any) -> Any:
         return None if v == "" else v
 
-    @field_validator("search_keys", "admin_keys", "api_keys")
+    @field_validator(*KEY_FIELDS)
     @classmethod
     def _hash_keys(cls, v: str) -> str:
         # the clear keys end here: the settings (their dump, the workers' environment built from it) hold hashes
-        return ",".join(f"sha256:{_key_digest(k)}" for k in _split_keys(v))
+        return hashed_key_list(v)
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
@@ -270,8 +279,9 @@ def _split_keys(listed: str) -> list[str]:
 def _key_digest(entry: str) -> str:
     """The sha256 hex digest an entry stands for: ``sha256:<64 hex digits>`` is taken as the hash of a key (so a
     keys file need not hold keys in clear: gare-serve --hash-key), anything else is a key and is hashed here."""
-    if entry.lower().startswith("sha256:") and len(entry) == 71 and all(c in "0123456789abcdef" for c in entry[7:].lower()):
-        return entry[7:].lower()
+    digest = entry[7:].lower()
+    if entry.lower().startswith("sha256:") and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest):
+        return digest
     return hash_key(entry)
 
 
