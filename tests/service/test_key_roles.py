@@ -211,7 +211,14 @@ def test_keys_are_held_only_as_digests(service_env, monkeypatch):
     from_env = Settings(index=service_env["index"])
     assert load_key_roles(from_env) == load_key_roles(s)
     for name in ("GARE_SEARCH_KEYS", "GARE_ADMIN_KEYS", "GARE_API_KEYS"):
-        monkeypatch.setenv(name, getattr(s, name[5:].lower()))
+        monkeypatch.delenv(name)
+    # what gare-serve --workers hands its workers: the settings' dump as GARE_* variables, digests only
+    from gare_serve.cli import worker_environment
+
+    worker_env = worker_environment(s, 2, service_env["index"], service_env["index"])
+    assert not [k for k in ALL_KEYS if k in repr(worker_env)]
+    for name in ("GARE_SEARCH_KEYS", "GARE_ADMIN_KEYS", "GARE_API_KEYS"):
+        monkeypatch.setenv(name, worker_env[name])
     assert load_key_roles(Settings(index=service_env["index"])) == load_key_roles(s)
 
 
