@@ -72,7 +72,7 @@ class Run:
         self.media_secret = secrets.token_hex(32)
         self.checks: list[dict[str, Any]] = []
         self.facts: dict[str, Any] = {}
-        self.env = dict(os.environ, CONTAINERS_CONF=str(self.conf), GARE_API_KEYS=self.api_key,
+        self.env = dict(os.environ, CONTAINERS_CONF=str(self.conf), GARE_ADMIN_KEYS=self.api_key,
                         GARE_REQUIRE_KEY_FOR_SEARCH="true", GARE_MEDIA_SECRET=self.media_secret,
                         GARE_INDEX_POLL_S=str(args.poll_s), GARE_WORKERS="1", GARE_API_MEMORY=args.api_memory,
                         GARE_DATA=str(self.data), GARE_LIBRARY=str(self.library), GARE_PORT=str(args.port),

@@ -32,7 +32,15 @@ from gare_serve.engine.reload import watch_reloads
 from gare_serve.engine.remote_state import ENGINE_POLL_S, EngineClientState, follow_engine
 from gare_serve.engine.startup import StartupError
 from gare_serve.engine.state import ServiceState
-from gare_serve.settings import Settings, SettingsError, load_api_key_hashes, load_settings
+from gare_serve.settings import (
+    KEY_FIELDS,
+    KeyRoles,
+    Settings,
+    SettingsError,
+    hashed_key_list,
+    load_key_roles,
+    load_settings,
+)
 from gare_serve.web import admin_routes, ops_routes, search_routes, video_routes
 from gare_serve.web.http_limits import BodyTimeoutMiddleware
 from gare_serve.web.middleware import (
@@ -48,6 +56,21 @@ from gare_serve.web.presentation import API_VERSION
 log = logging.getLogger(__name__)
 
 
+# The legacy key digests already warned about in this process: gare-serve builds its app twice (a check, then the
+# served one), and one WARNING is enough for one configuration.
+_WARNED_LEGACY: set[tuple[str, ...]] = set()
+
+
+def warn_legacy_keys(keys: KeyRoles) -> None:
+    """One WARNING per process and configuration when keys come from the deprecated api_keys / api_keys_file."""
+    if not keys.legacy or keys.admin in _WARNED_LEGACY:
+        return
+    _WARNED_LEGACY.add(keys.admin)
+    log.warning("GARE_API_KEYS / GARE_API_KEYS_FILE (api_keys, api_keys_file) are deprecated: their %d key(s) are "
+                "taken as ADMIN keys, which may also reload the index. Give search clients GARE_SEARCH_KEYS (search "
+                "only) and operators GARE_ADMIN_KEYS (admin routes and search), or their *_FILE settings", keys.legacy)
+
+
 def create_app(settings: Settings | None = None, *, state_factory: Callable[[Settings, Metrics], ServiceState] = ServiceState,
                follow: Callable[[Any, float], Awaitable[None]] = follow_current, **overrides: Any) -> FastAPI:
     """Build the app (cheap: the model and index load in the lifespan). ``state_factory`` builds what the lifespan
@@ -55,8 +78,9 @@ def create_app(settings: Settings | None = None, *, state_factory: Callable[[Set
     ``gare_serve.ray_serve.deployment``; one index's CURRENT by default)."""
     if settings is None:
         settings = load_settings(**overrides)
-    elif overrides:
-        settings = settings.model_copy(update=overrides)
+    elif overrides:  # model_copy skips the validators: keys given here are hashed as the settings' own are
+        settings = settings.model_copy(update={
+            k: hashed_key_list(v) if k in KEY_FIELDS else v for k, v in overrides.items()})
     if settings.engine == "shared" and state_factory is ServiceState:
         # an HTTP worker of gare-serve's shared engine: no model here; searches go to the engine process
         # ("auto" is decided by gare-serve, which starts the engine; anything else searches in process)
@@ -64,9 +88,11 @@ def create_app(settings: Settings | None = None, *, state_factory: Callable[[Set
     metrics = Metrics()
     # API keys are read now so that a bad key file fails at once, not in the middle of serving.
     try:
-        key_hashes = load_api_key_hashes(settings)
+        keys = load_key_roles(settings)
     except SettingsError as e:
         raise StartupError(str(e)) from None
+    if settings.run_dir is None:  # the workers of gare-serve --workers: their parent has warned
+        warn_legacy_keys(keys)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -111,27 +137,29 @@ def create_app(settings: Settings | None = None, *, state_factory: Callable[[Set
         description=(
             "Two-stage text-to-video retrieval. `POST /v1/search` encodes the query, takes the ANN top-K by "
             "dual-tower cosine, re-scores them with GARE's psi (pair-specific increment Δ) and adds the NCL "
-            "Sinkhorn video biases. Admin routes need an API key (`Authorization: Bearer <key>` or `X-API-Key`); "
-            "search needs one when the server is started with `require_key_for_search`."
+            "Sinkhorn video biases. Admin routes (`/v1/admin/...`) need an admin key (`Authorization: Bearer <key>` "
+            "or `X-API-Key`; a search key gets 403); search needs a search or an admin key when the server is "
+            "started with `require_key_for_search`."
         ),
         lifespan=lifespan,
         openapi_tags=[
             {"name": "search", "description": "text-to-video search"},
             {"name": "videos", "description": "metadata, thumbnails and files of indexed videos"},
             {"name": "index", "description": "the served index version"},
-            {"name": "admin", "description": "operations (API key required)"},
+            {"name": "admin", "description": "operations (admin key required)"},
             {"name": "ops", "description": "health and metrics"},
         ],
     )
     app.state.gare = None
     app.state.settings = settings
-    app.state.key_hashes = key_hashes  # /metrics checks a key before the lifespan has loaded the state
+    app.state.keys = keys  # /metrics checks a key before the lifespan has loaded the state (sha256 digests only)
     app.state.metrics = metrics
     install_error_handlers(app)
 
     app.include_router(search_routes.make_router(settings))
     app.include_router(video_routes.router)
     app.include_router(admin_routes.router)
+    app.include_router(admin_routes.admin_router)
     app.include_router(ops_routes.router)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.mount(DOCS_ASSETS, StaticFiles(directory=DOCS_ASSET_DIR), name="docs-assets")
@@ -155,4 +183,4 @@ def create_app(settings: Settings | None = None, *, state_factory: Callable[[Set
     return app
 
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "warn_legacy_keys"]

@@ -112,8 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--result-cache-entries", type=int, help="search result cache size (0 = off)")
     p.add_argument("--library-root", help="show video paths relative to this folder; files outside it are not served")
     p.add_argument("--cors-origins", help="comma-separated allowed origins (default: none, CORS closed)")
-    p.add_argument("--require-key-for-search", type=_bool, nargs="?", const=True, help="search routes need an API key too")
-    p.add_argument("--api-keys-file", help="file with one API key (or sha256:<hex>) a line")
+    p.add_argument("--require-key-for-search", type=_bool, nargs="?", const=True,
+                   help="search routes need a key too (a search or an admin key)")
+    p.add_argument("--search-keys-file", help="file with one search key (or sha256:<hex>) a line: search routes only")
+    p.add_argument("--admin-keys-file", help="file with one admin key (or sha256:<hex>) a line: admin routes and search")
+    p.add_argument("--api-keys-file", help="deprecated (its keys are admin keys): use --admin-keys-file")
     p.add_argument("--verify-index", type=_bool, nargs="?", const=True, help="re-hash index files on open")
     p.add_argument("--batch-max-size", type=int, help="micro-batch size limit")
     p.add_argument("--batch-max-wait-ms", type=float, help="micro-batch wait for company")
@@ -123,15 +126,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--body-timeout-s", type=float, help="a request body must arrive within this (default 30; 408 beyond)")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--check", action="store_true", help="check settings, checkpoint hash and index, then exit")
-    p.add_argument("--hash-key", action="store_true", help="read an API key on stdin, print sha256:<hex>, exit")
+    p.add_argument("--hash-key", action="store_true", help="read an API key on stdin, print sha256:<hex> (for a keys file), exit")
     return p
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     names = [
         "index", "checkpoint", "host", "port", "device", "precision", "torch_threads", "library_root",
-        "cors_origins", "require_key_for_search", "api_keys_file", "verify_index", "batch_max_size",
-        "batch_max_wait_ms", "log_level", "workers", "text_encoder", "query_cache_entries", "result_cache_entries",
+        "cors_origins", "require_key_for_search", "api_keys_file", "search_keys_file", "admin_keys_file", "verify_index",
+        "batch_max_size", "batch_max_wait_ms", "log_level", "workers", "text_encoder", "query_cache_entries", "result_cache_entries",
         "header_timeout_s", "body_timeout_s", "worker_sockets", "rerank_device", "engine",
     ]
     overrides: dict[str, Any] = {n: getattr(args, n) for n in names}

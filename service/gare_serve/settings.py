@@ -2,8 +2,11 @@
 
 Every field can be set as ``GARE_<FIELD>`` (``GARE_INDEX``, ``GARE_REQUIRE_KEY_FOR_SEARCH=true``, ...),
 as a key in the ``--config`` file (YAML or JSON mapping; unknown keys are an error), or on the command line
-of ``gare-serve``. API keys are never kept in clear: :func:`load_api_key_hashes` turns ``GARE_API_KEYS``
-(comma-separated) and ``GARE_API_KEYS_FILE`` (one key a line, ``#`` comments) into sha256 hex digests.
+of ``gare-serve``. API keys have a role: ``GARE_SEARCH_KEYS`` (search, video and index routes) and
+``GARE_ADMIN_KEYS`` (every route: admin and search), each comma-separated, and ``GARE_SEARCH_KEYS_FILE`` /
+``GARE_ADMIN_KEYS_FILE`` (one key a line, ``#`` comments). The older ``GARE_API_KEYS`` (and its file) are admin keys.
+Keys are never kept in clear: the settings hold each listed key as ``sha256:<hex>`` from the moment they are read,
+and :func:`load_key_roles` turns the lists and files into sha256 hex digests per role (:class:`KeyRoles`).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import contextvars
 import hashlib
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,6 +37,15 @@ _CONFIG_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("gare
 
 class SettingsError(ValueError):
     """A configuration problem the operator must fix (message is shown as is)."""
+
+
+# The settings that list keys in clear: each entry is replaced by sha256:<hex> as the settings are read.
+KEY_FIELDS = ("search_keys", "admin_keys", "api_keys")
+
+
+def hashed_key_list(listed: str) -> str:
+    """A comma-separated key list with every entry as ``sha256:<hex>`` (entries already in that form kept)."""
+    return ",".join(f"sha256:{_key_digest(k)}" for k in _split_keys(listed))
 
 
 class Settings(BaseSettings):
@@ -153,9 +166,25 @@ class Settings(BaseSettings):
     cors_origins: str = Field("", description="comma-separated allowed origins ('*' for any); empty = CORS closed")
 
     # security and limits
-    api_keys: str = Field("", repr=False, description="comma-separated API keys (kept only as sha256 hashes)")
-    api_keys_file: Path | None = Field(None, description="file with one API key a line")
-    require_key_for_search: bool = False
+    search_keys: str = Field(
+        "", repr=False, description="comma-separated search keys: search, video and index routes, never an admin "
+        "route (each kept only as its sha256: an entry written sha256:<hex> is taken as the hash of a key)"
+    )
+    search_keys_file: Path | None = Field(None, description="file with one search key (or sha256:<hex>) a line")
+    admin_keys: str = Field(
+        "", repr=False, description="comma-separated admin keys: the admin routes (POST /v1/admin/...) and every "
+        "search route (kept only as sha256 hashes, as search_keys)"
+    )
+    admin_keys_file: Path | None = Field(None, description="file with one admin key (or sha256:<hex>) a line")
+    api_keys: str = Field(
+        "", repr=False, description="deprecated: comma-separated keys taken as admin keys (a WARNING at start-up); "
+        "use admin_keys and search_keys"
+    )
+    api_keys_file: Path | None = Field(None, description="deprecated: file of keys taken as admin keys; use admin_keys_file")
+    require_key_for_search: bool = Field(
+        False, description="search, video and index routes need a search or an admin key (admin routes always need an "
+        "admin key)"
+    )
     max_body_bytes: int = Field(256 * 1024, ge=1024)
     max_image_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="largest image upload (/v1/search/image)")
     max_image_pixels: int = Field(16_000_000, ge=1024, description="largest decoded image (width x height)")
@@ -181,7 +210,9 @@ class Settings(BaseSettings):
         "empty = the loopback names (localhost, 127.0.0.1, ::1) when bound to a loopback address, else any"
     )
     metrics_require_key: bool | None = Field(
-        None, description="/metrics needs an API key; default: when search needs one (require_key_for_search)"
+        None, description="/metrics needs a key, a search or an admin key: the metrics are read-only counts, and a "
+        "scraper holding an admin key could also reload the index (least privilege). Default: when search needs one "
+        "(require_key_for_search)"
     )
 
     # signed media URLs: one secret per deployment (every worker and replica must share it)
@@ -246,11 +277,18 @@ class Settings(BaseSettings):
     thumbnail_width: int = Field(320, ge=16, le=1920)
     thumbnail_cache_size: int = Field(1024, ge=0)
 
-    @field_validator("checkpoint", "index", "api_keys_file", "library_root", "query_bank_path", "run_dir",
-                     "workers", "torch_threads", "media_secret_file", "metrics_require_key", mode="before")
+    @field_validator("checkpoint", "index", "api_keys_file", "search_keys_file", "admin_keys_file", "library_root",
+                     "query_bank_path", "run_dir", "workers", "torch_threads", "media_secret_file",
+                     "metrics_require_key", mode="before")
     @classmethod
     def _empty_is_none(cls, v: Any) -> Any:
         return None if v == "" else v
+
+    @field_validator(*KEY_FIELDS)
+    @classmethod
+    def _hash_keys(cls, v: str) -> str:
+        # the clear keys end here: the settings (their dump, the workers' environment built from it) hold hashes
+        return hashed_key_list(v)
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
@@ -278,34 +316,69 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
 
 
-def load_api_key_hashes(settings: Settings) -> list[str]:
-    """sha256 hex digests of every configured key (env list and file), blank entries ignored.
+def _split_keys(listed: str) -> list[str]:
+    return [k.strip() for k in listed.split(",") if k.strip()]
 
-    An entry written as ``sha256:<64 hex digits>`` is taken as the hash of a key (so a keys file need not
-    hold keys in clear); anything else is a key and is hashed here.
+
+def _key_digest(entry: str) -> str:
+    """The sha256 hex digest an entry stands for: ``sha256:<64 hex digits>`` is taken as the hash of a key (so a
+    keys file need not hold keys in clear: gare-serve --hash-key), anything else is a key and is hashed here."""
+    digest = entry[7:].lower()
+    if entry.lower().startswith("sha256:") and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest):
+        return digest
+    return hash_key(entry)
+
+
+def _file_keys(path: Path | None, what: str) -> list[str]:
+    if path is None:
+        return []
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise SettingsError(f"cannot read the {what} file {path}: {e.strerror or e}") from None
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+
+
+@dataclass(frozen=True)
+class KeyRoles:
+    """The configured keys by role, as sha256 hex digests (never a key in clear).
+
+    ``admin`` holds the admin keys and the deprecated api keys (an admin key may also search); ``search`` the keys
+    that may only search (a key listed under both is an admin key). ``legacy`` counts the keys that came from the deprecated
+    ``api_keys`` / ``api_keys_file`` alone, for the start-up WARNING.
     """
-    keys = [k.strip() for k in settings.api_keys.split(",") if k.strip()]
-    if settings.api_keys_file is not None:
-        try:
-            text = Path(settings.api_keys_file).read_text(encoding="utf-8")
-        except OSError as e:
-            raise SettingsError(f"cannot read the API keys file {settings.api_keys_file}: {e.strerror or e}") from None
-        for line in text.splitlines():
-            line = line.strip()
-            if line and not line.startswith("#"):
-                keys.append(line)
-    out = set()
-    for k in keys:
-        if k.lower().startswith("sha256:") and len(k) == 71 and all(c in "0123456789abcdef" for c in k[7:].lower()):
-            out.add(k[7:].lower())  # already hashed (gare-serve --hash-key): the clear key never touches disk
-        else:
-            out.add(hash_key(k))
-    return sorted(out)
+
+    search: tuple[str, ...] = ()
+    admin: tuple[str, ...] = ()
+    legacy: int = 0
+
+    def for_role(self, role: Literal["search", "admin"]) -> tuple[str, ...]:
+        """The digests that may call a route needing ``role``."""
+        return self.admin if role == "admin" else self.admin + self.search
+
+
+def load_key_roles(settings: Settings) -> KeyRoles:
+    """Every configured key (env lists and files) as sha256 digests per role, blank entries and ``#`` lines
+    ignored; a file that cannot be read is a SettingsError naming it."""
+    admin_new = {_key_digest(k) for k in _split_keys(settings.admin_keys)}
+    admin_new |= {_key_digest(k) for k in _file_keys(settings.admin_keys_file, "admin keys")}
+    legacy = {_key_digest(k) for k in _split_keys(settings.api_keys)}
+    legacy |= {_key_digest(k) for k in _file_keys(settings.api_keys_file, "API keys")}
+    admin = admin_new | legacy
+    search = {_key_digest(k) for k in _split_keys(settings.search_keys)}
+    search |= {_key_digest(k) for k in _file_keys(settings.search_keys_file, "search keys")}
+    return KeyRoles(search=tuple(sorted(search - admin)), admin=tuple(sorted(admin)), legacy=len(legacy))
+
+
+def load_api_key_hashes(settings: Settings) -> list[str]:
+    """sha256 hex digests of every configured key, any role (see :func:`load_key_roles`)."""
+    roles = load_key_roles(settings)
+    return sorted(set(roles.admin) | set(roles.search))
 
 
 def _normalise(path: Path, data: Any) -> dict[str, Any]:
     """The settings of a config file's mapping: keys with or without the GARE_ prefix, any case, '-' or '_';
-    unknown keys refused; lists of api_keys/cors_origins joined as the environment gives them."""
+    unknown keys refused; lists of keys and cors_origins joined as the environment gives them."""
     if not isinstance(data, dict):
         raise SettingsError(f"config file {path} must hold a mapping of settings, not a {type(data).__name__}")
     out: dict[str, Any] = {}
@@ -316,7 +389,7 @@ def _normalise(path: Path, data: Any) -> dict[str, Any]:
             name = name[len(ENV_PREFIX):]
         if name not in known:
             raise SettingsError(f"config file {path}: unknown setting {key!r}; known: {', '.join(sorted(known))}")
-        if isinstance(value, list) and name in ("api_keys", "cors_origins"):
+        if isinstance(value, list) and name in ("api_keys", "search_keys", "admin_keys", "cors_origins"):
             value = ",".join(str(v) for v in value)
         out[name] = value
     return out

@@ -49,3 +49,22 @@ def test_admin_reload_switches_the_ingress_to_the_newest_generation(env, tmp_pat
     assert o["third"]["index_version"] == "g000002"
     assert [h["id"] for h in o["third"]["results"]] == [h["id"] for h in o["second"]["results"]]
     assert o["anonymous"].status_code == 401
+
+
+def test_key_roles_apply_on_the_ingress(env):  # noqa: F811
+    """The Ray ingress builds the same app: every admin route refuses a search key (403), the search routes take
+    it, the admin and legacy keys reload; /metrics takes any valid key (tests.service.test_key_roles.role_matrix)."""
+    from tests.service.test_key_roles import ADMIN_KEY, LEGACY_KEY, SEARCH_KEY, role_matrix
+
+    root = env["sharded"][2]
+
+    async def go():
+        async with sharded_client(root, env["checkpoint"], index_poll_s=3600, search_keys=SEARCH_KEY,
+                                  admin_keys=ADMIN_KEY, api_keys=LEGACY_KEY, require_key_for_search=True,
+                                  media_secret="m" * 40) as (client, _, app):
+            return await role_matrix(client, app, search_needs_key=True, metrics_need_key=True)
+
+    got = asyncio.run(go())
+    assert got["admin"][("admin", "POST", "/v1/admin/reload")] == (200, None)
+    assert got["admin"][("search", "POST", "/v1/admin/reload")][0] == 403
+    assert got["search_post"]["search"] == 200

@@ -100,7 +100,10 @@ def test_every_copied_or_mounted_path_exists():
 def test_secrets_are_required_and_services_are_complete():
     text = COMPOSE.read_text()
     compose = yaml.safe_load(text)
-    assert "${GARE_API_KEYS:?" in text  # compose refuses to start without it
+    assert "${GARE_ADMIN_KEYS:?" in text  # compose refuses to start without an admin key
+    env = compose["x-api-env"]
+    assert "GARE_SEARCH_KEYS" in env and env["GARE_SEARCH_KEYS"] is None  # passed through from the shell
+    assert "GARE_API_KEYS" in env and env["GARE_API_KEYS"] is None  # the old name still reaches the service
     svcs = compose["services"]
     assert svcs["api"]["deploy"]["replicas"] >= 2 and all(v.endswith(":ro") for v in svcs["api"]["volumes"])
     assert svcs["api"]["healthcheck"] and svcs["api"]["restart"] == "unless-stopped"

@@ -267,10 +267,14 @@ def test_environment_is_the_services_settings_and_keys_come_from_a_secret():
         env = {e["name"]: e for e in container["env"]}
         gare = {k for k in env if k.startswith(ENV_PREFIX)}
         assert gare <= known, f"{name}: not gare-serve settings: {sorted(gare - known)}"
-        for secret in ("GARE_API_KEYS", "GARE_MEDIA_SECRET"):
+        for secret in ("GARE_ADMIN_KEYS", "GARE_SEARCH_KEYS", "GARE_MEDIA_SECRET"):
             assert "value" not in env[secret], f"{name}: {secret} must come from a Secret, never literal"
             ref = env[secret]["valueFrom"]["secretKeyRef"]
             assert ref["name"] == "gare-search-secrets" and ref["key"], name
+        # the admin key is required, search keys are optional; the deprecated name is not used
+        assert not env["GARE_ADMIN_KEYS"]["valueFrom"]["secretKeyRef"].get("optional")
+        assert env["GARE_SEARCH_KEYS"]["valueFrom"]["secretKeyRef"]["optional"] is True
+        assert "GARE_API_KEYS" not in env, name
     assert not re.search(r"kind:\s*Secret", "".join(p.read_text() for p in KUBERAY.glob("*.yaml")))
     compose = _compose()
     for name in ("ray-head", "ray-worker"):
@@ -278,7 +282,7 @@ def test_environment_is_the_services_settings_and_keys_come_from_a_secret():
         assert {k for k in env if k.startswith(ENV_PREFIX)} <= known, name
         # the api's environment, bound where Serve's proxy listens
         assert env == {**compose["x-api-env"], "GARE_HOST": "0.0.0.0", "RAY_USAGE_STATS_ENABLED": "0"}, name
-    assert "${GARE_API_KEYS:?" in COMPOSE.read_text()
+    assert "${GARE_ADMIN_KEYS:?" in COMPOSE.read_text()
 
 
 def test_the_ingress_accepts_the_host_names_clients_use():

@@ -43,7 +43,7 @@ from gare_serve.engine.versions import VersionHandle, advise_random_access
 from gare_serve.engine.worker_board import WorkerBoard
 from gare_serve.media.signing import MediaSecretError, MediaSigner, resolve_secrets
 from gare_serve.media.thumbnails import ThumbnailCache
-from gare_serve.settings import Settings, load_api_key_hashes
+from gare_serve.settings import Settings, load_key_roles
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class ServiceState:
     def __init__(self, settings: Settings, metrics: Metrics) -> None:
         self.settings = settings
         self.metrics = metrics
-        self.key_hashes = load_api_key_hashes(settings)
+        self.keys = load_key_roles(settings)  # sha256 digests per role (gare_serve.web.security.authorize)
         self.model: GARE | None = None
         self.model_cfg: Any = None  # the model's gare.config.ModelConfig (image size for uploads), set by load()
         self.device: Any = None

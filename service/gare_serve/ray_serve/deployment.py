@@ -9,7 +9,7 @@ FastAPI app, and one deployment per shard.
   (``gare_serve.ray_serve.shard_replica.ShardWorker``); it answers stage 1 + the psi rerank + biases for the queries the
   ingress sends (``gare_search.shard_search.shard_candidates``), the examples' rows, image stage 1 and metadata, each
   for the generation the request names.
-- ``gare-ingress``: gare-serve's app (``gare_serve.app.create_app``: the same routes, schemas, auth, limits,
+- ``gare-ingress``: gare-serve's app (``gare_serve.app.create_app``: the same routes, schemas, auth and key roles, limits,
   caches and page) with a ``gare_serve.ray_serve.ingress_state.ShardedServiceState``: it encodes each query once, calls every
   shard through :class:`RayShards` and merges the global top k (``gare_search.shard_search.merge``).
 

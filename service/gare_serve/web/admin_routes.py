@@ -1,4 +1,9 @@
-"""``GET /v1/index`` (the served version) and ``POST /v1/admin/reload`` (switch to CURRENT atomically)."""
+"""``GET /v1/index`` (the served version, a search route) and the admin routes: ``POST /v1/admin/reload`` (switch to
+CURRENT atomically).
+
+Every admin route goes on :data:`admin_router`: its prefix (:data:`ADMIN_PREFIX`), its tag (``admin``) and its
+``require_admin`` dependency are the router's, so a route added there later needs an admin key without saying so.
+"""
 
 from fastapi import APIRouter, Depends, HTTPException
 
@@ -9,7 +14,10 @@ from gare_serve.web.deps import StateDep, require_admin, require_search
 from gare_serve.web.presentation import API_VERSION
 from gare_serve.web.schemas import INDEX_ERRORS, ErrorResponse, IndexInfo, ReloadResponse
 
-router = APIRouter()
+router = APIRouter()  # /v1/index: a search route
+ADMIN_PREFIX = f"/{API_VERSION}/admin"
+ADMIN_TAG = "admin"
+admin_router = APIRouter(prefix=ADMIN_PREFIX, tags=[ADMIN_TAG], dependencies=[Depends(require_admin)])
 
 
 @router.get(f"/{API_VERSION}/index", response_model=IndexInfo, tags=["index"], summary="the served index version",
@@ -33,9 +41,9 @@ async def index_info(state: StateDep) -> IndexInfo:
         )
 
 
-@router.post(f"/{API_VERSION}/admin/reload", response_model=ReloadResponse, tags=["admin"],
-             responses={**INDEX_ERRORS, 409: {"model": ErrorResponse, "description": "new version built with another checkpoint"}},
-             dependencies=[Depends(require_admin)], summary="switch to the index's CURRENT version atomically")
+@admin_router.post("/reload", response_model=ReloadResponse,
+                   responses={**INDEX_ERRORS, 409: {"model": ErrorResponse, "description": "new version built with another checkpoint"}},
+                   summary="switch to the index's CURRENT version atomically")
 async def admin_reload(state: StateDep) -> ReloadResponse:
     try:
         return ReloadResponse(**(await reload(state)))

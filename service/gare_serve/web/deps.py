@@ -1,8 +1,9 @@
 """The routes' FastAPI dependencies: the running state, the presented API key, a video id, and the access checks.
 
 One module, as the FastAPI full-stack template's ``api/deps.py``: routes declare ``state: StateDep``,
-``key: KeyDep``, ``video_id: VideoId`` and ``dependencies=[Depends(require_search)]`` (or ``require_admin``,
-``require_media``). The key check itself is ``gare_serve.web.security``.
+``key: KeyDep``, ``video_id: VideoId`` and ``dependencies=[Depends(require_search)]`` (or ``require_media``); admin
+routes go on ``gare_serve.web.admin_routes.admin_router``, which applies ``require_admin`` to every route on it. The key
+check itself (roles included) is ``gare_serve.web.security``.
 
 The dependencies are ``async def`` although none of them awaits: FastAPI runs a plain ``def`` dependency in the
 thread pool, and a hop through it costs more than the check itself, a noticeable share of a result-cache answer
@@ -18,7 +19,7 @@ from fastapi import Path as PathParam
 from fastapi.security import HTTPAuthorizationCredentials
 
 from gare_serve.engine.state import ServiceState
-from gare_serve.web.security import api_key_scheme, authorize_hashes, bearer_scheme
+from gare_serve.web.security import api_key_scheme, authorize, bearer_scheme
 
 __all__ = ["get_state", "StateDep", "VideoId", "presented_key", "KeyDep", "require_admin", "require_search",
            "require_media"]
@@ -50,15 +51,17 @@ KeyDep = Annotated[str | None, Depends(presented_key)]
 
 
 async def require_admin(state: StateDep, key: KeyDep) -> None:
-    authorize_hashes(state.key_hashes, key, "the admin API")
+    """An admin key (``admin_keys``, or the deprecated ``api_keys``); a search key is refused with 403."""
+    authorize(state.keys, key, "admin", "the admin API")
 
 
 async def require_search(state: StateDep, key: KeyDep) -> None:
+    """A search or an admin key when ``require_key_for_search``; open otherwise."""
     if state.settings.require_key_for_search:
-        authorize_hashes(state.key_hashes, key, "search")
+        authorize(state.keys, key, "search", "search")
 
 
 async def require_media(request: Request, video_id: VideoId, state: StateDep, key: KeyDep) -> None:
-    # an API key, or the signed token of a media URL from a search result
+    # a search or admin key, or the signed token of a media URL from a search result
     if state.settings.require_key_for_search and not state.media.verify(video_id, request.query_params.get("token")):
-        authorize_hashes(state.key_hashes, key, "search")
+        authorize(state.keys, key, "search", "search")

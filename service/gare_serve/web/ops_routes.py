@@ -12,7 +12,7 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from gare_serve.engine.prometheus import CONTENT_TYPE_LATEST
 from gare_serve.web.deps import KeyDep
 from gare_serve.web.schemas import ErrorResponse
-from gare_serve.web.security import authorize_hashes
+from gare_serve.web.security import authorize
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 DOCS_ASSETS = "/docs/assets"  # URL of the Swagger UI files (gare_serve.app mounts DOCS_ASSET_DIR there)
@@ -74,11 +74,13 @@ async def readyz(request: Request) -> JSONResponse:
     return JSONResponse(body)
 
 
-@router.get("/metrics", tags=["ops"], summary="Prometheus metrics (needs a key when search does: metrics_require_key)",
+@router.get("/metrics", tags=["ops"],
+            summary="Prometheus metrics (needs a search or admin key when search does: metrics_require_key)",
             response_class=Response, responses={401: {"model": ErrorResponse}, 403: {"model": ErrorResponse}})
 async def prometheus_metrics(request: Request, key: KeyDep) -> Response:
     if request.app.state.settings.metrics_need_key():  # the keys read at create_app: answers before the lifespan too
-        authorize_hashes(request.app.state.key_hashes, key, "metrics")
+        # any valid key: a scraper needs no admin role (settings.metrics_require_key says why)
+        authorize(request.app.state.keys, key, "search", "metrics")
     return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
