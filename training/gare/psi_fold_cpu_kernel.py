@@ -10,13 +10,13 @@ quadratic forms, the linear forms, the cosine): the stages share registers and t
 hand, and a call per stage or per frame costs more than its work.
 
 Every piece is defined at module level so that numba caches the compiled kernels on disk (``cache=True``): a
-process after the first loads them in well under a second instead of compiling them (tens of seconds). numba
+process after the first loads them instead of compiling them, which was most of a CPU process's start. numba
 keys a cached kernel by this file's content (any edit here recompiles), the argument types and the CPU (its
 name and every feature flag, so code built for one CPU is never loaded on another), and keeps it in
-``__pycache__`` beside this file, or in ``NUMBA_CACHE_DIR`` when set, or in the user's cache directory when
-``__pycache__`` is not writable; with no writable place at all the kernels compile in memory as before. Every
-value the kernels read is defined in this file, so the content key covers it. This module imports numba, so the
-package imports it only on first use (:func:`build`, from the first rerank or ``warm_up``).
+``NUMBA_CACHE_DIR`` when set, else in ``__pycache__`` beside this file, else (not writable, as in a read-only
+install) in the user's cache directory; with no writable place at all the kernels compile in memory as before.
+Every value the kernels read is defined in this file, so the content key covers it. This module imports numba,
+so the package imports it only on first use (:func:`build`, from the first rerank or ``warm_up``).
 
 numba has no float16 type on the CPU, so float16 arrays come in viewed as uint16 and are widened either by one
 F16C instruction (LLVM's fpext) or, without F16C, by the exact bit construction: for a half h, the float32 with
@@ -345,7 +345,8 @@ def widen_rows(src, dst):
 # ------------------------------------------------------------------------------------------------------------
 
 
-@cached_jit(fastmath=FASTMATH, nogil=True, boundscheck=False)  # as the rerank's kernel: LLVM vectorises the sums
+# FASTMATH as the rerank's kernel: lets LLVM vectorise the sums
+@cached_jit(fastmath=FASTMATH, nogil=True, boundscheck=False)
 def fold_rows(t, qmap, u, sc):
     """The query side of the fold (gare.psi_fold_queries.fold_queries) for a few queries in one call: t (a, d)
     f32; qmap (d, 2d + 3) f32 = [Rᵀ | Sᵀ | k2 | m0 | m1]; writes u (a, 3, d) = [t, u1, u2] and sc (a, 7) =
