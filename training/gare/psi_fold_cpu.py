@@ -10,10 +10,10 @@ registers, takes the three dots, and evaluates the closed form of the module doc
 `gare.psi_fold` in scalars. Same formula, same float32 inputs, float32 accumulation: the scores equal the
 torch path's to rounding (tests: 1e-5, and both against `gare.psi.pair_scores`).
 
-numba compiles it on first use (a few seconds, once per process: the service does it in its lifespan, see
-`warm_up`), for float16 or float32 frames and constants. It releases the GIL, so the service's threads run
-reranks side by side. CUDA tensors keep the torch path. The numba code itself (the kernel, float16 as its
-uint16 bits widened exactly) is :mod:`gare.psi_fold_cpu_kernel`.
+numba compiles it on first use (seconds, in the first process: later ones load it from numba's on-disk cache;
+the service does it in its lifespan, see `warm_up`), for float16 or float32 frames and constants. It releases
+the GIL, so the service's threads run reranks side by side. CUDA tensors keep the torch path. The numba code
+itself (the kernel, float16 as its uint16 bits widened exactly) is :mod:`gare.psi_fold_cpu_kernel`.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ from typing import Any
 import numpy as np
 
 from gare.build_once import once
-from gare.psi_fold_cpu_kernel import COS_EPS, N_MAT, N_VEC, build
 
 log = logging.getLogger(__name__)
 
-_COS_EPS = COS_EPS  # as gare.psi_fold._COS_EPS (F.cosine_similarity's eps)
-_N_VEC, _N_MAT = N_VEC, N_MAT  # gare.psi_fold_videos.VEC_FIELDS / MAT_FIELDS, in that order
+_COS_EPS = 1e-8  # as gare.psi_fold._COS_EPS (F.cosine_similarity's eps) and gare.psi_fold_cpu_kernel.COS_EPS
+# gare.psi_fold_videos.VEC_FIELDS / MAT_FIELDS, in that order (and gare.psi_fold_cpu_kernel.N_VEC / N_MAT)
+_N_VEC, _N_MAT = 10, 5
 
 _LOCK = threading.Lock()
 
@@ -56,7 +56,13 @@ def available() -> bool:
     return _AVAILABLE
 
 
-_kernel = once(build)  # the compiled kernel (gare.psi_fold_cpu_kernel), built on first use
+def _build() -> tuple[Any, Any]:
+    from gare import psi_fold_cpu_kernel  # here, not at the top: it imports numba, which only a rerank needs
+
+    return psi_fold_cpu_kernel.build()
+
+
+_kernel = once(_build)  # the compiled kernel (gare.psi_fold_cpu_kernel), built on first use
 
 
 def _ro(arr: np.ndarray) -> np.ndarray:
