@@ -169,11 +169,9 @@ def _text_encoders(model, dev: torch.device) -> list[tuple[str, str, Callable[[l
 
 def _served_encoder(dev: torch.device) -> dict[str, str]:
     """What gare-serve runs on this device with its defaults (text_encoder auto, precision auto)."""
-    from gare_search.query import resolve_precision
-    from gare_search.text_encoder import choose_text_encoder
+    from gare_search.text_encoder import resolve_encoder
 
-    prec = resolve_precision("auto", dev)
-    kind = choose_text_encoder("auto", dev.type, prec)
+    kind, prec = resolve_encoder("auto", dev, "auto")
     return {"impl": "model", "precision": prec} if kind == "fp32" else {"impl": "tower", "precision": kind}
 
 
@@ -404,9 +402,8 @@ def section_search(ctx: dict[str, Any]) -> dict[str, Any]:
     from gare_index.resident_version import load_resident
     from gare_index.store import open_index
     from gare_search import rerank
-    from gare_search.query import resolve_precision
     from gare_search.search import SearchOptions, search_batch
-    from gare_search.text_encoder import load_query_encoder
+    from gare_search.text_encoder import load_query_encoder, resolve_encoder
 
     dev, model, args = ctx["dev"], ctx["model"], ctx["args"]
     work = Path(tempfile.mkdtemp(prefix="gare-gpu-bench-"))
@@ -418,14 +415,14 @@ def section_search(ctx: dict[str, Any]) -> dict[str, Any]:
     gal = write_gallery(work, args.search_entries, ckpt, fold=fold_weights(cpu_model.psi), device=dev)
     model.to(dev)
     out: dict[str, Any] = {"entries": args.search_entries, "gallery": gal, "write_s": time.perf_counter() - t0, "rows": []}
-    prec = resolve_precision("auto", dev)  # what the service runs by default on this device
+    kind, prec = resolve_encoder("auto", dev, "auto")  # what the service runs by default on this device
     version = open_index(work / "index", use_gpu=False)
     resident = None
     try:
         opts = SearchOptions()
         out["candidates"] = opts.candidates
         out["precision"] = prec
-        encoder = load_query_encoder(model, "auto", dev, prec)  # the service's default text tower here
+        encoder = load_query_encoder(model, kind, dev, prec)  # the service's default text tower here
         out["text_encoder"] = encoder.describe()
         resident = load_resident(version, model, k=opts.candidates)  # what gare-serve serves on a GPU
         out["resident_decision"] = resident.decision.as_dict()

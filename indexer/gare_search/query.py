@@ -20,15 +20,16 @@ from gare.text_quant import encode_each, model_encoder
 
 log = logging.getLogger(__name__)
 
-# The text encoder's "auto" precision: fp32 on the CPU (fp16 is CUDA-only; bf16 is slow on AVX2), and fp32 on
-# CUDA too, the exact one, unless a half precision measures faster at both 1 and 32 queries per call
-# (bench/results/gpu_bench.md; tests/test_evidence.py holds the rule): fp16/bf16 autocast adds casts to a
-# launch-bound tower and was slower at one query on every GPU run so far.
-AUTO_PRECISION = {"cpu": "fp32", "cuda": "fp32"}
+# The "auto" precision of the model's own text tower: fp32 on the CPU (fp16 is CUDA-only; bf16 is slow on AVX2);
+# on CUDA fp32, the exact one, unless a half precision measures faster at both 1 and 32 queries per call, then the
+# fastest of those (tests/test_evidence.py holds the rule against bench/results/gpu_bench.md): bf16, since the
+# fixed-shape tower is replayed as a CUDA graph. The service's default tower on CUDA is the fp16 tower whatever
+# this says (gare_search.text_encoder.resolve_encoder): a precision left "auto" does not displace it.
+AUTO_PRECISION = {"cpu": "fp32", "cuda": "bf16"}
 
 
 def resolve_precision(precision: str, device: torch.device | str) -> str:
-    """'auto' -> AUTO_PRECISION for the device type (fp32 on CPU and CUDA, as measured); fp16 only on CUDA."""
+    """'auto' -> AUTO_PRECISION for the device type (as measured); fp16 only on CUDA."""
     dev = torch.device(device)
     if precision == "auto":
         return AUTO_PRECISION.get(dev.type, "fp32")

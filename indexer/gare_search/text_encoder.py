@@ -34,11 +34,12 @@ from gare.text_quant import (
     build_text_encoder,
     model_encoder,
 )
-from gare_search.query import encode_queries, own_encoder
+from gare_search.query import encode_queries, own_encoder, resolve_precision
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TextEncoderError", "QueryEncoder", "choose_text_encoder", "load_query_encoder", "query_tokenizer"]
+__all__ = ["TextEncoderError", "QueryEncoder", "choose_text_encoder", "resolve_encoder", "load_query_encoder",
+           "query_tokenizer"]
 
 
 class TextEncoderError(ValueError):
@@ -66,6 +67,24 @@ def choose_text_encoder(kind: str, device_type: str, precision: str) -> str:
         raise TextEncoderError(f"text_encoder={kind!r} runs its own arithmetic; use it with precision fp32/auto, "
                                f"not {precision}")
     return kind
+
+
+def resolve_encoder(kind: str, device: torch.device | str, precision: str) -> tuple[str, str]:
+    """(tower, precision) for the settings ``text_encoder`` = ``kind`` and ``precision`` as given (either may be
+    "auto") on ``device``; :class:`TextEncoderError` (a ValueError) when they cannot run there.
+
+    A tower of its own arithmetic (int8, fp32-packed, fp16) chosen with precision "auto" runs at its own (fp32
+    around it): so both "auto" give the device's measured default tower, whatever ``precision: auto`` resolves
+    to for the model's own tower (gare_search.query.AUTO_PRECISION, a separate measured rule). An explicit
+    precision keeps its meaning: fp32 with the default tower, a half precision with the model's own tower.
+    """
+    dev = torch.device(device)
+    if precision == "auto":
+        tower = choose_text_encoder(kind, dev.type, "fp32")
+        if tower != "fp32":
+            return tower, "fp32"
+    resolved = resolve_precision(precision, dev)
+    return choose_text_encoder(kind, dev.type, resolved), resolved
 
 
 def query_tokenizer(model: GARE) -> Any:

@@ -69,8 +69,9 @@ class Settings(BaseSettings):
     )
     device: str = Field("auto", description="torch device: auto (cuda when present), cpu, cuda, cuda:1, ...")
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
-        "auto", description="text encoder precision; auto = fp32 on CPU and on CUDA (measured fastest at the service's "
-        "batch sizes); fp16 is CUDA-only. The psi rerank (the fold) always runs in fp32"
+        "auto", description="text encoder precision; auto = the default tower at its own arithmetic (text_encoder auto), "
+        "and for the model's own tower (text_encoder fp32) fp32 on the CPU, bf16 on CUDA (gare_search.query."
+        "AUTO_PRECISION, the measured rule); fp16 is CUDA-only. The psi rerank (the fold) always runs in fp32"
     )
     text_encoder: Literal["auto", "fp32", "int8", "fp32-packed", "fp16"] = Field(
         "auto",

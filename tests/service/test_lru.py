@@ -67,3 +67,23 @@ def test_text_tower_choice():
         choose_text_encoder("int8", "cuda", "fp32")
     with pytest.raises(TextEncoderError, match="not bf16"):
         choose_text_encoder("int8", "cpu", "bf16")
+
+
+def test_auto_tower_and_precision_resolve_together():
+    """Both "auto": the device's measured default tower at its own arithmetic, whatever AUTO_PRECISION says of the
+    model's own tower; an explicit precision keeps its meaning (fp32: the default tower; a half precision: the
+    model's own tower); a tower of its own arithmetic with precision auto runs at fp32 around it."""
+    from gare_search.query import AUTO_PRECISION
+    from gare_search.text_encoder import resolve_encoder
+
+    assert resolve_encoder("auto", "cpu", "auto") == (DEFAULT_CPU_TEXT_ENCODER, "fp32")
+    assert resolve_encoder("auto", "cuda", "auto") == (DEFAULT_CUDA_TEXT_ENCODER, "fp32")
+    assert resolve_encoder("fp32", "cuda", "auto") == ("fp32", AUTO_PRECISION["cuda"])
+    assert resolve_encoder("auto", "cuda", "fp32") == (DEFAULT_CUDA_TEXT_ENCODER, "fp32")
+    assert resolve_encoder("auto", "cuda", "bf16") == ("fp32", "bf16")
+    assert resolve_encoder("fp16", "cuda", "auto") == ("fp16", "fp32")
+    assert resolve_encoder("int8", "cpu", "auto") == ("int8", "fp32")
+    with pytest.raises(TextEncoderError, match="runs its own arithmetic"):
+        resolve_encoder("fp16", "cuda", "bf16")
+    with pytest.raises(ValueError, match="fp16 is only supported on CUDA"):
+        resolve_encoder("fp32", "cpu", "fp16")

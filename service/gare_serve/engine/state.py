@@ -29,8 +29,13 @@ from gare_index.store import IndexFormatError, IndexVersion, open_index
 from gare_search import by_example as E
 from gare_search import rerank
 from gare_search import search as S
-from gare_search.query import resolve_precision
-from gare_search.text_encoder import QueryEncoder, TextEncoderError, load_query_encoder, query_tokenizer
+from gare_search.text_encoder import (
+    QueryEncoder,
+    TextEncoderError,
+    load_query_encoder,
+    query_tokenizer,
+    resolve_encoder,
+)
 from gare_serve.engine.batch_worker import BatchSearch, Job, run_batch
 from gare_serve.engine.batcher import MicroBatcher
 from gare_serve.engine.prometheus import Metrics
@@ -114,8 +119,8 @@ class ServiceState:
             self.device = resolve_device(s.device)
         except RuntimeError as e:
             raise StartupError(f"device {s.device!r}: {e}") from None
-        try:
-            self.precision = resolve_precision(s.precision, self.device)
+        try:  # the tower and its precision, "auto" in either resolved for this device
+            text_kind, self.precision = resolve_encoder(s.text_encoder, self.device, s.precision)
         except ValueError as e:
             raise StartupError(str(e)) from None
         try:
@@ -125,7 +130,7 @@ class ServiceState:
         self.model, self.checkpoint_path, self.checkpoint_sha = model, path, sha
         self.model_cfg = model.cfg
         try:
-            self.encoder = load_query_encoder(model, s.text_encoder, self.device, self.precision,
+            self.encoder = load_query_encoder(model, text_kind, self.device, self.precision,
                                               rows=s.text_batch_rows, scheme=s.text_batching,
                                               cuda_graph=s.text_cuda_graph)
         except TextEncoderError as e:
