@@ -4,8 +4,6 @@
 
 from __future__ import annotations
 
-import sqlite3
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,8 +15,9 @@ from gare.sinkhorn import fold_query
 from gare_index.ann import AnnIndex
 from gare_index.frame_quant import FRAME_SCALES_ARRAY, QuantFrames
 from gare_index.ncl_ann import Stage1Unavailable
-from gare_index.store.format import ANN_NCL_FILE, META_COLUMNS, META_FILE, MMAP_ARRAYS
+from gare_index.store.format import ANN_NCL_FILE, MMAP_ARRAYS
 from gare_index.store.manifest import IndexManifest
+from gare_index.store.meta_rows import MetaRows
 
 
 @dataclass(eq=False)
@@ -47,10 +46,10 @@ class IndexVersion:
     _sorted_ids: np.ndarray = field(init=False, repr=False)
     _sorted_rows: np.ndarray = field(init=False, repr=False)
     _lut: np.ndarray | None = field(init=False, repr=False, default=None)  # id -> row (-1: none) for compact ids
-    _conn: sqlite3.Connection | None = field(init=False, repr=False, default=None)
-    _lock: threading.Lock = field(init=False, repr=False, default_factory=threading.Lock)
+    _meta: MetaRows = field(init=False, repr=False)  # meta.sqlite, opened on first use
 
     def __post_init__(self) -> None:
+        self._meta = MetaRows(self.path, self.name)
         if self.dim < 0:
             self.dim = int(self.units.shape[1]) if self.units.ndim == 2 else self.manifest.dim
         if self.max_frames < 0:
@@ -181,48 +180,18 @@ class IndexVersion:
             scores[ok] -= np.asarray(self.biases, dtype=np.float32)[self.rows(ids[ok])]
         return scores, ids
 
-    def _db(self) -> sqlite3.Connection:
-        if self._conn is None:
-            uri = f"file:{(self.path / META_FILE).as_posix()}?mode=ro"
-            self._conn = sqlite3.connect(uri, uri=True, check_same_thread=False)
-            self._conn.row_factory = sqlite3.Row
-        return self._conn
-
     def metadata(self, ids: Sequence[int] | np.ndarray) -> list[dict]:
         """SQLite rows as dicts, in the order of `ids` (an id may repeat). Unknown ids raise KeyError."""
-        want = [int(i) for i in np.asarray(ids, dtype=np.int64).reshape(-1)]
-        if not want:
-            return []
-        uniq = sorted(set(want))
-        found: dict[int, dict] = {}
-        cols = ", ".join(f'"{c}"' for c in META_COLUMNS)
-        with self._lock:
-            db = self._db()
-            for s in range(0, len(uniq), 500):
-                chunk = uniq[s : s + 500]
-                sql = f"SELECT {cols} FROM videos WHERE id IN ({','.join('?' * len(chunk))})"
-                for row in db.execute(sql, chunk):
-                    found[int(row["id"])] = dict(row)
-        missing = [i for i in uniq if i not in found]
-        if missing:
-            raise KeyError(f"ids not in index {self.name}: {missing[:20]}")
-        return [dict(found[i]) for i in want]
+        return self._meta.metadata(ids)
 
     def path_of(self, video_id: int) -> Path | None:
-        with self._lock:
-            row = self._db().execute("SELECT path FROM videos WHERE id = ?", (int(video_id),)).fetchone()
-        return None if row is None else Path(row[0])
+        return self._meta.path_of(video_id)
 
     def all_metadata(self) -> list[dict]:
-        cols = ", ".join(f'"{c}"' for c in META_COLUMNS)
-        with self._lock:
-            return [dict(r) for r in self._db().execute(f"SELECT {cols} FROM videos ORDER BY id")]
+        return self._meta.all_metadata()
 
     def close(self) -> None:
-        with self._lock:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
+        self._meta.close()
         if isinstance(self.frames, QuantFrames):
             f = self.frames
             self.frames = QuantFrames(np.empty((0, *f.q.shape[1:]), np.int8), np.empty((0, f.q.shape[1]), np.float32))

@@ -23,8 +23,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import sqlite3
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,12 +35,11 @@ from gare.backbone import get_tokenizer
 from gare_index.ncl_ann import Stage1Unavailable
 from gare_index.store import (
     ANN_NCL_FILE,
-    META_COLUMNS,
-    META_FILE,
     VERSIONS_DIR,
     IndexFormatError,
     read_manifest,
 )
+from gare_index.store.meta_rows import MetaRows
 from gare_search import search as S
 from gare_serve.engine.batch_worker import Job
 from gare_serve.engine.batcher import BatcherClosed, BatchInfo
@@ -75,51 +72,21 @@ class MetadataVersion:
         m = self.manifest
         self.n, self.dim, self.max_frames = int(m.n), int(m.dim), int(m.max_frames)
         self._ncl_stage1 = ANN_NCL_FILE in (m.files or {})
-        self._conn: sqlite3.Connection | None = None
-        self._lock = threading.Lock()
+        self._meta = MetaRows(self.path, name)  # meta.sqlite, read as IndexVersion reads it
 
     def check_stage1(self, *, ncl_stage1: bool) -> None:
         if ncl_stage1 and not self._ncl_stage1:
             raise Stage1Unavailable(f"index version {self.name} was built without --ncl-stage1 (no {ANN_NCL_FILE}); "
                                     "ncl_stage1 is not available")
 
-    def _db(self) -> sqlite3.Connection:
-        if self._conn is None:
-            uri = f"file:{(self.path / META_FILE).as_posix()}?mode=ro"
-            self._conn = sqlite3.connect(uri, uri=True, check_same_thread=False)
-            self._conn.row_factory = sqlite3.Row
-        return self._conn
-
     def metadata(self, ids: Sequence[int] | np.ndarray) -> list[dict]:
-        """SQLite rows as dicts, in the order of ``ids`` (an id may repeat). Unknown ids raise KeyError."""
-        want = [int(i) for i in np.asarray(ids, dtype=np.int64).reshape(-1)]
-        if not want:
-            return []
-        uniq = sorted(set(want))
-        found: dict[int, dict] = {}
-        cols = ", ".join(f'"{c}"' for c in META_COLUMNS)
-        with self._lock:
-            db = self._db()
-            for s in range(0, len(uniq), 500):
-                chunk = uniq[s: s + 500]
-                sql = f"SELECT {cols} FROM videos WHERE id IN ({','.join('?' * len(chunk))})"
-                for row in db.execute(sql, chunk):
-                    found[int(row["id"])] = dict(row)
-        missing = [i for i in uniq if i not in found]
-        if missing:
-            raise KeyError(f"ids not in index {self.name}: {missing[:20]}")
-        return [dict(found[i]) for i in want]
+        return self._meta.metadata(ids)
 
     def path_of(self, video_id: int) -> Path | None:
-        with self._lock:
-            row = self._db().execute("SELECT path FROM videos WHERE id = ?", (int(video_id),)).fetchone()
-        return None if row is None else Path(row[0])
+        return self._meta.path_of(video_id)
 
     def close(self) -> None:
-        with self._lock:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
+        self._meta.close()
 
 
 class RemoteBatcher:
