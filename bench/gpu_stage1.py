@@ -391,10 +391,10 @@ def write_gallery_device(root: Path, n: int, ckpt: dict[str, Any], fold: Any, *,
     1M entries numpy on one core took 108 s of a 176-s HTTP section (H200, 5215253); here the device draws and
     folds and the host only hashes and writes. The values differ from write_gallery's (another generator); the
     search's cost does not depend on them."""
-    from serve_bench import _HashedNpy
+    from serve_bench import _HashedNpy, gallery_ann_params, gallery_rows
 
     from gare.psi_fold_videos import fold_videos, packed_width
-    from gare_index.ann_params import AnnParams, choose_index_type
+    from gare_index.ann_params import choose_index_type
     from gare_index.psi_consts import manifest_entry
     from gare_index.store import ExistingFile, write_version
 
@@ -436,12 +436,8 @@ def write_gallery_device(root: Path, n: int, ckpt: dict[str, Any], fold: Any, *,
     rng = np.random.default_rng(seed)
     biases = (rng.standard_normal(n) * 0.005).astype(np.float32)  # synthetic NCL biases (values do not affect cost)
     index_type = choose_index_type(n)
-    params = AnnParams(index_type)
-    if index_type == "ivf" and n >= 500_000:
-        params = AnnParams("ivf", nlist=1024, nprobe=32)  # as write_gallery (the earlier HTTP figures)
-    rows = ({"id": int(i), "path": f"/library/clip{i:07d}.mp4", "size": 1_000_000, "mtime": 0.0, "checksum": "",
-             "duration": 10.0, "fps": 30.0, "frames_used": int(masks[i].sum()), "start": None, "end": None}
-            for i in range(n))
+    params = gallery_ann_params(n, index_type)  # as write_gallery (the earlier HTTP figures)
+    rows = gallery_rows(masks)
     t1 = time.perf_counter()
     name = write_version(
         root / "index",

@@ -35,6 +35,7 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ if str(REPO) not in sys.path:
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from gare_index.ann_params import AnnParams  # noqa: E402
 from gare_search.query import encode_queries, unit_rows  # noqa: E402
 from gare_search.rerank import exhaustive_psi, fold_usable, psi_scores  # noqa: E402
 from gare_search.stage1 import ann_stage  # noqa: E402
@@ -122,6 +124,21 @@ def write_random_gallery(work: Path, n: int) -> Path:
     return ck
 
 
+def gallery_ann_params(n: int, index_type: str) -> AnnParams:
+    """The ANN of a synthetic gallery of n entries: the type's defaults, IVF at 500k+ with nlist 1024 / nprobe 32
+    (the default nlist 4000 takes ~10 min to train on 2 cores)."""
+    if index_type == "ivf" and n >= 500_000:
+        return AnnParams("ivf", nlist=1024, nprobe=32)
+    return AnnParams(index_type)
+
+
+def gallery_rows(masks: np.ndarray) -> Iterator[dict[str, Any]]:
+    """meta.sqlite rows of a synthetic gallery, one per mask row (id = row)."""
+    return ({"id": int(i), "path": f"/library/clip{i:07d}.mp4", "size": 1_000_000, "mtime": 0.0, "checksum": "",
+             "duration": 10.0, "fps": 30.0, "frames_used": int(masks[i].sum()), "start": None, "end": None}
+            for i in range(masks.shape[0]))
+
+
 def write_gallery(root: Path, n: int, ckpt: dict[str, Any], fold: Any = None, *, seed: int = 0, chunk: int = 32768,
                   device: Any = "cpu", index_type: str | None = None) -> dict[str, Any]:
     """Synthetic clustered gallery of n entries written as a real index version; returns timings.
@@ -131,7 +148,7 @@ def write_gallery(root: Path, n: int, ckpt: dict[str, Any], fold: Any = None, *,
     `fold` (the checkpoint's PsiFold): also fold psi's per-video constants (psi_consts.npy, what `gare-index build`
     writes), so the service reranks with the fold; ~19 MFLOP per video (minutes at 1M on one core), on `device`."""
     from gare.psi_fold_videos import fold_videos, packed_width
-    from gare_index.ann_params import AnnParams, choose_index_type
+    from gare_index.ann_params import choose_index_type
     from gare_index.psi_consts import manifest_entry
     from gare_index.store import ExistingFile, write_version
 
@@ -184,12 +201,8 @@ def write_gallery(root: Path, n: int, ckpt: dict[str, Any], fold: Any = None, *,
     ids = np.arange(n, dtype=np.int64)
     biases = (rng.standard_normal(n) * 0.005).astype(np.float32)  # synthetic NCL biases (values do not affect cost)
     index_type = index_type or choose_index_type(n)
-    params = AnnParams(index_type)
-    if index_type == "ivf" and n >= 500_000:
-        params = AnnParams("ivf", nlist=1024, nprobe=32)  # default nlist 4000 takes ~10 min to train on 2 cores
-    rows = ({"id": int(i), "path": f"/library/clip{i:07d}.mp4", "size": 1_000_000, "mtime": 0.0, "checksum": "",
-             "duration": 10.0, "fps": 30.0, "frames_used": int(masks[i].sum()), "start": None, "end": None}
-            for i in range(n))
+    params = gallery_ann_params(n, index_type)
+    rows = gallery_rows(masks)
     t1 = time.perf_counter()
     name = write_version(
         root / "index",
