@@ -33,6 +33,7 @@ from gare_serve.engine.batch_worker import Job
 from gare_serve.engine.engine_wire import (
     EngineVersionGone,
     engine_address,
+    mark_engine_ready,
     portable_error,
     prove_and_check,
     read_engine_key,
@@ -226,6 +227,7 @@ async def serve_engine(state: EngineState, address: Path, key: bytes) -> None:
         tasks.append(loop.create_task(follow_current(state, s.index_poll_s), name="gare-engine-follow"))
     server = EngineServer(state, address, key)
     await server.start()
+    mark_engine_ready(address.parent)
     log.info("engine %d: serving %s on %s (socket %s)", os.getpid(),
              state.handle.version.name if state.handle else None, state.device, address)
     try:

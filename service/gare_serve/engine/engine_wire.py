@@ -27,12 +27,13 @@ import struct
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ENGINE_KEY_FILE", "ENGINE_SOCKET", "EngineUnavailable", "EngineVersionGone", "engine_address",
-           "portable_error", "prove_and_check", "read_engine_key", "read_message", "write_engine_key",
-           "write_message"]
+__all__ = ["ENGINE_KEY_FILE", "ENGINE_READY_FILE", "ENGINE_SOCKET", "EngineUnavailable", "EngineVersionGone",
+           "engine_address", "engine_ready_pid", "mark_engine_ready", "portable_error", "prove_and_check",
+           "read_engine_key", "read_message", "write_engine_key", "write_message"]
 
 ENGINE_SOCKET = "engine.sock"
 ENGINE_KEY_FILE = "engine.key"
+ENGINE_READY_FILE = "engine.ready"  # the pid of the engine that has loaded and listens on the socket
 _HEADER = struct.Struct("!Q")
 MAX_MESSAGE_BYTES = 1 << 30  # a result set or an image is far below; a corrupt length must not allocate it
 _CHALLENGE_BYTES = 32
@@ -69,6 +70,22 @@ def write_engine_key(run_dir: str | os.PathLike) -> bytes:
 def read_engine_key(run_dir: str | os.PathLike) -> bytes:
     """The key :func:`write_engine_key` wrote (OSError when it is not there)."""
     return (Path(run_dir) / ENGINE_KEY_FILE).read_bytes()
+
+
+def mark_engine_ready(run_dir: str | os.PathLike) -> None:
+    """Record that this process has loaded and listens (temp name then ``os.replace``: never half written)."""
+    path = Path(run_dir) / ENGINE_READY_FILE
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(str(os.getpid()))
+    os.replace(tmp, path)
+
+
+def engine_ready_pid(run_dir: str | os.PathLike) -> int | None:
+    """The pid :func:`mark_engine_ready` wrote last, or None when no engine has been ready yet."""
+    try:
+        return int((Path(run_dir) / ENGINE_READY_FILE).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 async def _read_raw(reader: asyncio.StreamReader, limit: int) -> bytes:

@@ -31,7 +31,7 @@ from gare.cli_logging import setup_cli_logging
 from gare.model import resolve_device
 from gare_serve.engine.engine_link import ping_engine
 from gare_serve.engine.engine_server import engine_settings, run_engine
-from gare_serve.engine.engine_wire import engine_address, write_engine_key
+from gare_serve.engine.engine_wire import engine_address, engine_ready_pid, write_engine_key
 from gare_serve.processes.worker_lifetime import die_with_parent
 from gare_serve.settings import Settings
 
@@ -93,8 +93,12 @@ class EngineProcess:
         log.info("started the search engine [%d] (device %s)", self.process.pid, self.settings.device)
 
     def keep_alive(self) -> bool:
-        """Restart the engine if it died, or if it answered once and then stopped answering (a hello within
-        ``engine_timeout_s``, asked every PING_EVERY_S); False when it failed to start (the service must stop)."""
+        """Restart the engine if it died, or if it has loaded and then stopped answering (a hello within
+        ``engine_timeout_s``, asked every PING_EVERY_S); False when it failed to start (the service must stop).
+
+        Loaded means it answered a hello once or marked itself ready in the run directory: the mark is what makes a
+        hang caught even when every hello of the loading phase (short, so loading never blocks this loop long)
+        missed, as on a loaded machine."""
         with self._lock:
             p = self.process
             if p is None:
@@ -102,10 +106,11 @@ class EngineProcess:
             if p.is_alive():
                 if time.monotonic() < self._next_ping:
                     return True
-                answered = ping_engine(self.run_dir, self.settings.engine_timeout_s if self._answered else 1.0)
+                loaded = self._answered or engine_ready_pid(self.run_dir) == p.pid
+                answered = ping_engine(self.run_dir, self.settings.engine_timeout_s if loaded else 1.0)
                 self._next_ping = time.monotonic() + PING_EVERY_S
-                if answered or not self._answered:  # still loading, or fine
-                    self._answered = self._answered or answered
+                self._answered = self._answered or answered
+                if answered or not loaded:  # fine, or still loading
                     return True
                 log.error("the search engine [%d] did not answer within %g s; killing it", p.pid,
                           self.settings.engine_timeout_s)
