@@ -188,11 +188,11 @@ class Run:
         self.pip_conf.write_text("[global]\ncert = /host-ca.crt\n" + ("find-links =\n" + "".join(f"    {d}\n" for d in wheels)
                                                                      if wheels else ""))
         self.wheels = wheels
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+        head = harness.STATE_AT_START["commit"]
         if self.args.worktree:
             shutil.copytree(REPO, self.src, ignore=shutil.ignore_patterns(".git", "*.egg-info", "__pycache__", "data", "library"))
-            dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-            self.facts["source"] = f"the working tree at {head}" + (" with uncommitted changes" if dirty else "")
+            self.facts["source"] = f"the working tree at {head}" + (
+                " with uncommitted changes" if harness.STATE_AT_START["dirty"] else "")
         else:  # the committed tree only: other people's uncommitted edits stay out of the images
             self.src.mkdir()
             archive = subprocess.run(["git", "archive", head], cwd=REPO, capture_output=True, check=True).stdout

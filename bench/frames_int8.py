@@ -55,7 +55,6 @@ MEASURES: tuple[str, ...] = (
 RULE = {"max_r_change_points": 0.5, "max_mean_abs_score_err": 1e-3, "max_max_abs_score_err": 1e-2}
 
 
-
 def recall(ranks: np.ndarray) -> dict[str, float]:
     """ranks (captions,) 0-based rank of the right video (large when missing) -> R@1/5/10 in percent."""
     return {f"R{k}": round(100.0 * float(np.mean(ranks < k)), 2) for k in (1, 5, 10)}

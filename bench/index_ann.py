@@ -49,7 +49,6 @@ MEASURES: tuple[str, ...] = (
 TARGETS = {1_000_000: 0.995, 100_000: 0.999}
 
 
-
 def real_embeddings(index: Path, captions: Path | None, seed: int) -> tuple[Any, Any, str]:
     """(unit video vectors (n, d), unit caption embeddings (m, d) shuffled, description) of a trained model:
     the index's CURRENT version and every caption of `captions`, encoded by the index's checkpoint."""

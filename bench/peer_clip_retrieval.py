@@ -333,7 +333,6 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK  # utime + stime
 
 
-
 # ------------------------------------------------------------------------------------------ servers
 class Server:
     """A server in a child process on 127.0.0.1:<port>, ready when `ready_path` answers 200."""
@@ -688,8 +687,6 @@ def peer_versions(peer_venv: Path) -> dict[str, str]:
             "'open_clip_torch', 'torch', 'faiss-cpu', 'flask', 'numpy', 'autofaiss', 'all_clip', 'werkzeug']}))")
     out = subprocess.run([str(peer_venv / "bin" / "python"), "-c", code], capture_output=True, text=True, check=True, env=peer_env())
     return json.loads(out.stdout)
-
-
 
 
 def in_private_netns() -> bool:

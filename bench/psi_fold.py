@@ -63,7 +63,6 @@ def median_time(fn: Callable[[], Any], iters: int, repeats: int) -> tuple[float,
     return info["median"], info
 
 
-
 def make_gallery(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """n videos: frames (n, f, d) fp16 = a unit video direction + per-frame noise, ~1 in 4 padded; mask (n, f)."""
     g = torch.Generator().manual_seed(seed)

@@ -407,7 +407,6 @@ def write_docs(data: dict) -> None:
     RESULTS_MD.write_text(results_md(data), encoding="utf-8")
 
 
-
 REPORT_FORMAT = 2  # figures recorded as observations (rows); sections in an older format are not rendered
 
 

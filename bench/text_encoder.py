@@ -58,7 +58,6 @@ KINDS = ("int8",)  # the CPU towers gare.text_quant offers besides the model's o
 SPEEDUP_MIN, R1_MAX_DROP = 1.7, 0.5
 
 
-
 def make_queries(n: int, seed: int = 0) -> list[str]:
     return vocabulary(n, seed)
 

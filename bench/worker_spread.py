@@ -63,9 +63,6 @@ TICK = os.sysconf("SC_CLK_TCK")
 RUNNING = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
 
 
-
-
-
 def cpu_seconds(pid: int) -> float:
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
