@@ -42,6 +42,7 @@ END = "<!-- bench-table:end -->"
 _HEX = re.compile(r"[0-9a-f]{7,40}")
 _SCRIPT = re.compile(r"bench[/.]([a-z0-9_]+)(?:\.py)?\b")
 _DIRTY_MARKS = ("-dirty", "+dirty", "uncommitted")
+_LATER = re.compile(r"\d+ later commit\(s\) changed what it measures since \w+ \(newest \w+\)")
 
 
 @dataclass
@@ -201,15 +202,25 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def rerun_command(command: str) -> str:
+    """A recorded command as it runs now: ``python bench/NAME.py`` (how the scripts ran before they were a
+    package) is ``python -m bench.NAME``."""
+    return re.sub(r"\bpython3? bench/([a-z0-9_]+)\.py\b", r"python -m bench.\1", command)
+
+
 def readme_block(reports: list[Report], repo: Path = REPO) -> str:
-    """The README's benchmark table: one row per report (title, report, command, commit, state)."""
-    rows = ["| what | report | command | commit | state |", "| --- | --- | --- | --- | --- |"]
+    """The README's benchmark table: one row per report (title, report, the command that reruns it, commit,
+    state)."""
+    rows = ["| what | report | command (rerun) | commit | state |", "| --- | --- | --- | --- | --- |"]
     for r in reports:
         md = Path(r.path).with_suffix(".md")
         link = f"[{md.as_posix()}]({md.as_posix()})" if (repo / md).is_file() else f"`{r.path}`"
         commit = ", ".join(f"`{c[:12]}`" for c in r.commits) or "none"
-        state = "current" if not r.stale else "**stale**: " + "; ".join(r.reasons)
-        rows.append(f"| {_cell(r.title or '-')} | {link} | {f'`{_cell(r.command)}`' if r.command else '-'} | "
+        # without the count and the newest commit: the README changes when a report's state does, not with every
+        # commit after it
+        state = "current" if not r.stale else "**stale**: " + "; ".join(
+            _LATER.sub("what it measures changed after its commit", reason) for reason in r.reasons)
+        rows.append(f"| {_cell(r.title or '-')} | {link} | {f'`{_cell(rerun_command(r.command))}`' if r.command else '-'} | "
                     f"{commit} | {_cell(state)} |")
     return "\n" + "\n".join(rows) + "\n"
 
