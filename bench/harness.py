@@ -262,7 +262,10 @@ def render_requested(default: Path, render: Callable[[dict[str, Any]], str] | No
     ns, _ = pre.parse_known_args(argv)
     if ns.render is None:
         return False
-    print(render_saved(ns.render, render or body_markdown))
+    try:
+        print(render_saved(ns.render, render or body_markdown))
+    except ValueError as e:  # a report written before its body was kept: nothing to render it from
+        raise SystemExit(f"{ns.render}: {e}") from e
     return True
 
 

@@ -1,4 +1,4 @@
-"""The staleness list (`python -m bench.stale`) and the harness's tree state, on a temporary git repository with
+"""The staleness list (`python -m bench.stale`), the harness's tree state and its record, on a temporary git repository with
 real commits.
 
 Only tests/test_evidence.py may import bench/ (tests/test_layers.py), so both run as the commands a user types:
@@ -165,3 +165,37 @@ def test_harness_tree_state_ignores_generated_evidence(repo):
     (repo / "pkg" / "a.py").write_text("A = 3\n")
     dirty = state()
     assert dirty["dirty"] is True and dirty["dirty_paths"] == [" M pkg/a.py"]
+
+
+def test_harness_record_writes_and_renders_again_from_the_json(tmp_path):
+    """A run's record lands under the JSON's "run" key, the markdown shows it under the title, and --render's
+    path (render_saved) writes the same markdown from the saved JSON alone."""
+    code = """
+import json, sys
+from pathlib import Path
+from bench import harness
+
+@harness.with_provenance
+def markdown(d):
+    return "# Title\\n\\nbody " + str(d["x"]) + "\\n"
+
+run = harness.start("bench.fake", ["pkg/"], ["--a", "1"])
+out = Path(sys.argv[1])
+md = harness.write_report(out / "fake.json", {"x": 7, "run": run.record()}, markdown)
+first = md.read_text()
+md.write_text("hand edit")
+harness.render_saved(out / "fake.json", markdown)
+print(json.dumps({"first": first, "again": md.read_text(), "run": json.loads((out / "fake.json").read_text())["run"]}))
+"""
+    out = run_py("-c", code, str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    run = got["run"]
+    assert run["command"] == "python -m bench.fake --a 1" and run["script"] == "bench/fake.py"
+    assert run["measures"] == ["pkg/"] and run["commit"] == git(REPO, "rev-parse", "HEAD")
+    assert set(run["machine"]) == {"cpu", "flags", "cores", "load_before", "load_after"}
+    assert set(run["machine"]["flags"]) == {"avx2", "avx512_bf16"}
+    assert got["again"] == got["first"]
+    lines = got["first"].splitlines()
+    assert lines[0] == "# Title" and lines[2].startswith(f"Run: `python -m bench.fake --a 1` at commit {run['commit'][:12]}")
+    assert lines[-1] == "body 7"
