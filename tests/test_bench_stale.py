@@ -1,5 +1,5 @@
-"""The staleness list (`python -m bench.stale`), the harness's tree state and its record, on a temporary git repository with
-real commits.
+"""The staleness list (`python -m bench.stale`), the harness's tree state and its record, on a temporary git
+repository with real commits.
 
 Only tests/test_evidence.py may import bench/ (tests/test_layers.py), so both run as the commands a user types:
 `python -m bench.stale --repo TMP`, and `python -c` for the harness's `git_state`.
