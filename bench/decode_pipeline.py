@@ -2,7 +2,7 @@
 send float32 frames (normalised in the worker, as before) against uint8 frames (normalised by the encoder's side,
 `gare.video.normalize_frames`, what `gare-index build` does now).
 
-    python bench/decode_pipeline.py [--videos 128] [--size 224] [--workers 2] [--rounds 3]
+    python -m bench.decode_pipeline [--videos 128] [--size 224] [--workers 2] [--rounds 3]
 
 Synthetic H.264 mp4s (gare_train.synth.write_video: SIZE x SIZE, 12 s at 8 fps, moving blocks), the model's
 sampling (12 frames at 1 fps, CLIP transform at 224). The two modes alternate within each round so drift and
@@ -14,20 +14,25 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from index_common import table, write_results  # noqa: E402
+from bench.harness import RESULTS, add_render_arg, render_requested, start, write_results  # noqa: E402
+from bench.index_common import table  # noqa: E402
+
+# the product code this script's reports measure (bench/harness.py; `python -m bench.stale` reads it)
+MEASURES: tuple[str, ...] = (
+    "training/gare/video.py",
+    "training/gare/video_loader.py",
+)
 
 
 def write_library(dest: Path, n: int, size: int, seconds: float = 12.0, fps: float = 8.0, opencv: bool = False) -> None:
     if opencv:  # a machine with OpenCV but no PyAV (the lent GPU machine): gpu_stage1's MPEG-4 Part 2 writer
-        import gpu_stage1
+        from bench import gpu_stage1
 
         gpu_stage1.write_videos(dest, n, size=size, seconds=seconds, fps=fps)
         return
@@ -61,6 +66,8 @@ def one_pass(items: list, *, workers: int, batch: int, as_uint8: bool) -> dict[s
 
 
 def main() -> None:
+    if render_requested(RESULTS / "decode_pipeline.json"):
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--videos", type=int, default=128)
     ap.add_argument("--size", type=int, default=224)
@@ -68,8 +75,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--opencv", action="store_true", help="write the library with OpenCV (MPEG-4 Part 2), not PyAV")
+    add_render_arg(ap, RESULTS / "decode_pipeline.json")
     args = ap.parse_args()
-    started = time.time()
+    run = start(__name__, MEASURES)
     import open_clip  # noqa: F401 - imported before the workers fork, as in a build (the model is loaded first)
     import torch
 
@@ -112,7 +120,7 @@ def main() -> None:
             "frame, not in the figures above (the build runs it on the encoder's device).\n")
     write_results("decode_pipeline", "Decode pipeline: float32 vs uint8 frames from the decode workers", body,
                   {"args": vars(args), "decode_batch": batch, "runs": runs, "median": med, "ratio_uint8_over_float32": ratio,
-                   "normalize_ms_per_frame_cpu": norm_ms_per_frame}, started)
+                   "normalize_ms_per_frame_cpu": norm_ms_per_frame}, run)
 
 
 if __name__ == "__main__":

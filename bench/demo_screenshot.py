@@ -1,7 +1,7 @@
 """The README's screenshot: the search page of a running demo with real results, taken in headless Chromium.
 
     bash run.sh demo &                                   # the demo on 127.0.0.1:8000
-    python bench/demo_screenshot.py --url http://127.0.0.1:8000 --query "three cyan balls rise slowly" \
+    python -m bench.demo_screenshot --url http://127.0.0.1:8000 --query "three cyan balls rise slowly" \
         --out docs/img/demo-search.png
 
 bench/quickstart.py --screenshot calls it on the demo it has just started, with a held-out caption. The browser
@@ -16,6 +16,13 @@ import os
 import shutil
 import sys
 from pathlib import Path
+
+# the product code this script's reports measure (bench/harness.py; `python -m bench.stale` reads it)
+MEASURES: tuple[str, ...] = (
+    "service/gare_demo/",
+    "service/gare_serve/web/",
+)
+
 
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]

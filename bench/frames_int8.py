@@ -1,7 +1,7 @@
 """int8 frames vs float16 frames on the trained benchmark model (issue 29, must-have 5): score error, recall, bytes.
 
-    python bench/frames_int8.py              # ~2 min: two builds of the 200 test videos, 600 captions
-    python bench/frames_int8.py --render     # re-render bench/results/frames_int8.md from its JSON
+    python -m bench.frames_int8              # ~2 min: two builds of the 200 test videos, 600 captions
+    python -m bench.frames_int8 --render     # re-render bench/results/frames_int8.md from its JSON
 
 The test split of runs/bench-corpus is indexed with runs/bench-train/best.safetensors twice by ``gare-index
 build`` (flat stage 1): ``--frames-dtype float16`` and ``--frames-dtype int8``. On both, every test caption:
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import sys
 import time
@@ -27,26 +26,33 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from support import git_commit  # bench/ is on sys.path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-RESULTS = REPO / "bench" / "results"
+from bench.harness import (
+    REPO,
+    RESULTS,
+    add_render_arg,
+    cpu_name,
+    git_commit,
+    loadavg,
+    render_saved,
+    start,
+    with_provenance,
+    write_report,
+)
+
+# the product code this script's reports measure (bench/harness.py; `python -m bench.stale` reads it)
+MEASURES: tuple[str, ...] = (
+    "indexer/gare_index/frame_quant.py",
+    "indexer/gare_index/store/",
+    "indexer/gare_search/rerank.py",
+    "indexer/gare_search/search.py",
+    "indexer/gare_build/build.py",
+)
+
+
 # int8 becomes the default only if, on the benchmark model's test captions, R@1 and R@5 (psi ranking and
 # served search) change by at most 0.5 point and the psi scores move by at most 1e-3 on average, 1e-2 at most
 RULE = {"max_r_change_points": 0.5, "max_mean_abs_score_err": 1e-3, "max_max_abs_score_err": 1e-2}
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
-
-
-def loadavg() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 def recall(ranks: np.ndarray) -> dict[str, float]:
@@ -138,6 +144,7 @@ def choose(data: dict[str, Any]) -> dict[str, Any]:
     return {"default": "int8" if ok_r and ok_e else "float16", "r_changes": deltas, "recall_ok": ok_r, "score_ok": ok_e}
 
 
+@with_provenance
 def markdown(d: dict[str, Any]) -> str:
     """The report, rendered from its JSON alone."""
     r, e, c = d["rows"], d["score_err"], d["choice"]
@@ -181,21 +188,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint", type=Path, default=REPO / "runs" / "bench-train" / "best.safetensors")
     ap.add_argument("--work", default="/tmp/gare-frames-int8")
     ap.add_argument("--workers", type=int, default=1, help="decode worker processes of the builds")
-    ap.add_argument("--render", action="store_true", help="re-render the report from its JSON")
+    add_render_arg(ap, RESULTS / "frames_int8.json")
     args = ap.parse_args(argv)
-    md, js = RESULTS / "frames_int8.md", RESULTS / "frames_int8.json"
     if args.render:
-        md.write_text(markdown(json.loads(js.read_text())))
+        render_saved(args.render, markdown)
         return 0
+    run = start(__name__, MEASURES)
     data = measure(args)
-    data.update({"command": "python bench/frames_int8.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-                 "commit": git_commit(), "cpu": cpu_model(), "cores": os.cpu_count(),
+    data.update({"command": "python -m bench.frames_int8 " + " ".join(argv if argv is not None else sys.argv[1:]),
+                 "commit": git_commit(), "cpu": cpu_name(), "cores": os.cpu_count(),
                  "date": time.strftime("%Y-%m-%d", time.gmtime())})
     data["command"] = data["command"].rstrip()
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    js.write_text(json.dumps(data, indent=1) + "\n")
-    md.write_text(markdown(data))
-    print(md.read_text())
+    data["run"] = run.record()
+    print(write_report(RESULTS / "frames_int8.json", data, markdown).read_text())
     return 0
 
 

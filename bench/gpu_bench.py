@@ -2,9 +2,9 @@
 model), psi constants at build time, NCL Sinkhorn and served-score biases, and the two-stage search end to end.
 
     bash bench/gpu_check.sh                 # on a lent GPU (the device tool): CUDA tests, then this script
-    python bench/gpu_bench.py --quick       # smoke run; on a machine without CUDA it runs on the CPU and says so
-    python bench/gpu_bench.py --prepare .gpuassets --checkpoint BEST --corpus CORPUS   # fidelity inputs (CPU)
-    python bench/gpu_bench.py --render bench/results/gpu_bench.json                   # rewrite the .md
+    python -m bench.gpu_bench --quick       # smoke run; on a machine without CUDA it runs on the CPU and says so
+    python -m bench.gpu_bench --prepare .gpuassets --checkpoint BEST --corpus CORPUS   # fidelity inputs (CPU)
+    python -m bench.gpu_bench --render bench/results/gpu_bench.json                   # rewrite the .md
 
 Every section runs in one process on one device; a section that fails is recorded as failed (with its error)
 and the others still run; with --deadline-s a section expected (SECTION_SECONDS) to end past the deadline is not
@@ -38,16 +38,24 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
-for p in (str(REPO), str(REPO / "bench")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
 
-import gpu_stage1  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from psi_reference import FoldedAttention, fused_pair_scores  # noqa: E402
-from support import git_commit  # noqa: E402
+
+from bench import gpu_stage1, harness  # noqa: E402
+from bench.harness import Run, git_commit, start, with_provenance  # noqa: E402
+from bench.psi_reference import FoldedAttention, fused_pair_scores  # noqa: E402
+
+# the product code this script's reports measure (bench/harness.py; `python -m bench.stale` reads it)
+MEASURES: tuple[str, ...] = (
+    "training/gare/",
+    "indexer/gare_search/",
+    "indexer/gare_index/",
+    "indexer/gare_build/",
+    "service/gare_serve/",
+)
+
 
 D, FR, K = 512, 12, 256
 
@@ -79,8 +87,7 @@ def timed_ms(fn: Callable[[], Any], dev: torch.device, *, iters: int, reps: int 
 
 
 def vit_b32(dev: torch.device):
-    from psi_fold import nontrivial_psi
-
+    from bench.psi_fold import nontrivial_psi
     from gare.config import get_model_config
     from gare.model import GARE
 
@@ -104,7 +111,7 @@ def make_gallery(n: int, seed: int, dev: torch.device) -> tuple[torch.Tensor, to
 def section_env(ctx: dict[str, Any]) -> dict[str, Any]:
     import ctypes
 
-    from index_common import cpu_name
+    from bench.harness import cpu_name
 
     dev = ctx["dev"]
     out: dict[str, Any] = {"device": str(dev), "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -176,8 +183,7 @@ def _served_encoder(dev: torch.device) -> dict[str, str]:
 
 
 def section_text_encoder(ctx: dict[str, Any]) -> dict[str, Any]:
-    from serve_bench import make_queries
-
+    from bench.serve_bench import make_queries
     from gare_search.query import encode_queries
 
     dev, model, args = ctx["dev"], ctx["model"], ctx["args"]
@@ -395,8 +401,7 @@ def section_search(ctx: dict[str, Any]) -> dict[str, Any]:
     """Two-stage search end to end (gare_search.search.search_batch) on a gallery written in the real index format."""
     import tempfile
 
-    from serve_bench import make_queries, write_gallery
-
+    from bench.serve_bench import make_queries, write_gallery
     from gare.checkpoint import file_sha256, save_checkpoint
     from gare.psi_fold_weights import fold_weights
     from gare_index.resident_version import load_resident
@@ -702,7 +707,7 @@ def prepare(assets: Path, checkpoint: Path, corpus: Path, split: str) -> None:
     for name, s in (("dual", dual), ("psi", psi)):
         m = retrieval_metrics(s, enc.caption_clip)["t2v"]
         ref[name] = {k: float(m[k]) for k in ("R1", "R5", "R10")}
-    from index_common import cpu_name
+    from bench.harness import cpu_name
 
     save_file({"frames": enc.frames.contiguous(), "mask": enc.mask.to(torch.uint8).contiguous(), "vbar": enc.vbar.contiguous(),
                "t_cpu_fp32": t.contiguous()}, str(assets / "gallery.safetensors"))
@@ -725,6 +730,7 @@ def last_line(error: str) -> str:
     return ((named or lines or ["?"])[-1])[:200].replace("|", "/")
 
 
+@with_provenance
 def markdown(res: dict[str, Any]) -> str:
     env = res["sections"].get("env", {}).get("result", {})
     commit = res["commit"]
@@ -915,12 +921,13 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = False  # exact fp32 (fp16/bf16 are measured as such)
     import socket
 
-    res: dict[str, Any] = {"command": "python bench/gpu_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    res: dict[str, Any] = {"command": "python -m bench.gpu_bench " + " ".join(argv if argv is not None else sys.argv[1:]),
                            "wrapper": args.wrapper, "commit": args.commit,
                            "commit_source": "GARE_COMMIT, given by the caller" if os.environ.get("GARE_COMMIT") else "git",
                            "host": socket.gethostname(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                            "quick": args.quick, "sections": {}}
     ctx: dict[str, Any] = {"dev": dev, "args": args}
+    run = start(__name__, MEASURES)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     t_run = time.perf_counter()
     for name in args.sections:
@@ -938,7 +945,7 @@ def main(argv: list[str] | None = None) -> int:
         # on disk while it runs: a run killed here (the device call's time limit) reports this section as unfinished
         res["sections"][name] = {"ok": False, "seconds": 0.0,
                                  "error": "RuntimeError: did not finish (the run ended during this section)"}
-        write_report(res, args.out)
+        write_report(res, args.out, run)
         try:
             r = SECTIONS[name](ctx)
             res["sections"][name] = {"ok": True, "seconds": time.perf_counter() - t0, "result": r}
@@ -953,8 +960,8 @@ def main(argv: list[str] | None = None) -> int:
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
         res["wall_s"] = time.perf_counter() - t_run
-        write_report(res, args.out)  # after every section: a run cut short keeps its report
-    write_report(res, args.out)
+        write_report(res, args.out, run)  # after every section: a run cut short keeps its report
+    write_report(res, args.out, run)
     failed = [k for k, v in res["sections"].items() if not v["ok"] and not v.get("skipped")]
     skipped = [k for k, v in res["sections"].items() if v.get("skipped")]
     print(f"wrote {args.out.with_suffix('.md')}; failed sections: {failed or 'none'}; not run: {skipped or 'none'}",
@@ -964,11 +971,11 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def write_report(res: dict[str, Any], out: Path) -> None:
-    """The JSON (with the observations and the targets' outcome, recomputed by --render) and its markdown."""
-    res = {**res, "observations": observations(res), "targets": evaluate(res)}
-    out.with_suffix(".json").write_text(json.dumps(res, indent=1, default=str))
-    out.with_suffix(".md").write_text(markdown(res))
+def write_report(res: dict[str, Any], out: Path, run: Run) -> None:
+    """The JSON (with the run's record, the observations and the targets' outcome, recomputed by --render) and its
+    markdown."""
+    res = {**res, "observations": observations(res), "targets": evaluate(res), "run": run.record()}
+    harness.write_report(out.with_suffix(".json"), res, markdown)
 
 
 if __name__ == "__main__":

@@ -77,7 +77,7 @@ left=$(( budget - 5 - ($(date +%s) - t0) ))
 [ "$left" -lt 60 ] && left=60  # the install or the tests overran: the env and the cheapest sections still run
 # the bench plans its sections to end by --deadline-s; timeout is the backstop (a hung section: the report written
 # after the last finished section stays, the one in flight says it did not finish)
-timeout --kill-after=10 "$left" python3 bench/gpu_bench.py --out "$OUT/gpu_bench" --deadline-s "$(( left - 10 ))" \
+timeout --kill-after=10 "$left" python3 -m bench.gpu_bench --out "$OUT/gpu_bench" --deadline-s "$(( left - 10 ))" \
     --gpu-tests-junit "$OUT/pytest_gpu.xml" --gpu-tests-status "$tests" --wrapper "bash bench/gpu_check.sh $*" "${@:2}" \
     2>&1 | tee "$OUT/gpu_bench.log"
 echo "bench exit status ${PIPESTATUS[0]}; GPU tests exit status: $tests; total $(( $(date +%s) - t0 )) s"

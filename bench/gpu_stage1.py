@@ -37,7 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from clip_like import ClipLikeConfig, Space
+
+from bench.clip_like import ClipLikeConfig, Space
 
 D = 512
 K = 256
@@ -332,10 +333,9 @@ def section_index_build(ctx: dict[str, Any]) -> dict[str, Any]:
 
 
 def section_http_search(ctx: dict[str, Any]) -> dict[str, Any]:
-    from serve_bench import make_queries
-    from serve_http import closed_loop, serve
-    from support import stop_process
-
+    from bench.serve_bench import make_queries
+    from bench.serve_http import closed_loop, serve
+    from bench.support import stop_process
     from gare.checkpoint import file_sha256, save_checkpoint
     from gare.psi_fold_weights import fold_weights
 
@@ -391,8 +391,7 @@ def write_gallery_device(root: Path, n: int, ckpt: dict[str, Any], fold: Any, *,
     1M entries numpy on one core took 108 s of a 176-s HTTP section (H200, 5215253); here the device draws and
     folds and the host only hashes and writes. The values differ from write_gallery's (another generator); the
     search's cost does not depend on them."""
-    from serve_bench import _HashedNpy, gallery_ann_params, gallery_rows
-
+    from bench.serve_bench import _HashedNpy, gallery_ann_params, gallery_rows
     from gare.psi_fold_videos import fold_videos, packed_width
     from gare_index.ann_params import choose_index_type
     from gare_index.psi_consts import manifest_entry

@@ -35,11 +35,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from index_common import table, write_results
-from support import git_commit
+from bench.harness import RESULTS, add_render_arg, git_commit, render_requested, start, write_results
+from bench.index_common import table
+
+# the product code this script's reports measure (bench/harness.py; `python -m bench.stale` reads it)
+MEASURES: tuple[str, ...] = (
+    "indexer/gare_index/ann.py",
+    "indexer/gare_index/ann_params.py",
+    "indexer/gare_build/tuning/",
+)
+
 
 TARGETS = {1_000_000: 0.995, 100_000: 0.999}
-
 
 
 def real_embeddings(index: Path, captions: Path | None, seed: int) -> tuple[Any, Any, str]:
@@ -65,6 +72,8 @@ def real_embeddings(index: Path, captions: Path | None, seed: int) -> tuple[Any,
 
 
 def main() -> None:
+    if render_requested(RESULTS / "index_ann.json"):
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="*", default=[100_000, 1_000_000], help="CLIP-like sizes (none: real rows only)")
     ap.add_argument("--dim", type=int, default=512)
@@ -75,13 +84,14 @@ def main() -> None:
     ap.add_argument("--real-index", type=Path, default=None, help="a gare-index index built with a trained checkpoint")
     ap.add_argument("--real-captions", type=Path, default=None, help="captions jsonl encoded as the real queries")
     ap.add_argument("--out", default="index_ann", help="result name under bench/results/")
+    add_render_arg(ap, RESULTS / "index_ann.json")
     args = ap.parse_args()
-    started = time.time()
+    bench_run = start(__name__, MEASURES)
 
     import faiss
     import numpy as np
-    from clip_like import ClipLikeConfig, clip_like, describe
 
+    from bench.clip_like import ClipLikeConfig, clip_like, describe
     from gare_build.tuning.ladder import TuneConfig, describe_params
     from gare_build.tuning.measure import exact_topk, recall_of_topk
     from gare_build.tuning.recall import tune_ann
@@ -187,7 +197,7 @@ def main() -> None:
         write_results(args.out, "Stage 1 on CLIP-like data: recall@256 of the exact top-10 and p50 with the tuned "
                       "defaults", body, {"commit": commit, "final": final, "rows": data,
                                          "checks": [{"check": s, "pass": ok} for s, ok in checks], "notes": notes},
-                      started)
+                      bench_run)
 
     gen = ClipLikeConfig(d=args.dim)
     for n in args.sizes:

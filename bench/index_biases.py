@@ -11,18 +11,29 @@ from __future__ import annotations
 import argparse
 import time
 
-from index_common import rss_bytes, table, write_results
+from bench.harness import RESULTS, add_render_arg, render_requested, start, write_results
+from bench.index_common import rss_bytes, table
+
+# the product code this script's reports measure (bench/harness.py; `python -m bench.stale` reads it)
+MEASURES: tuple[str, ...] = (
+    "indexer/gare_build/build.py",
+    "indexer/gare_build/served_biases.py",
+    "indexer/gare_index/ann_eval.py",
+)
 
 
 def main() -> None:
+    if render_requested(RESULTS / "index_biases.json"):
+        return
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--queries", type=int, default=16384)
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--sizes", type=int, nargs="+", default=[10_000, 20_000])
     ap.add_argument("--target", type=int, default=1_000_000)
     ap.add_argument("--full", action="store_true", help="also run the target size itself")
+    add_render_arg(ap, RESULTS / "index_biases.json")
     args = ap.parse_args()
-    started = time.time()
+    run = start(__name__, MEASURES)
 
     import numpy as np
     import torch
@@ -67,7 +78,7 @@ def main() -> None:
         "(they depend on every video), so on CPU hosts with very large libraries schedule `add` in batches.\n"
     )
     write_results("index_biases", "NCL video biases: recompute time for 1M videos x 16,384 queries", body,
-                  {"rows": data, "per_video_s": per_video}, started)
+                  {"rows": data, "per_video_s": per_video}, run)
 
 
 if __name__ == "__main__":

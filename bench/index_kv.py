@@ -17,18 +17,28 @@ import tempfile
 import time
 from pathlib import Path
 
-from index_common import table, write_results
+from bench.harness import RESULTS, add_render_arg, render_requested, start, write_results
+from bench.index_common import table
+
+# the product code this script's reports measure (bench/harness.py; `python -m bench.stale` reads it)
+MEASURES: tuple[str, ...] = (
+    "training/gare/psi.py",
+    "training/gare/psi_fold*.py",
+)
 
 
 def main() -> None:
+    if render_requested(RESULTS / "index_kv.json"):
+        return
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--videos", type=int, default=20000, help="videos in the memmapped gallery")
     ap.add_argument("--candidates", type=int, nargs="+", default=[64, 256, 1024])
     ap.add_argument("--queries", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--threads", type=int, default=1, help="torch threads for the rerank")
+    add_render_arg(ap, RESULTS / "index_kv.json")
     args = ap.parse_args()
-    started = time.time()
+    run = start(__name__, MEASURES)
 
     import numpy as np
     import torch
@@ -146,7 +156,7 @@ def main() -> None:
     write_results("index_kv", "psi K/V precomputation: rerank latency vs bytes", body,
                   {"videos": n, "d": d, "f": f, "rows": data, "bytes_per_video_frames": per_video_frames,
                    "bytes_per_video_with_kv": 3 * per_video_frames, "bytes_per_video_fold_consts": 4 * packed_width(f),
-                   "verdict": verdict}, started)
+                   "verdict": verdict}, run)
 
 
 if __name__ == "__main__":

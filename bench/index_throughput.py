@@ -23,7 +23,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from index_common import rss_bytes, table, write_results
+from bench.harness import RESULTS, add_render_arg, render_requested, start, write_results
+from bench.index_common import rss_bytes, table
+
+# the product code this script's reports measure (bench/harness.py; `python -m bench.stale` reads it)
+MEASURES: tuple[str, ...] = (
+    "indexer/gare_build/",
+    "indexer/gare_index/store/",
+    "training/gare/video_loader.py",
+)
 
 
 def ram_probe(path: str) -> None:
@@ -87,17 +95,20 @@ def run_build(name: str, ckpt: Path, videos: Path, work: Path, precision: str, b
 
 
 def main() -> None:
+    if render_requested(RESULTS / "index_throughput.json"):
+        return
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tiny-videos", type=int, default=64)
     ap.add_argument("--vit-videos", type=int, default=12)
     ap.add_argument("--ram-videos", type=int, default=50_000)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--ram-probe", help=argparse.SUPPRESS)
+    add_render_arg(ap, RESULTS / "index_throughput.json")
     args = ap.parse_args()
     if args.ram_probe:
         ram_probe(args.ram_probe)
         return
-    started = time.time()
+    run = start(__name__, MEASURES)
 
     import torch
 
@@ -192,7 +203,7 @@ def main() -> None:
                  "open s", "write s"], ram_rows)
     )
     write_results("index_throughput", "Indexing throughput, bytes and RAM per video", body,
-                  {"throughput": data, "bytes": bytes_rows, "ram": ram_data}, started)
+                  {"throughput": data, "bytes": bytes_rows, "ram": ram_data}, run)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ Validation captions: the synth folder's test split (its videos are the gallery; 
 videos with captions in a gallery), one caption per video. The queue is the fresh one (the checkpoint's training
 captions re-encoded) unless ``--bias-queue stale``.
 
-  python bench/ncl_decision.py --checkpoint CKPT --synth CORPUS [--synth CORPUS2 ...] --name NAME [--bias-queue stale]
+  python -m bench.ncl_decision --checkpoint CKPT --synth CORPUS [--synth CORPUS2 ...] --name NAME [--bias-queue stale]
 """
 
 from __future__ import annotations
@@ -17,16 +17,29 @@ import time
 from pathlib import Path
 from typing import Any
 
-from index_common import RESULTS, table, write_results
-from support import git_commit
+from bench.harness import RESULTS, add_render_arg, git_commit, render_requested, start, write_results
+from bench.index_common import table
+
+# the product code this script's reports measure (bench/harness.py; `python -m bench.stale` reads it)
+MEASURES: tuple[str, ...] = (
+    "indexer/gare_build/",
+    "indexer/gare_index/store/",
+    "training/gare/sinkhorn*.py",
+    "training/gare/retrieval_metrics.py",
+    "training/gare/psi.py",
+    "training/gare/psi_fold*.py",
+)
 
 
 def main() -> None:
+    if render_requested(RESULTS / "ncl_served/decision_bench_ncl_model.json"):
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--synth", required=True, nargs="+")
     ap.add_argument("--name", required=True)
     ap.add_argument("--bias-queue", choices=("fresh", "stale"), default="fresh")
+    add_render_arg(ap, RESULTS / "ncl_served/decision_bench_ncl_model.json")
     args = ap.parse_args()
 
     import csv
@@ -34,7 +47,7 @@ def main() -> None:
     from gare_build.cli import main as gare_index
     from gare_index.store import open_index
 
-    started = time.time()
+    run = start(__name__, MEASURES)
     rows: list[list[Any]] = []
     data: dict[str, Any] = {}
     for corpus in args.synth:
@@ -73,7 +86,7 @@ def main() -> None:
     (RESULTS / "ncl_served").mkdir(parents=True, exist_ok=True)
     write_results(f"ncl_served/decision_{args.name}", f"The per-index NCL decision: {args.name}", body,
                   {"checkpoint": args.checkpoint, "corpora": data, "bias_queue": args.bias_queue, "commit": git_commit()},
-                  started)
+                  run)
 
 
 if __name__ == "__main__":

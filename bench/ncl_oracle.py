@@ -15,20 +15,28 @@ captions), and how many captions left / entered the top 1. It also splits every 
 probability into the part from its own captions (the answers, which the oracle bank holds) and the rest
 (popularity from other captions: the hubness NCL corrects), and says how much of its variance each explains.
 
-  python bench/ncl_oracle.py --checkpoint CKPT --synth CORPUS --name NAME [--all-captions] [--boot 2000]
+  python -m bench.ncl_oracle --checkpoint CKPT --synth CORPUS --name NAME [--all-captions] [--boot 2000]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from index_common import RESULTS, table, write_results
-from support import git_commit
+
+from bench.harness import RESULTS, add_render_arg, git_commit, render_requested, start, write_results
+from bench.index_common import table
+
+# the product code this script's reports measure (bench/harness.py; `python -m bench.stale` reads it)
+MEASURES: tuple[str, ...] = (
+    "training/gare/sinkhorn*.py",
+    "training/gare/retrieval_metrics.py",
+    "training/gare/psi.py",
+    "training/gare/psi_fold*.py",
+)
 
 
 def _test_set(root: str, all_captions: bool):
@@ -58,6 +66,8 @@ def _boot(delta: np.ndarray, n_boot: int, seed: int = 0) -> tuple[float, float]:
 
 
 def main() -> None:
+    if render_requested(RESULTS / "ncl_served/oracle_bench.json"):
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--synth", required=True)
@@ -65,6 +75,7 @@ def main() -> None:
     ap.add_argument("--all-captions", action="store_true", help="every caption of each test video (3 per video)")
     ap.add_argument("--gammas", type=float, nargs="+", default=[0.03, 0.01])
     ap.add_argument("--boot", type=int, default=2000)
+    add_render_arg(ap, RESULTS / "ncl_served/oracle_bench.json")
     args = ap.parse_args()
 
     import torch
@@ -80,7 +91,7 @@ def main() -> None:
     from gare.sinkhorn import sinkhorn_biases_dense
     from gare.sinkhorn_sparse import normalization_error_scores
 
-    started = time.time()
+    run = start(__name__, MEASURES)
     model, _ = load_model(args.checkpoint)
     rs = _test_set(args.synth, args.all_captions)
     enc = encode_set(model, rs, batch_size=16, num_workers=1, progress=True)
@@ -157,7 +168,7 @@ def main() -> None:
                   {"corpus": args.synth, "checkpoint": args.checkpoint, "gamma_model": g0, "n_captions": n_t, "n_videos": n,
                    "psi": base, "rows": data, "popularity_variance_share": {"own": share_own, "other": share_other, "cov": cov},
                    "top1_margin_median": float(np.median(margin)), "oracle_r1_change_within_ci": within,
-                   "commit": git_commit()}, started)
+                   "commit": git_commit()}, run)
 
 
 if __name__ == "__main__":

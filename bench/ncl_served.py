@@ -14,9 +14,9 @@ Two parts, each writing bench/results/ncl_served/<name>.{md,json}:
 * ``cost``: seconds of each form at measured gallery sizes (random unit vectors, the checkpoint's psi
   on random frame features), extrapolated linearly to 100k and 1M videos (labelled EXTRAPOLATED).
 
-  python bench/ncl_served.py accuracy --checkpoint CKPT --synth CORPUS --name NAME [--ks 16 64]
-  python bench/ncl_served.py cost --checkpoint CKPT --name cost [--sizes 2000 8000]
-  python bench/ncl_served.py explain --checkpoint CKPT --synth CORPUS --name NAME [--gammas 0.01]
+  python -m bench.ncl_served accuracy --checkpoint CKPT --synth CORPUS --name NAME [--ks 16 64]
+  python -m bench.ncl_served cost --checkpoint CKPT --name cost [--sizes 2000 8000]
+  python -m bench.ncl_served explain --checkpoint CKPT --synth CORPUS --name NAME [--gammas 0.01]
 
 * ``explain`` (one corpus): why the served-score biases help or hurt: the same dense biases fitted to other
   banks (the training queue, the other half of the test captions, the test captions themselves) and gammas.
@@ -30,9 +30,21 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from index_common import RESULTS, table, write_results
-from psi_reference import fused_pair_scorer, fused_pair_scores
-from support import git_commit
+
+from bench.harness import RESULTS, Run, add_render_arg, git_commit, render_requested, start, write_results
+from bench.index_common import table
+from bench.psi_reference import fused_pair_scorer, fused_pair_scores
+
+# the product code this script's reports measure (bench/harness.py; `python -m bench.stale` reads it)
+MEASURES: tuple[str, ...] = (
+    "indexer/gare_build/served_biases.py",
+    "indexer/gare_index/psi_consts.py",
+    "training/gare/sinkhorn*.py",
+    "training/gare/retrieval_metrics.py",
+    "training/gare/psi.py",
+    "training/gare/psi_fold*.py",
+)
+
 
 N_ITERS = 4
 
@@ -91,7 +103,7 @@ def accuracy(args: argparse.Namespace) -> None:
         stage1_candidates,
     )
 
-    started = time.time()
+    run = start(__name__, MEASURES)
     model, enc, queue = _load(args)
     if args.queue_limit:
         queue = queue[-args.queue_limit:]
@@ -179,7 +191,7 @@ def accuracy(args: argparse.Namespace) -> None:
                   {"corpus": args.synth, "checkpoint": args.checkpoint, "gamma": gamma, "n_queue": n_q,
                    "n_test_captions": int(t.shape[0]), "n_videos": n, "rows": data_rows, "timing_s": timing,
                    "dual_tower_t2v": dual_row, "served_dense_ge_psi": verdict, "commit": git_commit()},
-                  started)
+                  run)
 
 
 def explain(args: argparse.Namespace) -> None:
@@ -206,7 +218,7 @@ def explain(args: argparse.Namespace) -> None:
     from gare.sinkhorn import sinkhorn_biases_dense
     from gare.sinkhorn_sparse import normalization_error_scores
 
-    started = time.time()
+    run = start(__name__, MEASURES)
     model, enc, queue = _load(args)
     queue = queue.float()
     gamma_model = float(1.0 / model.clip.logit_scale.detach().exp())
@@ -288,7 +300,7 @@ def explain(args: argparse.Namespace) -> None:
     write_results(f"ncl_served/explain_{args.name}", f"Why NCL(served) helps or hurts: {args.name}", body,
                   {"corpus": args.synth, "checkpoint": args.checkpoint, "gamma_model": gamma_model,
                    "n_queue": int(queue.shape[0]), "n_test_captions": n_t, "rows": data, "fold_vs_model_max_abs": fold_err,
-                   "commit": git_commit()}, started)
+                   "commit": git_commit()}, run)
 
 
 def cost(args: argparse.Namespace) -> None:
@@ -299,7 +311,7 @@ def cost(args: argparse.Namespace) -> None:
     from gare.sinkhorn import sinkhorn_biases
     from gare.sinkhorn_sparse import sinkhorn_biases_sparse, stage1_candidates
 
-    started = time.time()
+    run = start(__name__, MEASURES)
     torch.set_num_threads(args.threads)
     model, _ = load_model(args.checkpoint)
     d, f = model.cfg.embed_dim, model.cfg.max_frames
@@ -344,7 +356,7 @@ def cost(args: argparse.Namespace) -> None:
     meta = {"queries": Q, "k": K, "d": d, "frames": f, "psi_seconds_per_pair": psi_s_per_pair, "n_pairs": args.pairs,
             "checkpoint": args.checkpoint, "gamma": gamma, "measured": measured, "commit": git_commit(),
             "throughput": throughput, "threads": args.threads}
-    _cost_report(args.name, meta, started)
+    _cost_report(args.name, meta, run)
 
 
 def _psi_throughput(model: Any, n_pairs: int, seed: int, n_feat: int = 4096, n_queries: int = 1024) -> dict[str, Any]:
@@ -403,7 +415,7 @@ def _extrapolate(measured: list[dict[str, Any]], key: str, n: int) -> float:
     return pts[-1][key] / pts[-1]["n"] * n
 
 
-def _cost_report(name: str, meta: dict[str, Any], started: float, source: str | None = None) -> None:
+def _cost_report(name: str, meta: dict[str, Any], run: Run, source: str | None = None) -> None:
     Q, K, d, f = meta["queries"], meta["k"], meta["d"], meta["frames"]
     psi_s_per_pair, measured = meta["psi_seconds_per_pair"], meta["measured"]
     psi_cands = Q * K * psi_s_per_pair
@@ -440,7 +452,7 @@ def _cost_report(name: str, meta: dict[str, Any], started: float, source: str | 
           "100k and 1M rows are extrapolations, labelled.\n"
     )
     (RESULTS / "ncl_served").mkdir(parents=True, exist_ok=True)
-    write_results(f"ncl_served/{name}", "NCL biases of the served score: cost", body, meta, started)
+    write_results(f"ncl_served/{name}", "NCL biases of the served score: cost", body, meta, run)
 
 
 def _throughput_md(meta: dict[str, Any], qk: int) -> str:
@@ -475,10 +487,12 @@ def cost_render(args: argparse.Namespace) -> None:
     opt = dict(re.findall(r"--(pairs|checkpoint) (\S+)", cmd))
     meta.update(n_pairs=int(data.get("n_pairs") or opt.get("pairs", 65536)), gamma=data.get("gamma", 0.01),
                 checkpoint=data.get("checkpoint") or opt.get("checkpoint", "?"), measured_by=cmd)
-    _cost_report(args.name, meta, time.time(), source=args.json)
+    _cost_report(args.name, meta, start(__name__, MEASURES), source=args.json)
 
 
 def main() -> None:
+    if render_requested(RESULTS / "ncl_served/bench.json"):
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("accuracy")
@@ -507,6 +521,7 @@ def main() -> None:
     r.add_argument("json")
     r.add_argument("--name", default="cost")
     r.set_defaults(fn=cost_render)
+    add_render_arg(ap, RESULTS / "ncl_served/bench.json")
     args = ap.parse_args()
     args.fn(args)
 

@@ -16,19 +16,30 @@ caption of every test video of a synth corpus:
 R@1/R@5/R@10 with 95% bootstrap intervals over captions (t2v) or videos (v2t), and the paired interval of the
 change against psi alone.
 
-  python bench/ncl_table.py --checkpoints plain=CKPT ncl=CKPT2 --synth CORPUS --name NAME [--gamma2 0.01]
+  python -m bench.ncl_table --checkpoints plain=CKPT ncl=CKPT2 --synth CORPUS --name NAME [--gamma2 0.01]
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Any
 
 import numpy as np
-from index_common import RESULTS, table, write_results
-from ncl_oracle import _test_set
-from support import git_commit
+
+from bench.harness import RESULTS, add_render_arg, git_commit, render_requested, start, write_results
+from bench.index_common import table
+from bench.ncl_oracle import _test_set
+
+# the product code this script's reports measure (bench/harness.py; `python -m bench.stale` reads it)
+MEASURES: tuple[str, ...] = (
+    "indexer/gare_build/ncl_queues.py",
+    "indexer/gare_build/tuning/version_tuning.py",
+    "training/gare/sinkhorn*.py",
+    "training/gare/retrieval_metrics.py",
+    "training/gare/psi.py",
+    "training/gare/psi_fold*.py",
+)
+
 
 N_ITERS = 4
 
@@ -128,14 +139,17 @@ def run_model(label: str, ckpt_path: str, args: argparse.Namespace) -> tuple[lis
 
 
 def main() -> None:
+    if render_requested(RESULTS / "ncl_served/table_bench.json"):
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoints", nargs="+", required=True, metavar="LABEL=CKPT")
     ap.add_argument("--synth", required=True)
     ap.add_argument("--name", required=True)
     ap.add_argument("--gamma2", type=float, default=0.01)
     ap.add_argument("--boot", type=int, default=2000)
+    add_render_arg(ap, RESULTS / "ncl_served/table_bench.json")
     args = ap.parse_args()
-    started = time.time()
+    run = start(__name__, MEASURES)
     rows: list[list[Any]] = []
     data: dict[str, Any] = {}
     for spec in args.checkpoints:
@@ -165,7 +179,7 @@ def main() -> None:
     (RESULTS / "ncl_served").mkdir(parents=True, exist_ok=True)
     write_results(f"ncl_served/table_{args.name}", f"NCL configurations: {args.name}", body,
                   {"corpus": args.synth, "models": data, "gamma2": args.gamma2, "wins": wins, "significant_r1": sig,
-                   "commit": git_commit()}, started)
+                   "commit": git_commit()}, run)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """A peer side by side: clip-retrieval's back end (`clip-retrieval back`) against `gare-serve` two-stage over HTTP.
 
-    python bench/peer_clip_retrieval.py                          # 1M entries, 20 s per run, 5 runs of 32 clients
-    python bench/peer_clip_retrieval.py --n 20000 --duration 5 --runs 2 --keep      # a quick look
-    python bench/peer_clip_retrieval.py --render                 # the report again from the committed JSON
+    python -m bench.peer_clip_retrieval                          # 1M entries, 20 s per run, 5 runs of 32 clients
+    python -m bench.peer_clip_retrieval --n 20000 --duration 5 --runs 2 --keep      # a quick look
+    python -m bench.peer_clip_retrieval --render                 # the report again from the committed JSON
 
 What both serve (built by ``--prepare``, once, in ``--work``):
 
@@ -56,12 +56,32 @@ from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
-for p in (str(REPO), str(BENCH)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from support import CHECKOUT_PATH, free_port, git_commit, stop_process  # noqa: E402 - bench/ is on sys.path only from here
+from bench.harness import (  # noqa: E402
+    add_render_arg,
+    cpu_name,
+    git_commit,
+    loadavg,
+    render_saved,
+    start,
+    with_provenance,
+    write_report,
+)
+from bench.support import CHECKOUT_PATH, free_port, stop_process  # noqa: E402
+
+# the product code this script's reports measure (bench/harness.py; `python -m bench.stale` reads it)
+MEASURES: tuple[str, ...] = (
+    "service/gare_serve/",
+    "indexer/gare_search/",
+    "indexer/gare_index/",
+    "training/gare/text_quant.py",
+    "training/gare/text_*.py",
+    "training/gare/psi.py",
+    "training/gare/psi_fold*.py",
+    "indexer/gare_build/",
+)
+
 
 OUT = BENCH / "results" / "peer_clip_retrieval"
 PEER_VERSION = "2.45.0"
@@ -88,8 +108,8 @@ def prepare(work: Path, n: int, peer_venv: Path, tune_queries: int = 0) -> dict[
     with `tune_queries`, gare's stage 1 re-tuned by `gare-index tune --from-bank` on that many served-like queries."""
     import numpy as np
     import torch
-    from serve_bench import write_gallery
 
+    from bench.serve_bench import write_gallery
     from gare.checkpoint import file_sha256, save_checkpoint
     from gare.config import get_model_config
     from gare.model import GARE
@@ -313,10 +333,6 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK  # utime + stime
 
 
-def loadavg() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
 # ------------------------------------------------------------------------------------------ servers
 class Server:
     """A server in a child process on 127.0.0.1:<port>, ready when `ready_path` answers 200."""
@@ -368,7 +384,7 @@ def gare_args(index: Path, port: int, text_encoder: str) -> list[str]:
 
 
 def worker_requests(url: str) -> dict[int, float]:
-    from support import worker_requests as wr
+    from bench.support import worker_requests as wr
 
     return wr(url)
 
@@ -517,6 +533,7 @@ def ratio_lines(summary: dict[str, Any]) -> list[str]:
     return L
 
 
+@with_provenance
 def markdown(d: dict[str, Any]) -> str:
     prep, pv = d["prepare"], d["peer_versions"]
     g = prep.get("gallery", {})
@@ -672,12 +689,6 @@ def peer_versions(peer_venv: Path) -> dict[str, str]:
     return json.loads(out.stdout)
 
 
-def lscpu_model() -> str:
-    from worker_spread import lscpu_model as lm
-
-    return lm()
-
-
 def in_private_netns() -> bool:
     return os.environ.get("GARE_PEER_NETNS") == "1"
 
@@ -702,13 +713,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="re-tune gare's stage 1 with `gare-index tune --from-bank` on this many queries (0: the gallery's own)")
     ap.add_argument("--prepare-only", action="store_true", help="build what both serve in --work, measure nothing")
     ap.add_argument("--keep", action="store_true", help="keep --work at the end (default: removed)")
-    ap.add_argument("--render", action="store_true", help="rewrite the report from the committed JSON")
+    add_render_arg(ap, Path(str(OUT) + ".json"))
     ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args(argv)
     out = Path(args.out)
     if args.render:
-        d = json.loads(out.with_suffix(".json").read_text())
-        out.with_suffix(".md").write_text(markdown(d))
+        render_saved(args.render, markdown)
         return 0
     work, peer_venv = Path(args.work), Path(args.peer_venv)
     if args.prepare_only:
@@ -722,11 +732,13 @@ def main(argv: list[str] | None = None) -> int:
     import faiss
     import torch
     import uvicorn
-    from serve_bench import resident_fraction, warm_file
 
+    from bench.serve_bench import resident_fraction, warm_file
+
+    run = start(__name__, MEASURES, argv)
     d: dict[str, Any] = {
-        "command": "python " + shlex.join(["bench/peer_clip_retrieval.py", *argv]), "commit": git_commit(),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": lscpu_model(), "cores": os.cpu_count(),
+        "command": run.command, "commit": git_commit(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_name(), "cores": os.cpu_count(),
         "kernel": os.uname().release, "torch": torch.__version__, "faiss": faiss.__version__, "uvicorn": uvicorn.__version__,
         "load_start": loadavg(), "netns": in_private_netns(), "n": args.n, "duration_s": args.duration,
         "runs_requested": args.runs, "runs": [],
@@ -777,9 +789,8 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     if plot(d, out.with_suffix(".png")):
         d["plot"] = out.with_suffix(".png").name
-    out.with_suffix(".json").write_text(json.dumps(d, indent=1) + "\n")
-    out.with_suffix(".md").write_text(markdown(d))
-    print(markdown(d))
+    d["run"] = run.record()
+    print(write_report(out.with_suffix(".json"), d, markdown).read_text())
     return 0
 
 

@@ -1,6 +1,6 @@
 """Plot a training run's loss terms against the step (from the run's history.json) to a PNG.
 
-    python bench/plot_history.py RUN_DIR OUT.png
+    python -m bench.plot_history RUN_DIR OUT.png
 
 RUN_DIR is a `gare-train fit` output folder (history.json: one row per optimizer step with the four loss
 terms, the total, the gradient norm and the logit scale).

@@ -1,7 +1,7 @@
 """psi folded into per-video constants (gare/psi_fold.py, what the search serves) against the fused and model paths.
 
-    python bench/psi_fold.py            # ~5-10 min on one core; ~2.5 GiB peak
-    python bench/psi_fold.py --quick    # smoke run (small gallery, 1 repeat each)
+    python -m bench.psi_fold            # ~5-10 min on one core; ~2.5 GiB peak
+    python -m bench.psi_fold --quick    # smoke run (small gallery, 1 repeat each)
 
 One run, one CPU thread (torch.set_num_threads(1)), median of 5 rounds (the rerank paths interleaved in each), ViT-B/32 sizes (d = 512, f = 12):
 - psi rerank of K = 256 random rows of the gallery for one query: the fold's CPU kernel
@@ -31,9 +31,17 @@ from typing import Any
 
 import numpy as np
 import torch
-from index_common import rss_bytes, table, write_results  # bench/ is on sys.path
-from psi_reference import fused_exhaustive, fused_pair_scores
-from support import git_commit
+
+from bench.harness import RESULTS, add_render_arg, git_commit, render_requested, start, write_results
+from bench.index_common import rss_bytes, table
+from bench.psi_reference import fused_exhaustive, fused_pair_scores
+
+# the product code this script's reports measure (bench/harness.py; `python -m bench.stale` reads it)
+MEASURES: tuple[str, ...] = (
+    "training/gare/psi.py",
+    "training/gare/psi_fold*.py",
+)
+
 
 D, F_FRAMES, K = 512, 12, 256
 
@@ -53,7 +61,6 @@ def median_time(fn: Callable[[], Any], iters: int, repeats: int) -> tuple[float,
     info = {"median": statistics.median(cpu), "wall_median": statistics.median(wall), "cpu_repeats": cpu,
             "wall_repeats": wall}
     return info["median"], info
-
 
 
 def make_gallery(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,16 +86,19 @@ def nontrivial_psi(psi: torch.nn.Module) -> torch.nn.Module:
 
 
 def main() -> None:
+    if render_requested(RESULTS / "psi_fold.json"):
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gallery", type=int, default=100_000, help="exhaustive gallery size")
     ap.add_argument("--distinct", type=int, default=1024, help="distinct videos folded (tiled to --gallery)")
     ap.add_argument("--fused-slice", type=int, default=10_000, help="entries the fused exhaustive is measured on")
     ap.add_argument("--repeats", type=int, default=5, help="rounds (rerank, interleaved) / repeats (the rest)")
     ap.add_argument("--quick", action="store_true")
+    add_render_arg(ap, RESULTS / "psi_fold.json")
     args = ap.parse_args()
     if args.quick:
         args.gallery, args.distinct, args.fused_slice, args.repeats = 4096, 512, 1024, 1
-    started = time.time()
+    run = start(__name__, MEASURES)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     from gare import psi_fold as pf
@@ -288,7 +298,7 @@ def main() -> None:
     )
     body += "\n## Targets (issue 12; reported, not asserted)\n\n"
     body += table(["target", "measured", "met"], [[k, v, "yes" if m else "NO"] for k, (v, m) in targets.items()])
-    write_results("psi_fold", "psi fold benchmark (issue 12)", body, results, started)
+    write_results("psi_fold", "psi fold benchmark (issue 12)", body, results, run)
 
 
 if __name__ == "__main__":

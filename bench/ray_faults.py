@@ -1,8 +1,8 @@
 """The Ray Serve fault campaign of issue 26: a shard replica killed every 10 s for 60 s under 16 closed-loop HTTP
 clients, every answer judged against a single flat index over the same videos.
 
-    python bench/ray_faults.py [--shards 2] [--replicas 1] [--clients 16] [--duration 60] [--kill-every 10]
-    python bench/ray_faults.py --render     # rewrite the .md from the committed .json
+    python -m bench.ray_faults [--shards 2] [--replicas 1] [--clients 16] [--duration 60] [--kill-every 10]
+    python -m bench.ray_faults --render     # rewrite the .md from the committed .json
 
 What runs: a tiny checkpoint and corpus (`gare-test-tiny`, real mp4 files), a flat single index (the reference) and
 a sharded one (`gare-index build --shards N`: NCL biases fitted over the whole gallery). A child process, inside a
@@ -28,7 +28,6 @@ import asyncio
 import json
 import os
 import platform
-import shlex
 import shutil
 import subprocess
 import sys
@@ -39,13 +38,31 @@ from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
-for p in (str(REPO), str(BENCH)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import httpx  # noqa: E402
-from support import CHECKOUT_PATH, free_port, git_commit, tiny_checkpoint, tiny_corpus  # noqa: E402
+
+from bench.harness import (  # noqa: E402
+    add_render_arg,
+    cpu_name,
+    git_commit,
+    render_saved,
+    start,
+    with_provenance,
+    write_report,
+)
+from bench.support import CHECKOUT_PATH, free_port, tiny_checkpoint, tiny_corpus  # noqa: E402
+
+# the product code this script's reports measure (bench/harness.py; `python -m bench.stale` reads it)
+MEASURES: tuple[str, ...] = (
+    "service/gare_serve/ray_serve/",
+    "service/gare_serve/app.py",
+    "service/gare_serve/settings.py",
+    "indexer/gare_search/shard_search.py",
+    "indexer/gare_index/shards.py",
+    "indexer/gare_build/shard_build.py",
+)
+
 
 OUT = BENCH / "results" / "ray_faults"
 LOOPBACK = "127.0.0.1"
@@ -221,16 +238,6 @@ def pct(xs: list[float], q: float) -> float | None:
     return round(xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))], 1)
 
 
-def lscpu_model() -> str:
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30).stdout.splitlines():
-            if line.strip().startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return platform.processor() or "unknown"
-
-
 def summarize(raw: dict[str, Any], refs: list[list[list[Any]]], tables: list[dict[str, float]],
               shard_of_name: dict[str, int], requests: list[dict[str, Any]], n_shards: int, n_videos: int
               ) -> dict[str, Any]:
@@ -276,6 +283,7 @@ def summarize(raw: dict[str, Any], refs: list[list[list[Any]]], tables: list[dic
     }
 
 
+@with_provenance
 def markdown(d: dict[str, Any]) -> str:
     s, c = d["summary"], d["config"]
     lines = [
@@ -356,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shard-timeout", type=float, default=3.0)
     ap.add_argument("--work", default="/tmp/gare-ray-faults")
     ap.add_argument("--out", default=str(OUT))
-    ap.add_argument("--render", action="store_true", help="only rewrite the .md from the .json")
+    add_render_arg(ap, Path(str(OUT) + ".json"))
     ap.add_argument("--child", nargs=2, metavar=("CFG", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -365,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.child[1]).write_text(json.dumps(child(cfg)))
         return 0
     if args.render:
-        out.with_suffix(".md").write_text(markdown(json.loads(out.with_suffix(".json").read_text())))
+        render_saved(args.render, markdown)
         return 0
     for name in ("shards", "replicas", "clients", "videos"):
         if getattr(args, name) < 1:
@@ -376,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     from gare_build.shard_build import build_sharded  # noqa: PLC0415
     from gare_index.shards import open_sharded  # noqa: PLC0415
 
-    argv_used = argv if argv is not None else sys.argv[1:]
+    run = start(__name__, MEASURES, argv)
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -405,19 +413,16 @@ def main(argv: list[str] | None = None) -> int:
     raw.update(duration=args.duration, replicas=args.replicas)
     summary = summarize(raw, refs, tables, shard_of_name, requests, args.shards, n)
     data = {
-        "command": "python " + " ".join(shlex.quote(a) for a in ["bench/ray_faults.py", *argv_used]),
-        "commit": git_commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": lscpu_model(),
+        "command": run.command,
+        "commit": git_commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_name(),
         "cores": os.cpu_count(), "python": platform.python_version(), "ray": ray.__version__,
         "nodes": raw["nodes"], "node_ips": raw["node_ips"], "network": network, "ready_s": raw["ready_s"],
         "config": {"shards": args.shards, "replicas": args.replicas, "clients": args.clients,
                    "duration": args.duration, "kill_every": args.kill_every, "videos": n,
                    "shard_timeout_s": args.shard_timeout, "n_requests": len(requests)},
-        "kills": raw["kills"], "summary": summary,
+        "kills": raw["kills"], "summary": summary, "run": run.record(),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(data))
-    print(markdown(data))
+    print(write_report(out.with_suffix(".json"), data, markdown).read_text())
     return 0 if summary["wrong"] == 0 else 1
 
 

@@ -1,8 +1,8 @@
 """The psi rerank near its floor (issue 29): the kernel and the server's `rerank` stage, before and after, against
 the int8 text encoder, side by side in one run.
 
-    python bench/rerank_floor.py                 # ~2 min; a 20,000-entry ViT-B/32-sized gallery in /tmp
-    python bench/rerank_floor.py --quick         # smoke run
+    python -m bench.rerank_floor                 # ~2 min; a 20,000-entry ViT-B/32-sized gallery in /tmp
+    python -m bench.rerank_floor --quick         # smoke run
 
 One process, ViT-B/32 sizes (d = 512, f = 12, fp16 frames), K = 256 stage-1 candidates of distinct queries,
 interleaved query by query so a slow spell of the shared machine hits every row alike (the order rotated
@@ -40,9 +40,21 @@ from typing import Any
 
 import numpy as np
 import torch
-from index_common import table, write_results  # bench/ is on sys.path
-from serve_bench import loadavg, make_queries, write_random_gallery
-from support import git_commit
+
+from bench.harness import RESULTS, add_render_arg, git_commit, loadavg, render_requested, start, write_results
+from bench.index_common import table
+from bench.serve_bench import make_queries, write_random_gallery
+
+# the product code this script's reports measure (bench/harness.py; `python -m bench.stale` reads it)
+MEASURES: tuple[str, ...] = (
+    "indexer/gare_search/",
+    "indexer/gare_index/psi_consts.py",
+    "service/gare_serve/engine/",
+    "training/gare/text_quant.py",
+    "training/gare/psi.py",
+    "training/gare/psi_fold*.py",
+)
+
 
 REPO = Path(__file__).resolve().parents[1]
 K = 256
@@ -92,16 +104,19 @@ def read_floor_fn() -> Any:
 
 
 def main() -> None:
+    if render_requested(RESULTS / "rerank_floor.json"):
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=20_000, help="gallery entries")
     ap.add_argument("--queries", type=int, default=60, help="distinct queries (each timed once per row)")
     ap.add_argument("--baseline", default="5a3534e", help="commit whose rerank is the 'before' column")
     ap.add_argument("--work", default="/tmp/gare-rerank-floor")
     ap.add_argument("--quick", action="store_true")
+    add_render_arg(ap, RESULTS / "rerank_floor.json")
     args = ap.parse_args()
     if args.quick:
         args.n, args.queries = 3000, 8
-    started = time.time()
+    run = start(__name__, MEASURES)
     from gare.checkpoint import load_model
     from gare.psi_fold_queries import QueryFoldCache, fold_queries
     from gare.text_quant import build_text_encoder
@@ -274,7 +289,7 @@ def main() -> None:
     body += table(["target", "measured", "met"], [[k, round(a, 4), "yes" if b else "NO"] for k, (a, b) in targets.items()])
     v.close()
     write_results("rerank_floor", "psi rerank near its floor: kernel and server stage vs the int8 text encoder (issue 29)",
-                  body, results, started)
+                  body, results, run)
     shutil.rmtree(work, ignore_errors=True)
 
 

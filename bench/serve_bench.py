@@ -1,7 +1,7 @@
 """Serving benchmark: latency percentiles and throughput of the GARE search service on this machine.
 
-    python bench/serve_bench.py                       # 10k, 100k and 1M entries (~15 min on 2 cores)
-    python bench/serve_bench.py --sizes 10000 --quick # a smoke run
+    python -m bench.serve_bench                       # 10k, 100k and 1M entries (~15 min on 2 cores)
+    python -m bench.serve_bench --sizes 10000 --quick # a smoke run
 
 For every gallery size a synthetic index is written through the real index format (gare_index.store
 write_version: float16 frame memmap, units, norms, masks, biases, FAISS, SQLite) with the real ViT-B/32
@@ -29,8 +29,6 @@ import hashlib
 import json
 import math
 import os
-import platform
-import shlex
 import shutil
 import statistics
 import sys
@@ -39,14 +37,20 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from index_common import cpu_name  # bench/ is on sys.path when a bench script runs
-from support import UNKNOWN_COMMIT, git_commit
+from bench.harness import (
+    UNKNOWN_COMMIT,
+    git_commit,
+    loadavg,
+    machine,
+    render_saved,
+    start,
+    with_provenance,
+    write_report,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -55,6 +59,18 @@ from gare_index.ann_params import AnnParams  # noqa: E402
 from gare_search.query import encode_queries, unit_rows  # noqa: E402
 from gare_search.rerank import exhaustive_psi, fold_usable, psi_scores  # noqa: E402
 from gare_search.stage1 import ann_stage  # noqa: E402
+
+# the product code this script's reports measure (bench/harness.py; `python -m bench.stale` reads it)
+MEASURES: tuple[str, ...] = (
+    "service/gare_serve/",
+    "indexer/gare_search/",
+    "indexer/gare_index/",
+    "training/gare/text_quant.py",
+    "training/gare/text_*.py",
+    "training/gare/psi.py",
+    "training/gare/psi_fold*.py",
+)
+
 
 D, F = 512, 12
 
@@ -415,22 +431,6 @@ async def size_bench(app, queries: list[str], args, n_exhaustive: int, cold: boo
     return out
 
 
-def loadavg() -> list[float]:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return []
-
-
-def machine() -> dict[str, Any]:
-    import faiss
-
-    cpu = cpu_name()
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "faiss": faiss.__version__,
-            "numpy": np.__version__, "python": platform.python_version(), "torch_threads": torch.get_num_threads(),
-            "faiss_threads": faiss.omp_get_max_threads(), "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
-
-
 # ------------------------------------------------------------------------------------------ report
 def notes(data: dict[str, Any]) -> str:
     """How to read the tables: every figure here is one this run measured (nothing typed in by hand)."""
@@ -465,6 +465,7 @@ def notes(data: dict[str, Any]) -> str:
     return "\n".join(L)
 
 
+@with_provenance
 def markdown(data: dict[str, Any]) -> str:
     L = []
     L.append("# Serving benchmark: GARE two-stage search on CPU\n")
@@ -537,8 +538,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--render", type=Path, help="rewrite the .md beside this saved JSON from it; run nothing")
     args = ap.parse_args(argv)
     if args.render:
-        args.render.with_suffix(".md").write_text(markdown(json.loads(args.render.read_text())))
-        print(f"wrote {args.render.with_suffix('.md')}")
+        print(f"wrote {render_saved(args.render, markdown)}")
         return 0
     args.precisions = [p for p in args.precisions.split(",") if p]
     if args.quick:
@@ -552,7 +552,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     faiss.omp_set_num_threads(args.threads)
     started = time.time()
-    data: dict[str, Any] = {"command": "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], REPO), *(argv if argv is not None else sys.argv[1:])]),
+    run = start(__name__, MEASURES, argv)
+    data: dict[str, Any] = {"command": run.command,
                             "commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "machine": machine(), "load_start": loadavg(), "sizes": {}}
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
@@ -641,9 +642,8 @@ def main(argv: list[str] | None = None) -> int:
                            f"(target >= 2.5): {'met' if gain >= 2.5 else 'NOT met'}")
     data["targets"] = targets
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(data, indent=1))
-    out.with_suffix(".md").write_text(markdown(data))
+    data["run"] = run.record()
+    write_report(out.with_suffix(".json"), data, markdown)
     print("\n".join(targets))
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
     return 0

@@ -1,7 +1,7 @@
 """Serving benchmark over real HTTP: `gare-serve --workers N` processes on 127.0.0.1, closed-loop clients.
 
-    python bench/serve_http.py                                   # 10k entries, ViT-B/32 text tower (random weights)
-    python bench/serve_http.py --n 10000 --duration 8 --workers 1,2
+    python -m bench.serve_http                                   # 10k entries, ViT-B/32 text tower (random weights)
+    python -m bench.serve_http --n 10000 --duration 8 --workers 1,2
 
 One index (``serve_bench.write_gallery``: the real index format, ViT-B/32 sizes d=512, f=12) and one ViT-B/32
 GARE checkpoint with random weights. For every server configuration a real ``gare-serve`` is started
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import shutil
 import statistics
 import subprocess
@@ -40,14 +39,33 @@ import httpx
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
-for p in (str(REPO), str(BENCH)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from serve_bench import loadavg, machine, make_queries, resident_fraction, summary_ms, timed, write_gallery  # noqa: E402
-from support import CHECKOUT_PATH, free_port, git_commit, stop_process  # noqa: E402
-from zipf_queries import zipf_stream  # noqa: E402
+from bench.harness import (  # noqa: E402
+    add_render_arg,
+    git_commit,
+    loadavg,
+    machine,
+    render_saved,
+    start,
+    with_provenance,
+    write_report,
+)
+from bench.serve_bench import make_queries, resident_fraction, summary_ms, timed, write_gallery  # noqa: E402
+from bench.support import CHECKOUT_PATH, free_port, stop_process  # noqa: E402
+from bench.zipf_queries import zipf_stream  # noqa: E402
+
+# the product code this script's reports measure (bench/harness.py; `python -m bench.stale` reads it)
+MEASURES: tuple[str, ...] = (
+    "service/gare_serve/",
+    "indexer/gare_search/",
+    "indexer/gare_index/",
+    "training/gare/text_quant.py",
+    "training/gare/text_*.py",
+    "training/gare/psi.py",
+    "training/gare/psi_fold*.py",
+)
+
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -224,6 +242,7 @@ def components(index: Path, reps: int) -> dict[str, Any]:
     return out
 
 
+@with_provenance
 def markdown(d: dict[str, Any]) -> str:
     m = d["machine"]
     L = ["# Serving over HTTP: gare-serve --workers N, closed-loop clients on loopback", "",
@@ -326,7 +345,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--text-encoder", default="auto", help="gare-serve --text-encoder (default auto: the CPU default)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "serve_http"))
     ap.add_argument("--keep", action="store_true", help="keep the generated gallery in --work (serve it again with --index)")
+    add_render_arg(ap, REPO / "bench" / "results" / "serve_http.json")
     args = ap.parse_args(argv)
+    if args.render:
+        print(f"wrote {render_saved(args.render, markdown)}")
+        return 0
+    run = start(__name__, MEASURES, argv)
     import torch
 
     from gare.checkpoint import file_sha256, save_checkpoint
@@ -338,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     data: dict[str, Any] = {
-        "command": "python " + " ".join(shlex.quote(a) for a in ["bench/serve_http.py", *(argv if argv is not None else sys.argv[1:])]),
+        "command": run.command,
         "commit": git_commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
         "usable_cores": usable_cores(), "load_start": loadavg(), "n": args.n, "text_encoder": args.text_encoder, "runs": [], "ratios": {}, "notes": NOTES,
     }
@@ -400,10 +424,8 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     data["load_end"] = loadavg()
     data["targets"] = targets(data)
-    out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps(data, indent=1))
-    out.with_suffix(".md").write_text(markdown(data))
-    print(markdown(data))
+    data["run"] = run.record()
+    print(write_report(Path(args.out).with_suffix(".json"), data, markdown).read_text())
     return 0
 
 

@@ -1,9 +1,9 @@
 """Sharded search benchmark (issue 26): one gallery served as 1, 2 and 4 shards on one machine, against the single
 index over the same videos, and a capacity plan for 10M / 100M videos derived from the measured per-shard costs.
 
-    python bench/sharded.py                 # 100k videos (~10 min on 2 cores)
-    python bench/sharded.py --quick         # 10k videos, few queries (~1 min)
-    python bench/sharded.py --render bench/results/sharded.json   # rewrite the .md from the JSON, run nothing
+    python -m bench.sharded                 # 100k videos (~10 min on 2 cores)
+    python -m bench.sharded --quick         # 10k videos, few queries (~1 min)
+    python -m bench.sharded --render bench/results/sharded.json   # rewrite the .md from the JSON, run nothing
 
 The gallery is bench/serve_bench.py's synthetic one (clustered unit vectors, 12 float16 frames of d = 512 per video,
 psi's folded constants), written once as a real index with exact (flat) stage 1; that index is shard s000 of the
@@ -44,15 +44,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-from index_common import command_line, cpu_name  # bench/ is on sys.path when a bench script runs
-from serve_bench import loadavg, make_queries, summary_ms, warm_file, write_gallery
-from support import UNKNOWN_COMMIT, git_commit
+from bench.harness import (
+    UNKNOWN_COMMIT,
+    command_line,
+    cpu_name,
+    git_commit,
+    loadavg,
+    render_saved,
+    start,
+    with_provenance,
+    write_report,
+)
+from bench.serve_bench import make_queries, summary_ms, warm_file, write_gallery
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -76,6 +83,20 @@ from gare_search.shard_search import (  # noqa: E402
 )
 from gare_serve.engine.versions import advise_random_access  # noqa: E402
 from gare_serve.ray_serve.shard_replica import load_shard_model  # noqa: E402
+
+# the product code this script's reports measure (bench/harness.py; `python -m bench.stale` reads it)
+MEASURES: tuple[str, ...] = (
+    "indexer/gare_search/",
+    "indexer/gare_index/shards.py",
+    "indexer/gare_index/store/",
+    "indexer/gare_build/shard_build.py",
+    "service/gare_serve/ray_serve/shard_replica.py",
+    "service/gare_serve/engine/versions.py",
+    "training/gare/text_quant.py",
+    "training/gare/psi.py",
+    "training/gare/psi_fold*.py",
+)
+
 
 SHARD_COUNTS = (1, 2, 4)
 TOL = 1e-5  # |score(sharded) - score(single)|: float32 sums over the same rows in the same order
@@ -490,6 +511,7 @@ def fmt_ms(s: dict[str, Any]) -> str:
     return f"{s['p50']:.1f} / {s['p99']:.1f}"
 
 
+@with_provenance
 def markdown(data: dict[str, Any]) -> str:
     """The report, rendered from the run's JSON alone."""
     m, t = data["machine"], data["timing"]
@@ -661,8 +683,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--network-ms", type=float, default=1.0)
     args = ap.parse_args(argv)
     if args.render:
-        args.render.with_suffix(".md").write_text(markdown(json.loads(args.render.read_text())))
-        print(f"wrote {args.render.with_suffix('.md')}")
+        print(f"wrote {render_saved(args.render, markdown)}")
         return 0
     if args.corpus_only:
         return corpus_only(args, argv)
@@ -679,7 +700,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     faiss.omp_set_num_threads(args.threads)
     started = time.time()
-    data: dict[str, Any] = {"command": command_line() if argv is None else "python bench/sharded.py " + " ".join(argv),
+    run = start(__name__, MEASURES, argv)
+    data: dict[str, Any] = {"command": run.command,
                             "commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "machine": machine(),
                             "load_start": loadavg(), "n": args.videos, "shard_counts": list(SHARD_COUNTS),
                             "text_encoder": DEFAULT_CPU_TEXT_ENCODER, "ncl": SearchOptions().ncl,
@@ -780,9 +802,8 @@ def main(argv: list[str] | None = None) -> int:
                                "ram_share": args.ram_share, "replicas": args.replicas,
                                "shard_budget_ms": args.shard_budget_ms, "network_ms": args.network_ms})
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
-    out.with_suffix(".md").write_text(markdown(json.loads(out.with_suffix(".json").read_text())))
+    data["run"] = run.record()
+    write_report(out.with_suffix(".json"), data, markdown)
     print("\n".join(data["targets"]))
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
     return 0
@@ -805,11 +826,9 @@ def corpus_only(args: argparse.Namespace, argv: list[str] | None) -> int:
         x = corpus_exactness(args.corpus, args.checkpoint, work, args.corpus_workers)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    data["corpus_exactness"] = {**x, "command": command_line() if argv is None else
-                                "python bench/sharded.py " + " ".join(argv), "commit": git_commit(),
+    data["corpus_exactness"] = {**x, "command": command_line(argv, __name__), "commit": git_commit(),
                                 "date": time.strftime("%Y-%m-%d"), "cpu": cpu_name()}
-    out.write_text(json.dumps(data, indent=1) + "\n")
-    out.with_suffix(".md").write_text(markdown(json.loads(out.read_text())))
+    write_report(out, data, markdown)
     print(corpus_md(data["corpus_exactness"]))
     print(f"wrote the corpus section of {out} and {out.with_suffix('.md')}")
     return 0

@@ -19,8 +19,8 @@ default candidates):
 Targets (issue 29): recall >= 0.995 at p50 <= 2 ms on one core at 1M, on both galleries and on the held-out
 queries; the tuner's measuring time < 10% of its builds.
 
-  python bench/stage1_frontier.py                       # 1M, both galleries (about an hour on 2 cores)
-  python bench/stage1_frontier.py --n 100000 --out stage1_frontier_100k
+  python -m bench.stage1_frontier                       # 1M, both galleries (about an hour on 2 cores)
+  python -m bench.stage1_frontier --n 100000 --out stage1_frontier_100k
 """
 
 from __future__ import annotations
@@ -34,15 +34,23 @@ from typing import Any
 
 import faiss
 import numpy as np
-from clip_like import HARD, ClipLikeConfig, clip_like_sets, describe
-from index_common import RESULTS, table, write_results
-from support import git_commit
 
+from bench.clip_like import HARD, ClipLikeConfig, clip_like_sets, describe
+from bench.harness import RESULTS, add_render_arg, git_commit, render_requested, start, write_results
+from bench.index_common import table
 from gare_build.tuning.ladder import TuneConfig, describe_params
 from gare_build.tuning.measure import exact_topk, recall_of_topk
 from gare_build.tuning.recall import tune_ann
 from gare_index.ann import AnnIndex, build_index
 from gare_index.ann_params import AnnParams, default_nlist
+
+# the product code this script's reports measure (bench/harness.py; `python -m bench.stale` reads it)
+MEASURES: tuple[str, ...] = (
+    "indexer/gare_index/ann.py",
+    "indexer/gare_index/ann_params.py",
+    "indexer/gare_build/tuning/",
+)
+
 
 K, TOP = 256, 10
 TARGET, BUDGET_MS = 0.995, 2.0
@@ -217,6 +225,8 @@ def plot(rows: list[dict[str, Any]], path: Any) -> None:
 
 
 def main() -> None:
+    if render_requested(RESULTS / "stage1_frontier.json"):
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=1_000_000)
     ap.add_argument("--galleries", nargs="+", default=list(GALLERIES), choices=list(GALLERIES))
@@ -234,8 +244,9 @@ def main() -> None:
     ap.add_argument("--no-tune", action="store_true", help="frontier only")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="stage1_frontier")
+    add_render_arg(ap, RESULTS / "stage1_frontier.json")
     args = ap.parse_args()
-    started = time.time()
+    run = start(__name__, MEASURES)
     commit = git_commit()
     rows: list[dict[str, Any]] = []
     tuned: list[dict[str, Any]] = []
@@ -297,7 +308,7 @@ def main() -> None:
         write_results(args.out, f"Stage 1 at {args.n:,}: the recall / latency frontier per index type, and the tuner",
                       "\n".join(lines), {"final": final, "rows": rows, "tuned": tuned, "stats": stats,
                                          "checks": [{"check": s, "pass": ok} for s, ok in checks],
-                                         "generators": {g: GALLERIES[g].to_dict() for g in args.galleries}}, started)
+                                         "generators": {g: GALLERIES[g].to_dict() for g in args.galleries}}, run)
 
     for g in args.galleries:
         t0 = time.time()

@@ -21,9 +21,9 @@ over ``--latency-queries`` queries, after one warm-up query.  Builds use every c
 
 Needs ``pip install usearch scann`` (not project dependencies; ScaNN 1.4 runs without TensorFlow).
 
-  python bench/stage1_peers.py                         # 1M, the hard gallery (about 40 min on 2 cores)
-  python bench/stage1_peers.py --galleries bench hard
-  python bench/stage1_peers.py --render               # re-render the report from its JSON
+  python -m bench.stage1_peers                         # 1M, the hard gallery (about 40 min on 2 cores)
+  python -m bench.stage1_peers --galleries bench hard
+  python -m bench.stage1_peers --render               # re-render the report from its JSON
 """
 
 from __future__ import annotations
@@ -38,9 +38,27 @@ from importlib import metadata
 from typing import Any
 
 import numpy as np
-from clip_like import HARD, ClipLikeConfig, clip_like_sets, describe
-from index_common import RESULTS, command_line, machine, table
-from support import git_commit
+
+from bench.clip_like import HARD, ClipLikeConfig, clip_like_sets, describe
+from bench.harness import (
+    RESULTS,
+    add_render_arg,
+    command_line,
+    git_commit,
+    machine,
+    start,
+    with_provenance,
+    write_report,
+)
+from bench.index_common import table
+
+# the product code this script's reports measure (bench/harness.py; `python -m bench.stale` reads it)
+MEASURES: tuple[str, ...] = (
+    "indexer/gare_index/ann.py",
+    "indexer/gare_index/ann_params.py",
+    "indexer/gare_build/tuning/measure.py",
+)
+
 
 K, TOP = 256, 10
 TARGET, BUDGET_MS = 0.995, 2.0
@@ -163,6 +181,7 @@ def best(rows: list[dict[str, Any]], gallery: str, lib: str) -> tuple[dict[str, 
             min(hit, key=lambda r: r["p50_ms"]) if hit else None)
 
 
+@with_provenance
 def markdown(data: dict[str, Any]) -> str:
     """The report, rendered from its JSON alone."""
     rows, a = data["rows"], data["args"]
@@ -257,9 +276,7 @@ def plot(rows: list[dict[str, Any]], galleries: list[str]) -> None:
 
 
 def write(data: dict[str, Any]) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{OUT}.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
-    (RESULTS / f"{OUT}.md").write_text(markdown(data))
+    write_report(RESULTS / f"{OUT}.json", data, markdown)
     if data["rows"]:
         plot(data["rows"], data["args"]["galleries"])
 
@@ -282,10 +299,10 @@ def main() -> None:
     ap.add_argument("--scann-threshold", type=float, default=0.2)
     ap.add_argument("--scann-train", type=int, default=250_000)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--render", action="store_true", help="re-render the report from its JSON")
+    add_render_arg(ap, RESULTS / f"{OUT}.json")
     args = ap.parse_args()
     if args.render:
-        write(json.loads((RESULTS / f"{OUT}.json").read_text()))
+        write(json.loads(args.render.read_text()))
         return
     missing = [lib for lib, pkg in (("usearch", "usearch"), ("scann", "scann")) if lib in args.libraries
                and versions()[pkg] == "not installed"]
@@ -295,6 +312,7 @@ def main() -> None:
     from gare_build.tuning.measure import exact_topk
 
     started = time.time()
+    run = start(__name__, MEASURES)
     data: dict[str, Any] = {"command": command_line(), "commit": git_commit(), "machine": machine(),
                             "versions": versions(), "date": time.strftime("%Y-%m-%d", time.gmtime()),
                             "args": vars(args), "rows": [], "stats": {}, "final": False, "elapsed_s": 0.0}
@@ -302,6 +320,7 @@ def main() -> None:
     def flush(final: bool = False) -> None:
         data["final"], data["elapsed_s"] = final, round(time.time() - started, 1)
         data["checks"] = checks(data["rows"], args.galleries)
+        data["run"] = run.record()
         write(data)
 
     for g in args.galleries:

@@ -9,8 +9,8 @@ graph over all 512 dimensions, side by side in one run, on the hard gallery (``b
 500 evaluation queries of the tuner's distribution, 500 held-out ones of another). It uses faiss directly, not
 the product's index types: it decides whether such a type is worth adding.
 
-    python bench/stage1_projected_hnsw.py                 # 1M, D = 256 and 512 (~20 min on 2 cores)
-    python bench/stage1_projected_hnsw.py --n 100000 --out stage1_projected_hnsw_100k
+    python -m bench.stage1_projected_hnsw                 # 1M, D = 256 and 512 (~20 min on 2 cores)
+    python -m bench.stage1_projected_hnsw --n 100000 --out stage1_projected_hnsw_100k
 
 Recall: share of each query's exact top-10 inside the top-256; p50: one query per call on ONE thread.
 """
@@ -23,10 +23,17 @@ from typing import Any
 
 import faiss
 import numpy as np
-from clip_like import HARD, clip_like_sets
-from index_common import table, write_results
 
+from bench.clip_like import HARD, clip_like_sets
+from bench.harness import RESULTS, add_render_arg, render_requested, start, write_results
+from bench.index_common import table
 from gare_build.tuning.measure import p50_ms, recall_of_topk
+
+# the product code this script's reports measure (bench/harness.py; `python -m bench.stale` reads it)
+MEASURES: tuple[str, ...] = (
+    "indexer/gare_build/tuning/measure.py",
+)
+
 
 K, TOP = 256, 10
 
@@ -62,6 +69,8 @@ def measure(ref: Any, hnsw: Any, qs: dict[str, np.ndarray], gt: dict[str, np.nda
 
 
 def main() -> None:
+    if render_requested(RESULTS / "stage1_projected_hnsw.json"):
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=1_000_000)
     ap.add_argument("--dims", type=int, nargs="+", default=[256, 512])
@@ -71,8 +80,9 @@ def main() -> None:
     ap.add_argument("--queries", type=int, default=500)
     ap.add_argument("--latency-queries", type=int, default=200)
     ap.add_argument("--out", default="stage1_projected_hnsw")
+    add_render_arg(ap, RESULTS / "stage1_projected_hnsw.json")
     args = ap.parse_args()
-    started = time.time()
+    run = start(__name__, MEASURES)
     sets = clip_like_sets(args.n, args.queries, args.queries, cfg=HARD, seed=0)
     x = sets["x"]
     qs = {"eval": sets["q"], "held": sets["q_held"]}
@@ -106,7 +116,7 @@ def main() -> None:
         + ".",
     ]
     write_results(args.out, f"Stage 1 on the hard gallery at {args.n:,}: HNSW over projected vectors, exact refine",
-                  "\n".join(body), {"rows": rows, "builds": builds, "met": bool(met)}, started)
+                  "\n".join(body), {"rows": rows, "builds": builds, "met": bool(met)}, run)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
-"""What several benchmark scripts share: the commit a run records, a tiny checkpoint and corpus, `gare-serve` in a
+"""What several benchmark scripts share: a tiny checkpoint and corpus, `gare-serve` in a
 child process, keep-alive bursts and the per-worker request counters of /metrics.
 
 bench/ imports product code only, never tests/: the helpers the tests have for the same jobs
-(tests/indexer/support.py, tests/service/support.py) stay theirs. Scripts put bench/ on ``sys.path`` and import
-this module as ``support``.
+(tests/indexer/support.py, tests/service/support.py) stay theirs. What a run records about itself (commit, command,
+machine) is bench/harness.py's.
 """
 
 from __future__ import annotations
@@ -33,33 +33,6 @@ REPO = BENCH.parent
 # A child process runs this checkout's code whether or not it is installed: the three source roots hold the
 # packages, the root holds bench/ and tests/.
 CHECKOUT_PATH = os.pathsep.join(str(REPO / root) for root in ("training", "indexer", "service", "."))
-UNKNOWN_COMMIT = "unknown"  # what a report says when the code it ran cannot be named (never a guessed hash)
-
-
-def _commit_now() -> str:
-    """HEAD's 12-character hash, with "-dirty" (as `git describe --dirty` writes it) when tracked files other than
-    the generated evidence (bench/results, docs) differ from it: a run rewrites those, a change elsewhere is code
-    the commit does not hold. GARE_COMMIT names it where the tree has no .git (a copy on a benchmark host)."""
-    if os.environ.get("GARE_COMMIT"):
-        return os.environ["GARE_COMMIT"]
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results",
-                                ":!docs"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError) as e:
-        log.warning("cannot read the git commit (%s): the report records %r", e, UNKNOWN_COMMIT)
-        return UNKNOWN_COMMIT
-    return head + ("-dirty" if dirty else "")
-
-
-# read once, when the script starts: a long run must record the code it started with, not HEAD at its end
-COMMIT_AT_START = _commit_now()
-
-
-def git_commit() -> str:
-    """The commit this run started at, clean or marked "-dirty" (see :func:`_commit_now`)."""
-    return COMMIT_AT_START
 
 
 def stop_process(proc: subprocess.Popen, timeout: float = 60.0) -> None:

@@ -1,6 +1,6 @@
 """CPU text encoder benchmark: fp32 vs int8 (per-token int8, exact int32 sums) vs ONNX Runtime (fp32, int8).
 
-    python bench/text_encoder.py --checkpoint runs/tq-train/best.safetensors --corpus runs/tq-corpus
+    python -m bench.text_encoder --checkpoint runs/tq-train/best.safetensors --corpus runs/tq-corpus
 
 Measured in one run, side by side (rounds interleave the encoders so that load from other processes on
 a shared machine hits all of them alike; the median of the rounds is reported):
@@ -24,7 +24,6 @@ import datetime as dt
 import json
 import os
 import platform
-import shlex
 import statistics
 import sys
 import time
@@ -34,22 +33,29 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
-for p in (REPO, REPO / "bench"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from index_common import cpu_name  # noqa: E402
-from support import git_commit  # noqa: E402
-from zipf_queries import hit_rates, vocabulary, zipf_stream  # noqa: E402
+
+from bench import harness  # noqa: E402
+from bench.harness import cpu_name, git_commit, start, with_provenance  # noqa: E402
+from bench.zipf_queries import hit_rates, vocabulary, zipf_stream  # noqa: E402
+
+# the product code this script's reports measure (bench/harness.py; `python -m bench.stale` reads it)
+MEASURES: tuple[str, ...] = (
+    "training/gare/text_quant.py",
+    "training/gare/text_*.py",
+    "training/gare/model.py",
+    "training/gare/backbone.py",
+    "indexer/gare_search/query.py",
+)
+
 
 KINDS = ("int8",)  # the CPU towers gare.text_quant offers besides the model's own (model-fp32)
 # Rule for choosing int8 as the CPU default (issue 14): >= 1.7x faster than fp32 at one query on one
 # thread AND with all threads, and t2v R@1 (+psi) within 0.5 point on every evaluated split.
 SPEEDUP_MIN, R1_MAX_DROP = 1.7, 0.5
-
 
 
 def make_queries(n: int, seed: int = 0) -> list[str]:
@@ -208,8 +214,11 @@ def choose(speed: dict[str, Any], fid: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def write_report(res: dict[str, Any], out_dir: Path) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "text_encoder.json").write_text(json.dumps(res, indent=2))
+    harness.write_report(out_dir / "text_encoder.json", res, markdown)
+
+
+@with_provenance
+def markdown(res: dict[str, Any]) -> str:
     L = [
         "# CPU text encoder: the model's fp32 tower vs the int8 tower (issue 14)", "",
         f"- commit `{res['commit']}`, date {res['date']}, CPU: {res['cpu']} ({res['cores']} logical cores visible, "
@@ -264,7 +273,7 @@ def write_report(res: dict[str, Any], out_dir: Path) -> None:
           f"with 1 thread and with all threads, and its t2v R@1 (+psi) is within {R1_MAX_DROP} point of fp32 on every split.", ""]
     L += [f"- {r}" for r in ch["reasons"]]
     L += ["", f"**Default from this run: `{ch['default']}`.**", ""]
-    (out_dir / "text_encoder.md").write_text("\n".join(L))
+    return "\n".join(L)
 
 
 def _merge(res: dict[str, Any], prev: dict[str, Any]) -> None:
@@ -312,9 +321,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"default: {res['choice']['default']}; wrote {args.out / 'text_encoder.md'}")
         return 0
 
+    run = start(__name__, MEASURES, argv)
     res: dict[str, Any] = {
         "commit": git_commit(),
-        "command": "python " + shlex.join([os.path.relpath(Path(sys.argv[0]).resolve(), REPO), *sys.argv[1:]]),
+        "command": run.command,
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": cpu_name(), "cores": os.cpu_count(), "platform": platform.platform(),
         "torch": torch.__version__,
@@ -326,13 +336,13 @@ def main(argv: list[str] | None = None) -> int:
     res["zipf"] = zipf_section(args) if "zipf" not in args.skip else None
     if args.fidelity_json is not None:
         _merge(res, json.loads(args.fidelity_json.read_text()))
+    res["run"] = run.record()
     if res["speed"] is not None:
         res["choice"] = choose(res["speed"], res["fidelity"])
         write_report(res, args.out)
         print(f"default: {res['choice']['default']}; wrote {args.out / 'text_encoder.md'}")
     else:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "text_encoder_fidelity.json").write_text(json.dumps(res, indent=2, default=str))
+        harness.write_json(args.out / "text_encoder_fidelity.json", res)
         print(json.dumps(res, indent=1, default=str))
     return 0
 

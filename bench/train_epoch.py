@@ -2,7 +2,7 @@
 (one caption per clip), trained for the same number of epochs on the benchmark corpus.
 
     gare-train synth runs/bench-corpus --preset bench
-    python bench/train_epoch.py --epochs 3
+    python -m bench.train_epoch --epochs 3
 
 Both runs use bench/train_synth.yaml (the `scratch` preset values: gare-cpu-small from random init,
 lr 5e-4, coef_lr 1.0, batch 64, no augmentation) and differ only in `epoch`. Each keeps the checkpoint with
@@ -27,8 +27,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from index_common import REPO, table, write_results
-from support import git_commit
+from bench.harness import REPO, RESULTS, add_render_arg, git_commit, render_requested, start, write_results
+from bench.index_common import table
+
+# the product code this script's reports measure (bench/harness.py; `python -m bench.stale` reads it)
+MEASURES: tuple[str, ...] = (
+    "training/gare_train/",
+    "training/gare/model.py",
+    "training/gare/encoded_set.py",
+)
 
 
 def subset_corpus(root: Path, out: str, train_clips: int, test_videos: int) -> Path:
@@ -65,6 +72,8 @@ def reused_run(out: Path, cfg: Any) -> tuple[dict[str, Any], list[dict[str, Any]
 
 
 def main() -> None:
+    if render_requested(RESULTS / "train_synth/epoch_compare.json"):
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--corpus", default="runs/bench-corpus")
     ap.add_argument("--epochs", type=int, default=3)
@@ -75,6 +84,7 @@ def main() -> None:
     ap.add_argument("--train-clips", type=int, default=0, help="use only the first N training clips (0: all)")
     ap.add_argument("--test-videos", type=int, default=0, help="score only the first M test videos (0: all)")
     ap.add_argument("--batch-size", type=int, default=0, help="override the YAML's batch size (0: keep)")
+    add_render_arg(ap, RESULTS / "train_synth/epoch_compare.json")
     args = ap.parse_args()
     corpus = subset_corpus(Path(args.corpus), args.out, args.train_clips, args.test_videos)
 
@@ -84,7 +94,7 @@ def main() -> None:
     from gare_train.evaluate import evaluate_encoded
     from gare_train.fit import TrainConfig, Trainer
 
-    started = time.time()
+    run = start(__name__, MEASURES)
     commit = git_commit()
     test = load_dataset({"kind": "synth", "root": str(corpus)}, "test")
     specs = [(u, int(e)) for u, e in (kv.split(":") for kv in args.runs.split(",") if kv)] or \
@@ -155,7 +165,7 @@ def main() -> None:
                  "val R1", "test dual R1", "test psi R1", "test psi R5", "test psi R10"], rows)
     )
     write_results("train_synth/epoch_compare", "Training epoch: every caption vs one caption per clip (issue 15)",
-                  body, {"commit": commit, "epochs": args.epochs, "runs": runs}, started)
+                  body, {"commit": commit, "epochs": args.epochs, "runs": runs}, run)
 
 
 if __name__ == "__main__":

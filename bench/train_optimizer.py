@@ -2,7 +2,7 @@
 benchmark corpus with the same seed, data and settings.
 
     gare-train synth runs/bench-corpus --preset bench
-    python bench/train_optimizer.py --epochs 10
+    python -m bench.train_optimizer --epochs 10
 
 Both runs use bench/train_synth.yaml (gare-cpu-small from random init, lr 5e-4, coef_lr 1.0, batch 64, no
 augmentation, one caption per clip per epoch) and differ only in `optimizer`. `--epochs N` shortens both runs
@@ -20,13 +20,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-from index_common import REPO, table, write_results
-from train_epoch import subset_corpus
+from bench.harness import REPO, RESULTS, add_render_arg, render_requested, start, write_results
+from bench.index_common import table
+from bench.train_epoch import subset_corpus
+
+# the product code this script's reports measure (bench/harness.py; `python -m bench.stale` reads it)
+MEASURES: tuple[str, ...] = (
+    "training/gare_train/",
+    "training/gare/model.py",
+    "training/gare/encoded_set.py",
+)
+
 
 CODE = ("training/gare_train/optim.py", "training/gare_train/fit.py")  # the files whose contents the runs used (hashes recorded)
 
 
 def main() -> None:
+    if render_requested(RESULTS / "train_synth/optimizer_compare.json"):
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--corpus", default="runs/bench-corpus")
     ap.add_argument("--epochs", type=int, default=20)
@@ -34,6 +45,7 @@ def main() -> None:
     ap.add_argument("--optimizers", default="adamw,bertadam")
     ap.add_argument("--train-clips", type=int, default=0, help="use only the first N training clips (0: all)")
     ap.add_argument("--test-videos", type=int, default=0, help="score only the first M test videos (0: all)")
+    add_render_arg(ap, RESULTS / "train_synth/optimizer_compare.json")
     args = ap.parse_args()
     corpus = subset_corpus(Path(args.corpus), args.out, args.train_clips, args.test_videos)
 
@@ -43,7 +55,7 @@ def main() -> None:
     from gare_train.evaluate import evaluate_encoded
     from gare_train.fit import TrainConfig, Trainer
 
-    started = time.time()
+    run = start(__name__, MEASURES)
     code = {f: hashlib.sha256((REPO / f).read_bytes()).hexdigest()[:12] for f in CODE}
     test = load_dataset({"kind": "synth", "root": str(corpus)}, "test")
     runs: dict[str, dict[str, Any]] = {}
@@ -119,7 +131,7 @@ def main() -> None:
         + table(["epoch"] + [f"{o} {m}" for o in runs for m in ("lr", "R1", "R5")], curve_rows)
     )
     write_results("train_synth/optimizer_compare", "Optimizer: the authors' BertAdam vs AdamW (issue 28)", body,
-                  {"epochs": args.epochs, "code_sha256": code, "runs": runs}, started)
+                  {"epochs": args.epochs, "code_sha256": code, "runs": runs}, run)
 
 
 if __name__ == "__main__":

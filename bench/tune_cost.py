@@ -1,9 +1,9 @@
 """What `gare-index tune` costs (issue 29: the tuner must stay a small part of the build): the psi coverage step's
 scorer before and after it read the index's stored psi constants, side by side in one run, then the real command.
 
-    python bench/tune_cost.py                                   # ~3 min: a 20,000-entry ViT-B/32-sized gallery in /tmp
-    python bench/tune_cost.py --index /tmp/gare-peer/g/index --bank /tmp/gare-peer/tune_bank.npy   # an existing one
-    python bench/tune_cost.py --quick                           # smoke run
+    python -m bench.tune_cost                                   # ~3 min: a 20,000-entry ViT-B/32-sized gallery in /tmp
+    python -m bench.tune_cost --index /tmp/gare-peer/g/index --bank /tmp/gare-peer/tune_bank.npy   # an existing one
+    python -m bench.tune_cost --quick                           # smoke run
 
 1. Side by side, interleaved rep by rep, on the first --side-videos rows of the index and every bank query: the
    coverage scorer (`gare_build.tuning.coverage.psi_fold_scorer`) with the stored constants (the compiled kernel of
@@ -33,9 +33,18 @@ from typing import Any
 
 import numpy as np
 import torch
-from index_common import table, write_results  # bench/ is on sys.path
-from serve_bench import loadavg, make_queries, write_random_gallery
-from support import CHECKOUT_PATH
+
+from bench.harness import RESULTS, add_render_arg, loadavg, render_requested, start, write_results
+from bench.index_common import table
+from bench.serve_bench import make_queries, write_random_gallery
+from bench.support import CHECKOUT_PATH
+
+# the product code this script's reports measure (bench/harness.py; `python -m bench.stale` reads it)
+MEASURES: tuple[str, ...] = (
+    "indexer/gare_build/tuning/",
+    "indexer/gare_build/cli.py",
+)
+
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -143,6 +152,8 @@ def markdown(data: dict[str, Any]) -> str:
 
 
 def main() -> None:
+    if render_requested(RESULTS / "tune_cost.json"):
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--index", help="an existing index (default: write a gallery of --n entries)")
     ap.add_argument("--bank", help="query bank .npy of unit rows (with --index)")
@@ -152,10 +163,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--work", default="/tmp/gare-tune-cost")
     ap.add_argument("--quick", action="store_true")
+    add_render_arg(ap, RESULTS / "tune_cost.json")
     args = ap.parse_args()
     if args.quick:
         args.n, args.tune_queries, args.side_videos, args.reps = 3000, 40, 1024, 2
-    started = time.time()
+    run = start(__name__, MEASURES)
     load_before = loadavg()
     if args.index:
         if not args.bank:
@@ -174,7 +186,7 @@ def main() -> None:
     data = {"index": str(index), "index_n": n, "side_by_side": side, "tune": tune, "load_before": load_before,
             "load_after": loadavg()}
     path = write_results("tune_cost", "What gare-index tune costs: the psi coverage with stored constants",
-                         markdown(data), data, started)
+                         markdown(data), data, run)
     print(f"wrote {path}")
 
 

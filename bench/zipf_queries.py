@@ -5,7 +5,7 @@ Real search traffic is heavy-tailed: the r-th most popular query is asked with p
 vocabulary of distinct caption-like queries; with ``perturb`` > 0 a share of the draws is re-typed the way
 people do (capitalised, doubled spaces, trailing space), which the cache key normalisation must absorb.
 
-    python bench/zipf_queries.py --distinct 100000 --n 200000 --entries 1000 10000 100000
+    python -m bench.zipf_queries --distinct 100000 --n 200000 --entries 1000 10000 100000
 
 The library functions (:func:`vocabulary`, :func:`zipf_ranks`, :func:`zipf_stream`, :func:`hit_rates`) are
 used by bench/text_encoder.py (hit-rate table) and meant for the HTTP load benchmark.
@@ -21,9 +21,13 @@ from pathlib import Path
 
 import numpy as np
 
+# the product code this script's reports measure (bench/harness.py; `python -m bench.stale` reads it)
+MEASURES: tuple[str, ...] = (
+    "service/gare_serve/engine/query_cache.py",
+)
+
+
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 _COLORS = ["red", "green", "blue", "yellow", "orange", "purple", "pink", "cyan", "black", "white", "grey", "brown"]
 _THINGS = ["dog", "cat", "man", "woman", "car", "ball", "circle", "square", "bird", "child", "horse", "train",

@@ -11,21 +11,13 @@ A report's wording, a README phrase or a figure quoted in prose is never tested 
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-BENCH = REPO / "bench"
-RESULTS = BENCH / "results"
-# the scripts import their siblings by name (support, index_common), as they do when run as scripts
-if str(BENCH) not in sys.path:
-    sys.path.insert(0, str(BENCH))
-
-from bench import (  # noqa: E402
+from bench import (
     frames_int8,
     gpu_bench,
     peer_clip_retrieval,
@@ -38,9 +30,13 @@ from bench import (  # noqa: E402
     stage1_peers,
     worker_spread,
 )
-from gare.text_quant import DEFAULT_CPU_TEXT_ENCODER, DEFAULT_CUDA_TEXT_ENCODER  # noqa: E402
-from gare_search.query import resolve_precision  # noqa: E402
-from gare_search.search import NCL_DEFAULT  # noqa: E402
+from gare.text_quant import DEFAULT_CPU_TEXT_ENCODER, DEFAULT_CUDA_TEXT_ENCODER
+from gare_search.query import resolve_precision
+from gare_search.search import NCL_DEFAULT
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "bench"
+RESULTS = BENCH / "results"
 
 
 def _json(path: Path) -> dict[str, Any]:

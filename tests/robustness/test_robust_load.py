@@ -2,7 +2,7 @@
 zero 5xx and zero dropped requests, resident memory stays flat, and index reloads under load fail no request.
 
 Fast (CI): a burst of 4000 requests (RSS sampled every 0.25 s: the memory-growth check) and ~6 s of reloads
-under load. Slow (`-m slow`, `python bench/robustness.py --full`):
+under load. Slow (`-m slow`, `python -m bench.robustness --full`):
 several minutes of load (GARE_ROBUST_LOAD_S, default 240) and a minute of reloads every second.
 """
 

@@ -137,7 +137,7 @@ def rows_independent(tower: nn.Module, seed: int = 0) -> list[str]:
     For each distinct Linear shape of ``tower`` (a :class:`PackedTextTower`; its first block's weights): a probe of ``ROW_BLOCK`` random rows
     is multiplied alone (one 16-row call), then placed between random rows in a call of every row count 16, 32,
     ..., ``MAX_ROWS`` (at an offset that moves with the count) and of 32 rows at every offset 0-16; each probe row
-    must come out with the same bits every time. About 2,700 rows per shape (~0.3 s for ViT-B/32 on one core).
+    must come out with the same bits every time. About 2,700 rows per shape.
     """
     g = torch.Generator().manual_seed(seed)
     calls = [(m, (m // ROW_BLOCK - 1) * 21 % (m - ROW_BLOCK + 1)) for m in range(ROW_BLOCK, MAX_ROWS + 1, ROW_BLOCK)]
