@@ -12,12 +12,20 @@ index_version, hits: [[file name, id, score, ann, psi, bias], ...], detail, qi (
   killed and 3 complete answers in a row came back (at most ``timeout_s``).
 - ``load_while``: ``clients`` threads query in closed loop while ``command`` runs (``gare-index add`` switching the
   generation), and on until ``after`` answers of index_version ``until_version`` came back (at most ``timeout_s``).
+- ``raw``: each of ``requests`` (raw HTTP/1.1 bytes, latin-1 text) on its own connection: the status, headers and
+  body of the answer (tests/serve_ray/test_ray_limits.py).
+- ``slow``: one connection sends ``head`` at once, then ``trickle`` one byte every ``every_s`` seconds, stopping
+  when the server answers or closes (at most ``guard_s``): what came back and when, from the connection's opening.
+- ``listeners``: every listening TCP socket of this process and its descendants (every Ray process of the run),
+  with its address and the process's name, and (``netns``: in a private network namespace) every listening socket
+  of the namespace from /proc/net/tcp and tcp6.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import ray
 from ray import serve
 from ray.cluster_utils import Cluster
@@ -126,11 +135,139 @@ def step_load_while(base: str, st: dict[str, Any]) -> dict[str, Any]:
             "answers": answers}
 
 
+def read_answer(sock: socket.socket, deadline: float) -> bytes:
+    """Everything the server sends until it closes the connection, or a whole answer with a Content-Length came,
+    or ``deadline`` (time.monotonic()) passed."""
+    got = b""
+    while time.monotonic() < deadline:
+        sock.settimeout(max(0.05, deadline - time.monotonic()))
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            break
+        except OSError:  # reset by the server: what came before it is the answer
+            break
+        if not chunk:
+            break
+        got += chunk
+        head, sep, body = got.partition(b"\r\n\r\n")
+        if sep:
+            lengths = [int(v) for k, v in (line.split(b":", 1) for line in head.split(b"\r\n")[1:] if b":" in line)
+                       if k.strip().lower() == b"content-length"]
+            if lengths and len(body) >= lengths[0]:
+                break
+    return got
+
+
+def parse_answer(raw: bytes) -> dict[str, Any]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ", 2)
+    status = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
+    headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ":" in ln)}
+    return {"status": status, "headers": headers, "body": body.decode("utf-8", "replace")[:2000]}
+
+
+def step_raw(base_port: int, st: dict[str, Any]) -> dict[str, Any]:
+    answers = []
+    for req in st["requests"]:
+        with socket.create_connection((LOOPBACK, base_port), timeout=30) as sock:
+            sock.sendall(req.encode("latin-1"))
+            answers.append(parse_answer(read_answer(sock, time.monotonic() + st.get("timeout_s", 60))))
+    return {"answers": answers}
+
+
+def step_slow(base_port: int, st: dict[str, Any]) -> dict[str, Any]:
+    """A slow client: ``head`` at once, then ``trickle`` one byte every ``every_s``; stops when the server speaks
+    or closes. ``closed_at_s`` (from the connection's opening): None when the server did neither within
+    ``guard_s``."""
+    data = st["trickle"].encode("latin-1")
+    t0 = time.monotonic()
+    sent, closed_at, raw, why = 0, None, b"", "guard"
+    with socket.create_connection((LOOPBACK, base_port), timeout=30) as sock:
+        sock.sendall(st.get("head", "").encode("latin-1"))
+        while time.monotonic() - t0 < st["guard_s"]:
+            if sent < len(data):
+                try:
+                    sock.sendall(data[sent:sent + 1])
+                    sent += 1
+                except OSError as e:
+                    closed_at, why = time.monotonic() - t0, f"send failed: {e}"
+                    break
+            sock.settimeout(st["every_s"])
+            try:
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError as e:
+                closed_at, why = time.monotonic() - t0, f"recv failed: {e}"
+                break
+            closed_at, why = time.monotonic() - t0, "answered" if chunk else "closed"
+            raw = chunk + (read_answer(sock, time.monotonic() + 10) if chunk else b"")
+            break
+    return {"closed_at_s": closed_at, "why": why, "bytes_sent": sent, "bytes_total": len(data),
+            "answer": parse_answer(raw) if raw else None}
+
+
+def _proc_net_listeners() -> list[dict[str, Any]]:
+    """LISTEN sockets of this network namespace (/proc/net/tcp, tcp6): address and port, as the kernel has them."""
+    out = []
+    for name, v6 in (("tcp", False), ("tcp6", True)):
+        path = Path("/proc/net") / name
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] != "0A":  # TCP_LISTEN
+                continue
+            hexaddr, hexport = f[1].split(":")
+            raw = bytes.fromhex(hexaddr)
+            # the kernel prints each 32-bit word in host (little-endian) order
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            addr = socket.inet_ntop(socket.AF_INET6 if v6 else socket.AF_INET, raw)
+            out.append({"family": name, "ip": addr, "port": int(hexport, 16)})
+    return out
+
+
+def step_listeners(st: dict[str, Any]) -> dict[str, Any]:
+    me = psutil.Process()
+    found = []
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            name = " ".join(p.cmdline())[:120] or p.name()
+            for c in p.net_connections(kind="tcp"):
+                if c.status == psutil.CONN_LISTEN:
+                    found.append({"pid": p.pid, "name": name, "ip": c.laddr.ip, "port": c.laddr.port})
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return {"processes": found, "netns": _proc_net_listeners() if st.get("netns") else None,
+            "n_processes": len(me.children(recursive=True)) + 1}
+
+
+def start_head(node: dict[str, Any], tries: int) -> Cluster:
+    """The head node; up to ``tries`` starts (Ray gives a raylet a fixed 30 s to register, which a host loaded by
+    other jobs can miss: the failed node's processes are stopped before the next try)."""
+    for attempt in range(1, tries + 1):
+        cluster = Cluster(initialize_head=False)
+        try:
+            cluster.add_node(**node)
+            return cluster
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for a node that did not start
+            cluster.shutdown()
+            for child in psutil.Process().children(recursive=True):  # what the failed node had started, by pid
+                child.kill()
+            psutil.wait_procs(psutil.Process().children(recursive=True), timeout=10)
+            if attempt == tries:
+                raise
+            print(f"the head node did not start (try {attempt} of {tries}): {e}", file=sys.stderr, flush=True)
+    raise AssertionError("unreachable")
+
+
 def main(cfg: dict[str, Any]) -> dict[str, Any]:
     t_start = time.time()
     node = {"node_ip_address": LOOPBACK, "include_dashboard": False, "num_cpus": cfg.get("num_cpus", 2),
             "object_store_memory": 80 * 1024 * 1024}
-    cluster = Cluster(initialize_head=True, head_node_args=dict(node))
+    cluster = start_head(node, cfg.get("start_tries", 1))
     for _ in range(cfg.get("nodes", 2) - 1):
         cluster.add_node(**node)
     cluster.wait_for_nodes()
@@ -158,6 +295,12 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
                     r = step_until_restarted(client, st, killed.get(st["shard"], []))
                 elif st["do"] == "load_while":
                     r = step_load_while(base, st)
+                elif st["do"] == "raw":
+                    r = step_raw(cfg["port"], st)
+                elif st["do"] == "slow":
+                    r = step_slow(cfg["port"], st)
+                elif st["do"] == "listeners":
+                    r = step_listeners(st)
                 else:
                     raise ValueError(f"unknown step {st['do']!r}")
                 out["steps"][st["name"]] = {**r, "step_s": time.time() - t1}

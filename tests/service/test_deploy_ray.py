@@ -260,6 +260,7 @@ def test_ray_version_suits_the_image_and_the_operators_probes():
 
 
 def test_environment_is_the_services_settings_and_keys_come_from_a_secret():
+    from gare_serve.ray_serve.proxy_limits import CALLBACK_ENV, CALLBACK_PATH
     from gare_serve.settings import ENV_PREFIX, Settings
 
     known = {ENV_PREFIX + name.upper() for name in Settings.model_fields}
@@ -275,13 +276,16 @@ def test_environment_is_the_services_settings_and_keys_come_from_a_secret():
         assert not env["GARE_ADMIN_KEYS"]["valueFrom"]["secretKeyRef"].get("optional")
         assert env["GARE_SEARCH_KEYS"]["valueFrom"]["secretKeyRef"]["optional"] is True
         assert "GARE_API_KEYS" not in env, name
+        # gare-serve's HTTP limits in Serve's proxy (tests/serve_ray/test_ray_limits.py runs them on a cluster)
+        assert env[CALLBACK_ENV]["value"] == CALLBACK_PATH, name
     assert not re.search(r"kind:\s*Secret", "".join(p.read_text() for p in KUBERAY.glob("*.yaml")))
     compose = _compose()
     for name in ("ray-head", "ray-worker"):
         env = compose["services"][name]["environment"]
         assert {k for k in env if k.startswith(ENV_PREFIX)} <= known, name
         # the api's environment, bound where Serve's proxy listens
-        assert env == {**compose["x-api-env"], "GARE_HOST": "0.0.0.0", "RAY_USAGE_STATS_ENABLED": "0"}, name
+        assert env == {**compose["x-api-env"], "GARE_HOST": "0.0.0.0", "RAY_USAGE_STATS_ENABLED": "0",
+                       CALLBACK_ENV: CALLBACK_PATH}, name
     assert "${GARE_ADMIN_KEYS:?" in COMPOSE.read_text()
 
 

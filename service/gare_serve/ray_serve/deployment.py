@@ -20,8 +20,11 @@ others, flagged ``partial`` with ``missing_shards``), ``shard_timeout_s`` (defau
 for a shard before counting it as not answering). Every other setting comes from the ``GARE_*`` variables
 gare-serve reads (``gare_serve.settings``), in the ingress and in every shard replica.
 
-Ray binds every interface unless told otherwise: start it with ``--node-ip-address 127.0.0.1`` (or the host's
-private address), no dashboard, and Serve's HTTP proxy on the address you mean (``serve start --http-host``).
+Ray binds every interface unless told otherwise: start each node with ``python -m gare_serve.ray_serve.ray_node``
+(``ray start`` with every listener on the node address, and gare-serve's HTTP limits in Serve's proxy:
+``gare_serve.ray_serve.proxy_limits``), and Serve's HTTP proxy on the address you mean (``serve start --http-host``).
+Each replica binds Ray's inter-deployment gRPC server to its node address
+(``gare_serve.ray_serve.ray_node.bind_replica_grpc_to_node_address``).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from gare_search.by_example import ExampleError
 from gare_serve.app import create_app
 from gare_serve.engine.startup import resolve_checkpoint
 from gare_serve.ray_serve.ingress_state import ShardedServiceState, follow_generations
+from gare_serve.ray_serve.ray_node import bind_replica_grpc_to_node_address
 from gare_serve.ray_serve.shard_replica import SHARD_CALLS, ShardWorker, load_shard_model
 from gare_serve.settings import load_settings
 
@@ -107,6 +111,7 @@ class ShardServer:
     """One shard of the index (a Ray Serve deployment per shard; its replicas all serve that shard)."""
 
     def __init__(self, index: str, shard: int, checkpoint: str | None) -> None:
+        bind_replica_grpc_to_node_address()  # before Ray starts this replica's gRPC server (after the constructor)
         settings = load_settings(index=str(shard_root(index, shard)), checkpoint=checkpoint)
         if settings.torch_threads:
             torch.set_num_threads(settings.torch_threads)
@@ -157,6 +162,7 @@ class Ingress:
     """gare-serve's FastAPI app over the shards (built on the replica: ``__serve_build_asgi_app__``)."""
 
     def __init__(self, shards: list[DeploymentHandle], args: dict[str, Any]) -> None:
+        bind_replica_grpc_to_node_address()  # before Ray starts this replica's gRPC server (after the constructor)
         self.shards = shards
         self.args = AppArgs(args)
 
