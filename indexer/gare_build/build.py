@@ -213,7 +213,8 @@ def recompute_biases(out: str | os.PathLike, *, checkpoint: str | os.PathLike | 
                      n_iters: int | None = None, traffic: str | os.PathLike | None = None,
                      traffic_weight: float = 0.5, score: str | None = "served", k: int | None = None,
                      queue_kind: str | None = None, captions: str | os.PathLike | None = None,
-                     ncl_val: str | os.PathLike | None = None) -> RunReport:
+                     ncl_val: str | os.PathLike | None = None,
+                     gamma_factors: Sequence[float] | None = None) -> RunReport:
     """`gare-index biases`: a new version with recomputed NCL biases; every other file is hard-linked
     (ann_ncl.faiss, which folds the biases into stage 1, is rebuilt).
 
@@ -230,7 +231,7 @@ def recompute_biases(out: str | os.PathLike, *, checkpoint: str | os.PathLike | 
                  "ann_units": prev.ann_units, "psi_consts": prev.psi_consts}
         b, binfo = biases_for(prev, feats, checkpoint, n_iters, traffic=traffic, traffic_weight=traffic_weight,
                                report=report, score=score, k=k, queue_kind=queue_kind, captions=captions,
-                               ncl_val=ncl_val)
+                               ncl_val=ncl_val, gamma_factors=gamma_factors)
         arrays: dict[str, Any] = prev_files(prev, ["ids", "norms", "units", "frames", "masks", "keys", "values",
                                                     "ann_units", "psi_consts"])
         arrays["biases"] = b

@@ -110,6 +110,8 @@ def _cmd_build(args: argparse.Namespace) -> int:
     if args.bias_k is not None:
         opts.bias_k = args.bias_k
     opts.bias_queue, opts.bias_captions, opts.ncl_val = args.bias_queue, args.bias_captions, args.ncl_val
+    if args.ncl_gammas is not None:
+        opts.ncl_gammas = args.ncl_gammas
     if args.cmd == "build":
         opts.invgc_val, opts.invgc_r_g, opts.invgc_r_q = args.invgc_val, args.invgc_r_g, args.invgc_r_q
         opts.invgc_k, opts.invgc_grid, opts.ncl_c = args.invgc_k, args.invgc_grid, args.ncl_c
@@ -175,7 +177,8 @@ def _cmd_biases(args: argparse.Namespace) -> int:
     report = run(args.out, checkpoint=args.checkpoint, keep=args.keep, n_iters=args.n_iters,
                  traffic=args.from_traffic, traffic_weight=args.traffic_weight,
                  score=args.bias_score or "served", k=args.bias_k, queue_kind=args.bias_queue,
-                 captions=args.bias_captions, ncl_val=args.ncl_val)
+                 captions=args.bias_captions, ncl_val=args.ncl_val,
+                 **({} if args.ncl_gammas is None else {"gamma_factors": args.ncl_gammas}))
     b = report.biases
     msg = report.summary() + f"; biases from {b.get('source')} ({b.get('n_queries')} queries, gamma={b.get('gamma')}, " \
                              f"fitted to the {'psi (served)' if b.get('score') == 'served' else 'dual-tower'} score)"

@@ -46,6 +46,16 @@ def _nonneg_float(s: str) -> float:
     return v
 
 
+def _factors(s: str) -> tuple[float, ...]:
+    try:
+        v = tuple(float(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of numbers: {s!r}") from None
+    if not v or any(not (f > 0 and f < float("inf")) for f in v):
+        raise argparse.ArgumentTypeError(f"factors must be positive finite numbers, got {s!r}")
+    return v
+
+
 def _positive_int(s: str) -> int:
     try:
         v = int(s)
@@ -142,6 +152,11 @@ def _add_bias_score_args(g: argparse._ActionsContainer, *, build: bool) -> None:
                         "service adds the biases by default for this index (manifest biases.default; on a sharded "
                         "index decided once over the whole gallery and recorded in every shard); default: "
                         + ("no decision (the service's default)" if build else "the captions the index decided on"))
+    g.add_argument("--ncl-gammas", type=_factors, default=None, metavar="F,F,...",
+                   help="with validation captions (--ncl-val): the Sinkhorn gamma is chosen among these multiples of "
+                        "the checkpoint's 1/exp(logit_scale) on the even captions (R@1, then R@5), and the default "
+                        "decided on the odd ones (20 captions or more; fewer keep the checkpoint's gamma); "
+                        "default 0.25,0.5,1,2,4; 1 keeps the checkpoint's gamma")
     g.add_argument("--bias-captions", metavar="MANIFEST|SYNTH_DIR",
                    help="the training captions of the fresh queue: a caption manifest (.csv/.jsonl, used whole) or a "
                         "`gare-train synth` folder (its training split less the validation part); default: the data "

@@ -134,13 +134,37 @@ def served_biases(model: Any, queries: np.ndarray, gamma: float, *, units: Any, 
 
 
 # ------------------------------------------------------------------ the per-index decision (biases on or off)
-def validation_ranks(model: Any, queries: np.ndarray, true_rows: np.ndarray, biases: np.ndarray, *, units: Any,
-                     norms: Any, frames: Any, masks: Any, stage1: Any | None = None, k: int = DEFAULT_BIAS_K,
-                     consts: Any = None) -> tuple[np.ndarray, np.ndarray]:
-    """Ranks (1 = first) of each validation caption's true video under the served search, with psi alone and with
-    psi + biases: stage 1 = the exact top ``k`` of the stage-1 vectors by cosine (what the ANN approximates),
-    then the psi score of those candidates (the fold, as :func:`served_biases`), plus b_j or not. A true video
-    outside the candidates ranks k + 1 either way. ``queries`` (a, d) raw t; ``true_rows`` (a,) gallery rows."""
+@dataclasses.dataclass(frozen=True)
+class ValidationScores:
+    """The served search's scores of the validation captions, computed once and ranked under any biases: the exact
+    stage-1 candidates ``cand`` (a, K) rows, their psi scores ``psi`` (a, K) and ``hit`` (a, K), where the caption's
+    true video is among them. A choice among several biases (one per gamma) scores the captions once."""
+
+    cand: torch.Tensor
+    psi: torch.Tensor
+    hit: torch.Tensor
+
+    def ranks(self, biases: np.ndarray | None, rows: np.ndarray | None = None) -> np.ndarray:
+        """Ranks (1 = first) of each caption's true video under psi (+ b_j when ``biases`` is given); a true video
+        outside the candidates ranks K + 1. ``rows``: only these captions (positions)."""
+        cand, s, hit = self.cand, self.psi, self.hit
+        if rows is not None:
+            sel = torch.from_numpy(np.asarray(rows, dtype=np.int64))
+            cand, s, hit = cand[sel], s[sel], hit[sel]
+        if biases is not None:
+            s = s + torch.from_numpy(np.asarray(biases, dtype=np.float32))[cand]
+        true_s = torch.where(hit, s, torch.full_like(s, -math.inf)).max(dim=1).values  # (a,)
+        # rank = 1 + candidates scored strictly higher (ties counted in the caption's favour, as gare.retrieval_metrics)
+        rank = 1 + (s > true_s[:, None]).sum(dim=1)
+        return torch.where(hit.any(dim=1), rank, torch.full_like(rank, cand.shape[1] + 1)).numpy()
+
+
+def validation_scores(model: Any, queries: np.ndarray, true_rows: np.ndarray, *, units: Any, norms: Any, frames: Any,
+                      masks: Any, stage1: Any | None = None, k: int = DEFAULT_BIAS_K,
+                      consts: Any = None) -> ValidationScores:
+    """The served search's scores of validation captions: stage 1 = the exact top ``k`` of the stage-1 vectors by
+    cosine (what the ANN approximates), then the psi score of those candidates (the fold, as :func:`served_biases`).
+    ``queries`` (a, d) raw t; ``true_rows`` (a,) gallery rows."""
     q_raw = np.asarray(queries, dtype=np.float32)
     rows_true = np.asarray(true_rows, dtype=np.int64).reshape(-1)
     if q_raw.shape[0] != rows_true.shape[0]:
@@ -148,39 +172,52 @@ def validation_ranks(model: Any, queries: np.ndarray, true_rows: np.ndarray, bia
     g = np.asarray(stage1 if stage1 is not None else units, dtype=np.float32)
     _, cand = stage1_candidates(F.normalize(torch.from_numpy(q_raw), dim=-1), g, k)  # (a, K) rows
     sc = score_candidates(fold_pair_scorer(model, q_raw, frames, masks, units, norms, consts=consts), cand)
-    b = torch.from_numpy(np.asarray(biases, dtype=np.float32))
-    hit = cand == torch.from_numpy(rows_true)[:, None]  # (a, K): where the true video is among the candidates
-    out = []
-    for s in (sc, sc + b[cand]):
-        true_s = torch.where(hit, s, torch.full_like(s, -math.inf)).max(dim=1).values  # (a,)
-        # rank = 1 + candidates scored strictly higher (ties counted in the caption's favour, as gare.retrieval_metrics)
-        rank = 1 + (s > true_s[:, None]).sum(dim=1)
-        out.append(torch.where(hit.any(dim=1), rank, torch.full_like(rank, cand.shape[1] + 1)).numpy())
-    return out[0], out[1]
+    return ValidationScores(cand, sc, cand == torch.from_numpy(rows_true)[:, None])
+
+
+def validation_ranks(model: Any, queries: np.ndarray, true_rows: np.ndarray, biases: np.ndarray, *, units: Any,
+                     norms: Any, frames: Any, masks: Any, stage1: Any | None = None, k: int = DEFAULT_BIAS_K,
+                     consts: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    """Ranks (1 = first) of each validation caption's true video under the served search with psi alone and with
+    psi + biases (:func:`validation_scores`, ranked by :meth:`ValidationScores.ranks`)."""
+    vs = validation_scores(model, queries, true_rows, units=units, norms=norms, frames=frames, masks=masks,
+                           stage1=stage1, k=k, consts=consts)
+    return vs.ranks(None), vs.ranks(biases)
 
 
 def ncl_decision(ranks_psi: np.ndarray, ranks_biased: np.ndarray, validation: str) -> dict[str, Any]:
-    """Whether the biases are on by default for an index: on when psi + biases >= psi alone in t2v R@1 and R@5 on
-    the validation captions (the rule of the benchmark verdicts), with the numbers and a sentence saying why."""
+    """Whether the biases are on by default for an index, with the numbers and a sentence saying why.
+
+    On only when the validation captions can tell: psi + biases keeps t2v R@1 and R@5 at least as high as psi
+    alone, neither change's 95% interval reaches below 0, and at least one lies wholly above 0. A set that cannot
+    tell (an interval that includes a loss, or both only [0, 0]) leaves them off: the biases trade some videos for
+    others, and the default must not rest on noise."""
     n = int(ranks_psi.size)
 
     def recalls(r: np.ndarray) -> dict[str, float]:
         return {f"R{k}": round(float(100.0 * np.mean(r <= k)), 4) if n else 0.0 for k in (1, 5, 10)}
 
     a, b = recalls(ranks_psi), recalls(ranks_biased)
-    on = bool(n) and b["R1"] >= a["R1"] and b["R5"] >= a["R5"]
     ci = {f"dR{k}": paired_interval(ranks_psi <= k, ranks_biased <= k) for k in (1, 5)}
+    not_lower = bool(n) and b["R1"] >= a["R1"] and b["R5"] >= a["R5"]
+    no_loss = all(lo >= 0 for lo, _ in ci.values())
+    a_gain = any(lo > 0 for lo, _ in ci.values())
+    on = not_lower and no_loss and a_gain
     nums = (f"R@1 {b['R1']:.1f} vs {a['R1']:.1f}, R@5 {b['R5']:.1f} vs {a['R5']:.1f}, R@10 {b['R10']:.1f} vs "
             f"{a['R10']:.1f} (psi + biases vs psi alone) on {n} validation captions ({validation}); 95% intervals of "
-            f"the change: R@1 [{ci['dR1'][0]:+.1f}, {ci['dR1'][1]:+.1f}], R@5 [{ci['dR5'][0]:+.1f}, {ci['dR5'][1]:+.1f}]"
-            + (" (both include 0: these captions cannot tell the two apart)"
-               if all(lo <= 0 <= hi for lo, hi in ci.values()) else ""))
-    reason = (f"NCL biases on by default for this index: psi + biases kept t2v R@1 and R@5 at least as high as psi alone: "
-              f"{nums}" if on else f"NCL biases off by default for this index: psi + biases lowered t2v R@1 or R@5: {nums}")
+            f"the change: R@1 [{ci['dR1'][0]:+.1f}, {ci['dR1'][1]:+.1f}], R@5 [{ci['dR5'][0]:+.1f}, {ci['dR5'][1]:+.1f}]")
+    if on:
+        reason = f"NCL biases on by default for this index: psi + biases raised t2v recall beyond the noise of these captions: {nums}"
+    elif not not_lower:
+        reason = f"NCL biases off by default for this index: psi + biases lowered t2v R@1 or R@5: {nums}"
+    else:
+        reason = (f"NCL biases off by default for this index: these captions cannot tell psi + biases from psi alone "
+                  f"(an interval includes a loss, or none lies above 0): {nums}")
     if not n:
         reason = f"NCL biases off by default for this index: no validation caption matched an indexed video ({validation})"
-    return {"on": on, "reason": reason, "rule": "on iff R@1 and R@5 of psi + biases >= psi alone", "validation": validation,
-            "n_captions": n, "psi": a, "psi_biases": b, "intervals": ci}
+    return {"on": on, "reason": reason, "validation": validation, "n_captions": n, "psi": a, "psi_biases": b,
+            "intervals": ci, "rule": "on iff R@1 and R@5 of psi + biases >= psi alone, both 95% intervals of the "
+            "change >= 0 at their lower end and at least one > 0"}
 
 
 def paired_interval(hit_a: np.ndarray, hit_b: np.ndarray, n_boot: int = 1000, seed: int = 0) -> list[float]:

@@ -253,7 +253,8 @@ def build_sharded(checkpoint: Any, videos: str | os.PathLike, out: str | os.Path
             log.info("shard %d of %d: %s", s, n, sub.summary())
         # steps 2 and 3: the global parts, then the generation switch (the commit point)
         step = GlobalStep(invgc=invgc, tune=opts, checkpoint=checkpoint, n_iters=opts.n_iters,
-                          queue_kind=opts.bias_queue, captions=opts.bias_captions, ncl_val=opts.ncl_val)
+                          queue_kind=opts.bias_queue, captions=opts.bias_captions, ncl_val=opts.ncl_val,
+                          ncl_gammas=opts.ncl_gammas)
         if mode == "build":  # a single build's fit: the options' score and K, no traffic bank
             step.score, step.k, step.carry_traffic = opts.bias_score or "served", opts.bias_k, False
             _commit(root, global_step(root, n, report, step), report, opts.keep, fits)
@@ -318,7 +319,7 @@ def remove_sharded(out: str | os.PathLike, items: Sequence[str], *, checkpoint: 
 def biases_sharded(out: str | os.PathLike, *, checkpoint: Any = None, keep: int = 3, n_iters: int | None = None,
                    traffic: Any = None, traffic_weight: float = 0.5, score: str | None = "served",
                    k: int | None = None, queue_kind: str | None = None, captions: Any = None,
-                   ncl_val: Any = None) -> RunReport:
+                   ncl_val: Any = None, gamma_factors: Any = None) -> RunReport:
     """`gare-index biases` on a sharded root: the biases refitted over the whole gallery, a new generation
     (`queue_kind` / `captions`: the NCL queue, as `gare-index biases --bias-queue / --bias-captions`; `ncl_val`:
     validation captions deciding the NCL default over the whole gallery, default those the index decided on)."""
@@ -332,7 +333,7 @@ def biases_sharded(out: str | os.PathLike, *, checkpoint: Any = None, keep: int 
         report.previous_version = f"g{gen.number:06d}"
         step = GlobalStep(checkpoint=checkpoint, n_iters=n_iters, traffic=traffic, traffic_weight=traffic_weight,
                           score=score, k=k, carry_traffic=False, queue_kind=queue_kind, captions=captions,
-                          ncl_val=ncl_val)
+                          ncl_val=ncl_val, ncl_gammas=gamma_factors)
         _commit(root, global_step(root, gen.n_shards, report, step), report, keep, 0)
     return report
 

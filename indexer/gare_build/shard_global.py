@@ -105,6 +105,7 @@ class GlobalStep:
     captions: Any = None  # captions a fresh one re-encodes; None: as the `defaults` version's record says
     # validation captions deciding the NCL default (--ncl-val); None: those the `defaults` version decided on, if any
     ncl_val: Any = None
+    ncl_gammas: Any = None  # gamma factors chosen among on the captions (--ncl-gammas); None: the recorded ones
     # the version whose manifest gives the fit's defaults (score, K, iterations, a traffic bank to carry): the
     # previous generation's shard 0 for add / remove; None: the new shard 0 (build: the explicit values above)
     defaults: IndexVersion | None = None
@@ -143,7 +144,7 @@ def global_step(root: Path, n_shards: int, report: RunReport, g: GlobalStep) -> 
         b, binfo = biases_for(g.defaults or shards[0], arrays, g.checkpoint, g.n_iters, traffic=g.traffic,
                               traffic_weight=g.traffic_weight, report=report, carry_traffic=g.carry_traffic,
                               score=g.score, k=g.k, queue_kind=g.queue_kind, captions=g.captions, ncl_val=g.ncl_val,
-                              metas=metas)
+                              metas=metas, gamma_factors=g.ncl_gammas)
         binfo = {**binfo, "scope": {"n_shards": n_shards, "n_videos": int(len(b))}}
         report.biases = binfo
         ck = shards[0].manifest.checkpoint

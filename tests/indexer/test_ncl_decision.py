@@ -37,21 +37,29 @@ def env(tmp_path_factory, ckpt, corpus):
 
 
 def test_decision_rule():
+    """On only when the captions can tell: not lower in R@1 and R@5, no interval reaching below 0, one above 0."""
     r_psi, r_b = np.array([1, 1, 3, 7, 20]), np.array([1, 2, 1, 4, 20])
     d = ncl_decision(r_psi, r_b, "v")
     assert d["psi"] == {"R1": 40.0, "R5": 60.0, "R10": 80.0} and d["psi_biases"] == {"R1": 40.0, "R5": 80.0, "R10": 80.0}
-    assert d["on"] is True and d["n_captions"] == 5 and "on by default" in d["reason"] and "R@5 80.0 vs 60.0" in d["reason"]
-    d = ncl_decision(r_psi, np.array([1, 3, 1, 7, 20]), "v")  # R@1 and R@5 equal -> on; one lower -> off
-    assert d["on"] is True
-    d = ncl_decision(r_psi, np.array([2, 2, 3, 7, 20]), "v")
+    # R@1 equal and R@5 higher, but one caption lost its first place: the R@1 interval includes a loss -> off
+    assert d["intervals"]["dR1"][0] < 0 and d["on"] is False and "cannot tell" in d["reason"]
+    assert d["n_captions"] == 5 and "R@5 80.0 vs 60.0" in d["reason"]
+    d = ncl_decision(r_psi, np.array([2, 2, 3, 7, 20]), "v")  # R@1 lower -> off, said as lowered
     assert d["on"] is False and "lowered" in d["reason"]
     assert ncl_decision(np.zeros(0), np.zeros(0), "v")["on"] is False
-    # the paired intervals: a change every caption shares has a point interval; one caption of five is not sure
+    # paired bootstrap, hand-checkable: every caption loses its first place -> the change is exactly -100
     d = ncl_decision(np.array([1, 1, 1, 1]), np.array([2, 2, 2, 2]), "v")
     assert d["intervals"]["dR1"] == [-100.0, -100.0] and d["on"] is False
+    # every caption gains its first place (R@5 the same): dR1 = [+100, +100], dR5 = [0, 0] -> on
+    d = ncl_decision(np.full(8, 2), np.ones(8, np.int64), "v")
+    assert d["intervals"] == {"dR1": [100.0, 100.0], "dR5": [0.0, 0.0]} and d["on"] is True
+    assert "on by default" in d["reason"]
+    # the issue's case: a gain whose interval starts at +0.0 and nothing else -> the captions cannot tell -> off
     d = ncl_decision(np.array([1, 2, 1, 2, 1]), np.array([1, 1, 1, 2, 1]), "v")
     lo, hi = d["intervals"]["dR1"]
-    assert lo == 0.0 and hi > 0 and d["on"] is True and "[+0.0, +" in d["reason"]
+    assert lo == 0.0 and hi > 0 and d["on"] is False and "[+0.0, +" in d["reason"] and "cannot tell" in d["reason"]
+    # identical ranks: both intervals [0, 0], nothing to tell -> off
+    assert ncl_decision(np.arange(1, 11), np.arange(1, 11), "v")["on"] is False
 
 
 def test_validation_ranks_equal_the_exhaustive_ranks(env, ckpt):
@@ -91,10 +99,12 @@ def test_validation_set_matches_indexed_videos(env, tmp_path):
 
 def test_build_where_the_biases_lose_records_off_and_tunes_K_for_psi(env, ckpt, corpus, capsys):
     out = env["root"] / "LOSE"
-    assert _build(out, ckpt, corpus, "--ncl-val", str(env["lose"])) == 0
+    # the checkpoint's gamma (--ncl-gammas 1): the captions were built against the plain build's biases
+    assert _build(out, ckpt, corpus, "--ncl-val", str(env["lose"]), "--ncl-gammas", "1") == 0
     m = open_index(out).manifest
     d = m["biases"]["default"]
     assert d["on"] is False and d["n_captions"] == env["n"] and d["source"] == str(env["lose"])
+    assert d["gamma"]["chosen"] == d["gamma"]["checkpoint_gamma"] == m["biases"]["gamma"]
     # every caption's true video is its psi top-1, which the biases move: psi R@1 100, psi + b R@1 0
     assert d["psi"]["R1"] == 100.0 and d["psi_biases"]["R1"] == 0.0
     assert index_ncl_default(m) == (False, d["reason"]) and "off by default" in d["reason"]
@@ -114,12 +124,12 @@ def test_build_where_the_biases_lose_records_off_and_tunes_K_for_psi(env, ckpt, 
 
 def test_biases_command_where_they_win_records_on(env, ckpt, corpus):
     out = env["root"] / "WIN"
-    assert _build(out, ckpt, corpus, "--ncl-val", str(env["win"])) == 0
+    assert _build(out, ckpt, corpus, "--ncl-val", str(env["win"]), "--ncl-gammas", "1") == 0
     m = open_index(out).manifest
     d = m["biases"]["default"]
     assert d["on"] is True and d["psi_biases"]["R1"] == 100.0 and d["psi"]["R1"] == 0.0
     assert m["stage1"]["ncl_default"] is True
-    # `gare-index biases` decides again on the version's captions, or on new ones
+    # `gare-index biases` decides again on the version's captions (and gamma factors), or on new ones
     assert main(["biases", "--out", str(out)]) == 0
     assert open_index(out).manifest["biases"]["default"]["on"] is True
     assert main(["biases", "--out", str(out), "--ncl-val", str(env["lose"])]) == 0
@@ -131,6 +141,24 @@ def test_biases_command_where_they_win_records_on(env, ckpt, corpus):
     assert open_index(out).manifest["stage1"]["ncl_default"] is True
     assert main(["tune", "--out", str(out)]) == 0
     assert open_index(out).manifest["stage1"]["ncl_default"] is False
+
+
+def test_gamma_is_chosen_on_the_even_captions_and_the_default_decided_on_the_odd(env, ckpt, corpus):
+    out = env["root"] / "GAMMA"
+    assert _build(out, ckpt, corpus, "--ncl-val", str(env["lose"]), "--ncl-gammas", "0.5,1,2") == 0
+    m = open_index(out).manifest
+    d, g = m["biases"]["default"], m["biases"]["default"]["gamma"]
+    g0 = g["checkpoint_gamma"]
+    assert [t["factor"] for t in g["tried"]] == [0.5, 1.0, 2.0] and g["n_captions"] == (env["n"] + 1) // 2
+    assert d["n_captions"] == env["n"] // 2  # decided only on the captions that did not pick gamma
+    best = max(g["tried"], key=lambda t: (t["R1"], t["R5"], -abs(np.log(t["factor"]))))
+    assert g["chosen"] == best["gamma"] == m["biases"]["gamma"] and best["gamma"] == g0 * best["factor"]
+    # the index's biases are the chosen gamma's: fitting again at exactly that gamma gives the same vector
+    kept = np.asarray(open_index(out).biases).copy()
+    assert main(["biases", "--out", str(out), "--ncl-gammas", repr(best["factor"])]) == 0
+    m2 = open_index(out).manifest
+    assert m2["biases"]["gamma"] == g["chosen"] and m2["biases"]["default"]["n_captions"] == env["n"]
+    np.testing.assert_allclose(np.asarray(open_index(out).biases), kept, atol=1e-6)
 
 
 def test_no_validation_captions_no_decision(env):

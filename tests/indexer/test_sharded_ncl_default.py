@@ -66,10 +66,13 @@ def env(tmp_path_factory, ckpt, corpus):
     root = tmp_path_factory.mktemp("sharded-ncl")
     _build(root / "PLAIN", ckpt, corpus, "--no-tune")
     lose, win, n = flip_manifests(ckpt, root / "PLAIN", root / "val")
-    _build(root / "SINGLE_LOSE", ckpt, corpus, "--ncl-val", str(lose))
-    _build(root / "SH_LOSE", ckpt, corpus, "--shards", str(N_SHARDS), "--ncl-val", str(lose))
-    _build(root / "SINGLE_WIN", ckpt, corpus, "--no-tune", "--ncl-val", str(win))
-    _build(root / "SH_WIN", ckpt, corpus, "--no-tune", "--shards", str(N_SHARDS), "--ncl-val", str(win))
+    # the checkpoint's gamma (--ncl-gammas 1, recorded: add, remove and biases keep it): the captions were built
+    # against the plain build's biases; the choice of gamma has its own test (test_ncl_decision.py)
+    one = ("--ncl-gammas", "1")
+    _build(root / "SINGLE_LOSE", ckpt, corpus, "--ncl-val", str(lose), *one)
+    _build(root / "SH_LOSE", ckpt, corpus, "--shards", str(N_SHARDS), "--ncl-val", str(lose), *one)
+    _build(root / "SINGLE_WIN", ckpt, corpus, "--no-tune", "--ncl-val", str(win), *one)
+    _build(root / "SH_WIN", ckpt, corpus, "--no-tune", "--shards", str(N_SHARDS), "--ncl-val", str(win), *one)
     return {"root": root, "lose": lose, "win": win, "n": n}
 
 

@@ -9,7 +9,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,13 @@ from gare_build.ncl_queues import (
     training_captions,
 )
 from gare_build.pipeline.options import RunReport
-from gare_build.served_biases import DEFAULT_BIAS_K, ncl_decision, served_biases, validation_ranks
+from gare_build.served_biases import (
+    DEFAULT_BIAS_K,
+    ValidationScores,
+    ncl_decision,
+    served_biases,
+    validation_scores,
+)
 from gare_build.tuning.version_tuning import encode_captions
 from gare_index import psi_consts
 from gare_index.store import CheckpointRef, ExistingFile, IndexManifest, IndexMismatchError, IndexVersion
@@ -181,15 +187,17 @@ def biases_for(prev: IndexVersion, arrays: dict[str, Any], checkpoint: str | os.
                 *, traffic: str | os.PathLike | None = None, traffic_weight: float = 0.5,
                 report: RunReport | None = None, carry_traffic: bool = False, score: str | None = None,
                 k: int | None = None, queue_kind: str | None = None, captions: str | os.PathLike | None = None,
-                ncl_val: str | os.PathLike | None = None, metas: list[Mapping[str, Any]] | None = None
-                ) -> tuple[np.ndarray, dict[str, Any]]:
+                ncl_val: str | os.PathLike | None = None, metas: list[Mapping[str, Any]] | None = None,
+                gamma_factors: Sequence[float] | None = None) -> tuple[np.ndarray, dict[str, Any]]:
     """Recompute the biases of a gallery (`arrays`: units, norms, frames, masks, optional ann_units) with the
     index's checkpoint (its queue and logit scale), mixed with a bank of served queries when `traffic` is given
     (or when the previous biases came from one: remove). `score`/`k`: default the previous version's;
     `queue_kind`/`captions`: the queue (:func:`bias_queue`; default the previous version's, else fresh);
     `ncl_val`: validation captions deciding the index's NCL default (:func:`with_default`; default the previous
     version's, when it had a decision); `metas`: the gallery's rows in order (path, start, end) that the validation
-    captions are matched to, default ``prev``'s rows of ``arrays["ids"]`` (a sharded root's global fit: every shard's)."""
+    captions are matched to, default ``prev``'s rows of ``arrays["ids"]`` (a sharded root's global fit: every shard's);
+    `gamma_factors`: gamma is chosen among these multiples of the checkpoint's on the validation captions
+    (:func:`with_default`; default the previous decision's, else GAMMA_FACTORS)."""
     units = np.asarray(arrays["units"], dtype=np.float32)
     score = score or bias_score_of(prev.manifest)
     if score not in ("served", "dual"):
@@ -237,7 +245,11 @@ def biases_for(prev: IndexVersion, arrays: dict[str, Any], checkpoint: str | os.
             model, _ = load_model(path, "cuda" if torch.cuda.is_available() else "cpu")
         if metas is None:  # the new gallery's rows (remove: the kept ones)
             metas = prev.metadata(np.asarray(arrays.get("ids", prev.ids)))
-        info = with_default(info, model, {**arrays, "biases": b}, metas, ncl_val, {"biases": pb})
+        b_chosen, info = with_default(info, model, {**arrays, "biases": b}, metas, ncl_val, {"biases": pb},
+                                      refit=lambda g: compute_biases(units, g, queue, iters, served=served),
+                                      factors=gamma_factors)
+        if b_chosen is not None:
+            b = b_chosen
     return b, info
 
 
@@ -274,35 +286,115 @@ def validation_set(source: str | os.PathLike, metas: list[Mapping[str, Any]]) ->
     return caps, np.asarray(rows, dtype=np.int64), desc
 
 
+# gamma (the Sinkhorn temperature of SPEC §5) is chosen among these multiples of the checkpoint's 1 / exp(logit_scale)
+GAMMA_FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0)
+MIN_CHOOSE = 10  # captions in each half before gamma is chosen on one half and the default decided on the other
+
+Refit = Callable[[float], tuple[np.ndarray, dict[str, Any]]]  # gamma -> (biases (n,), their record)
+
+
+def _val(x: Any) -> Any:
+    return np.load(x.path, mmap_mode="r") if isinstance(x, ExistingFile) else x
+
+
+def _scores(model: Any, arrays: Mapping[str, Any], caps: list[str], rows: np.ndarray, k: int) -> ValidationScores:
+    st, consts = arrays.get("ann_units"), arrays.get("psi_consts")
+    return validation_scores(model, encode_captions(model, caps), rows, units=_val(arrays["units"]),
+                             norms=np.asarray(_val(arrays["norms"])), frames=_val(arrays["frames"]),
+                             masks=np.asarray(_val(arrays["masks"])),
+                             stage1=None if st is None else np.asarray(_val(st), dtype=np.float32), k=k,
+                             consts=None if consts is None else _val(consts))
+
+
+def choose_gamma(vs: ValidationScores, rows: np.ndarray, gamma0: float, fit: Refit, factors: Sequence[float]
+                 ) -> tuple[float, np.ndarray, dict[str, Any], dict[str, Any]]:
+    """The gamma among ``gamma0`` x ``factors`` whose biases rank the captions at ``rows`` best (R@1, then R@5,
+    then the closest to ``gamma0``): (gamma, its biases, their record, the choice's record with every candidate)."""
+    tried, best = [], None
+    for f in sorted(set(float(x) for x in factors)):
+        g = gamma0 * f
+        b, info = fit(g)
+        r = vs.ranks(b, rows)
+        r1, r5 = float(100.0 * np.mean(r <= 1)), float(100.0 * np.mean(r <= 5))
+        tried.append({"gamma": g, "factor": f, "R1": round(r1, 4), "R5": round(r5, 4)})
+        key = (r1, r5, -abs(math.log(f)))
+        if best is None or key > best[0]:
+            best = (key, g, b, info)
+    assert best is not None
+    _, g, b, info = best
+    return g, b, info, {"chosen": g, "checkpoint_gamma": gamma0, "factors": sorted(set(float(x) for x in factors)),
+                        "n_captions": int(len(rows)), "tried": tried,
+                        "rule": "best t2v R@1, then R@5, then the nearest to the checkpoint's gamma"}
+
+
 def decide_default(model: Any, arrays: Mapping[str, Any], metas: list[Mapping[str, Any]], source: str | os.PathLike,
-                   k: int) -> dict[str, Any]:
+                   k: int, *, refit: Refit | None = None, gamma0: float | None = None,
+                   factors: Sequence[float] = GAMMA_FACTORS
+                   ) -> tuple[tuple[np.ndarray, dict[str, Any]] | None, dict[str, Any]]:
     """The index's NCL default (``biases.default`` in the manifest): psi vs psi + the version's biases on the
     validation captions of ``source`` through the served search (stage-1 top ``k``, psi, + b), decided by
-    :func:`gare_build.served_biases.ncl_decision`; records the source so add can decide again."""
+    :func:`gare_build.served_biases.ncl_decision`; records the source so add can decide again.
+
+    With ``refit`` (gamma -> biases) and at least 2 x MIN_CHOOSE captions, gamma is chosen too
+    (:func:`choose_gamma`) on the even captions and the default decided on the odd ones: the decision never sees
+    the captions that picked gamma. Returns ((the chosen gamma's biases, their record) or None when gamma was not
+    chosen, the decision's record)."""
     caps, rows, desc = validation_set(source, metas)
     t0 = time.time()
+    new_b, new_info, choice = None, None, None
     if caps:
-        st = arrays.get("ann_units")
-        consts = arrays.get("psi_consts")
-        def val(x: Any) -> Any:
-            return np.load(x.path, mmap_mode="r") if isinstance(x, ExistingFile) else x
-        r_psi, r_b = validation_ranks(model, encode_captions(model, caps), rows, np.asarray(val(arrays["biases"])),
-                                      units=val(arrays["units"]), norms=np.asarray(val(arrays["norms"])),
-                                      frames=val(arrays["frames"]), masks=np.asarray(val(arrays["masks"])),
-                                      stage1=None if st is None else np.asarray(val(st), dtype=np.float32), k=k,
-                                      consts=None if consts is None else val(consts))
+        vs = _scores(model, arrays, caps, rows, k)
+        every = np.arange(len(caps))
+        decide_on = every
+        fs = sorted(set(float(x) for x in factors))
+        if refit is not None and gamma0 is not None and len(fs) > 1 and len(caps) >= 2 * MIN_CHOOSE:
+            gamma, new_b, new_info, choice = choose_gamma(vs, every[0::2], gamma0, refit, fs)
+            decide_on = every[1::2]
+            desc += f"; the odd {len(decide_on)} of them (gamma {gamma:.4g} was chosen on the even {len(caps) - len(decide_on)})"
+        elif refit is not None and gamma0 is not None:  # nothing to choose on: one factor, or too few captions
+            f = fs[0] if len(fs) == 1 else 1.0
+            why = "the one factor given" if len(fs) == 1 else f"fewer than {2 * MIN_CHOOSE} validation captions to choose on"
+            if f != 1.0:
+                new_b, new_info = refit(gamma0 * f)
+            choice = {"chosen": gamma0 * f, "checkpoint_gamma": gamma0, "factors": fs, "n_captions": len(caps),
+                      "rule": f"not chosen: {why}"}
+        b = new_b if new_b is not None else np.asarray(_val(arrays["biases"]))
+        r_psi, r_b = vs.ranks(None, decide_on), vs.ranks(b, decide_on)
     else:
         r_psi = r_b = np.zeros(0, np.int64)
     dec = ncl_decision(r_psi, r_b, desc)
+    if choice is not None:
+        dec["gamma"] = choice
     log.info("%s (%.1fs)", dec["reason"], time.time() - t0)
-    return {**dec, "source": str(Path(source).expanduser().absolute()), "k": int(k)}
+    rec = {**dec, "source": str(Path(source).expanduser().absolute()), "k": int(k)}
+    return (None if new_b is None or new_info is None else (new_b, new_info)), rec
 
 
 def with_default(binfo: dict[str, Any], model: Any, arrays: Mapping[str, Any], metas: list[Mapping[str, Any]],
-                 source: str | os.PathLike | None, prev: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                 source: str | os.PathLike | None, prev: Mapping[str, Any] | None = None, *,
+                 refit: Refit | None = None, factors: Sequence[float] | None = None
+                 ) -> tuple[np.ndarray | None, dict[str, Any]]:
     """``binfo`` with its ``default`` decided (:func:`decide_default`) on ``source``, or on the validation captions
-    the previous version decided on (add/remove keep deciding); unchanged when there are none or no biases."""
-    src = source or (((prev or {}).get("biases") or {}).get("default") or {}).get("source")
+    the previous version decided on (add/remove keep deciding); unchanged when there are none or no biases.
+
+    With ``refit``, gamma is chosen on the validation captions as well: returns the chosen gamma's biases (None
+    when the biases stay as given) and the record, whose ``gamma`` (and ``served``) are then the chosen fit's.
+    ``factors``: default the previous decision's (add/remove/biases keep choosing as the build did), else
+    GAMMA_FACTORS."""
+    prev_default = ((prev or {}).get("biases") or {}).get("default") or {}
+    src = source or prev_default.get("source")
+    if factors is None:
+        factors = tuple((prev_default.get("gamma") or {}).get("factors") or GAMMA_FACTORS)
     if not src or binfo.get("source") in ("none", "deferred"):
-        return binfo
-    return {**binfo, "default": decide_default(model, arrays, metas, src, DEFAULT_BIAS_K)}
+        return None, binfo
+    g0 = binfo.get("gamma")
+    chosen, dec = decide_default(model, arrays, metas, src, DEFAULT_BIAS_K, refit=refit,
+                                 gamma0=None if g0 is None else float(g0), factors=factors)
+    out = {**binfo, "default": dec}
+    if chosen is None:
+        return None, out
+    b, info = chosen
+    out["gamma"] = float(dec["gamma"]["chosen"])
+    if "served" in info:  # the served fit's own record (its K, seconds) belongs to the chosen gamma
+        out["served"] = info["served"]
+    return b, out

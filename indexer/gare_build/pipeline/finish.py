@@ -154,7 +154,12 @@ def finish(p: Plan, entries: list[Entry], arrays: dict[str, Any], opts: BuildOpt
     if binfo["source"] == "none":
         report.notes.append("the checkpoint has no text query queue: video biases are zero")
     # on validation captions, do the biases help this index's search, hence on by default (biases.default)?
-    binfo = with_default(binfo, p.model, arrays, [e.meta for e in entries], opts.ncl_val, pman if mode == "add" else None)
+    # (and which gamma fits them best: the chosen gamma's biases replace these; pipeline.biases.choose_gamma)
+    b_chosen, binfo = with_default(
+        binfo, p.model, arrays, [e.meta for e in entries], opts.ncl_val, pman if mode == "add" else None,
+        refit=lambda g: compute_biases(arrays["units"], g, queue, opts.n_iters, served=served), factors=opts.ncl_gammas)
+    if b_chosen is not None:
+        arrays["biases"] = b_chosen
     report.biases = binfo
     report.ncl_stage1 = p.post["ncl_stage1"] is not None
     stage1 = arrays.get("ann_units", arrays["units"])

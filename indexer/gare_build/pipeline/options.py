@@ -92,6 +92,9 @@ class BuildOptions:
     # validation captions (manifest or synth folder) on which psi vs psi + biases decides the index's NCL default
     # (biases.default); None: no decision (add: the previous version's captions, when it had a decision)
     ncl_val: str | None = None
+    # with ncl_val: gamma is chosen among these multiples of the checkpoint's on half of the captions
+    # (gare_build.pipeline.biases.choose_gamma); (1.0,) keeps the checkpoint's gamma
+    ncl_gammas: tuple[float, ...] | None = None  # None: the previous decision's (add), else GAMMA_FACTORS
     # stage-1 tuning (gare_build.tuning.version_tuning): recall target, latency budget, psi coverage -> default K
     stage1: Stage1Options = field(default_factory=Stage1Options)
     tune_captions: Sequence[str] | None = None  # caption texts for the sample queries (--tune-captions)
