@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,6 +138,7 @@ def tune_ann(
     build_s: float = 0.0,
     progress: bool = False,
     parts: np.ndarray | None = None,
+    builder: Callable[..., tuple[AnnIndex, str | None]] = build_candidate,
 ) -> tuple[AnnIndex, TuneResult]:
     """Choose and tune stage 1 over ``units`` (n, d) unit float32 rows (a memmap is fine).
 
@@ -146,7 +148,8 @@ def tune_ann(
     a setting's recall is the lowest of its parts' recalls.  ``ids``: the index ids of the rows (default
     ``arange(n)``). ``ann``: an index already built over these rows (its ``build_s`` seconds): its knobs are tuned
     first, and it is kept if it meets the target; otherwise the ladder ``config.index_types`` /
-    :func:`auto_ladder` is built and tuned in order.
+    :func:`auto_ladder` is built and tuned in order, each rung by ``builder`` (:func:`build_candidate`'s
+    arguments and result; a benchmark passes one that keeps the indexes it built for its own measurements).
 
     Recall first: when no setting meets the target within ``latency_budget_ms``, every index tried is raised
     further (and, on the auto ladder, exact flat search is tried last) up to ``latency_ceiling_ms``; the fastest
@@ -333,7 +336,7 @@ def tune_ann(
     def build(kind: str, built: list[AnnIndex]) -> AnnIndex:
         nonlocal total_build
         t0 = time.perf_counter()
-        a, lent = build_candidate(kind, units, ids, cfg, gpu, built=built)
+        a, lent = builder(kind, units, ids, cfg, gpu, built=built)
         total_build += time.perf_counter() - t0
         builds.append({"index_type": kind, "seconds": time.perf_counter() - t0, "coarse_from": lent})
         if progress:
@@ -393,7 +396,10 @@ def tune_ann(
             final_tr, final_ann = max(pool, key=lambda tc: (tc[0].recall, -tc[0].p50_ms))
         else:  # nothing that fast at all: report the fastest trial
             final_tr, final_ann = min(trials, key=lambda t: t.p50_ms), None
-    if final_ann is not None:
+    budget_record = None if outcome == "within-budget" or budget_best is None else {
+        "setting": f"{budget_best[0].index_type} {describe_params(budget_best[1].params)}",
+        "recall_tune": budget_best[0].recall, "recall": held_out(budget_best[1])[0], "p50_ms": budget_best[0].p50_ms}
+    if final_ann is not None:  # (last: the knobs of the index it returns are its own)
         final_ann = fresh(final_ann)
         r_hold, hold_parts = held_out(final_ann)
     else:
@@ -431,10 +437,7 @@ def tune_ann(
         n_holdout_queries=len(q_hold), tuning_s=timer.total, build_s=total_build,
         device="cuda" if gpu else "cpu", message=msg, trials=trials, builds=builds,
         latency_ceiling_ms=cfg.latency_ceiling_ms, outcome=outcome, recall_parts=hold_parts,
-        budget_best=None if outcome == "within-budget" or budget_best is None else {
-            "setting": f"{budget_best[0].index_type} {describe_params(budget_best[1].params)}",
-            "recall_tune": budget_best[0].recall, "recall": held_out(budget_best[1])[0],
-            "p50_ms": budget_best[0].p50_ms},
+        budget_best=budget_record,
     )
     if outcome == "above-budget":
         log.warning(msg)
