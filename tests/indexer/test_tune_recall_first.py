@@ -182,3 +182,23 @@ def test_manifest_round_trip_of_the_new_fields(service_env, tmp_path, capsys):
     assert "NOT met within p50 <= 1e-06 ms" in capsys.readouterr().err
     assert main(["tune", "--out", str(idx), "--tune-spread", "1.5"]) == 1
     assert "--tune-spread must be in [0, 1)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flat_ms, per_ef_ms, winner", [(10.0, 0.01, "hnsw"), (3.0, 0.05, "flat")])
+def test_recall_first_keeps_the_fastest_setting_that_meets_the_target(data, monkeypatch, flat_ms, per_ef_ms, winner):
+    """The auto ladder of a small gallery (flat, then HNSW), both slower than the 1 ms budget: past it the fastest
+    setting meeting the target wins, exact flat search included (on a small gallery an exact scan can cost less than
+    a deep graph search)."""
+    x, q, _ = data
+
+    def fake(a, qq, K, n, gpu):
+        return flat_ms if a.params.index_type == "flat" else per_ef_ms * a.params.ef_search
+
+    monkeypatch.setattr(recall_mod, "p50_ms", fake)
+    cfg = TuneConfig(target=0.995, k=10, candidates=256, latency_budget_ms=1.0, latency_ceiling_ms=100.0,
+                     n_queries=200, latency_queries=1)
+    tuned, res = tune_ann(x, q, config=cfg)
+    assert res.met and res.outcome == "above-budget" and res.index_type == winner == tuned.params.index_type
+    others = [t for t in res.trials if t.index_type != winner and t.recall >= 0.995]
+    assert others and all(t.p50_ms > res.p50_ms for t in others)  # the other type met it too, more slowly
+    assert res.recall >= 0.995

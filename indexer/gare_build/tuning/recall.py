@@ -362,13 +362,12 @@ def tune_ann(
     budget_best = max(in_budget, key=lambda tc: (tc[0].recall, -tc[0].p50_ms)) if in_budget else None
     if won is None and ceiling > budget:
         # recall first: raise every index tried past the budget (from its highest setting), keep the fastest
-        # that meets the target; exact flat search last, when nothing else does (auto ladder)
+        # that meets the target (a flat index of the ladder competes: on a small gallery an exact scan can be
+        # cheaper than a deep graph search); exact flat search built last, when nothing else does (auto ladder)
         log.info("recall target %s not met within p50 <= %s ms: raising the search effort up to %s ms", cfg.target,
                  budget, ceiling)
         found: list[tuple[AnnIndex, Trial]] = []
         for cand in candidates:
-            if cand.params.index_type == "flat":
-                continue  # exact already: slower than the budget, measured once more below if needed
             mine = [b for tr, b in tried if b.cpu_index is cand.cpu_index]
             start = max(mine, key=lambda b: (b.params.ef_search or 0, b.params.nprobe or 0, b.params.rescore or 0),
                         default=cand)
@@ -376,10 +375,9 @@ def tune_ann(
             got = settle(start, limit, True)
             if got is not None:
                 found.append(got)
-        if not found and cfg.index_types is None:
-            flat = next((c for c in candidates if c.params.index_type == "flat"), None) or build("flat", candidates)
-            if flat not in candidates:
-                candidates.append(flat)
+        if not found and cfg.index_types is None and not any(c.params.index_type == "flat" for c in candidates):
+            flat = build("flat", candidates)
+            candidates.append(flat)
             got = settle(flat, ceiling, True)
             if got is not None:
                 found.append(got)
