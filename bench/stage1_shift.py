@@ -23,7 +23,7 @@ Then, one thread per query (faiss ``omp_set_num_threads(1)``), K = 256 (the serv
 Every index is built once (the tuners' builds are kept and measured by the frontier). Targets (the issue): the users'
 recall of the build's choice >= 0.99 and the recorded recall within 0.02 of it.
 
-  python bench/stage1_shift.py --n 20000 --out stage1_shift_20k      # a minute or two: proves it works
+  python bench/stage1_shift.py --n 20000 --tuner-types ivf ivfpq-fs hnsw --out stage1_shift_20k  # minutes: proves it works
   python bench/stage1_shift.py --n 300000 --out stage1_shift_300k    # under 15 minutes on 2 cores
 """
 
@@ -108,7 +108,8 @@ def run_tuner(name: str, sets: dict[str, Any], args: argparse.Namespace, builder
     x = sets["x"]
     t0 = time.perf_counter()
     unit_q, source, _, parts = build_sample(x, sets["queue"], None, n=args.tune_queries, seed=args.seed, spread=spread)
-    cfg = TuneConfig(strict=False, n_queries=args.tune_queries, seed=args.seed)
+    cfg = TuneConfig(strict=False, n_queries=args.tune_queries, seed=args.seed,
+                     index_types=tuple(args.tuner_types) if args.tuner_types else None)
     if ceiling is not None:
         cfg.latency_ceiling_ms = ceiling
     print(f"{name}: {source}", flush=True)
@@ -205,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rescore", type=int, default=8)
     ap.add_argument("--ef-search", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
     ap.add_argument("--no-old", action="store_true", help="skip the tuner as it was (queue alone, budget hard)")
+    ap.add_argument("--tuner-types", nargs="+", default=None,
+                    help="the tuners' ladder (default: the build's auto ladder; below 50k rows that starts with exact "
+                         "flat, so a small run passes `ivf ivfpq-fs hnsw`, the ladder of 50k-5M rows)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="stage1_shift")
     args = ap.parse_args(argv)
