@@ -55,6 +55,7 @@ def _stage1_options(args: argparse.Namespace) -> Stage1Options:
         raise ValueError("--from-bank and --tune-captions are two sources of tuning queries: give one")
     return Stage1Options(enabled=getattr(args, "tune", True), recall_target=args.recall_target,
                          candidates=DEFAULT_CANDIDATES, latency_budget_ms=args.latency_budget_ms,
+                         latency_ceiling_ms=args.latency_ceiling_ms, spread=args.tune_spread,
                          n_queries=max(2, args.tune_queries), coverage_queries=getattr(args, "coverage_queries", None),
                          bank=bank)
 

@@ -236,6 +236,14 @@ def _add_tune_args(p: argparse.ArgumentParser, *, tune_cmd: bool = False) -> Non
                         "service's default candidates (default 0.995)")
     g.add_argument("--latency-budget-ms", type=_positive_float, default=5.0, metavar="MS",
                    help="single-query p50 on one thread the ANN may take (default 5)")
+    g.add_argument("--latency-ceiling-ms", type=_positive_float, default=100.0, metavar="MS",
+                   help="recall first: when no setting meets the recall target within the budget, the tuner raises the "
+                        "search effort (efSearch / nprobe, the next index type, exact flat last) up to this p50 "
+                        "(default 100; at or below the budget: off); the manifest's stage1 records it and the outcome")
+    g.add_argument("--tune-spread", type=float, default=0.5, metavar="SHARE",
+                   help="share of the sample queries spread over every cluster of the gallery next to the queue / "
+                        "captions; the recall recorded is the lower of the two parts' (default 0.5; 0: the queue or "
+                        "captions alone)")
     g.add_argument("--tune-captions", metavar="MANIFEST|SYNTH_DIR",
                    help="caption manifest (CSV video,caption / JSONL) or a `gare-train synth` folder (test split) whose "
                         "caption embeddings are the sample queries when the checkpoint has no NCL text queue")

@@ -55,9 +55,11 @@ def describe_stage1(st: Mapping[str, Any] | None) -> str:
     dv = st.get("deviation")
     dev = (f"; Δ deviation mean {dv['delta_mean_abs']:.4f}, 95th percentile {dv['delta_p95_abs']:.4f} "
            f"(authors: {dv['authors']})" if dv else "")
+    past = (f" (above the latency budget {st.get('latency_budget_ms')} ms: recall first, ceiling "
+            f"{st.get('latency_ceiling_ms')} ms)" if st.get("outcome") == "above-budget" else "")
     return (f"stage 1: recall@{st.get('recall_at')} of the exact top-{st.get('recall_k')} {st.get('recall'):.4f} "
             f"(target {st.get('recall_target')}) with {st.get('index_type')} {st.get('setting')}, p50 "
-            f"{st.get('p50_ms'):.3f} ms; {tail}{dev}; queries: {st.get('query_source')}")
+            f"{st.get('p50_ms'):.3f} ms{past}; {tail}{dev}; queries: {st.get('query_source')}")
 
 
 def describe_biases(binfo: dict[str, Any] | None) -> str:

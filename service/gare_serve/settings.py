@@ -257,6 +257,9 @@ class Settings(BaseSettings):
         50, ge=1, description="no low-recall WARNING before this many evaluated queries on the served version"
     )
     recall_warn_interval_s: float = Field(600.0, ge=0, description="at most one low-recall WARNING per interval")
+    recall_alarm_after_s: float = Field(
+        3600.0, ge=0, description="the rolling recall mean below the index's target for this long: an ERROR line, "
+        "gare_stage1_recall_alarm = 1 and gare_stage1_recall_alarms_total + 1 (docs/retune.md)")
 
     # query embedding cache (gare_serve/engine/query_cache.py); either bound at 0 turns it off
     query_cache_entries: int = Field(

@@ -44,7 +44,9 @@ def test_build_coverage_equals_gare_train_eval(gallery, capsys):
     from gare_train.cli import main as train_cli
 
     out = gallery["root"] / "IDX_captions"
-    assert _build(gallery["ckpt_noq"], gallery["manifest"], out, "--tune-captions", gallery["manifest"]) == 0
+    # --tune-spread 0: the captions alone (the build's default mixes queries spread over the gallery in)
+    assert _build(gallery["ckpt_noq"], gallery["manifest"], out, "--tune-captions", gallery["manifest"],
+                  "--tune-spread", "0") == 0
     printed = capsys.readouterr().out
     st = open_index(out).manifest["stage1"]
     assert st["query_source"].startswith("manifest-captions (80 queries") and st["n_queries"] == 80
@@ -85,7 +87,8 @@ def test_queue_queries_and_biases_match_a_naive_reference(gallery):
     score served by default (psi, + NCL biases when the index's default is on; here recomputed with model.score,
     the unfolded psi) inside the ANN (flat: exact) top-K."""
     out = gallery["root"] / "IDX_queue"
-    assert _build(gallery["ckpt_q"], gallery["manifest"], out, "--tune-captions", gallery["manifest"]) == 0
+    assert _build(gallery["ckpt_q"], gallery["manifest"], out, "--tune-captions", gallery["manifest"],
+                  "--tune-spread", "0") == 0  # the queue alone (the default mixes spread queries in)
     v = open_index(out)
     st = v.manifest["stage1"]
     assert st["query_source"] == "ncl-queue (256 queries)"  # the queue wins over the captions
@@ -125,7 +128,7 @@ def test_coverage_queries_subsample_matches_a_naive_reference(gallery):
     """`--coverage-queries 40`: the coverage is the naive figure over exactly the 40 queue rows coverage_sample
     picks (the recall tuning still uses all 256), and the manifest says how many."""
     out = gallery["root"] / "IDX_cov40"
-    assert _build(gallery["ckpt_q"], gallery["manifest"], out, "--coverage-queries", "40") == 0
+    assert _build(gallery["ckpt_q"], gallery["manifest"], out, "--coverage-queries", "40", "--tune-spread", "0") == 0
     v = open_index(out)
     st = v.manifest["stage1"]
     assert st["n_queries"] == 256 and st["coverage_queries"] == 40
@@ -151,7 +154,9 @@ def test_failure_keeps_the_last_good_version(gallery, tmp_path, capsys):
     assert _build(gallery["ckpt_q"], videos, out, "--no-tune") == 0
     assert open_index(out).manifest["stage1"] is None
     capsys.readouterr()
-    rc = _build(gallery["ckpt_q"], videos, out, "--latency-budget-ms", "0.000001")
+    # the ceiling at the budget: recall first off, so nothing meets the target (tests/indexer/test_tune_recall_first.py
+    # covers the ceiling above the budget)
+    rc = _build(gallery["ckpt_q"], videos, out, "--latency-budget-ms", "0.000001", "--latency-ceiling-ms", "0.000001")
     err = capsys.readouterr().err
     assert rc == 1
     assert "recall target 0.995" in err and "NOT met within p50 <= 1e-06 ms" in err and "raise the latency budget" in err
@@ -164,7 +169,7 @@ def test_failure_keeps_the_last_good_version(gallery, tmp_path, capsys):
     with pytest.raises(SystemExit):
         _build(gallery["ckpt_q"], videos, out, "--latency-budget-ms", "0")
     # gare-index tune: a new version, nothing re-encoded, the figures recorded; a failing tune changes nothing
-    assert main(["tune", "--out", str(out), "--recall-target", "0.99", "--tune-queries", "300"]) == 0
+    assert main(["tune", "--out", str(out), "--recall-target", "0.99", "--tune-queries", "300", "--tune-spread", "0"]) == 0
     assert "stage 1: recall@8" in capsys.readouterr().out
     v1 = open_index(out)
     assert v1.name == "v000002"
@@ -175,7 +180,7 @@ def test_failure_keeps_the_last_good_version(gallery, tmp_path, capsys):
     for name in ("units.npy", "frames.npy", "biases.npy", "meta.sqlite"):
         assert v1.manifest["files"][name]["sha256"] == old[name]["sha256"]
     assert v1.manifest["builder"]["command"] == "tune"
-    assert main(["tune", "--out", str(out), "--latency-budget-ms", "0.000001"]) == 1
+    assert main(["tune", "--out", str(out), "--latency-budget-ms", "0.000001", "--latency-ceiling-ms", "0.000001"]) == 1
     assert "NOT met" in capsys.readouterr().err and current_version_name(out) == "v000002"
     # stats shows the figures
     assert main(["stats", "--out", str(out), "--json"]) == 0

@@ -96,8 +96,10 @@ def test_recall_at_K_uses_the_candidate_depth(data):
 
 def test_budget_that_cannot_be_met_fails_clearly(data):
     x, q, _ = data
-    cfg = TuneConfig(target=0.995, k=10, candidates=10, latency_budget_ms=1e-6, n_queries=200, latency_queries=3,
-                     index_types=("ivf",), nlist=100)
+    # a ceiling at the budget turns recall first off: the budget is the hard limit (tests/indexer/test_tune_recall_first.py
+    # covers the ceiling above it)
+    cfg = TuneConfig(target=0.995, k=10, candidates=10, latency_budget_ms=1e-6, latency_ceiling_ms=1e-6, n_queries=200,
+                     latency_queries=3, index_types=("ivf",), nlist=100)
     with pytest.raises(RecallTargetError) as ei:
         tune_ann(x, q, config=cfg)
     msg = str(ei.value)
@@ -189,8 +191,8 @@ def test_hnsw_bisects_efsearch_when_a_doubling_breaks_the_budget(data, monkeypat
 
     monkeypatch.setattr(recall_mod, "p50_ms", lambda a, q, K, n, gpu: 0.01 * a.params.ef_search)
     x, q, _ = data
-    cfg = TuneConfig(target=1.0, k=10, candidates=10, latency_budget_ms=3.0, n_queries=200, latency_queries=1,
-                     index_types=("hnsw",), strict=False)
+    cfg = TuneConfig(target=1.0, k=10, candidates=10, latency_budget_ms=3.0, latency_ceiling_ms=3.0, n_queries=200,
+                     latency_queries=1, index_types=("hnsw",), strict=False)  # recall first off: the budget binds
     p = AnnParams("hnsw", hnsw_m=4, ef_construction=16, ef_search=10)  # a weak graph: recall 1.0 needs a deep search
     ann = AnnIndex(build_index(x, np.arange(N), p, use_gpu=False), p)
     _, res = tune_ann(x, q, config=cfg, ann=ann)

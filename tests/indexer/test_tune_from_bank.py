@@ -33,7 +33,8 @@ def _bank(path, version, rng, n_distinct=30, repeats=10):
 def test_tune_from_bank_records_the_bank_as_the_query_source(service_env, tmp_path, capsys):
     idx = copy_index(service_env["index"], tmp_path / "index")
     v1 = open_index(idx)
-    assert v1.manifest["stage1"]["query_source"] == "ncl-queue (64 queries)"  # the build's sample
+    # the build's sample: the queue mixed with queries spread over the gallery
+    assert v1.manifest["stage1"]["query_source"].startswith("ncl-queue (64 queries) + spread-gallery (500 queries")
     distinct = _bank(tmp_path / "bank.npy", v1, np.random.default_rng(0))
     v1.close()
     assert main(["tune", "--out", str(idx), "--from-bank", str(tmp_path / "bank.npy"), "--recall-target", "0.99"]) == 0
@@ -45,6 +46,7 @@ def test_tune_from_bank_records_the_bank_as_the_query_source(service_env, tmp_pa
     qb = st["query_bank"]
     assert qb["sha256"] == file_sha256(tmp_path / "bank.npy") and qb["rows"] == 40 and qb["distinct"] == qb["used"] == 30
     assert st["recall_target"] == 0.99 and st["met"] and "queries: query-bank" in printed
+    assert "recall_parts" not in st and st["spread"] == 0.0  # served queries replace the mix
     # the tuning ran on the bank's rows: the deviation figure it records is the one of exactly these queries
     model, _ = load_model(service_env["checkpoint"], "cpu")
     dev = build_deviation(model, distinct, v2.frames, v2.masks, seed=0)

@@ -23,8 +23,8 @@ from gare_index.ann import AnnIndex, build_index
 from gare_index.ann_gpu import GPU_MAX_K
 from gare_index.ann_params import FLAT_MAX, IVFPQ_MIN, AnnParams, coarse_kind, default_nlist, default_nprobe
 
-__all__ = ["TuneConfig", "auto_ladder", "rung_params", "same_rung", "build_candidate", "with_params", "nprobe_cap", "frac_cap", "step_up",
-           "predict_nprobe", "describe_params"]
+__all__ = ["TuneConfig", "auto_ladder", "rung_params", "same_rung", "build_candidate", "with_params", "nprobe_cap", "frac_cap",
+           "ceiling_nprobe_cap", "step_up", "predict_nprobe", "describe_params"]
 
 
 @dataclass
@@ -33,11 +33,18 @@ class TuneConfig:
     k: int = 10  # the exact top-k whose recall is measured
     candidates: int = 256  # K: the stage-1 shortlist (the service's default candidates)
     latency_budget_ms: float = 5.0  # p50 of one query per call on one thread
+    # Recall first: when nothing meets the target within the budget, the search effort is raised further (past
+    # max_ef / max_nprobe_frac, the index types in order, exact flat last on the auto ladder) up to this p50.
+    # 100 ms: IVF-Flat over 1M rows probing ~40% of its cells, or HNSW efSearch in the tens of thousands, on one
+    # core; exact flat search fits below it up to ~300k rows (a 1M scan costs ~300 ms per query on one core).
+    # At or below latency_budget_ms it is off (the budget is a hard limit, as before).
+    latency_ceiling_ms: float = 100.0
     n_queries: int = 1000  # sample queries used in all (half tune, half held out)
     latency_queries: int = 100  # single queries timed for the p50
     index_types: tuple[str, ...] | None = None  # None: auto_ladder(n)
     max_nprobe_frac: float = 0.5  # never probe more than this share of the IVF cells (nor GPU_MAX_K on the GPU)
     max_ef: int = 4096
+    ceiling_max_ef: int = 65536  # efSearch cap while raising the effort past the budget (recall first)
     max_rescore: int = 32
     nlist: int | None = None  # ivf / ivfpq cells (None: default_nlist(n))
     train_per_cell: int = 40  # k-means training rows per cell (tuning builds; faiss wants >= 39)
@@ -58,6 +65,8 @@ class TuneConfig:
             raise ValueError(f"need 1 <= k <= candidates, got k={self.k}, candidates={self.candidates}")
         if self.latency_budget_ms <= 0:
             raise ValueError(f"latency_budget_ms must be > 0, got {self.latency_budget_ms}")
+        if not self.latency_ceiling_ms > 0:
+            raise ValueError(f"latency_ceiling_ms must be > 0, got {self.latency_ceiling_ms}")
         if self.n_queries < 2 or self.latency_queries < 1:
             raise ValueError(f"n_queries >= 2 and latency_queries >= 1 required, got {self.n_queries}, "
                              f"{self.latency_queries}")
@@ -193,17 +202,28 @@ def frac_cap(a: AnnIndex, cfg: TuneConfig) -> int:
     return max(1, int(cfg.max_nprobe_frac * int(faiss.downcast_index(a.cpu_index).nlist)))
 
 
+def ceiling_nprobe_cap(a: AnnIndex, cfg: TuneConfig, gpu: bool) -> int:
+    """The largest nprobe tried past the latency budget (recall first): every cell, and at most GPU_MAX_K where
+    :func:`nprobe_cap` applies it (an IVF-Flat index searched on the GPU)."""
+    cap = int(faiss.downcast_index(a.cpu_index).nlist)
+    if a.on_gpu or (gpu and a.params.index_type == "ivf"):
+        return min(cap, GPU_MAX_K)
+    return cap
+
+
 def step_up(a: AnnIndex, cfg: TuneConfig, units: np.ndarray, vec_ids: np.ndarray | None,
-             gpu: bool = False) -> AnnIndex | None:
-    """``a`` one step up (efSearch x2, nprobe x1.5 within :func:`nprobe_cap`), or None at the top."""
+             gpu: bool = False, *, past_budget: bool = False) -> AnnIndex | None:
+    """``a`` one step up (efSearch x2, nprobe x1.5 within :func:`nprobe_cap`), or None at the top. ``past_budget``
+    (recall first): up to ``cfg.ceiling_max_ef`` and :func:`ceiling_nprobe_cap` instead."""
     p = a.params
     if p.index_type == "hnsw":
-        if p.ef_search >= cfg.max_ef:
+        top = max(cfg.max_ef, cfg.ceiling_max_ef) if past_budget else cfg.max_ef
+        if p.ef_search >= top:
             return None
-        pp = dataclasses.replace(p, ef_search=min(cfg.max_ef, p.ef_search * 2))
+        pp = dataclasses.replace(p, ef_search=min(top, p.ef_search * 2))
         return AnnIndex(a.cpu_index, pp, use_gpu=False)
     if p.index_type in ("ivf", "ivfpq"):
-        cap = nprobe_cap(a, cfg, gpu)
+        cap = ceiling_nprobe_cap(a, cfg, gpu) if past_budget else nprobe_cap(a, cfg, gpu)
         if (p.nprobe or 0) >= cap:
             return None
         pp = dataclasses.replace(p, nprobe=int(min(cap, math.ceil((p.nprobe or 1) * 1.5))))

@@ -2,9 +2,12 @@
 
 :func:`sample_queries` gives unit queries from the checkpoint's NCL text queue (embeddings of real training
 captions) when present, else caption embeddings from a manifest when given, else perturbed gallery vectors;
-:func:`build_sample` adds the matching raw rows psi scores; :func:`bank_queries` reads the distinct served queries
-of a query bank (``gare-index tune --from-bank``). The source is recorded with every sample; every source is
-subsampled the same way (:func:`pick_rows`).
+:func:`build_sample` mixes them with queries spread over the whole gallery (:func:`spread_queries`: one source
+row per cell of a farthest-point cover of the gallery, every region as likely as any other, not only the popular ones a training
+queue holds) and adds the matching raw rows psi scores, each row labelled with its part (the tuner measures
+recall on each part and keeps the lower); :func:`bank_queries` reads the distinct served queries of a query bank
+(``gare-index tune --from-bank``), which replace the mix. The source is recorded with every sample; every source
+is subsampled the same way (:func:`pick_rows`).
 """
 
 from __future__ import annotations
@@ -13,14 +16,22 @@ import logging
 import os
 from typing import Any
 
+import faiss
 import numpy as np
 
 from gare_build.ncl_queues import load_query_bank
+from gare_build.tuning.measure import exact_topk
 from gare_index.ann_eval import perturbed_queries
 
 log = logging.getLogger(__name__)
 
-__all__ = ["pick_rows", "sample_queries", "build_sample", "bank_queries"]
+__all__ = ["SPREAD_SHARE", "CAPTION_PART", "SPREAD_PART", "pick_rows", "sample_queries", "spread_queries", "build_sample",
+           "bank_queries"]
+
+SPREAD_SHARE = 0.5  # share of the build's sample spread over the gallery (the rest: the queue / captions)
+CAPTION_PART, SPREAD_PART = "captions", "spread"  # the part labels of a mixed sample
+ROWS_PER_CLUSTER = 40  # subsampled gallery rows per cell of the spread sample's cover
+OFFSET_CAPTIONS = 256  # caption rows whose offset from their nearest gallery vector the spread queries reuse
 
 
 def pick_rows(n_rows: int, n: int, seed: int) -> np.ndarray | None:
@@ -67,25 +78,95 @@ def sample_queries(
     return q, f"perturbed-gallery (noise {noise}, {n} queries)"
 
 
-def build_sample(units: np.ndarray, queue: np.ndarray | None, captions: np.ndarray | None, *, n: int, seed: int
-                 ) -> tuple[np.ndarray, str, np.ndarray]:
-    """(unit queries, source, the matching raw rows psi scores): the queue, else the captions, else perturbed
-    gallery vectors (:func:`sample_queries`)."""
+def spread_queries(units: np.ndarray, n: int, *, captions: np.ndarray | None = None, noise: float = 0.5,
+                   seed: int = 0) -> tuple[np.ndarray, str]:
+    """(queries (n, d) unit float32, source): ``n`` queries spread evenly over the regions of the gallery.
+
+    A seeded subsample of ROWS_PER_CLUSTER * c rows of ``units`` (N, d), c = min(n, N // ROWS_PER_CLUSTER), is
+    covered by c cells: a farthest-point cover (each next centre the row farthest, by cosine, from the centres so
+    far) and every row in the cell of its nearest centre. Each query takes a member of one cell, the cells visited
+    in a seeded order so that every one is used before any is used twice. The cover follows the gallery's extent,
+    not its density (k-means would give a topic holding 80% of the rows 80% of its clusters): a topic of ten
+    videos is about as likely as one of a hundred thousand, as users' queries are and a training queue's popular
+    captions are not.
+
+    The member is then moved as a caption sits from its nearest video: with ``captions`` (unit rows of the
+    caption part), by the offset ``caption - nearest gallery vector`` of a random one of up to OFFSET_CAPTIONS
+    of them (their exact top-1), which carries the modality gap and the captions' distance from the gallery
+    over to every region; without, by isotropic noise of relative norm ``noise`` (as :func:`perturbed_queries`)."""
+    units_n, d = units.shape
+    if units_n == 0 or n < 1:
+        raise ValueError(f"spread queries need a non-empty gallery and n >= 1, got {units_n} rows, n={n}")
+    rng = np.random.default_rng([seed, 41])
+    c = int(max(1, min(n, units_n // ROWS_PER_CLUSTER)))
+    pool = np.sort(rng.choice(units_n, size=min(units_n, ROWS_PER_CLUSTER * c), replace=False))
+    xp = np.ascontiguousarray(np.asarray(units[pool], dtype=np.float32))  # (p, d) the covered subsample
+    centres = [int(rng.integers(xp.shape[0]))]
+    closest = xp @ xp[centres[0]]  # (p,) each row's highest cosine to a centre so far
+    for _ in range(1, c):
+        nxt = int(np.argmin(closest))  # the row farthest from every centre
+        centres.append(nxt)
+        np.maximum(closest, xp @ xp[nxt], out=closest)
+    _, cell = faiss.knn(xp, xp[centres], 1, metric=faiss.METRIC_INNER_PRODUCT)  # (p, 1) nearest centre
+    cell = cell[:, 0]
+    members = [m for m in (np.flatnonzero(cell == j) for j in range(c)) if m.size]
+    order = rng.permutation(len(members))
+    src = np.empty(n, dtype=np.int64)
+    for i in range(n):  # cell order[i % cells]: each cell once before any twice
+        m = members[order[i % len(members)]]
+        src[i] = m[rng.integers(m.size)]
+    base = xp[src]  # (n, d)
+    if captions is not None and len(captions):
+        cap = np.asarray(captions, dtype=np.float32).reshape(len(captions), -1)
+        keep = pick_rows(cap.shape[0], OFFSET_CAPTIONS, seed)
+        cap = cap if keep is None else cap[keep]
+        _, top1 = exact_topk(units, cap, 1)
+        uniq, inv = np.unique(top1[:, 0], return_inverse=True)  # sorted reads (memmap friendly)
+        offsets = cap - np.asarray(units[uniq], dtype=np.float32)[inv]  # (m, d) caption - its nearest video
+        q = base + offsets[rng.integers(offsets.shape[0], size=n)]
+        how = f"caption offsets of {offsets.shape[0]} captions"
+    else:
+        q = base + noise * rng.standard_normal((n, d)).astype(np.float32) / np.sqrt(d)
+        how = f"noise {noise}"
+    q = q / np.maximum(np.linalg.norm(q, axis=1, keepdims=True), 1e-12)
+    return np.ascontiguousarray(q, dtype=np.float32), f"spread-gallery ({n} queries over {len(members)} cells, {how})"
+
+
+def build_sample(units: np.ndarray, queue: np.ndarray | None, captions: np.ndarray | None, *, n: int, seed: int,
+                 spread: float = SPREAD_SHARE) -> tuple[np.ndarray, str, np.ndarray, np.ndarray | None]:
+    """(unit queries (m, d), source, the matching raw rows psi scores (m, d), part labels (m,) or None).
+
+    The caption part is the queue, else the captions, else nothing (:func:`sample_queries`' order); ``spread``
+    of the ``n`` queries (rounded; 0 turns it off) are :func:`spread_queries` over the gallery, the caption part
+    takes up to the rest. The labels are CAPTION_PART / SPREAD_PART, None when the sample has one part only (no
+    caption source: all ``n`` queries are spread; ``spread`` 0: the caption part alone, or perturbed gallery
+    vectors without one, as before the mix)."""
+    if not 0.0 <= spread < 1.0:
+        raise ValueError(f"spread share must be in [0, 1), got {spread}")
     raw = None
     for arr in (queue, captions):  # sample_queries' order: the queue, then the captions
         if arr is not None and len(arr):
             arr = np.asarray(arr, dtype=np.float32).reshape(len(arr), -1)
-            keep = pick_rows(arr.shape[0], n, seed)
+            keep = pick_rows(arr.shape[0], max(1, n - int(round(spread * n))), seed)
             raw = arr if keep is None else arr[keep]
             break
-    if raw is not None:
-        is_queue = queue is not None and len(queue) > 0
-        unit_q, source = sample_queries(units, queue=raw if is_queue else None, captions=None if is_queue else raw,
-                                        n=n, seed=seed)
-    else:
-        unit_q, source = sample_queries(units, n=n, seed=seed)
-        raw = unit_q
-    return unit_q, source, raw
+    n_spread = int(round(spread * n))
+    if raw is None:
+        if spread <= 0.0:
+            unit_q, source = sample_queries(units, n=n, seed=seed)
+            return unit_q, source, unit_q, None
+        unit_q, source = spread_queries(units, n, seed=seed)
+        return unit_q, source, unit_q, None
+    is_queue = queue is not None and len(queue) > 0
+    unit_c, source = sample_queries(units, queue=raw if is_queue else None, captions=None if is_queue else raw,
+                                    n=raw.shape[0], seed=seed)
+    if n_spread < 1:
+        return unit_c, source, raw, None
+    unit_s, s_source = spread_queries(units, n_spread, captions=unit_c, seed=seed)
+    unit_q = np.concatenate([unit_c, unit_s])
+    raw_q = np.concatenate([raw, unit_s])  # spread rows are unit vectors: psi scores them with |t| = 1
+    parts = np.array([CAPTION_PART] * unit_c.shape[0] + [SPREAD_PART] * n_spread)
+    return unit_q, f"{source} + {s_source}", raw_q, parts
 
 
 def bank_queries(path: str | os.PathLike, d: int, *, n: int = 1000, seed: int = 0

@@ -4,12 +4,13 @@ One entry for ``gare-index build`` / ``add`` (after the ANN is built or grown) a
 existing version, nothing re-encoded; :mod:`gare_build.retune`): :func:`tune_version_ann`
 
 1. samples queries (:mod:`gare_build.tuning.queries`: the checkpoint's NCL text queue when present, else
-   caption embeddings of a manifest when given, else perturbed gallery vectors; or, with
-   ``Stage1Options.bank`` (``gare-index tune --from-bank``), the served queries of a query bank; the source is
-   recorded);
-2. meets the recall target (recall@K of the exact cosine top-10, K = the service's default candidates) within
-   a latency budget with :func:`gare_build.tuning.recall.tune_ann` (RecallTargetError, with the tuner's message,
-   when it cannot);
+   caption embeddings of a manifest when given, mixed with ``Stage1Options.spread`` of queries spread over every
+   cluster of the gallery (all of them spread without a caption source); or, with ``Stage1Options.bank``
+   (``gare-index tune --from-bank``), the served queries of a query bank alone; the source is recorded);
+2. meets the recall target (recall@K of the exact cosine top-10, K = the service's default candidates; on a
+   mixed sample the lower of the two parts' recalls) within a latency budget with
+   :func:`gare_build.tuning.recall.tune_ann`, or, recall first, past the budget up to the latency ceiling
+   (``outcome`` records which; RecallTargetError, with the tuner's message, when it cannot below the ceiling);
 3. measures, on the same queries, the share of the *exhaustive psi top-10 with the index's NCL biases* inside
    the ANN top-K for several K (:mod:`gare_build.tuning.coverage`), and chooses the index's default K as the
    smallest K reaching the coverage target (99.5%);
@@ -37,7 +38,7 @@ from gare.model import autocast
 from gare.psi import masked_mean
 from gare_build.tuning.coverage import StoredConsts, coverage_at_k, psi_fold_scorer
 from gare_build.tuning.ladder import TuneConfig, auto_ladder, describe_params
-from gare_build.tuning.queries import bank_queries, build_sample
+from gare_build.tuning.queries import CAPTION_PART, SPREAD_SHARE, bank_queries, build_sample
 from gare_build.tuning.recall import tune_ann
 from gare_index.ann import AnnIndex
 from gare_index.ann_params import AnnParams
@@ -63,6 +64,9 @@ class Stage1Options:
     recall_target: float = 0.995  # recall@candidates of the exact cosine top-10
     candidates: int = 256  # K the recall target is measured at (the service's default candidates)
     latency_budget_ms: float = 5.0  # single-query p50 on one thread
+    # recall first: past the budget, the tuner raises the search effort up to this p50 (TuneConfig.latency_ceiling_ms)
+    latency_ceiling_ms: float = 100.0
+    spread: float = SPREAD_SHARE  # share of the build's sample spread over the gallery's clusters (0: off)
     n_queries: int = 1000  # sample queries (half tune, half held out; all of them for the coverage)
     coverage_target: float = 0.995  # the default K is the smallest K with this share of the psi top-10
     coverage_ks: tuple[int, ...] = COVERAGE_KS
@@ -79,6 +83,10 @@ class Stage1Options:
             raise ValueError(f"--recall-target must be in (0, 1], got {self.recall_target}")
         if not self.latency_budget_ms > 0:
             raise ValueError(f"--latency-budget-ms must be > 0, got {self.latency_budget_ms}")
+        if not self.latency_ceiling_ms > 0:
+            raise ValueError(f"--latency-ceiling-ms must be > 0, got {self.latency_ceiling_ms}")
+        if not 0.0 <= self.spread < 1.0:
+            raise ValueError(f"--tune-spread must be in [0, 1), got {self.spread}")
         if not 0.0 < self.coverage_target <= 1.0:
             raise ValueError(f"coverage target must be in (0, 1], got {self.coverage_target}")
         if self.n_queries < 2:
@@ -154,22 +162,24 @@ def tune_version_ann(
     opt.validate()
     n = units.shape[0]
     bank_info = None
+    parts = None
     if opt.bank is not None:  # served queries replace the build's sample (they are unit rows: raw = unit)
         unit_q, source, bank_info = bank_queries(opt.bank, units.shape[1], n=opt.n_queries, seed=opt.seed)
         raw = unit_q
     else:
-        unit_q, source, raw = build_sample(units, queue, captions, n=opt.n_queries, seed=opt.seed)
+        unit_q, source, raw, parts = build_sample(units, queue, captions, n=opt.n_queries, seed=opt.seed,
+                                                  spread=opt.spread)
     types = None
     if requested_type not in (None, "auto"):
         types = (requested_type,)
     elif ann is not None and ann.params.index_type not in auto_ladder(n):
         types = (ann.params.index_type,)
     cfg = TuneConfig(target=opt.recall_target, k=10, candidates=max(10, int(opt.candidates)),
-                     latency_budget_ms=opt.latency_budget_ms, n_queries=opt.n_queries, index_types=types,
-                     seed=opt.seed, strict=True)
+                     latency_budget_ms=opt.latency_budget_ms, latency_ceiling_ms=opt.latency_ceiling_ms,
+                     n_queries=max(opt.n_queries, unit_q.shape[0]), index_types=types, seed=opt.seed, strict=True)
     t0 = time.perf_counter()
     tuned, res = tune_ann(units, unit_q, ids=ids, query_source=source, config=cfg, ann=ann, build_s=build_s,
-                          progress=progress)
+                          progress=progress, parts=parts)
     t1 = time.perf_counter()
     pick = coverage_sample(unit_q.shape[0], n, opt.coverage_queries, seed=opt.seed)
     cq, craw = unit_q[pick], raw[pick]
@@ -178,7 +188,9 @@ def tune_version_ann(
     cov = coverage_at_k(tuned, cq, scorer, ids, ks, top=10, block=4096, query_batch=max(1, cq.shape[0]),
                         query_source=source, target=opt.coverage_target, progress=progress)
     t2 = time.perf_counter()
-    deviation = build_deviation(model, raw, frames, masks, seed=opt.seed)
+    # the deviation is a figure of real text queries: the caption part of a mixed sample
+    deviation = build_deviation(model, raw if parts is None else raw[parts == CAPTION_PART], frames, masks,
+                                seed=opt.seed)
     chosen = cov.chosen_K
     if chosen is None:
         log.warning("no measured K (up to %d) holds %.1f%% of the exhaustive psi top-10: the service keeps its own "
@@ -195,6 +207,11 @@ def tune_version_ann(
         "setting": describe_params(AnnParams.from_dict(res.params)),
         "p50_ms": res.p50_ms,
         "latency_budget_ms": res.latency_budget_ms,
+        "latency_ceiling_ms": res.latency_ceiling_ms,
+        "outcome": res.outcome,
+        **({"recall_parts": res.recall_parts} if res.recall_parts else {}),
+        **({"budget_best": res.budget_best} if res.budget_best is not None else {}),
+        "spread": opt.spread if opt.bank is None else 0.0,
         "device": res.device,
         "query_source": source,
         **({"query_bank": bank_info} if bank_info is not None else {}),

@@ -17,7 +17,9 @@
   actually served); per worker the rolling mean ``gare_stage1_recall_mean`` (NaN until one query is evaluated),
   the queries in it ``gare_stage1_recall_window_queries`` and the version's ``gare_stage1_recall_target`` (NaN:
   not tuned); counters ``gare_stage1_recall_{sampled,dropped}_total``, ``..._evaluated_total{list}``
-  (served list or stage 1 re-run at the manifest's K), ``..._skipped_total{reason}``, ``..._cpu_seconds_total``.
+  (served list or stage 1 re-run at the manifest's K), ``..._skipped_total{reason}``, ``..._cpu_seconds_total``;
+  the sustained-low-recall alarm: per worker ``gare_stage1_recall_alarm`` (1 while on) and
+  ``gare_stage1_recall_alarms_total`` (docs/retune.md).
 
 Several workers (``gare-serve --workers N``): when ``PROMETHEUS_MULTIPROC_DIR`` is set (the CLI sets and
 empties it) every worker writes its series to that directory and ``/metrics`` (on any worker) renders all
@@ -130,6 +132,13 @@ class Metrics:
         self.recall_skipped = Counter(
             "gare_stage1_recall_skipped", "sampled queries not evaluated, by reason (stale: served by a version no "
             "longer current; empty; unloaded; error)", ["reason"], registry=r,
+        )
+        self.recall_alarm = Gauge(
+            "gare_stage1_recall_alarm", "1 while this worker's gare_stage1_recall_mean has stayed below the target for "
+            "recall_alarm_after_s (retune: docs/retune.md), else 0", registry=r, multiprocess_mode="liveall",
+        )
+        self.recall_alarms = Counter(
+            "gare_stage1_recall_alarms", "times the sustained-low-recall alarm went off", registry=r
         )
         self.recall_cpu = Counter(
             "gare_stage1_recall_cpu_seconds", "thread CPU seconds spent on the exact re-runs", registry=r

@@ -21,7 +21,12 @@ Metrics (gare_serve.engine.prometheus): the per-query histograms ``gare_stage1_r
 (``gare_stage1_recall_mean``, NaN until one is evaluated) next to the version's target
 (``gare_stage1_recall_target``), and counters of sampled / evaluated / dropped / skipped queries and of the CPU
 seconds spent. When the rolling mean (over at least ``recall_warn_min_queries`` queries) is below the target,
-a WARNING is logged, at most once per ``recall_warn_interval_s``.
+a WARNING is logged, at most once per ``recall_warn_interval_s``. When it has stayed below the target for
+``recall_alarm_after_s`` (every evaluation in that time found it below, each over at least
+``recall_warn_min_queries`` queries), the alarm goes off: one ERROR line naming the retune command,
+``gare_stage1_recall_alarm`` = 1 and ``gare_stage1_recall_alarms_total`` + 1 (an alert rule or a scheduled
+``gare-index tune --from-bank`` reads them: docs/retune.md); it clears (gauge 0) when the mean is back at the
+target or another version is served. Time is read from ``clock`` (``time.monotonic``), which tests replace.
 
 CPU bound: the exact scan is numpy's own single-threaded loop (``np.einsum``, no BLAS threads), so the thread's
 CPU clock (``time.thread_time``) counts all of it; after every chunk the thread sleeps until its CPU time
@@ -151,6 +156,8 @@ class RecallWatch:
         chunk_bytes: int = CHUNK_BYTES,
         keep_recent: int = 256,
         seed: int | None = None,
+        alarm_after_s: float = 3600.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not 0.0 <= sample_rate <= 1.0:
             raise ValueError(f"sample_rate must be in [0, 1], got {sample_rate}")
@@ -166,9 +173,16 @@ class RecallWatch:
         self.window_size = int(window)
         self.warn_min_queries = max(1, min(int(warn_min_queries), self.window_size))
         self.warn_interval_s = float(warn_interval_s)
+        if not alarm_after_s >= 0:
+            raise ValueError(f"alarm_after_s must be >= 0, got {alarm_after_s}")
+        self.alarm_after_s = float(alarm_after_s)
+        self.clock = clock
+        self._below_since: float | None = None  # clock time the rolling mean was first seen below the target
+        self.alarmed = False  # the alarm is on (for the served version)
         self.chunk_bytes = max(1, int(chunk_bytes))
         self.recent: deque[Evaluation] = deque(maxlen=keep_recent)
-        self.stats: dict[str, Any] = {"sampled": 0, "evaluated": 0, "dropped": 0, "skipped": {}, "cpu_s": 0.0}
+        self.stats: dict[str, Any] = {"sampled": 0, "evaluated": 0, "dropped": 0, "skipped": {}, "cpu_s": 0.0,
+                                      "alarms": 0}
         self._rng = random.Random(seed)
         self._queue: deque[Sample] = deque()
         self._lock = threading.Lock()
@@ -182,6 +196,7 @@ class RecallWatch:
             metrics.recall_mean.set(math.nan)
             metrics.recall_target.set(math.nan)
             metrics.recall_window.set(0)
+            metrics.recall_alarm.set(0)
 
     # ------------------------------------------------------------------ sampling (batch thread)
     def wrap(self, version: IndexVersion) -> Any:
@@ -338,6 +353,7 @@ class RecallWatch:
             target, kt = version_target(version)
             vs = self._vs = _VersionState(version.name, target, kt, deque(maxlen=self.window_size))
             self._last_warn = -math.inf
+            self._clear_alarm()
             m = self.metrics
             if m is not None:
                 m.recall_target.set(math.nan if target is None else target)
@@ -366,8 +382,41 @@ class RecallWatch:
         vs = self._vs
         return float(np.mean(vs.window)) if vs is not None and vs.window else math.nan
 
+    def _clear_alarm(self) -> None:
+        self._below_since = None
+        if self.alarmed:
+            self.alarmed = False
+            if self.metrics is not None:
+                self.metrics.recall_alarm.set(0)
+
+    def _maybe_alarm(self, vs: _VersionState, mean: float, n: int) -> None:
+        """The sustained-low-recall alarm: below the target for alarm_after_s of the watch's clock."""
+        if vs.target is None or n < self.warn_min_queries:
+            return  # too few queries to say either way: the state stays as it is
+        if not mean < vs.target:
+            self._clear_alarm()
+            return
+        now = self.clock()
+        if self._below_since is None:
+            self._below_since = now
+        below_s = now - self._below_since
+        if self.alarmed or below_s < self.alarm_after_s:
+            return
+        self.alarmed = True
+        with self._lock:
+            self.stats["alarms"] = self.stats.get("alarms", 0) + 1
+        if self.metrics is not None:
+            self.metrics.recall_alarm.set(1)
+            self.metrics.recall_alarms.inc()
+        log.error(
+            "stage-1 recall alarm: the rolling recall@%d of the exact top-%d has stayed below the target %.4f of %s for "
+            "%.0f s (now %.4f over the last %d sampled queries). Retune stage 1 on served queries: `gare-index tune "
+            "--out INDEX --from-bank BANK.npy` (a new version the workers follow; docs/retune.md)", vs.k_target, TOP,
+            vs.target, vs.name, below_s, mean, n)
+
     def _maybe_warn(self, vs: _VersionState, mean: float) -> None:
         n = len(vs.window)
+        self._maybe_alarm(vs, mean, n)
         if vs.target is None or n < self.warn_min_queries or not mean < vs.target:
             return
         now = time.monotonic()
@@ -431,7 +480,8 @@ def start_recall_watch(state: Any) -> RecallWatch | None:
         return None
     w = RecallWatch(lambda: state.handle, state.metrics, sample_rate=s.recall_sample_rate,
                     cpu_share=s.recall_cpu_share, queue_size=s.recall_queue_size, window=s.recall_window,
-                    warn_min_queries=s.recall_warn_min_queries, warn_interval_s=s.recall_warn_interval_s)
+                    warn_min_queries=s.recall_warn_min_queries, warn_interval_s=s.recall_warn_interval_s,
+                    alarm_after_s=s.recall_alarm_after_s)
     state.recall_watch = w
     return w.start()
 
