@@ -13,6 +13,7 @@ import numpy as np
 
 from gare.sinkhorn import fold_query
 from gare_index.ann import AnnIndex
+from gare_index.filters import FieldTable, Filter, compile_filter, evaluate, schema_of
 from gare_index.frame_quant import FRAME_SCALES_ARRAY, QuantFrames
 from gare_index.ncl_ann import Stage1Unavailable
 from gare_index.store.format import ANN_NCL_FILE, MMAP_ARRAYS
@@ -47,6 +48,7 @@ class IndexVersion:
     _sorted_rows: np.ndarray = field(init=False, repr=False)
     _lut: np.ndarray | None = field(init=False, repr=False, default=None)  # id -> row (-1: none) for compact ids
     _meta: MetaRows = field(init=False, repr=False)  # meta.sqlite, opened on first use
+    _table: FieldTable | None = field(init=False, repr=False, default=None)  # filter columns, built on first use
 
     def __post_init__(self) -> None:
         self._meta = MetaRows(self.path, self.name)
@@ -186,6 +188,22 @@ class IndexVersion:
 
     def path_of(self, video_id: int) -> Path | None:
         return self._meta.path_of(video_id)
+
+    @property
+    def field_schema(self) -> dict[str, str]:
+        """Every field a filter may name here: the built-in ones and the index's own (name -> type)."""
+        return schema_of(self._meta.fields())
+
+    def compile_filter(self, spec: object) -> Filter:
+        """A filter object checked against this version's fields (FilterError naming the problem)."""
+        return compile_filter(spec, self.field_schema)
+
+    def filter_mask(self, f: Filter) -> np.ndarray:
+        """The rows (n,) bool, in ids.npy order, that pass the compiled filter `f`; the columns it reads are loaded
+        from meta.sqlite once per version and kept."""
+        if self._table is None:
+            self._table = FieldTable(self.n, self.field_schema, lambda name: self._meta.field_values(name, self.ids))
+        return evaluate(f, self._table)
 
     def all_metadata(self) -> list[dict]:
         return self._meta.all_metadata()
