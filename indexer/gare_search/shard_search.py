@@ -47,6 +47,7 @@ from gare_search.by_example import (
     frame_match_rerank,
     rank_examples,
 )
+from gare_search.filtered import FilterPlan
 from gare_search.query import encode_queries, sync, unit_rows
 from gare_search.rerank import DEFAULT_RERANK, RerankSettings, rerank_shortlists
 from gare_search.search import Hit, SearchOptions, rank
@@ -127,14 +128,17 @@ def shard_candidates(model: PsiModel, version: SearchVersion, t: torch.Tensor | 
     opts = per_query(options, n_q)
     t0 = time.perf_counter()
     units = unit_rows(t)  # (a, d) float32: the stage-1 query vectors
-    ann_s, ann_i = shortlists(version, units, opts)
+    plans: list[FilterPlan | None] = [None] * n_q
+    ann_s, ann_i = shortlists(version, units, opts, plans)
     t1 = time.perf_counter()
     psi = rerank_shortlists(model, version, t, ann_i, opts, rerank_settings)
     sync(t.device)
     t2 = time.perf_counter()
     timings = {"ann": t1 - t0, "rerank": t2 - t1}
+    # a filtered query's shard also reports the filter's cost (each shard evaluates it over its own rows)
     return [ShardCandidates(ids=ann_i[i], ann=ann_s[i], psi=psi[i], bias=shard_biases(version, ann_i[i]),
-                            timings=dict(timings)) for i in range(n_q)]
+                            timings=dict(timings) | ({} if plans[i] is None else {"filter": plans[i].filter_s}))
+            for i in range(n_q)]
 
 
 # ------------------------------------------------------------------------------------------ the merge

@@ -182,6 +182,29 @@ class IndexVersion:
             scores[ok] -= np.asarray(self.biases, dtype=np.float32)[self.rows(ids[ok])]
         return scores, ids
 
+    def search_filtered(self, queries: np.ndarray, k: int, rows: np.ndarray, *, ncl_stage1: bool = False,
+                        widen: int = 1) -> tuple[np.ndarray, np.ndarray, bool]:
+        """Stage 1 with a filter inside the ANN: as :meth:`search`, among the rows (n,) bool that pass only, the
+        ANN `widen` times broader (:meth:`gare_index.ann.AnnIndex.search_subset`); the third value says whether
+        that search saw every passing row (then a shorter answer means fewer rows pass)."""
+        q = np.ascontiguousarray(np.atleast_2d(np.asarray(queries, dtype=np.float32)))
+        if q.shape[0] == 0:
+            return np.zeros((0, k), np.float32), np.zeros((0, k), np.int64), True
+        passing = self._sorted_ids[np.asarray(rows, dtype=bool)[self._sorted_rows]]  # ids of the passing rows
+        allowed = np.zeros(int(self._sorted_ids[-1]) + 1 if self._sorted_ids.size else 0, dtype=bool)
+        allowed[passing] = True
+        if not ncl_stage1:
+            scores, ids, full = self.ann.search_subset(q, int(k), allowed, widen=widen)
+            return np.asarray(scores, dtype=np.float32), np.asarray(ids, dtype=np.int64), full
+        self.check_stage1(ncl_stage1=True)
+        scores, ids, full = self.ann_ncl.search_subset(fold_query(q, self.ncl_c), int(k), allowed, widen=widen)
+        scores = np.asarray(scores, dtype=np.float32).copy()
+        ids = np.asarray(ids, dtype=np.int64)
+        ok = ids >= 0
+        if ok.any():
+            scores[ok] -= np.asarray(self.biases, dtype=np.float32)[self.rows(ids[ok])]
+        return scores, ids, full
+
     def metadata(self, ids: Sequence[int] | np.ndarray) -> list[dict]:
         """SQLite rows as dicts, in the order of `ids` (an id may repeat). Unknown ids raise KeyError."""
         return self._meta.metadata(ids)
