@@ -25,7 +25,7 @@ import json
 import logging
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -84,7 +84,7 @@ Node = Cmp | And | Or | Not
 class Filter:
     """A compiled filter: its tree and its canonical JSON text (sorted keys; what a result cache keys on)."""
 
-    root: Node
+    root: Node = field(compare=False)  # equal texts compile to equivalent trees (only the order of parts differs)
     text: str
 
     @property

@@ -18,12 +18,14 @@ from fastapi import APIRouter, Depends, File, Form, HTTPException, Response, Upl
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
+from gare_index.filters import FilterError
 from gare_index.ncl_ann import Stage1Unavailable
 from gare_index.store import IndexVersion
 from gare_search import by_example as E
 from gare_search import search as S
 from gare_serve.engine.search_requests import (
     ExampleAnswer,
+    FilterUnsupported,
     TextAnswer,
     observe_stages,
     search_by_image,
@@ -58,6 +60,8 @@ async def text_responses(state: ServiceState, version: IndexVersion, queries: li
         answers = await search_texts(state, version, queries, asked)
     except Stage1Unavailable as e:
         raise HTTPException(409, str(e)) from None
+    except FilterError as e:  # an unknown field, a wrong type, too deep or too long: the message names it
+        raise HTTPException(422, str(e)) from None
     return [await text_response(state, version, a, t_start) for a in answers]
 
 
@@ -75,9 +79,18 @@ async def text_response(state: ServiceState, version: IndexVersion, a: TextAnswe
     return SearchResponse(
         query=a.query, index_version=version.name, k=opts.k, candidates=opts.candidates, rerank=opts.rerank,
         ncl=opts.ncl, results=hits, batch_size=a.batch.size, **partial_fields(res),
-        timings_ms=Timings(**{k: ms(v) for k, v in stage_s.items()}, total=ms(total),
+        timings_ms=Timings(**{k: ms(v) for k, v in stage_s.items()}, total=ms(total), **filter_timings(opts, res),
                            cache="result" if a.from_result_cache else "hit" if res.cached else "miss"),
     )
+
+
+def filter_timings(opts: S.SearchOptions, res: S.QueryResult) -> dict[str, Any]:
+    """``filter`` (ms) and ``plan`` of a filtered search's timings (none without a filter; a result-cache answer
+    ran no stage: 0 ms, plan "cached")."""
+    if opts.filter is None:
+        return {}
+    plan = getattr(res, "plan", None)
+    return {"filter": ms(res.timings.get("filter", 0.0)), "plan": plan.plan if plan is not None else "cached"}
 
 
 @contextlib.contextmanager
@@ -88,7 +101,7 @@ def example_errors() -> Iterator[None]:
         yield
     except E.UnknownExample as e:
         raise HTTPException(404, str(e)) from None
-    except E.ExampleError as e:
+    except (E.ExampleError, FilterError, FilterUnsupported) as e:
         raise HTTPException(422, str(e)) from None
 
 
