@@ -220,7 +220,7 @@ def _cmp(name: str, kind: str, op: str, arg: Any, where: str) -> Cmp:
 # ------------------------------------------------------------------------------------------ evaluating
 class FieldTable:
     """The columns a filter reads, over the rows of one version (row order of ids.npy), built on first use
-    from `load(name)` -> the stored values of that field (list of n) and kept."""
+    from `load(name)` -> a :class:`Column`, or the stored values of that field (list of n), and kept."""
 
     def __init__(self, n: int, schema: Mapping[str, str], load: Any) -> None:
         self.n, self.schema, self._load = int(n), dict(schema), load
@@ -229,7 +229,8 @@ class FieldTable:
     def column(self, name: str) -> Column:
         col = self._cols.get(name)
         if col is None:
-            col = build_column(name, self.schema[name], self._load(name))
+            got = self._load(name)
+            col = got if isinstance(got, Column) else build_column(name, self.schema[name], got)
             if col.n != self.n:
                 raise ValueError(f"field {name!r}: {col.n} values for {self.n} rows")
             self._cols[name] = col
@@ -312,11 +313,16 @@ def _eval_cmp(c: Cmp, col: Column) -> np.ndarray:
             want = _prefix_codes(col, c.value)
         else:
             want = _codes_of(col, c.value if isinstance(c.value, tuple) else (c.value,))
-        hit = np.isin(col.codes, want) if want.size else np.zeros(n, dtype=bool)
+        # a lookup table over the vocabulary, shifted by one so that code -1 (no value) reads slot 0 (False)
+        lut = np.zeros(len(col.vocab) + 1, dtype=bool)
+        lut[want.astype(np.int64) + 1] = True
+        hit = lut[col.codes.astype(np.int64) + 1] if want.size else np.zeros(n, dtype=bool)
         return ~hit if c.op in ("$ne", "$nin") else hit
     # tags: a row matches when any of its (row, tag) pairs has one of the wanted tags
     want = _codes_of(col, c.value if isinstance(c.value, tuple) else (c.value,))
     hit = np.zeros(n, dtype=bool)
     if want.size and col.codes is not None and col.codes.size:
-        hit[col.owner[np.isin(col.codes, want)]] = True
+        lut = np.zeros(len(col.vocab), dtype=bool)
+        lut[want] = True
+        hit[col.owner[lut[col.codes]]] = True
     return ~hit if c.op in ("$ne", "$nin") else hit

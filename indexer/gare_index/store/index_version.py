@@ -225,7 +225,8 @@ class IndexVersion:
         """The rows (n,) bool, in ids.npy order, that pass the compiled filter `f`; the columns it reads are loaded
         from meta.sqlite once per version and kept."""
         if self._table is None:
-            self._table = FieldTable(self.n, self.field_schema, lambda name: self._meta.field_values(name, self.ids))
+            schema = self.field_schema
+            self._table = FieldTable(self.n, schema, lambda name: self._meta.field_column(name, schema[name], self.ids))
         return evaluate(f, self._table)
 
     def all_metadata(self) -> list[dict]:

@@ -4,7 +4,6 @@ worker of the shared engine), so that both answer the same rows the same way."""
 
 from __future__ import annotations
 
-import os
 import sqlite3
 import threading
 from collections.abc import Sequence
@@ -13,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from gare_index.fields import BUILTIN_FIELDS, FIELDS_TABLE, stored_value
+from gare_index.fields import BUILTIN_FIELDS, FIELDS_TABLE, Column, date_seconds, stored_value
 from gare_index.store.format import META_COLUMNS, META_FILE
 
 _CHUNK = 500  # ids per SELECT ... IN (...): under SQLite's default limit of bound parameters
@@ -103,9 +102,11 @@ class MetaRows:
                         r[k] = None if got is None else stored_value(t, got[j])
         return rows
 
-    def field_values(self, name: str, ids: np.ndarray) -> list[Any]:
-        """The stored values of field `name` (built-in or the index's own) for every id of `ids` (n,) int64, in
-        that order (None where a video has none): what a filter's column is built from."""
+    def field_column(self, name: str, kind: str, ids: np.ndarray) -> Column:
+        """Field `name` (built-in or the index's own, of type `kind`) over the rows of `ids` (n,) int64 (ids.npy
+        order) as a filter reads it (:class:`gare_index.fields.Column`). SQLite does the grouping: one scan of
+        the column (non-null values only), tags split into (id, tag) pairs by json_each, strings and dates
+        decoded once per distinct value, so that a 1M-row column loads in about a second."""
         fields = self._field_types()
         if name == "folder":
             src, col = "videos", "path"
@@ -115,12 +116,44 @@ class MetaRows:
             src, col = FIELDS_TABLE, name
         else:
             raise KeyError(f"index {self.name} has no field {name!r}")
+        ids = np.asarray(ids, dtype=np.int64)
+        n = int(ids.size)
+        order = np.argsort(ids, kind="stable")
+        sorted_ids = ids[order]
+
+        def rows_of(got: np.ndarray) -> np.ndarray:  # ids -> row positions (every id of the db is a row)
+            pos = np.clip(np.searchsorted(sorted_ids, got), 0, max(n - 1, 0))
+            if n == 0 or not np.array_equal(sorted_ids[pos], got):
+                raise KeyError(f"index {self.name}: meta.sqlite has ids that ids.npy does not")
+            return order[pos]
+
         with self._lock:
-            got = dict(self._db().execute(f'SELECT "id", "{col}" FROM {src}').fetchall())
-        vals = [got.get(int(i)) for i in np.asarray(ids, dtype=np.int64)]
-        if name == "folder":
-            return [None if p is None else os.path.dirname(p) for p in vals]
-        return vals
+            db = self._db()
+            if kind == "tags":
+                pairs = db.execute(f'SELECT t."id", j.value FROM {src} t, json_each(t."{col}") j '
+                                   f'WHERE t."{col}" IS NOT NULL').fetchall()
+            else:
+                pairs = db.execute(f'SELECT "id", "{col}" FROM {src} WHERE "{col}" IS NOT NULL').fetchall()
+        rows = rows_of(np.fromiter((p[0] for p in pairs), np.int64, len(pairs)))
+        if kind in ("number", "date"):
+            vals = np.full(n, np.nan, dtype=np.float64)
+            if kind == "date" and src == FIELDS_TABLE:  # ISO text: each distinct value parsed once
+                secs = {v: date_seconds(v) for v in {p[1] for p in pairs}}
+                vals[rows] = np.fromiter((secs[p[1]] for p in pairs), np.float64, len(pairs))
+            else:
+                vals[rows] = np.fromiter((p[1] for p in pairs), np.float64, len(pairs))
+            return Column(name, kind, n, values=vals)
+        texts = (p[1].rpartition("/")[0] or "/" for p in pairs) if name == "folder" else (str(p[1]) for p in pairs)
+        texts = list(texts)
+        vocab = sorted(set(texts))
+        code_of = {v: i for i, v in enumerate(vocab)}
+        codes = np.fromiter((code_of[v] for v in texts), np.int32, len(texts))
+        voc = np.array(vocab, dtype=object)
+        if kind == "tags":
+            return Column(name, kind, n, codes=codes, owner=rows, vocab=voc)
+        full = np.full(n, -1, dtype=np.int32)
+        full[rows] = codes
+        return Column(name, kind, n, codes=full, vocab=voc)
 
     def close(self) -> None:
         with self._lock:
