@@ -84,15 +84,21 @@ def exact_topk(version: SearchVersion, units: np.ndarray, rows: np.ndarray, k: i
 
 
 def filtered_stage1(version: SearchVersion, units: np.ndarray, candidates: int, f: Filter, *, ncl_stage1: bool,
-                    exact_below: float = FILTER_EXACT_BELOW) -> tuple[list[np.ndarray], list[np.ndarray], FilterPlan]:
+                    exact_below: float = FILTER_EXACT_BELOW, exclude: np.ndarray | None = None
+                    ) -> tuple[list[np.ndarray], list[np.ndarray], FilterPlan]:
     """Stage 1 of the queries `units` (a, d) under filter `f`: per query (cosines, ids) of at most K candidates
-    that pass (missing results dropped), and the :class:`FilterPlan` taken."""
+    that pass (missing results dropped), and the :class:`FilterPlan` taken. `exclude`: ids that never pass (a
+    search by example leaves its own videos out)."""
     if ncl_stage1:
         check = getattr(version, "check_stage1", None)
         if check is not None:
             check(ncl_stage1=True)
     t0 = time.perf_counter()
     mask = np.asarray(version.filter_mask(f), dtype=bool)  # (n,) rows that pass
+    if exclude is not None and np.asarray(exclude).size:
+        rows = version.rows(np.asarray(exclude, dtype=np.int64).reshape(-1), missing="mask")
+        mask = mask.copy()
+        mask[rows[rows >= 0]] = False
     passing = int(mask.sum())
     n = int(mask.shape[0])
     t1 = time.perf_counter()

@@ -3,9 +3,15 @@ keys the result cache, shows its plan in timings_ms and the metrics; a bad filte
 
 from __future__ import annotations
 
+import io
+import json
+
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+from PIL import Image
 
+from gare_search import by_example as E
 from gare_search import search as S
 from gare_serve.app import create_app
 from tests.service.support import copy_index, settings
@@ -85,9 +91,27 @@ def test_too_deep_too_long_and_not_an_object_are_422(client):
         assert r.status_code == 422 and word in str(r.json()["detail"]), r.text
 
 
-def test_by_example_with_a_filter_is_a_clear_422(client):
-    r = client.post("/v1/search", json={"video_id": 1, "filter": {"id": {"$gt": 2}}})
-    assert r.status_code == 422 and "not supported" in r.json()["detail"]
+def test_by_example_and_by_image_take_a_filter(client, model_and_index):
+    _, version, _ = model_and_index
+    spec = {"id": {"$in": ALLOWED}}
+    r = client.post("/v1/search", json={"video_id": 1, "k": 3, "filter": spec})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    want = E.search_by_videos(version, [1], S.SearchOptions(k=3, candidates=body["candidates"],
+                                                            filter=version.compile_filter(spec)))
+    assert [h["id"] for h in body["results"]] == [h.id for h in want.hits]
+    assert set(h["id"] for h in body["results"]) <= set(ALLOWED) - {1} and body["timings_ms"]["plan"] == "exact"
+    png = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (48, 64, 3), dtype=np.uint8)).save(png, "PNG")
+    files = {"image": ("x.png", png.getvalue(), "image/png")}
+    r = client.post("/v1/search/image", files=files, data={"k": "3", "filter": json.dumps(spec)})
+    assert r.status_code == 200, r.text
+    assert {h["id"] for h in r.json()["results"]} <= set(ALLOWED) and len(r.json()["results"]) == 3
+    for bad, word in (("{not json", "not valid JSON"), ('{"chanel": 1}', "unknown field 'chanel'")):
+        r = client.post("/v1/search/image", files=files, data={"k": "3", "filter": bad})
+        assert r.status_code == 422 and word in r.json()["detail"], r.text
+    r = client.post("/v1/search", json={"video_ids": [1, 2], "filter": {"id": {"$gt": "x"}}})
+    assert r.status_code == 422 and "filter.id.$gt" in r.json()["detail"]
 
 
 def test_openapi_documents_the_filter_and_metrics_count_plans(client):

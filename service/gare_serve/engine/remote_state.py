@@ -32,7 +32,6 @@ import numpy as np
 from starlette.concurrency import run_in_threadpool
 
 from gare.backbone import get_tokenizer
-from gare_index.filters import Filter, compile_filter, schema_of
 from gare_index.ncl_ann import Stage1Unavailable
 from gare_index.store import (
     ANN_NCL_FILE,
@@ -82,10 +81,6 @@ class MetadataVersion:
 
     def metadata(self, ids: Sequence[int] | np.ndarray) -> list[dict]:
         return self._meta.metadata(ids)
-
-    def compile_filter(self, spec: object) -> Filter:
-        """A request's filter checked against the version's fields, as ``IndexVersion.compile_filter`` does."""
-        return compile_filter(spec, schema_of(self._meta.fields()))
 
     def path_of(self, video_id: int) -> Path | None:
         return self._meta.path_of(video_id)

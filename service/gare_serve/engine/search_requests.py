@@ -23,6 +23,7 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
+from gare_index.filters import Filter, compile_filter, schema_of
 from gare_index.store import IndexVersion
 from gare_search import search as S
 from gare_serve.engine.batch_worker import Job
@@ -31,8 +32,8 @@ from gare_serve.engine.result_cache import Key
 from gare_serve.engine.served_options import AskedOptions, resolve_options, served_defaults
 from gare_serve.engine.state import ServiceState
 
-__all__ = ["ExampleAnswer", "FilterUnsupported", "NO_BATCH", "TextAnswer", "observe_stages", "request_options", "search_by_image",
-           "search_by_videos", "search_texts"]
+__all__ = ["ExampleAnswer", "NO_BATCH", "TextAnswer", "observe_stages", "request_filter", "request_options",
+           "search_by_image", "search_by_videos", "search_texts"]
 
 NO_BATCH = BatchInfo(size=0, queue_s=0.0, run_s=0.0)  # a result-cache answer: it never entered the micro-batch queue
 STAGES = ("encode", "ann", "rerank", "rank")  # a result's stage timings, in the metrics and the response
@@ -46,8 +47,14 @@ def request_options(state: ServiceState, version: IndexVersion, asked: AskedOpti
                            default_candidates=s.default_candidates)
     if asked.filter is None:
         return opts
-    return dataclasses.replace(opts, filter=version.compile_filter(asked.filter),
+    return dataclasses.replace(opts, filter=request_filter(version, asked.filter),
                                filter_exact_below=float(s.filter_exact_below))
+
+
+def request_filter(version: Any, spec: Any) -> Filter:
+    """A request's filter compiled against the served version's fields as its manifest records them (``fields``;
+    the same for an opened version, a shared-engine worker's metadata view and a sharded generation's view)."""
+    return compile_filter(spec, schema_of(getattr(version.manifest, "fields", None)))
 
 
 @dataclass
@@ -104,10 +111,8 @@ async def search_by_videos(state: ServiceState, version: IndexVersion, ids: list
     """More like these videos: stage 1 with their mean unit vector, rerank by s_vv, no NCL biases (the request's k,
     K and rerank resolved as a text request's)."""
     o = request_options(state, version, asked)
-    if o.filter is not None:
-        raise FilterUnsupported("a filter is not supported with video_id / video_ids (more like this) yet; search by "
-                                "text to filter")
-    opts = S.SearchOptions(k=o.k, candidates=o.candidates, rerank=o.rerank, ncl=False)
+    opts = S.SearchOptions(k=o.k, candidates=o.candidates, rerank=o.rerank, ncl=False, filter=o.filter,
+                           filter_exact_below=o.filter_exact_below)
     return ExampleAnswer(opts, await run_in_threadpool(state.search_by_videos, version, ids, opts))
 
 
@@ -128,6 +133,3 @@ def observe_stages(state: ServiceState, result: S.QueryResult, queue_s: float, t
         state.metrics.observe_filter_plan(plan.plan)
     return stage_s
 
-
-class FilterUnsupported(ValueError):
-    """A filter on a search that cannot take one (the routes' 422)."""

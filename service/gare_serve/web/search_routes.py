@@ -9,6 +9,8 @@ search by example (``video_id``/``video_ids`` in ``/v1/search``, an upload to ``
 
 import asyncio
 import contextlib
+import dataclasses
+import json
 import time
 import weakref
 from collections.abc import Iterator
@@ -18,6 +20,7 @@ from fastapi import APIRouter, Depends, File, Form, HTTPException, Response, Upl
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
+from gare_index.filters import MAX_TEXT as MAX_FILTER_TEXT
 from gare_index.filters import FilterError
 from gare_index.ncl_ann import Stage1Unavailable
 from gare_index.store import IndexVersion
@@ -25,9 +28,9 @@ from gare_search import by_example as E
 from gare_search import search as S
 from gare_serve.engine.search_requests import (
     ExampleAnswer,
-    FilterUnsupported,
     TextAnswer,
     observe_stages,
+    request_filter,
     search_by_image,
     search_by_videos,
     search_texts,
@@ -101,7 +104,7 @@ def example_errors() -> Iterator[None]:
         yield
     except E.UnknownExample as e:
         raise HTTPException(404, str(e)) from None
-    except (E.ExampleError, FilterError, FilterUnsupported) as e:
+    except (E.ExampleError, FilterError) as e:
         raise HTTPException(422, str(e)) from None
 
 
@@ -115,8 +118,16 @@ async def example_response(state: ServiceState, version: IndexVersion, a: Exampl
     return SearchResponse(
         query=None, example=example, index_version=version.name, k=opts.k, candidates=opts.candidates,
         rerank=opts.rerank and example["kind"] == "videos", ncl=False, results=hits, batch_size=1, **partial_fields(res),
-        timings_ms=Timings(**{k: ms(v) for k, v in stage_s.items()}, total=ms(total)),
+        timings_ms=Timings(**{k: ms(v) for k, v in stage_s.items()}, total=ms(total), **filter_timings(opts, res)),
     )
+
+
+def parse_filter_text(text: str) -> Any:
+    """The image route's ``filter`` form field (JSON text) decoded; FilterError (422) when it is not JSON."""
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise FilterError(f"filter: not valid JSON ({e})") from None
 
 
 def partial_fields(res: S.QueryResult) -> dict[str, Any]:
@@ -172,6 +183,8 @@ def make_router(settings: Settings) -> APIRouter:
                                                       f"{settings.max_image_aspect:g} x the short side)")],
         k: Annotated[int, Form(ge=1, le=max_k)] = 10,
         candidates: Annotated[int | None, Form(ge=1, le=max_K)] = None,
+        filter: Annotated[str | None, Form(max_length=MAX_FILTER_TEXT, description="a filter object as JSON text "
+                                           "(the `filter` of POST /v1/search)")] = None,
     ) -> Response:
         t_start = time.perf_counter()
         K = candidates if candidates is not None else min(max_K, max(default_K, k))
@@ -202,6 +215,9 @@ def make_router(settings: Settings) -> APIRouter:
             opts = S.SearchOptions(k=k, candidates=K, rerank=False, ncl=False)
             with state.use_version() as version:
                 with example_errors():
+                    if filter is not None:
+                        opts = dataclasses.replace(opts, filter=request_filter(version, parse_filter_text(filter)),
+                                                   filter_exact_below=float(settings.filter_exact_below))
                     a = await search_by_image(state, version, pil, opts)
                 return _json(await example_response(state, version, a,
                                                     {"kind": "image", "content_type": kind, "bytes": nbytes}, t_start))
