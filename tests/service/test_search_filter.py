@@ -9,6 +9,9 @@ import json
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 from PIL import Image
 
 from gare_search import by_example as E
@@ -122,3 +125,22 @@ def test_openapi_documents_the_filter_and_metrics_count_plans(client):
     assert "$gte" in f["description"] and f["examples"][0]["channel"] == "news"
     client.post("/v1/search", json={"query": "x", "filter": {"id": 2}})
     assert 'gare_filter_plans_total{plan="exact"}' in client.get("/metrics").text
+
+
+_KEYS = st.sampled_from(["id", "duration", "folder", "path", "mtime", "nope", "$and", "$or", "$not", "$in", "$gt",
+                         "$prefix", "$eq", "$nin", "$regex", ""])
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**20, 10**20) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_KEYS, inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@hsettings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(spec=st.dictionaries(_KEYS, _JSON, max_size=4))
+def test_random_filters_never_give_a_5xx(client, spec):
+    r = client.post("/v1/search", json={"query": "a dog", "k": 3, "candidates": 4, "filter": spec})
+    assert r.status_code in (200, 422), (spec, r.status_code, r.text)
+    if r.status_code == 422:
+        assert r.json()["detail"]

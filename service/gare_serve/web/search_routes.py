@@ -82,18 +82,20 @@ async def text_response(state: ServiceState, version: IndexVersion, a: TextAnswe
     return SearchResponse(
         query=a.query, index_version=version.name, k=opts.k, candidates=opts.candidates, rerank=opts.rerank,
         ncl=opts.ncl, results=hits, batch_size=a.batch.size, **partial_fields(res),
-        timings_ms=Timings(**{k: ms(v) for k, v in stage_s.items()}, total=ms(total), **filter_timings(opts, res),
+        timings_ms=Timings(**{k: ms(v) for k, v in stage_s.items()}, total=ms(total),
+                           **filter_timings(opts, res, from_cache=a.from_result_cache),
                            cache="result" if a.from_result_cache else "hit" if res.cached else "miss"),
     )
 
 
-def filter_timings(opts: S.SearchOptions, res: S.QueryResult) -> dict[str, Any]:
+def filter_timings(opts: S.SearchOptions, res: S.QueryResult, *, from_cache: bool = False) -> dict[str, Any]:
     """``filter`` (ms) and ``plan`` of a filtered search's timings (none without a filter; a result-cache answer
-    ran no stage: 0 ms, plan "cached")."""
+    ran no stage: 0 ms, plan "cached"; a sharded answer: every shard chose its own plan, "per-shard")."""
     if opts.filter is None:
         return {}
     plan = getattr(res, "plan", None)
-    return {"filter": ms(res.timings.get("filter", 0.0)), "plan": plan.plan if plan is not None else "cached"}
+    name = plan.plan if plan is not None else "cached" if from_cache else "per-shard"
+    return {"filter": ms(res.timings.get("filter", 0.0)), "plan": name}
 
 
 @contextlib.contextmanager
