@@ -5,13 +5,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image
 
 from gare.checkpoint import load_model
 from gare_build.build import BuildOptions
 from gare_build.shard_build import build_sharded
 from gare_index.shards import open_sharded
 from gare_index.store import open_index
+from gare_search import by_example as E
 from gare_search import search as S
 from gare_search import shard_search as SH
 from tests.indexer.test_sharded_search import assert_same_hits
@@ -67,3 +70,26 @@ def test_filtered_sharded_search_equals_one_index(env, n):
                 assert_same_hits(single, sharded, w.hits, g.hits)
                 assert "filter" in g.timings
                 assert {r["path"] for r in sharded.metadata([h.id for h in g.hits])} <= passes
+
+
+@pytest.mark.parametrize("n", SHARDS)
+def test_filtered_example_and_image_queries_equal_one_index(env, n):
+    model, single, shs, _ = env
+    sharded = shs[n]
+    gid_of = {r["path"]: g for s in range(sharded.n_shards)
+              for g, r in zip(sharded.global_ids(s), sharded.shards[s].all_metadata(), strict=True)}
+    rows = single.all_metadata()
+    image = Image.fromarray(np.random.default_rng(n).integers(0, 255, size=(40, 56, 3), dtype=np.uint8))
+    for j, spec in enumerate(FILTERS):
+        f = single.compile_filter(spec)
+        for below in (1.0, 0.0):
+            o = S.SearchOptions(k=4, candidates=6, filter=f, filter_exact_below=below)
+            ex = [rows[j], rows[j + 5]]
+            want = E.search_by_videos(single, [int(r["id"]) for r in ex], o)
+            got = SH.search_sharded_by_videos(sharded, [gid_of[r["path"]] for r in ex], o)
+            assert len(got.hits) == len(want.hits) > 0
+            assert_same_hits(single, sharded, want.hits, got.hits)
+            want = E.search_by_image(model, single, image, o)
+            got = SH.search_sharded_by_image(model, sharded, image, o)
+            assert len(got.hits) == len(want.hits) > 0
+            assert_same_hits(single, sharded, want.hits, got.hits)
