@@ -116,7 +116,7 @@ def _build_locked(checkpoint: Any, videos: Any, root: Path, opts: BuildOptions, 
     entries, todo_ids, kept_ids, n_from_todo = collect_entries(p, enc, report)
     if not entries:
         raise ValueError(f"nothing could be indexed from {videos} ({len(report.skipped)} skipped; see {root / REPORT_FILE})")
-    if mode == "add" and p.prev is not None and n_from_todo == 0 and len(entries) == p.prev.n:
+    if mode == "add" and p.prev is not None and n_from_todo == 0 and len(entries) == p.prev.n and not p.fields_changed:
         report.n_videos = p.prev.n
         report.notes.append("index is up to date: no new or changed files; no new version written")
         return
@@ -204,7 +204,7 @@ def _no_kv(frames16: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def carry_manifest(m: IndexManifest) -> dict[str, Any]:
     """Manifest fields a derived version keeps (checkpoint binding, sampling, ANN choice, ...), as JSON."""
     keys = ("checkpoint", "precision", "sampling", "segment", "index_type_requested", "ann_params", "ann_trained_n",
-            "next_id", "biases", "invgc", "ncl_stage1", "psi_fold", "stage1")
+            "next_id", "biases", "invgc", "ncl_stage1", "psi_fold", "stage1", "fields")
     d = m.to_dict()
     return {k: d[k] for k in keys if k in d}
 

@@ -31,6 +31,7 @@ from gare_build.shard_build import (
 from gare_build.tuning.version_tuning import Stage1Options
 from gare_build.upgrade import upgrade
 from gare_index.describe import describe_stage1
+from gare_index.fields import parse_field_spec
 from gare_index.shards import current_generation, is_sharded, shard_root
 from gare_index.store import (
     WORK_DIR,
@@ -106,7 +107,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
         keep=args.keep,
         n_iters=args.n_iters, progress=args.progress, decode_timeout=args.decode_timeout,
         invgc=args.invgc, ncl_stage1=args.ncl_stage1, bias_score=args.bias_score, stage1=_stage1_options(args),
-        tune_captions=_caption_texts(args.tune_captions),
+        tune_captions=_caption_texts(args.tune_captions), fields=parse_field_spec(args.fields),
     )
     if args.bias_k is not None:
         opts.bias_k = args.bias_k

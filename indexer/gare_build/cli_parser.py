@@ -172,7 +172,12 @@ def _add_encode_args(p: argparse.ArgumentParser, *, build: bool) -> None:
                    help="GARE checkpoint (.safetensors)" + ("" if build else "; default: the one the index was built with (same sha256 required)"))
     p.add_argument("--videos", required=True, metavar="DIR|MANIFEST",
                    help="a folder (searched recursively for mp4, mkv, webm, mov, avi, ...) or a JSONL/JSON/CSV manifest "
-                        "with a 'video' path column (relative to the manifest) and optional 'start', 'end' (seconds) and 'id'")
+                        "with a 'video' path column (relative to the manifest) and optional 'start', 'end' (seconds) and 'id'; "
+                        "its other columns are the videos' own fields (filters in every search)")
+    p.add_argument("--fields", metavar="NAME:TYPE,...", default=None,
+                   help="declare the manifest's field columns: string, tags (a list, or a|b|c in CSV), number, date "
+                        "(ISO 8601); undeclared columns are inferred" + ("" if build else
+                        "; an add keeps the index's fields (a new column or another type is an error)"))
     _add_index_arg(p)
     g = p.add_argument_group("ANN index")
     g.add_argument("--index-type", choices=("auto", *INDEX_TYPES), default=None,

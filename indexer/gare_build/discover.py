@@ -25,6 +25,7 @@ from gare.video import VIDEO_EXTENSIONS, VideoDecodeError, probe_video
 log = logging.getLogger(__name__)
 
 MANIFEST_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv")
+MANIFEST_COLUMNS = ("video", "path", "start", "end", "id")  # what a manifest row means to the builder; the rest are fields
 
 
 @dataclass
@@ -42,6 +43,8 @@ class Clip:
     duration: float | None = None
     fps: float | None = None
     explicit_id: bool = False
+    # the manifest's other columns (raw, as read: CSV text or JSON values), then as stored (gare_index.fields)
+    fields: dict[str, Any] | None = None
 
     @property
     def seg(self) -> tuple[str, float | None, float | None]:
@@ -186,7 +189,8 @@ def read_manifest(path: Path) -> tuple[list[Clip], list[Skip]]:
         if Path(p).suffix.lower() not in VIDEO_EXTENSIONS:
             skipped.append(Skip(p, f"unsupported file type {Path(p).suffix or '(no extension)'!r}", start, end, where))
             continue
-        clips.append(Clip(p, start, end, vid, where, explicit_id=vid is not None))
+        extra = {str(k): v for k, v in row.items() if k not in MANIFEST_COLUMNS and k is not None}
+        clips.append(Clip(p, start, end, vid, where, explicit_id=vid is not None, fields=extra or None))
     return clips, skipped
 
 
@@ -327,5 +331,6 @@ def expand_segments(clips: list[Clip], seconds: float | None, overlap: float) ->
             skipped.append(Skip(c.path, f"manifest id {c.id} given for a video split into {len(wins)} segments", source=c.source))
             continue
         for s, e in wins:
-            out.append(Clip(c.path, s, e, c.id, c.source, c.size, c.mtime, c.checksum, c.duration, c.fps, c.explicit_id))
+            out.append(Clip(c.path, s, e, c.id, c.source, c.size, c.mtime, c.checksum, c.duration, c.fps, c.explicit_id,
+                            fields=c.fields))
     return out, skipped

@@ -44,7 +44,7 @@ from gare_build.build import (
 )
 from gare_build.discover import discover, scan
 from gare_build.pipeline.options import progress_enabled
-from gare_build.pipeline.plan import postprocess_setup
+from gare_build.pipeline.plan import postprocess_setup, resolve_fields
 from gare_build.pipeline.stats import stats
 from gare_build.shard_global import DEFERRED, GlobalStep, RowConcat, global_step
 from gare_index.shards import (
@@ -208,11 +208,15 @@ def build_sharded(checkpoint: Any, videos: str | os.PathLike, out: str | os.Path
         clips, skipped, ignored = discover(videos)
         known: dict[str, dict[str, Any]] = {}
         rows_of: dict[int, list[dict[str, Any]]] = {}
+        prev_fields: dict[str, str] | None = None
         if gen is not None:
             for s, name in enumerate(gen.versions):
                 with open_version(shard_root(root, s), name, use_gpu=False) as v:
                     rows_of[s] = v.all_metadata()
+                    prev_fields = dict(v.manifest.fields or {})
                 known.update({r["path"]: r for r in rows_of[s]})
+        # the fields' types are decided once over every clip (a shard alone could infer another type), then declared
+        opts = dataclasses.replace(opts, fields=resolve_fields(clips, prev_fields, opts.fields, adding=mode == "add"))
         clips, sk = scan(clips, known, threads=opts.scan_threads, progress=progress_enabled(opts.progress))
         report.ignored = [x.to_dict() for x in ignored]
         report.skipped = [x.to_dict() for x in skipped + sk]

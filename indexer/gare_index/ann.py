@@ -307,6 +307,46 @@ class AnnIndex:
         scores[ids < 0] = -np.inf
         return scores, ids
 
+    def search_subset(self, queries: np.ndarray, k: int, allowed: np.ndarray, *, widen: int = 1
+                      ) -> tuple[np.ndarray, np.ndarray, bool]:
+        """Top-k by inner product among the ids whose bit is set in `allowed` ((max id + 1,) bool: the filter
+        inside the ANN, a faiss IDSelectorBitmap): (scores (q, k), ids (q, k), exhaustive). IVF scans `widen`
+        times its nprobe cells and HNSW explores `widen` times its efSearch (a selective filter leaves few passing
+        rows in the cells it would scan); `exhaustive` says whether that breadth already covers every row (flat,
+        or IVF with every cell scanned), so that a shorter answer means fewer rows pass. Always on the CPU copy
+        (faiss's GPU indexes take no selector)."""
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        q = as_f32(np.atleast_2d(queries))
+        if q.shape[1] != self.d:
+            raise ValueError(f"queries have d={q.shape[1]}, index has d={self.d}")
+        nq = q.shape[0]
+        if nq == 0 or self.ntotal == 0:
+            return np.full((nq, k), -np.inf, dtype=np.float32), np.full((nq, k), -1, dtype=np.int64), True
+        bits = np.packbits(np.asarray(allowed, dtype=bool), bitorder="little")  # bit i = id i (faiss's layout)
+        sel = faiss.IDSelectorBitmap(int(bits.size), faiss.swig_ptr(bits))  # n = bytes of the bitmap
+        inner = inner_index(self._cpu)
+        exhaustive = True
+        if isinstance(inner, faiss.IndexIVF):
+            nprobe = int(min(inner.nlist, max(1, int(inner.nprobe)) * max(1, int(widen))))
+            params: faiss.SearchParameters = faiss.SearchParametersIVF(sel=sel, nprobe=nprobe)
+            exhaustive = nprobe >= int(inner.nlist)
+        elif isinstance(inner, faiss.IndexHNSW):
+            params = faiss.SearchParametersHNSW(sel=sel, efSearch=int(max(k, inner.hnsw.efSearch * max(1, int(widen)))))
+            exhaustive = False
+        else:
+            params = faiss.SearchParameters(sel=sel)
+        rescore = self.params.index_type == "ivfpq" and self._store.available
+        k_search = k * self.params.rescore if rescore else k
+        scores, ids = self._cpu.search(q, k_search, params=params)
+        del bits  # the selector read it during the search (kept alive until here)
+        ids = ids.astype(np.int64, copy=False)
+        if rescore:
+            scores, ids = self._rescore(q, ids, k)
+        scores = np.ascontiguousarray(scores, dtype=np.float32)
+        scores[ids < 0] = -np.inf
+        return scores, ids, exhaustive
+
     def _rescore(self, q: np.ndarray, cand: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         return rescore(self._store, q, cand, k)
 

@@ -32,6 +32,7 @@ import torch
 from gare.model_protocols import SearchModel
 from gare.video import clip_transform
 from gare_index.version_protocol import SearchVersion
+from gare_search.filtered import FilterPlan, filtered_stage1
 from gare_search.query import sync, unit_rows
 from gare_search.search import Hit, QueryResult, SearchOptions
 
@@ -77,13 +78,21 @@ def frame_match_scores(q_frames: np.ndarray, q_masks: np.ndarray, frames: np.nda
 
 
 def example_candidates(version: SearchVersion, u: np.ndarray, exclude: Sequence[int] | np.ndarray,
-                       candidates: int) -> tuple[np.ndarray, np.ndarray]:
+                       candidates: int, opts: SearchOptions | None = None,
+                       plans: list[FilterPlan | None] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Stage 1 of a "more like this" query: (cosines (K',), ids (K',)), the top K = `candidates` by cos(û, v̂_j)
     of the version's videos other than `exclude` (the query videos it holds); K' <= K when the version is small.
 
     u (1, d) unit query vector. It asks for K + |exclude| slots: the query videos are their own nearest
-    neighbours, and once they are dropped the first K left are the top K of the others."""
+    neighbours, and once they are dropped the first K left are the top K of the others. With a filter in `opts`
+    only passing videos are candidates (gare_search.filtered; its plan appended to `plans` when given)."""
     exclude = np.asarray(exclude, dtype=np.int64).reshape(-1)
+    if opts is not None and opts.filter is not None:
+        sc_l, id_l, plan = filtered_stage1(version, u, int(candidates), opts.filter, ncl_stage1=False,
+                                           exact_below=opts.filter_exact_below, exclude=exclude)
+        if plans is not None:
+            plans.append(plan)
+        return sc_l[0], id_l[0]
     sc, got = version.search(u, min(int(candidates) + exclude.size, max(version.n, 1)))
     keep = (got[0] >= 0) & ~np.isin(got[0], exclude)
     return sc[0][keep][:candidates], got[0][keep][:candidates]
@@ -108,7 +117,8 @@ def search_by_videos(version: SearchVersion, ids: Sequence[int], opts: SearchOpt
     ids = list(dict.fromkeys(int(i) for i in ids))
     u, q_rows = video_query_unit(version, ids)
     t1 = time.perf_counter()
-    ann_s, ann_i = example_candidates(version, u, ids, int(opts.candidates))
+    plans: list[FilterPlan | None] = []
+    ann_s, ann_i = example_candidates(version, u, ids, int(opts.candidates), opts, plans)
     t2 = time.perf_counter()
     psi = None
     if opts.rerank and ann_i.size:
@@ -117,7 +127,16 @@ def search_by_videos(version: SearchVersion, ids: Sequence[int], opts: SearchOpt
     t3 = time.perf_counter()
     hits = _rank_no_bias(version, ann_s, ann_i, psi, opts.k)
     t4 = time.perf_counter()
-    return QueryResult(hits, {"encode": t1 - t0, "ann": t2 - t1, "rerank": t3 - t2, "rank": t4 - t3, "total": t4 - t0})
+    return _with_plan(QueryResult(hits, {"encode": t1 - t0, "ann": t2 - t1, "rerank": t3 - t2, "rank": t4 - t3,
+                                         "total": t4 - t0}), plans)
+
+
+def _with_plan(res: QueryResult, plans: list[FilterPlan | None]) -> QueryResult:
+    """The result with its filter's plan and cost (a filtered search), as a text search reports them."""
+    if plans and plans[0] is not None:
+        res.plan = plans[0]
+        res.timings["filter"] = plans[0].filter_s
+    return res
 
 
 class UnsupportedImageType(ExampleError):
@@ -225,12 +244,21 @@ def search_by_image(model: SearchModel, version: SearchVersion, image: Image, op
     u = encode_image(model, image)
     sync(model.device)
     t1 = time.perf_counter()
-    sc, got = version.search(u, int(opts.candidates))
-    ok = got[0] >= 0
+    plans: list[FilterPlan | None] = []
+    if opts.filter is not None:
+        sc_l, id_l, plan = filtered_stage1(version, u, int(opts.candidates), opts.filter, ncl_stage1=False,
+                                           exact_below=opts.filter_exact_below)
+        plans.append(plan)
+        ann_s, ann_i = sc_l[0], id_l[0]
+    else:
+        sc, got = version.search(u, int(opts.candidates))
+        ok = got[0] >= 0
+        ann_s, ann_i = sc[0][ok], got[0][ok]
     t2 = time.perf_counter()
-    hits = _rank_no_bias(version, sc[0][ok], got[0][ok], None, opts.k)
+    hits = _rank_no_bias(version, ann_s, ann_i, None, opts.k)
     t3 = time.perf_counter()
-    return QueryResult(hits, {"encode": t1 - t0, "ann": t2 - t1, "rerank": 0.0, "rank": t3 - t2, "total": t3 - t0})
+    return _with_plan(QueryResult(hits, {"encode": t1 - t0, "ann": t2 - t1, "rerank": 0.0, "rank": t3 - t2,
+                                         "total": t3 - t0}), plans)
 
 
 def rank_examples(ann_s: np.ndarray, ann_i: np.ndarray, rerank: np.ndarray | None, biases: np.ndarray,

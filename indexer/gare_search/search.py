@@ -25,7 +25,9 @@ import numpy as np
 import torch
 
 from gare.model_protocols import SearchModel
+from gare_index.filters import Filter
 from gare_index.version_protocol import SearchVersion
+from gare_search.filtered import FILTER_EXACT_BELOW, FilterPlan
 from gare_search.query import encode_queries, sync, unit_rows
 from gare_search.rerank import DEFAULT_RERANK, RerankSettings, rerank_shortlists
 from gare_search.stage1 import shortlists
@@ -48,12 +50,18 @@ class SearchOptions:
     rerank: bool = True  # psi stage; False = dual-tower cosine only
     ncl: bool = NCL_DEFAULT  # add the NCL video biases (default: NCL_DEFAULT, the evidence)
     ncl_stage1: bool = False  # choose the candidates by cos + b (the index's folded ANN, --ncl-stage1)
+    # only videos that pass this filter (compiled against the index's fields: version.compile_filter); None: all
+    filter: Filter | None = None
+    # a filter passing at most this fraction of the gallery is searched exactly (gare_search.filtered)
+    filter_exact_below: float = FILTER_EXACT_BELOW
 
     def __post_init__(self) -> None:
         if self.k < 1:
             raise ValueError(f"k must be >= 1, got {self.k}")
         if self.candidates < self.k:
             raise ValueError(f"candidates (K={self.candidates}) must be >= k ({self.k})")
+        if not 0.0 <= self.filter_exact_below <= 1.0:
+            raise ValueError(f"filter_exact_below must be in [0, 1], got {self.filter_exact_below}")
 
 
 @dataclass
@@ -74,6 +82,7 @@ class QueryResult:
     hits: list[Hit]
     timings: dict[str, float] = field(default_factory=dict)  # seconds: encode, ann, rerank, total
     cached: bool = False  # the query embedding came from the service's cache (encode 0 for this query)
+    plan: FilterPlan | None = None  # how stage 1 ran under the query's filter (None: no filter)
 
 
 def rank(
@@ -137,7 +146,8 @@ def search_batch(
     if on_units is not None:
         on_units(units.copy())
 
-    ann_s, ann_i = shortlists(version, units, opts)
+    plans: list[FilterPlan | None] = [None] * n_q
+    ann_s, ann_i = shortlists(version, units, opts, plans)
     t2 = time.perf_counter()
     psi = rerank_shortlists(model, version, t, ann_i, opts, rerank_settings)
     sync(dev)
@@ -151,8 +161,11 @@ def search_batch(
         results.append(QueryResult(hits, {}))
     t4 = time.perf_counter()
     timings = {"encode": t1 - t0, "ann": t2 - t1, "rerank": t3 - t2, "rank": t4 - t3, "total": t4 - t0}
-    for r in results:
+    for r, plan in zip(results, plans, strict=True):
         r.timings = dict(timings)
+        if plan is not None:
+            r.plan = plan
+            r.timings["filter"] = plan.filter_s
     return results
 
 

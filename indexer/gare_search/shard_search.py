@@ -47,6 +47,7 @@ from gare_search.by_example import (
     frame_match_rerank,
     rank_examples,
 )
+from gare_search.filtered import FilterPlan, filtered_stage1
 from gare_search.query import encode_queries, sync, unit_rows
 from gare_search.rerank import DEFAULT_RERANK, RerankSettings, rerank_shortlists
 from gare_search.search import Hit, SearchOptions, rank
@@ -127,14 +128,17 @@ def shard_candidates(model: PsiModel, version: SearchVersion, t: torch.Tensor | 
     opts = per_query(options, n_q)
     t0 = time.perf_counter()
     units = unit_rows(t)  # (a, d) float32: the stage-1 query vectors
-    ann_s, ann_i = shortlists(version, units, opts)
+    plans: list[FilterPlan | None] = [None] * n_q
+    ann_s, ann_i = shortlists(version, units, opts, plans)
     t1 = time.perf_counter()
     psi = rerank_shortlists(model, version, t, ann_i, opts, rerank_settings)
     sync(t.device)
     t2 = time.perf_counter()
     timings = {"ann": t1 - t0, "rerank": t2 - t1}
+    # a filtered query's shard also reports the filter's cost (each shard evaluates it over its own rows)
     return [ShardCandidates(ids=ann_i[i], ann=ann_s[i], psi=psi[i], bias=shard_biases(version, ann_i[i]),
-                            timings=dict(timings)) for i in range(n_q)]
+                            timings=dict(timings) | ({} if plans[i] is None else {"filter": plans[i].filter_s}))
+            for i in range(n_q)]
 
 
 # ------------------------------------------------------------------------------------------ the merge
@@ -310,7 +314,7 @@ def shard_example_candidates(version: SearchVersion, query: ExampleQuery, option
     t0 = time.perf_counter()
     s_of, local = split_id(np.asarray(query.ids, dtype=np.int64), n_shards)
     exclude = local[s_of == shard]  # the query videos this shard holds (local ids)
-    ann_s, ann_i = example_candidates(version, query.unit, exclude, int(options.candidates))
+    ann_s, ann_i = example_candidates(version, query.unit, exclude, int(options.candidates), options)
     t1 = time.perf_counter()
     psi = None
     if options.rerank:
@@ -325,8 +329,13 @@ def shard_example_candidates(version: SearchVersion, query: ExampleQuery, option
 def shard_image_candidates(version: SearchVersion, unit: np.ndarray, options: SearchOptions) -> ShardCandidates:
     """One shard's part of an image query: its top K by cos(î, v̂_j), unit (1, d) (stage 1 only, as one index)."""
     t0 = time.perf_counter()
-    sc, got = version.search(np.asarray(unit, dtype=np.float32), int(options.candidates))
-    ann_s, ann_i = valid(sc[0], got[0])
+    if options.filter is not None:  # only the shard's passing videos (gare_search.filtered)
+        sc_l, id_l, _ = filtered_stage1(version, np.asarray(unit, dtype=np.float32), int(options.candidates),
+                                        options.filter, ncl_stage1=False, exact_below=options.filter_exact_below)
+        ann_s, ann_i = sc_l[0], id_l[0]
+    else:
+        sc, got = version.search(np.asarray(unit, dtype=np.float32), int(options.candidates))
+        ann_s, ann_i = valid(sc[0], got[0])
     return ShardCandidates(ids=ann_i, ann=ann_s, psi=None, bias=shard_biases(version, ann_i),
                            timings={"ann": time.perf_counter() - t0, "rerank": 0.0})
 

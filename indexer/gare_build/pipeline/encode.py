@@ -319,7 +319,7 @@ def _meta_row(c: Clip, frames_used: int) -> dict[str, Any]:
     return {
         "id": int(c.id), "path": c.path, "size": int(c.size), "mtime": float(c.mtime), "checksum": c.checksum,
         "duration": c.duration, "fps": c.fps, "frames_used": int(frames_used), "start": c.start, "end": c.end,
-        "status": "ok",
+        "status": "ok", **(c.fields or {}),
     }
 
 

@@ -194,6 +194,8 @@ def finish(p: Plan, entries: list[Entry], arrays: dict[str, Any], opts: BuildOpt
         **ainfo,
     }
     extra["psi_fold"] = psi_fold
+    if p.fields:
+        extra["fields"] = dict(p.fields)
     return write_version(p.root, arrays, [e.meta for e in entries], extra, ann=ann, keep=opts.keep)
 
 

@@ -9,7 +9,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,6 +104,8 @@ class BuildOptions:
     # True: no NCL fit here: the version's biases are zeros recorded as "deferred", fitted afterwards by the caller
     # over a larger gallery (gare_build.shard_build fits them once over every shard's videos)
     defer_biases: bool = False
+    # the manifest's own fields, declared (--fields name:type,...); undeclared columns are inferred (build only)
+    fields: Mapping[str, str] | None = None
 
     def validate(self) -> None:
         if self.index_type not in (None, "auto", *INDEX_TYPES):

@@ -21,6 +21,7 @@ from gare_build.discover import Clip, Skip, discover, expand_segments, fmt_time,
 from gare_build.invgc_fit import invgc_refs, select_invgc
 from gare_build.pipeline.options import BuildOptions, RunReport, progress_enabled
 from gare_build.resumable_work import WorkCache, model_key
+from gare_index.fields import coerce_row, merge_schema, stored_value
 from gare_index.frame_quant import DEFAULT_FRAME_DTYPE, check_frame_dtype
 from gare_index.store import (
     WORK_DIR,
@@ -62,6 +63,8 @@ class Plan:
     prev_by_key: dict[str, int]  # cache key -> row of the current version with the same features
     cache: WorkCache
     jobs: dict[str, Job]  # cache key -> what the encoder must run
+    fields: dict[str, str] = dataclasses.field(default_factory=dict)  # the new version's own fields (name -> type)
+    fields_changed: bool = False  # add: an unchanged clip's manifest gave other field values than its row has
 
     @property
     def f(self) -> int:
@@ -230,6 +233,7 @@ def plan(checkpoint: Any, videos: Any, root: Path, opts: BuildOptions, mode: str
     else:
         clips, skipped, ignored = discover(videos)
     report.ignored = [s.to_dict() for s in ignored]
+    fields = resolve_fields(clips, pman.get("fields") if prev is not None else None, opts.fields, adding=mode == "add")
     prev_rows = prev.all_metadata() if prev is not None else []
     known = {r["path"]: r for r in prev_rows}
     if opts.clips is None:
@@ -242,6 +246,7 @@ def plan(checkpoint: Any, videos: Any, root: Path, opts: BuildOptions, mode: str
     report.skipped = [s.to_dict() for s in skipped]
 
     prev_by_seg = {seg_of(r["path"], r["start"], r["end"]): r for r in prev_rows}
+    fields_changed = False
     if mode == "build":
         todo, kept = clips, []
     else:
@@ -250,6 +255,10 @@ def plan(checkpoint: Any, videos: Any, root: Path, opts: BuildOptions, mode: str
             r = prev_by_seg.get(c.seg)
             if r is not None and r["checksum"] == c.checksum and (not c.explicit_id or c.id == r["id"]):
                 report.unchanged += 1
+                if c.fields is not None:  # an unchanged video keeps its features; its manifest's fields win
+                    for k, v in c.fields.items():
+                        if r.get(k) != stored_value(fields[k], v):
+                            r[k], fields_changed = v, True
             else:
                 todo.append(c)
         todo_segs = {c.seg for c in todo}
@@ -278,4 +287,17 @@ def plan(checkpoint: Any, videos: Any, root: Path, opts: BuildOptions, mode: str
     return Plan(mode=mode, root=root, prev=prev, pman=pman, ckpt_path=ckpt_path, sha=sha, precision=precision,
                 store_kv=store_kv, frames_dtype=frames_dtype, segment=segment, overlap=overlap, device=device, model=model, ckpt=ckpt, post=post,
                 prev_rows=prev_rows, todo=todo, kept=kept, next_id=next_id, prev_by_key=prev_by_key, cache=cache,
-                jobs=jobs)
+                jobs=jobs, fields=fields, fields_changed=fields_changed)
+
+
+def resolve_fields(clips: list[Clip], prev: dict[str, str] | None, declared: Any, *, adding: bool) -> dict[str, str]:
+    """The new version's own fields (name -> type) and every clip's values as stored (``clip.fields``, in place):
+    the current version's schema (``prev``), ``--fields`` (``declared``) and the manifest's columns (types
+    inferred where not declared). On an add, a new column, another type or a value of the wrong type is a
+    FieldError that names it, raised before anything is scanned or written."""
+    raw = [c.fields for c in clips if c.fields]
+    schema = merge_schema(prev, dict(declared or {}), raw, adding=adding)
+    for c in clips:
+        if c.fields:
+            c.fields = coerce_row(schema, c.fields, c.source or c.path)
+    return schema

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from gare_index.fields import BUILTIN_FIELDS
 from gare_index.store import MANIFEST_FILE, VERSIONS_DIR, WORK_DIR, list_versions, open_index
 
 
@@ -58,4 +59,8 @@ def stats(out: str | os.PathLike) -> dict[str, Any]:
             "work_bytes": _dir_bytes(root / WORK_DIR) if (root / WORK_DIR).is_dir() else 0,
             "all_versions_bytes": _dir_bytes(root / VERSIONS_DIR),
             "manifest": str(v.path / MANIFEST_FILE),
+            # the library's own fields (name -> type) and how many videos have a value of each; the built-in ones
+            "fields": ", ".join(f"{k}:{t}" for k, t in (m.fields or {}).items()) or "none",
+            "field_values": {k: sum(1 for r in meta if r.get(k) is not None) for k in (m.fields or {})},
+            "builtin_fields": dict(BUILTIN_FIELDS),
         }

@@ -13,6 +13,7 @@ import numpy as np
 
 from gare.sinkhorn import fold_query
 from gare_index.ann import AnnIndex
+from gare_index.filters import FieldTable, Filter, compile_filter, evaluate, schema_of
 from gare_index.frame_quant import FRAME_SCALES_ARRAY, QuantFrames
 from gare_index.ncl_ann import Stage1Unavailable
 from gare_index.store.format import ANN_NCL_FILE, MMAP_ARRAYS
@@ -47,6 +48,7 @@ class IndexVersion:
     _sorted_rows: np.ndarray = field(init=False, repr=False)
     _lut: np.ndarray | None = field(init=False, repr=False, default=None)  # id -> row (-1: none) for compact ids
     _meta: MetaRows = field(init=False, repr=False)  # meta.sqlite, opened on first use
+    _table: FieldTable | None = field(init=False, repr=False, default=None)  # filter columns, built on first use
 
     def __post_init__(self) -> None:
         self._meta = MetaRows(self.path, self.name)
@@ -180,12 +182,52 @@ class IndexVersion:
             scores[ok] -= np.asarray(self.biases, dtype=np.float32)[self.rows(ids[ok])]
         return scores, ids
 
+    def search_filtered(self, queries: np.ndarray, k: int, rows: np.ndarray, *, ncl_stage1: bool = False,
+                        widen: int = 1) -> tuple[np.ndarray, np.ndarray, bool]:
+        """Stage 1 with a filter inside the ANN: as :meth:`search`, among the rows (n,) bool that pass only, the
+        ANN `widen` times broader (:meth:`gare_index.ann.AnnIndex.search_subset`); the third value says whether
+        that search saw every passing row (then a shorter answer means fewer rows pass)."""
+        q = np.ascontiguousarray(np.atleast_2d(np.asarray(queries, dtype=np.float32)))
+        if q.shape[0] == 0:
+            return np.zeros((0, k), np.float32), np.zeros((0, k), np.int64), True
+        passing = self._sorted_ids[np.asarray(rows, dtype=bool)[self._sorted_rows]]  # ids of the passing rows
+        allowed = np.zeros(int(self._sorted_ids[-1]) + 1 if self._sorted_ids.size else 0, dtype=bool)
+        allowed[passing] = True
+        if not ncl_stage1:
+            scores, ids, full = self.ann.search_subset(q, int(k), allowed, widen=widen)
+            return np.asarray(scores, dtype=np.float32), np.asarray(ids, dtype=np.int64), full
+        self.check_stage1(ncl_stage1=True)
+        scores, ids, full = self.ann_ncl.search_subset(fold_query(q, self.ncl_c), int(k), allowed, widen=widen)
+        scores = np.asarray(scores, dtype=np.float32).copy()
+        ids = np.asarray(ids, dtype=np.int64)
+        ok = ids >= 0
+        if ok.any():
+            scores[ok] -= np.asarray(self.biases, dtype=np.float32)[self.rows(ids[ok])]
+        return scores, ids, full
+
     def metadata(self, ids: Sequence[int] | np.ndarray) -> list[dict]:
         """SQLite rows as dicts, in the order of `ids` (an id may repeat). Unknown ids raise KeyError."""
         return self._meta.metadata(ids)
 
     def path_of(self, video_id: int) -> Path | None:
         return self._meta.path_of(video_id)
+
+    @property
+    def field_schema(self) -> dict[str, str]:
+        """Every field a filter may name here: the built-in ones and the index's own (name -> type)."""
+        return schema_of(self._meta.fields())
+
+    def compile_filter(self, spec: object) -> Filter:
+        """A filter object checked against this version's fields (FilterError naming the problem)."""
+        return compile_filter(spec, self.field_schema)
+
+    def filter_mask(self, f: Filter) -> np.ndarray:
+        """The rows (n,) bool, in ids.npy order, that pass the compiled filter `f`; the columns it reads are loaded
+        from meta.sqlite once per version and kept."""
+        if self._table is None:
+            schema = self.field_schema
+            self._table = FieldTable(self.n, schema, lambda name: self._meta.field_column(name, schema[name], self.ids))
+        return evaluate(f, self._table)
 
     def all_metadata(self) -> list[dict]:
         return self._meta.all_metadata()

@@ -131,6 +131,7 @@ class IndexManifest(_Closed):
     builder: Record | None = None
     psi_fold: Record | None = None
     synthetic: bool | None = None  # a gallery written by a benchmark script, not from videos
+    fields: dict[str, str] | None = None  # the library's own fields: name -> type (gare_index.fields)
 
     @property
     def checkpoint_sha256(self) -> str | None:

@@ -19,6 +19,7 @@ import numpy as np
 from gare.checkpoint import file_sha256
 from gare_index.ann import AnnIndex, build_index
 from gare_index.ann_params import AnnParams, choose_index_type
+from gare_index.fields import FIELDS_TABLE, check_name, sql_type
 from gare_index.frame_quant import (
     FRAME_SCALES_ARRAY,
     QuantFrames,
@@ -61,8 +62,12 @@ log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------------ writing
-def _create_meta_db(path: Path, rows: Iterable[Mapping[str, Any]]) -> int:
+def _create_meta_db(path: Path, rows: Iterable[Mapping[str, Any]], fields: Mapping[str, str] | None = None) -> int:
+    """meta.sqlite: the ``videos`` table (META_COLUMNS) and, when the index has its own fields (name -> type,
+    gare_index.fields), the ``fields`` table (id + one column per field, the stored values of each row) and
+    ``field_types`` (the schema, so that a reader of the file alone knows how to decode them)."""
     cols = ", ".join(f'"{c}" {META_SQL_TYPES[c]}' for c in META_COLUMNS)
+    fields = dict(fields or {})
     conn = sqlite3.connect(path)
     try:
         conn.execute("PRAGMA journal_mode=DELETE")
@@ -71,20 +76,44 @@ def _create_meta_db(path: Path, rows: Iterable[Mapping[str, Any]]) -> int:
         conn.execute('CREATE INDEX videos_checksum ON videos ("checksum")')
         qcols = ", ".join(f'"{c}"' for c in META_COLUMNS)
         sql = f"INSERT INTO videos ({qcols}) VALUES ({','.join('?' * len(META_COLUMNS))})"
+        fsql = None
+        if fields:
+            fcols = ", ".join(f'"{check_name(k)}" {sql_type(t)}' for k, t in fields.items())
+            conn.execute(f'CREATE TABLE {FIELDS_TABLE} ("id" INTEGER PRIMARY KEY, {fcols})')
+            conn.execute("CREATE TABLE field_types (name TEXT PRIMARY KEY, type TEXT NOT NULL)")
+            conn.executemany("INSERT INTO field_types VALUES (?, ?)", list(fields.items()))
+            fq = ", ".join(f'"{k}"' for k in fields)
+            fsql = f"INSERT INTO {FIELDS_TABLE} (\"id\", {fq}) VALUES ({','.join('?' * (len(fields) + 1))})"
         count = 0
         batch: list[tuple] = []
+        fbatch: list[tuple] = []
         for r in rows:
             batch.append(tuple(r.get(c) for c in META_COLUMNS))
+            if fsql is not None:
+                fbatch.append((r.get("id"), *(_stored(t, r.get(k)) for k, t in fields.items())))
             count += 1
             if len(batch) >= 10_000:
                 conn.executemany(sql, batch)
                 batch.clear()
+                if fsql is not None:
+                    conn.executemany(fsql, fbatch)
+                    fbatch.clear()
         if batch:
             conn.executemany(sql, batch)
+        if fsql is not None and fbatch:
+            conn.executemany(fsql, fbatch)
         conn.commit()
     finally:
         conn.close()
     return count
+
+
+def _stored(kind: str, value: Any) -> Any:
+    """A row's field value as the fields table stores it: tags read back from a version (a list) go back to their
+    JSON text; every other value is stored as the builder coerced it (gare_index.fields.coerce)."""
+    if kind == "tags" and isinstance(value, list):
+        return json.dumps(sorted(set(value)), ensure_ascii=False)
+    return value
 
 
 def _array_header(value: Any) -> tuple[tuple[int, ...], np.dtype]:
@@ -342,7 +371,7 @@ def _write_version(root: Path, arrays: Mapping[str, Any], metadata_rows: Iterabl
             if rows is None:
                 files[META_FILE] = _write_npy(tmp / META_FILE, metadata_rows, np.dtype(np.uint8))
             else:
-                _create_meta_db(tmp / META_FILE, rows)
+                _create_meta_db(tmp / META_FILE, rows, extra.get("fields"))
                 with open(tmp / META_FILE, "rb+") as fh:
                     os.fsync(fh.fileno())
                 files[META_FILE] = {"bytes": (tmp / META_FILE).stat().st_size, "sha256": file_sha256(tmp / META_FILE)}

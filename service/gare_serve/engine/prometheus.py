@@ -82,6 +82,8 @@ class Metrics:
         self.stage = Histogram(
             "gare_search_stage_seconds", "search time per stage and query", ["stage"], buckets=LATENCY_BUCKETS, registry=r
         )
+        self.filter_plans = Counter("gare_filter_plans", "filtered searches by stage-1 plan (exact, ann, ann+exact, "
+                                    "empty: gare_search.filtered)", ["plan"], registry=r)
         self.batch_size = Histogram("gare_batch_size", "queries per micro-batch", buckets=BATCH_BUCKETS, registry=r)
         self.entries = Gauge(
             "gare_index_entries", "entries in the served index version", registry=r, multiprocess_mode="livemax"
@@ -173,6 +175,9 @@ class Metrics:
             "gare_engine_unavailable", "HTTP worker: calls the shared engine could not answer (down, restarting, "
             "not in time, version gone)", registry=r,
         )
+
+    def observe_filter_plan(self, plan: str) -> None:
+        self.filter_plans.labels(plan).inc()
 
     def observe_stages(self, timings_s: dict[str, float]) -> None:
         for stage, v in timings_s.items():

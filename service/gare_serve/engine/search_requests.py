@@ -17,11 +17,13 @@ Errors are typed and left to the routes to map to HTTP: ``gare_index.ncl_ann.Sta
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
+from gare_index.filters import Filter, compile_filter, schema_of
 from gare_index.store import IndexVersion
 from gare_search import search as S
 from gare_serve.engine.batch_worker import Job
@@ -30,18 +32,29 @@ from gare_serve.engine.result_cache import Key
 from gare_serve.engine.served_options import AskedOptions, resolve_options, served_defaults
 from gare_serve.engine.state import ServiceState
 
-__all__ = ["ExampleAnswer", "NO_BATCH", "TextAnswer", "observe_stages", "request_options", "search_by_image",
-           "search_by_videos", "search_texts"]
+__all__ = ["ExampleAnswer", "NO_BATCH", "TextAnswer", "observe_stages", "request_filter", "request_options",
+           "search_by_image", "search_by_videos", "search_texts"]
 
 NO_BATCH = BatchInfo(size=0, queue_s=0.0, run_s=0.0)  # a result-cache answer: it never entered the micro-batch queue
 STAGES = ("encode", "ann", "rerank", "rank")  # a result's stage timings, in the metrics and the response
 
 
 def request_options(state: ServiceState, version: IndexVersion, asked: AskedOptions) -> S.SearchOptions:
-    """:func:`resolve_options` against ``version``'s manifest and the service's bounds."""
+    """:func:`resolve_options` against ``version``'s manifest and the service's bounds; the request's filter compiled
+    against the version's fields (``gare_index.filters.FilterError`` naming the problem: the routes' 422)."""
     s = state.settings
-    return resolve_options(asked, served_defaults(version.manifest), max_candidates=s.max_candidates,
+    opts = resolve_options(asked, served_defaults(version.manifest), max_candidates=s.max_candidates,
                            default_candidates=s.default_candidates)
+    if asked.filter is None:
+        return opts
+    return dataclasses.replace(opts, filter=request_filter(version, asked.filter),
+                               filter_exact_below=float(s.filter_exact_below))
+
+
+def request_filter(version: Any, spec: Any) -> Filter:
+    """A request's filter compiled against the served version's fields as its manifest records them (``fields``;
+    the same for an opened version, a shared-engine worker's metadata view and a sharded generation's view)."""
+    return compile_filter(spec, schema_of(getattr(version.manifest, "fields", None)))
 
 
 @dataclass
@@ -98,7 +111,8 @@ async def search_by_videos(state: ServiceState, version: IndexVersion, ids: list
     """More like these videos: stage 1 with their mean unit vector, rerank by s_vv, no NCL biases (the request's k,
     K and rerank resolved as a text request's)."""
     o = request_options(state, version, asked)
-    opts = S.SearchOptions(k=o.k, candidates=o.candidates, rerank=o.rerank, ncl=False)
+    opts = S.SearchOptions(k=o.k, candidates=o.candidates, rerank=o.rerank, ncl=False, filter=o.filter,
+                           filter_exact_below=o.filter_exact_below)
     return ExampleAnswer(opts, await run_in_threadpool(state.search_by_videos, version, ids, opts))
 
 
@@ -109,7 +123,13 @@ async def search_by_image(state: ServiceState, version: IndexVersion, image: Any
 
 def observe_stages(state: ServiceState, result: S.QueryResult, queue_s: float, total_s: float) -> dict[str, float]:
     """The answer's seconds per stage (queue, encode, ann, rerank, rank), recorded with ``total_s`` in the
-    per-stage metrics; returned without the total."""
+    per-stage metrics; returned without the total. A filtered search also records the filter's seconds (stage
+    ``filter``) and its stage-1 plan."""
     stage_s = {"queue": queue_s, **{k: result.timings.get(k, 0.0) for k in STAGES}}
-    state.metrics.observe_stages({**stage_s, "total": total_s})
+    plan = getattr(result, "plan", None)
+    extra = {"filter": result.timings.get("filter", 0.0)} if plan is not None else {}
+    state.metrics.observe_stages({**stage_s, **extra, "total": total_s})
+    if plan is not None:
+        state.metrics.observe_filter_plan(plan.plan)
     return stage_s
+

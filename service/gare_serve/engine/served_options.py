@@ -27,6 +27,7 @@ class AskedOptions:
     rerank: bool = True
     ncl: bool | None = None
     ncl_stage1: bool = False
+    filter: Any = None  # the request's filter object as sent (compiled against the served version's fields)
 
 
 @dataclass(frozen=True)

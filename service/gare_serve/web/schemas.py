@@ -4,10 +4,12 @@ Request bodies are built per deployment (:func:`make_request_models`) so that th
 query length, batch size) are the configured ones.
 """
 
+import json
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
+from gare_index.filters import MAX_TEXT as MAX_FILTER_TEXT
 from gare_search.search import NCL_DEFAULT
 from gare_serve.engine.served_options import AskedOptions
 from gare_serve.settings import Settings
@@ -33,6 +35,9 @@ EXAMPLE_TIMINGS = {"queue": 0.4, "encode": 21.3, "ann": 0.9, "rerank": 4.8, "ran
 
 class Timings(BaseModel):
     queue: float = Field(description="ms waiting for the micro-batch to start")
+    filter: float | None = Field(None, description="ms evaluating the request's filter (null without a filter)")
+    plan: str | None = Field(None, description="stage 1 under the filter: exact (every passing video scored), ann (the "
+                             "ANN with the filter inside, widened until K pass), ann+exact, empty; null without a filter")
     encode: float = Field(description="ms in the text encoder (for the whole micro-batch)")
     ann: float = Field(description="ms in the ANN search (whole micro-batch)")
     rerank: float = Field(description="ms in the psi rerank (whole micro-batch; 0 when rerank is off)")
@@ -164,6 +169,32 @@ MEDIA_ERRORS = errors(400, 401, 403, 404, 413, 422, 503)  # 404: unknown id or f
 INDEX_ERRORS = errors(400, 401, 403, 413, 503)  # 400/413: bad or oversized Content-Length (any route)
 
 
+FILTER_DESCRIPTION = (
+    "only videos whose fields pass this filter (JSON in the style of Chroma's `where` and MongoDB). A field maps to a "
+    "value (equality) or to operators: $eq $ne $gt $gte $lt $lte $in $nin $prefix $not; $and / $or take a list of "
+    "filters, $not a filter. Fields: the index's own (from the manifest's columns at build time: string, tags, "
+    "number, date) and the built-in id, path, folder (the file's directory), duration, mtime (a date), size, fps, "
+    "start, end. Dates are ISO 8601 strings or seconds since the epoch; $prefix on folder/path matches whole path "
+    "components; a video without a value matches only $ne / $nin. An unknown field, a wrong type, more than 8 "
+    "levels or 256 conditions is a 422 naming the problem. Selective filters are searched exactly, broad ones by "
+    "the ANN with the filter inside (timings_ms.plan)."
+)
+FILTER_EXAMPLES: list[dict[str, Any]] = [
+    {"channel": "news", "year": {"$gte": 2020}, "tags": {"$in": ["sport"]}},
+    {"$or": [{"channel": "news"}, {"duration": {"$lt": 30}}], "folder": {"$prefix": "/videos/2024"}},
+    {"published": {"$gte": "2024-03-01"}, "$not": {"tags": "archive"}},
+]
+
+
+def check_filter_shape(v: dict[str, Any]) -> dict[str, Any]:
+    """A filter's size before any index is asked (the fields, types and nesting are checked against the served
+    index when the search compiles it: gare_index.filters)."""
+    n = len(json.dumps(v))
+    if n > MAX_FILTER_TEXT:
+        raise ValueError(f"filter: too long ({n} characters as JSON, at most {MAX_FILTER_TEXT})")
+    return v
+
+
 def _not_blank(v: str) -> str:
     if not v.strip():
         raise ValueError("must not be empty or blank")
@@ -192,6 +223,15 @@ def make_request_models(settings: Settings) -> tuple[type[BaseModel], type[BaseM
             False, description="choose the K candidates with the biases too (cos + b folded into the ANN; needs an "
             "index built with --ncl-stage1; implies ncl)",
         )
+        filter: dict[str, Any] | None = Field(
+            None, description=FILTER_DESCRIPTION, examples=FILTER_EXAMPLES,
+        )
+
+        @field_validator("filter")
+        @classmethod
+        def _filter_shape(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+            # the fields and their types are the served index's: checked when the search compiles the filter
+            return v if v is None else check_filter_shape(v)
 
         @model_validator(mode="after")
         def _k_le_K(self):
@@ -204,12 +244,13 @@ def make_request_models(settings: Settings) -> tuple[type[BaseModel], type[BaseM
             """The options as sent; what is left out (candidates, ncl) the served index decides
             (``gare_serve.engine.served_options.resolve_options``)."""
             return AskedOptions(k=self.k, candidates=self.candidates, rerank=self.rerank, ncl=self.ncl,
-                                ncl_stage1=self.ncl_stage1)
+                                ncl_stage1=self.ncl_stage1, filter=self.filter)
 
     class SearchRequest(_Options):
         model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [
             {"query": "a dog catches a frisbee", "k": 10},
             {"query": "a red circle rises, then two blue squares slide to the left", "k": 20, "candidates": 512, "rerank": True, "ncl": False},
+            {"query": "a goal in the last minute", "k": 10, "filter": FILTER_EXAMPLES[0]},
         ]})
         query: QueryStr | None = Field(None, description=f"the text to search for (1..{max_q} characters, not blank)")
         # ids are int64 in the index (as the path parameter VideoId): a larger number is a 422, not a 500

@@ -9,6 +9,8 @@ search by example (``video_id``/``video_ids`` in ``/v1/search``, an upload to ``
 
 import asyncio
 import contextlib
+import dataclasses
+import json
 import time
 import weakref
 from collections.abc import Iterator
@@ -18,6 +20,8 @@ from fastapi import APIRouter, Depends, File, Form, HTTPException, Response, Upl
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
+from gare_index.filters import MAX_TEXT as MAX_FILTER_TEXT
+from gare_index.filters import FilterError
 from gare_index.ncl_ann import Stage1Unavailable
 from gare_index.store import IndexVersion
 from gare_search import by_example as E
@@ -26,6 +30,7 @@ from gare_serve.engine.search_requests import (
     ExampleAnswer,
     TextAnswer,
     observe_stages,
+    request_filter,
     search_by_image,
     search_by_videos,
     search_texts,
@@ -58,6 +63,8 @@ async def text_responses(state: ServiceState, version: IndexVersion, queries: li
         answers = await search_texts(state, version, queries, asked)
     except Stage1Unavailable as e:
         raise HTTPException(409, str(e)) from None
+    except FilterError as e:  # an unknown field, a wrong type, too deep or too long: the message names it
+        raise HTTPException(422, str(e)) from None
     return [await text_response(state, version, a, t_start) for a in answers]
 
 
@@ -76,8 +83,19 @@ async def text_response(state: ServiceState, version: IndexVersion, a: TextAnswe
         query=a.query, index_version=version.name, k=opts.k, candidates=opts.candidates, rerank=opts.rerank,
         ncl=opts.ncl, results=hits, batch_size=a.batch.size, **partial_fields(res),
         timings_ms=Timings(**{k: ms(v) for k, v in stage_s.items()}, total=ms(total),
+                           **filter_timings(opts, res, from_cache=a.from_result_cache),
                            cache="result" if a.from_result_cache else "hit" if res.cached else "miss"),
     )
+
+
+def filter_timings(opts: S.SearchOptions, res: S.QueryResult, *, from_cache: bool = False) -> dict[str, Any]:
+    """``filter`` (ms) and ``plan`` of a filtered search's timings (none without a filter; a result-cache answer
+    ran no stage: 0 ms, plan "cached"; a sharded answer: every shard chose its own plan, "per-shard")."""
+    if opts.filter is None:
+        return {}
+    plan = getattr(res, "plan", None)
+    name = plan.plan if plan is not None else "cached" if from_cache else "per-shard"
+    return {"filter": ms(res.timings.get("filter", 0.0)), "plan": name}
 
 
 @contextlib.contextmanager
@@ -88,7 +106,7 @@ def example_errors() -> Iterator[None]:
         yield
     except E.UnknownExample as e:
         raise HTTPException(404, str(e)) from None
-    except E.ExampleError as e:
+    except (E.ExampleError, FilterError) as e:
         raise HTTPException(422, str(e)) from None
 
 
@@ -102,8 +120,16 @@ async def example_response(state: ServiceState, version: IndexVersion, a: Exampl
     return SearchResponse(
         query=None, example=example, index_version=version.name, k=opts.k, candidates=opts.candidates,
         rerank=opts.rerank and example["kind"] == "videos", ncl=False, results=hits, batch_size=1, **partial_fields(res),
-        timings_ms=Timings(**{k: ms(v) for k, v in stage_s.items()}, total=ms(total)),
+        timings_ms=Timings(**{k: ms(v) for k, v in stage_s.items()}, total=ms(total), **filter_timings(opts, res)),
     )
+
+
+def parse_filter_text(text: str) -> Any:
+    """The image route's ``filter`` form field (JSON text) decoded; FilterError (422) when it is not JSON."""
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise FilterError(f"filter: not valid JSON ({e})") from None
 
 
 def partial_fields(res: S.QueryResult) -> dict[str, Any]:
@@ -159,6 +185,8 @@ def make_router(settings: Settings) -> APIRouter:
                                                       f"{settings.max_image_aspect:g} x the short side)")],
         k: Annotated[int, Form(ge=1, le=max_k)] = 10,
         candidates: Annotated[int | None, Form(ge=1, le=max_K)] = None,
+        filter: Annotated[str | None, Form(max_length=MAX_FILTER_TEXT, description="a filter object as JSON text "
+                                           "(the `filter` of POST /v1/search)")] = None,
     ) -> Response:
         t_start = time.perf_counter()
         K = candidates if candidates is not None else min(max_K, max(default_K, k))
@@ -189,6 +217,9 @@ def make_router(settings: Settings) -> APIRouter:
             opts = S.SearchOptions(k=k, candidates=K, rerank=False, ncl=False)
             with state.use_version() as version:
                 with example_errors():
+                    if filter is not None:
+                        opts = dataclasses.replace(opts, filter=request_filter(version, parse_filter_text(filter)),
+                                                   filter_exact_below=float(settings.filter_exact_below))
                     a = await search_by_image(state, version, pil, opts)
                 return _json(await example_response(state, version, a,
                                                     {"kind": "image", "content_type": kind, "bytes": nbytes}, t_start))
