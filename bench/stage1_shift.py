@@ -23,15 +23,14 @@ Then, one thread per query (faiss ``omp_set_num_threads(1)``), K = 256 (the serv
 Every index is built once (the tuners' builds are kept and measured by the frontier). Targets (the issue): the users'
 recall of the build's choice >= 0.99 and the recorded recall within 0.02 of it.
 
-  python bench/stage1_shift.py --n 20000 --tuner-types ivf ivfpq-fs hnsw --out stage1_shift_20k  # minutes: proves it works
-  python bench/stage1_shift.py --n 300000 --out stage1_shift_300k    # under 15 minutes on 2 cores
+  python -m bench.stage1_shift --n 20000 --tuner-types ivf ivfpq-fs hnsw --out stage1_shift_20k  # minutes: proves it works
+  python -m bench.stage1_shift --n 300000 --out stage1_shift_300k    # under 15 minutes on 2 cores
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -40,23 +39,21 @@ from typing import Any
 import faiss
 import numpy as np
 
-BENCH = Path(__file__).resolve().parent
-REPO = BENCH.parent
-for p in (BENCH, REPO / "training", REPO / "indexer", REPO / "service"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
+from bench.clip_like import HARD, clip_like_sets, describe
+from bench.harness import RESULTS, start, write_results
+from gare_build.tuning.ladder import TuneConfig, build_candidate, describe_params
+from gare_build.tuning.measure import exact_topk, recall_of_topk
+from gare_build.tuning.queries import build_sample
+from gare_build.tuning.recall import tune_ann
+from gare_index.ann import AnnIndex
+from gare_index.ann_params import AnnParams
 
-from clip_like import HARD, clip_like_sets, describe  # noqa: E402
-from support import git_commit  # noqa: E402
-
-from gare_build.tuning.ladder import TuneConfig, build_candidate, describe_params  # noqa: E402
-from gare_build.tuning.measure import exact_topk, recall_of_topk  # noqa: E402
-from gare_build.tuning.queries import build_sample  # noqa: E402
-from gare_build.tuning.recall import tune_ann  # noqa: E402
-from gare_index.ann import AnnIndex  # noqa: E402
-from gare_index.ann_params import AnnParams  # noqa: E402
-
-RESULTS = BENCH / "results"
+# the product code this script's reports measure (bench/harness.py; `python -m bench.stale` reads it)
+MEASURES: tuple[str, ...] = (
+    "indexer/gare_build/tuning",
+    "indexer/gare_index/ann.py",
+    "indexer/gare_index/ann_params.py",
+)
 K, TOP = 256, 10
 DISTS = ("captions", "users")
 
@@ -212,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="stage1_shift")
     args = ap.parse_args(argv)
+    run = start(__name__, MEASURES, argv)
     started = time.time()
-    command = "python bench/stage1_shift.py " + " ".join(sys.argv[1:] if argv is None else argv)
     t0 = time.perf_counter()
     s = clip_like_sets(args.n, 2 * args.queries, args.queries, seed=args.seed, cfg=HARD, progress=args.n >= 200_000)
     sets = {"x": s["x"], "queue": s["q"][: args.queries], "q_captions": s["q"][args.queries :], "q_users": s["q_held"]}
@@ -241,11 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     title = f"HARD clip-like gallery, n = {args.n:,}: tuned on popular-topic captions, users over every topic"
     plot(rows, tuned, png, title, 0.995)
     lines = [
-        f"# Stage 1 under a distribution shift, n = {args.n:,}", "",
-        f"Command (from the repository root): `{command}`; commit {git_commit()}", "",
-        f"Machine: {platform.processor() or platform.machine()}, {len(__import__('os').sched_getaffinity(0))} cores, "
-        f"faiss {faiss.__version__}, numpy {np.__version__}. Wall time {wall:.0f} s (gallery and ground truth "
-        f"{gen_s:.0f} s). Date: {time.strftime('%Y-%m-%d')}.", "",
+        f"Wall time {wall:.0f} s (gallery and ground truth {gen_s:.0f} s).", "",
         f"Gallery: `clip_like.HARD`, d = 512. The tuner gets {args.queries} *caption queue* queries (captions of random "
         "videos: the popular topics); *captions* are more of them, *users* ask about a topic chosen uniformly with "
         f"noisier captions ({args.queries} each). Recall: share of each query's exact top-{TOP} inside the top-{K}; "
@@ -267,13 +260,11 @@ def main(argv: list[str] | None = None) -> int:
               "## Targets", ""] + [f"- {'PASS' if ok else 'FAIL'}: {c}" for c, ok in checks]
     lines += ["", "Data statistics (sampled; users' queries): " + ", ".join(f"{a} {b:.3f}" for a, b in stats.items()),
               "", f"![recall vs p50 per distribution]({png.name})", ""]
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.out}.md").write_text("\n".join(lines))
-    (RESULTS / f"{args.out}.json").write_text(json.dumps(
-        {"command": command, "commit": git_commit(), "n": args.n, "wall_s": wall, "tuned": tuned, "rows": rows,
-         "checks": [{"check": c, "pass": ok} for c, ok in checks], "stats": stats, "builds_s": builder.seconds,
-         "generator": HARD.to_dict()}, indent=1, default=str))
-    print("\n".join(lines))
+    data = {"n": args.n, "wall_s": wall, "tuned": tuned, "rows": rows,
+            "checks": [{"check": c, "pass": ok} for c, ok in checks], "stats": stats, "builds_s": builder.seconds,
+            "generator": HARD.to_dict()}
+    write_results(args.out, f"Stage 1 under a distribution shift, n = {args.n:,}", "\n".join(lines),
+                  json.loads(json.dumps(data, default=str)), run)
     return 0
 
 

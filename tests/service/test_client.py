@@ -119,3 +119,13 @@ def test_the_admin_key_reloads_and_the_read_routes_answer(http, service_env):
 def test_a_client_needs_somewhere_to_send():
     with pytest.raises(ValueError, match="base_url"):
         GareClient()
+
+
+def test_a_filter_travels_and_a_bad_one_is_a_bad_request(http, service_env):
+    gare = GareClient(http=http, api_key=SEARCH_KEY)
+    got = gare.search(service_env["captions"][0], k=5, filter={"id": {"$in": [1, 2, 3]}})
+    assert got.ids and set(got.ids) <= {1, 2, 3}
+    assert gare.search_batch(service_env["captions"][:2], k=5, filter={"id": {"$in": [4]}}).results[1].ids == [4]
+    with pytest.raises(BadRequest) as e:
+        gare.search("a dog", k=3, filter={"chanel": "news"})
+    assert e.value.status == 422 and "chanel" in str(e.value)
