@@ -180,6 +180,7 @@ def open_version(
         if not report.ok:
             version.close()
             raise IndexCheckError(report)
+        version.check_report = report
     return version
 
 
