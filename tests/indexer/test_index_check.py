@@ -89,8 +89,15 @@ def test_writer_records_both_hashes_of_every_file(index):
         assert entry.fast_hash == naive_fast_hash(data) == fast_file_hash(vdir / fname), fname
 
 
-def test_linked_files_keep_their_fast_hash(index, tmp_path):
-    """A version that links its predecessor's files (ExistingFile with their sha256) records the same fast hashes."""
+def test_linked_files_keep_their_fast_hash(index, monkeypatch):
+    """A version that links its predecessor's files (ExistingFile with their sha256) records the same fast hashes,
+    taken from the predecessor's manifest: the linked files (GBs of frames) are not read again."""
+    import gare_index.store.writer as writer
+
+    def no_reread(path):
+        raise AssertionError(f"{path} re-read to hash it")
+
+    monkeypatch.setattr(writer, "fast_file_hash", no_reread)
     v1 = open_index(index)
     files = v1.manifest.files
     linked = {k: ExistingFile(v1.path / f"{k}.npy", files[f"{k}.npy"].sha256)
