@@ -52,10 +52,6 @@ class ReloadUnavailable(ReloadError):
 class ReloadCheckFailed(ReloadUnavailable):
     """The version's files do not match the hashes of its manifest (index_check): altered, corrupted."""
 
-    def __init__(self, message: str, version: str) -> None:
-        super().__init__(message)
-        self.version = version
-
 
 @runtime_checkable
 class SelfReloading(Protocol):
@@ -116,7 +112,7 @@ async def reload_local(state: ServiceState) -> dict[str, Any]:
             count_check(state.metrics, "reload", e.report)
             raise ReloadCheckFailed(
                 f"index version {name} failed its file check ({bad_files(e.report)} differ from the manifest); "
-                f"still serving {old.version.name}", name) from None
+                f"still serving {old.version.name}") from None
         except IndexMismatchError as e:
             log.error("reload refused: %s", e)
             reloads.labels("refused").inc()

@@ -126,11 +126,11 @@ class ServiceState:
                 faiss.omp_set_num_threads(s.torch_threads)
             except (ImportError, AttributeError):  # pragma: no cover - faiss is a dependency
                 pass
-        path, sha = self.resolve_checkpoint()
-        # the served version's files are re-hashed on background threads while the model loads; open_served waits
-        # for the verdict (gare_serve.engine.index_check)
+        # the served version's files are re-hashed on background threads while the checkpoint is hashed and the
+        # model loads; open_served waits for the verdict (gare_serve.engine.index_check)
         self._pending_check = self.start_index_check()
         try:
+            path, sha = self.resolve_checkpoint()
             self.load_model_and_index(path, sha)
         except BaseException:
             if self._pending_check is not None:
