@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -173,6 +174,22 @@ def test_version_without_fast_hashes_opens_and_is_checked_with_sha256(index, cap
     flip_in_place(vdir / "frames.npy")
     with pytest.raises(IndexCheckError, match="frames.npy: sha256 does not match"):
         open_index(index, check=True).close()
+
+
+def test_index_written_by_earlier_code_opens_checked_with_sha256(tmp_path):
+    """The index tests/indexer/data holds (written by main at 78f2e78, before fast hashes): a checked open passes
+    with every file checked against its sha256, and refuses it once a byte of frames.npy is flipped in place."""
+    old = Path(__file__).parent / "data" / "index-main-78f2e78"
+    idx = tmp_path / "old"
+    shutil.copytree(old, idx)
+    vdir = idx / "versions" / "v000001"
+    files = read_manifest(vdir).files
+    assert all(e.fast_hash is None for e in files.values())
+    open_index(idx, check=True).close()
+    assert check_files(vdir, files).sha256_files == sorted(files)
+    flip_in_place(vdir / "frames.npy")
+    with pytest.raises(IndexCheckError, match="frames.npy: sha256 does not match"):
+        open_index(idx, check=True)
 
 
 def test_background_check_is_waited_for_and_cancelled(index):
