@@ -111,7 +111,7 @@ async def reload_local(state: ServiceState) -> dict[str, Any]:
             reloads.labels("error").inc()
             count_check(state.metrics, "reload", e.report)
             raise ReloadCheckFailed(
-                f"index version {name} failed its file check ({bad_files(e.report)} differ from the manifest); "
+                f"index version {name} failed its file check ({bad_files(e.report)}: not as its manifest says); "
                 f"still serving {old.version.name}") from None
         except IndexMismatchError as e:
             log.error("reload refused: %s", e)

@@ -234,9 +234,10 @@ class ServiceState:
                                  mmap_ann=True, check=check)
         except IndexCheckError as e:
             count_check(self.metrics, "open", e.report)
+            # the bad files last: log lines and tests that keep the end of a long message keep them
             raise StartupError(
-                f"index {s.index}: version {e.report.path.name} failed its file check, refusing to serve it: {e}. "
-                "Restore the files or build a new version (gare-index verify names every bad file)") from None
+                f"index {s.index}: version {e.report.path.name} failed its file check, refusing to serve it (restore "
+                f"the files or build a new version; gare-index verify names every bad file): {e}") from None
         except IndexFormatError as e:
             raise StartupError(f"cannot open the index: {e}") from None
         if version.check_report is not None:
