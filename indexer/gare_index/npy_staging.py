@@ -21,11 +21,14 @@ __all__ = ["ExistingFile", "alloc_npy"]
 class ExistingFile:
     """An array already on disk (a staged .npy, or a file of a previous version) to link into a version.
 
-    `sha256` may be given when known (files of an immutable previous version) to skip re-hashing.
+    `sha256` may be given when known (files of an immutable previous version) to skip re-hashing; so may
+    `fast_hash` (the manifest's ``fast_hash``; when absent the writer takes it from the manifest next to `path`
+    when that one records the same sha256, else hashes the file).
     """
 
     path: Path
     sha256: str | None = None
+    fast_hash: str | None = None
 
 
 def alloc_npy(path: Path, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:

@@ -26,6 +26,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 
 from gare_serve.engine.follow import follow_current
+from gare_serve.engine.index_check import recheck_served
 from gare_serve.engine.prometheus import Metrics, MetricsMiddleware, mark_worker_dead
 from gare_serve.engine.recall_watch import start_recall_watch
 from gare_serve.engine.reload import watch_reloads
@@ -115,6 +116,8 @@ def create_app(settings: Settings | None = None, *, state_factory: Callable[[Set
         poll_s = settings.index_poll_s if state.runs_searches else ENGINE_POLL_S
         if poll_s > 0:
             tasks.append(loop.create_task(follow(state, poll_s), name="gare-follow-current"))
+        if state.runs_searches and settings.index_check and settings.index_recheck_s > 0:  # files changed in place
+            tasks.append(loop.create_task(recheck_served(state, settings.index_recheck_s), name="gare-index-recheck"))
         try:
             yield
         finally:

@@ -153,6 +153,16 @@ class Settings(BaseSettings):
     )
     use_gpu_ann: bool | None = Field(None, description="search FAISS on the GPU (default: when faiss has one)")
     verify_index: bool = Field(False, description="re-hash every index file when opening a version")
+    index_check: bool = Field(
+        True, description="before a version is served (start, reload, following CURRENT), re-hash every index file "
+        "against the fast hash its manifest records (sha256 for a version written without them) and refuse a "
+        "mismatch; off (GARE_INDEX_CHECK=off) serves files altered in place unnoticed (docs/index-format.md)"
+    )
+    index_recheck_s: float = Field(
+        3600.0, ge=0, le=30 * 86400, description="with index_check: re-hash the served version's files every this "
+        "many seconds (a file changed under the running server is logged and counted in "
+        "gare_index_checks_total{phase=\"recheck\",result=\"mismatch\"}); 0 = never"
+    )
     warm_index_bytes: int = Field(
         1 << 30, ge=0, description="at load and reload, ask the kernel to read this much of the index into the page "
         "cache, hottest first (the ANN index, stage-1 vectors, psi constants, then frames; gare_serve.engine.startup.warm_index)"

@@ -33,10 +33,14 @@ version or the new one, and a writer killed at any moment leaves the previous ve
 :func:`gc` removes old versions (never the current one).
 
 Modules: :mod:`.format` (names, constants, errors, lock, file helpers), :mod:`.manifest` (manifest.json as
-the typed :class:`IndexManifest`, checked at read and at write), :mod:`.reader` (opening a version), :mod:`.index_version` (the opened :class:`IndexVersion`), :mod:`.writer`, :mod:`.verify`. Import from ``gare_index.store``; the submodules are an implementation detail.
+the typed :class:`IndexManifest`, checked at read and at write), :mod:`.reader` (opening a version), :mod:`.index_version` (the opened :class:`IndexVersion`), :mod:`.writer`, :mod:`.verify`,
+:mod:`.fast_hash` (the fast file hash the manifest records) and :mod:`.file_check` (re-hashing a version's files
+before it is served: ``open_version(check=True)``). Import from ``gare_index.store``; the submodules are an implementation detail.
 """
 
 from gare_index.npy_staging import ExistingFile
+from gare_index.store.fast_hash import FAST_HASH_SCHEME
+from gare_index.store.file_check import BackgroundCheck, CheckReport, IndexCheckError, check_files
 from gare_index.store.format import (
     ANN_FILE,
     ANN_NCL_FILE,
@@ -95,6 +99,11 @@ __all__ = [  # every name importable from gare_index.store
     "META_COLUMNS",
     "IndexFormatError",
     "IndexMismatchError",
+    "IndexCheckError",
+    "FAST_HASH_SCHEME",
+    "BackgroundCheck",
+    "CheckReport",
+    "check_files",
     "version_name",
     "test_pause",
     "atomic_write_text",

@@ -22,6 +22,7 @@ from gare.psi_fold_videos import packed_width
 from gare_index.frame_quant import FRAME_SCALES_ARRAY
 from gare_index.ncl_ann import NCL_ANN_FILE
 from gare_index.psi_consts import PSI_CONSTS_ARRAY
+from gare_index.store.fast_hash import FastHasher
 
 log = logging.getLogger(__name__)
 
@@ -133,15 +134,18 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 class HashingWriter:
-    """File wrapper for np.save: hashes and counts what is written (numpy streams in ~16 MiB chunks)."""
+    """File wrapper for np.save: hashes (sha256 and the fast hash) and counts what is written (numpy streams in
+    ~16 MiB chunks)."""
 
     def __init__(self, fh: Any) -> None:
         self.fh = fh
         self.h = hashlib.sha256()
+        self.fast = FastHasher()
         self.nbytes = 0
 
     def write(self, data: bytes | memoryview) -> int:
         self.h.update(data)
+        self.fast.update(data)
         self.nbytes += len(data)
         return self.fh.write(data)
 

@@ -16,6 +16,7 @@ from gare_index.ann import AnnIndex
 from gare_index.filters import FieldTable, Filter, compile_filter, evaluate, schema_of
 from gare_index.frame_quant import FRAME_SCALES_ARRAY, QuantFrames
 from gare_index.ncl_ann import Stage1Unavailable
+from gare_index.store.file_check import CheckReport
 from gare_index.store.format import ANN_NCL_FILE, MMAP_ARRAYS
 from gare_index.store.manifest import IndexManifest
 from gare_index.store.meta_rows import MetaRows
@@ -44,6 +45,7 @@ class IndexVersion:
     ann_units: np.ndarray | None = None  # InvGC-corrected stage-1 vectors (ann.faiss is built on them), memmap
     ann_ncl: AnnIndex | None = None  # FAISS over [stage-1 vector ; b / c] (--ncl-stage1), else None
     psi_consts: np.ndarray | None = None  # psi folded per video (n, 10f+5f²+2) float32 memmap (gare_index.psi_consts)
+    check_report: CheckReport | None = None  # the file check this version passed when opened (open_version(check=))
     _sorted_ids: np.ndarray = field(init=False, repr=False)
     _sorted_rows: np.ndarray = field(init=False, repr=False)
     _lut: np.ndarray | None = field(init=False, repr=False, default=None)  # id -> row (-1: none) for compact ids

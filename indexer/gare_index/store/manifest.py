@@ -71,10 +71,13 @@ class _Closed(BaseModel):
 
 
 class FileEntry(_Closed):
-    """``files[name]``: every file of the version except the manifest, with its size and sha256."""
+    """``files[name]``: every file of the version except the manifest, with its size, its sha256 (``gare-index
+    verify``) and its fast hash (``"<scheme>:<hex>"``, gare_index.store.fast_hash: checked before a version is
+    served; absent in versions written before it was recorded)."""
 
     bytes: int
     sha256: str
+    fast_hash: str | None = None
 
 
 class CheckpointRef(_Closed):

@@ -19,6 +19,7 @@ from gare_index.ann_params import AnnParams
 from gare_index.frame_quant import FRAME_SCALES_ARRAY, QuantFrames
 from gare_index.metadb import check_meta_db
 from gare_index.ncl_ann import FoldedRows
+from gare_index.store.file_check import BackgroundCheck, IndexCheckError
 from gare_index.store.format import (
     ANN_FILE,
     ANN_NCL_FILE,
@@ -135,11 +136,17 @@ def open_version(
     verify: bool = False,
     use_gpu: bool | None = None,
     mmap_ann: bool = False,
+    check: bool | BackgroundCheck = False,
 ) -> IndexVersion:
     """Open a named version (open_index opens the one CURRENT names).
 
     ``mmap_ann=True`` memory-maps the FAISS indexes read-only (``AnnIndex.load(mmap=True)``): for serving
-    processes that share them through the page cache; never for a version that will be modified."""
+    processes that share them through the page cache; never for a version that will be modified.
+    ``check=True`` re-hashes every file against the manifest's fast hashes (gare_index.store.file_check) on
+    background threads while the version opens, and returns only when they match (:class:`IndexCheckError`
+    naming every bad file otherwise); a :class:`BackgroundCheck` of this version's directory started earlier is
+    waited for instead (another one is ignored and a check started here). ``verify=True`` (sha256) makes it
+    redundant."""
     root = Path(root)
     path = root / VERSIONS_DIR / name
     if not path.is_dir():
@@ -152,7 +159,35 @@ def open_version(
     problems = _hash_problems(path, files, rehash=verify)
     if problems:
         raise IndexFormatError("; ".join(problems))
+    pending: BackgroundCheck | None = None
+    if check and not verify:
+        same = isinstance(check, BackgroundCheck) and check.path.resolve() == path.resolve()
+        pending = check if same else BackgroundCheck(path, files)
+    try:
+        version = _open_checked_files(root, name, path, manifest, use_gpu=use_gpu, mmap_ann=mmap_ann)
+    except IndexFormatError as e:
+        # an altered file may also fail a later step of the open (ids against SQLite, FAISS unreadable):
+        # the check names the file that changed, which is the cause
+        if pending is not None and not (report := pending.wait()).ok:
+            raise IndexCheckError(report) from e
+        raise
+    except BaseException:
+        if pending is not None:
+            pending.cancel()
+        raise
+    if pending is not None:
+        report = pending.wait()
+        if not report.ok:
+            version.close()
+            raise IndexCheckError(report)
+        version.check_report = report
+    return version
 
+
+def _open_checked_files(root: Path, name: str, path: Path, manifest: IndexManifest, *, use_gpu: bool | None,
+                        mmap_ann: bool) -> IndexVersion:
+    """open_version once the manifest and the files' presence and sizes are checked."""
+    files = manifest.files
     n, d, f = manifest.n, manifest.dim, manifest.max_frames
     arrays: dict[str, np.ndarray] = {}
     for aname, (dtype, _ndim) in {**ARRAY_SPECS, **OPTIONAL_ARRAYS}.items():
@@ -221,8 +256,9 @@ def open_index(
     verify: bool = False,
     use_gpu: bool | None = None,
     mmap_ann: bool = False,
+    check: bool | BackgroundCheck = False,
 ) -> IndexVersion:
-    """Open the version CURRENT names (``mmap_ann``: see :func:`open_version`).
+    """Open the version CURRENT names (``mmap_ann``, ``check``: see :func:`open_version`).
 
     `verify=True` re-hashes every file against manifest["files"] (IndexFormatError naming the bad file);
     without it, presence and byte sizes are still checked. `expect_checkpoint_sha` that differs from the
@@ -236,4 +272,4 @@ def open_index(
         raise IndexFormatError(f"{root}: no such index directory")
     name = current_version_name(root)
     return open_version(root, name, expect_checkpoint_sha=expect_checkpoint_sha, verify=verify, use_gpu=use_gpu,
-                        mmap_ann=mmap_ann)
+                        mmap_ann=mmap_ann, check=check)

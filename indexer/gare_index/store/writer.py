@@ -4,6 +4,7 @@ removing stale temporaries and old versions (gc).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
 import logging
@@ -16,7 +17,6 @@ from typing import Any
 
 import numpy as np
 
-from gare.checkpoint import file_sha256
 from gare_index.ann import AnnIndex, build_index
 from gare_index.ann_params import AnnParams, choose_index_type
 from gare_index.fields import FIELDS_TABLE, check_name, sql_type
@@ -29,6 +29,7 @@ from gare_index.frame_quant import (
 )
 from gare_index.ncl_ann import build_ncl_ann, ncl_ann_params
 from gare_index.npy_staging import ExistingFile
+from gare_index.store.fast_hash import fast_file_hash, sha256_and_fast_hash
 from gare_index.store.format import (
     ANN_FILE,
     ANN_NCL_FILE,
@@ -132,8 +133,12 @@ def _write_npy(dst: Path, value: Any, dtype: np.dtype) -> dict[str, Any]:
             shutil.copyfile(src, dst)
         with open(dst, "rb+") as fh:
             os.fsync(fh.fileno())
-        sha = value.sha256 or file_sha256(dst)
-        return {"bytes": dst.stat().st_size, "sha256": sha}
+        if value.sha256 is None:
+            sha, fast = sha256_and_fast_hash(dst)
+        else:
+            sha = value.sha256
+            fast = value.fast_hash or _recorded_fast_hash(src, sha) or fast_file_hash(dst)
+        return {"bytes": dst.stat().st_size, "sha256": sha, "fast_hash": fast}
     arr = np.asarray(value)
     if arr.dtype != dtype:
         arr = arr.astype(dtype)
@@ -142,7 +147,27 @@ def _write_npy(dst: Path, value: Any, dtype: np.dtype) -> dict[str, Any]:
         np.save(w, arr, allow_pickle=False)
         raw.flush()
         os.fsync(raw.fileno())
-    return {"bytes": w.nbytes, "sha256": w.h.hexdigest()}
+    return {"bytes": w.nbytes, "sha256": w.h.hexdigest(), "fast_hash": w.fast.hexdigest()}
+
+
+def _recorded_fast_hash(src: Path, sha256: str) -> str | None:
+    """The fast hash the manifest next to `src` (a file of a previous version) records for it, when that manifest
+    records the same sha256 and size as the caller vouches for (no re-read of a linked file of GBs); else None."""
+    try:
+        files = json.loads((src.parent / MANIFEST_FILE).read_text(encoding="utf-8")).get("files") or {}
+        entry = files.get(src.name) or {}
+        if entry.get("sha256") == sha256 and entry.get("bytes") == src.stat().st_size:
+            fast = entry.get("fast_hash")
+            return fast if isinstance(fast, str) else None
+    except (OSError, ValueError, AttributeError):
+        pass
+    return None
+
+
+def _file_entry(path: Path) -> dict[str, Any]:
+    """The manifest entry of a file written whole by another library (FAISS, SQLite): both hashes, one read."""
+    sha, fast = sha256_and_fast_hash(path)
+    return {"bytes": path.stat().st_size, "sha256": sha, "fast_hash": fast}
 
 
 def _write_ann(tmp: Path, ann: Any, ann_params_d: Mapping[str, Any] | None, index_type: str | None,
@@ -188,7 +213,7 @@ def _write_ann_ncl(tmp: Path, ann_ncl: Any, ncl: Mapping[str, Any], arrays: Mapp
         ann_ncl.save(tmp / ANN_NCL_FILE)
         with open(tmp / ANN_NCL_FILE, "rb+") as fh:
             os.fsync(fh.fileno())
-        entry = {"bytes": (tmp / ANN_NCL_FILE).stat().st_size, "sha256": file_sha256(tmp / ANN_NCL_FILE)}
+        entry = _file_entry(tmp / ANN_NCL_FILE)
         params = ann_ncl.params.to_dict()
     info = {k: v for k, v in ncl.items() if k not in ("c", "ann_params")}
     info.update({"c": c, "index_type": params["index_type"], "ann_params": params, "dim": d + 1, "file": ANN_NCL_FILE,
@@ -352,7 +377,7 @@ def _write_version(root: Path, arrays: Mapping[str, Any], metadata_rows: Iterabl
             for k, v in arrays.items():
                 dtype = FRAME_NP_DTYPES[frame_dtype] if k == "frames" else (ARRAY_SPECS.get(k) or OPTIONAL_ARRAYS[k])[0]
                 if isinstance(v, ExistingFile) and v.sha256 is None and k in file_hashes:
-                    v = ExistingFile(v.path, file_hashes[k])
+                    v = dataclasses.replace(v, sha256=file_hashes[k])
                 files[f"{k}.npy"] = _write_npy(tmp / f"{k}.npy", v, dtype)
 
             # ANN index
@@ -363,7 +388,7 @@ def _write_version(root: Path, arrays: Mapping[str, Any], metadata_rows: Iterabl
                 params = AnnParams.from_dict(ann_params_d)
             else:
                 params = _write_ann(tmp, ann, ann_params_d, index_type, arrays, ids, n)
-                files[ANN_FILE] = {"bytes": (tmp / ANN_FILE).stat().st_size, "sha256": file_sha256(tmp / ANN_FILE)}
+                files[ANN_FILE] = _file_entry(tmp / ANN_FILE)
             ncl_info = None
             if ncl_req:
                 files[ANN_NCL_FILE], ncl_info = _write_ann_ncl(tmp, ann_ncl, ncl_req, arrays, ids, n, d, params)
@@ -374,7 +399,7 @@ def _write_version(root: Path, arrays: Mapping[str, Any], metadata_rows: Iterabl
                 _create_meta_db(tmp / META_FILE, rows, extra.get("fields"))
                 with open(tmp / META_FILE, "rb+") as fh:
                     os.fsync(fh.fileno())
-                files[META_FILE] = {"bytes": (tmp / META_FILE).stat().st_size, "sha256": file_sha256(tmp / META_FILE)}
+                files[META_FILE] = _file_entry(tmp / META_FILE)
 
 
             manifest = {

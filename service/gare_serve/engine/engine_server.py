@@ -41,6 +41,7 @@ from gare_serve.engine.engine_wire import (
     write_message,
 )
 from gare_serve.engine.follow import follow_current
+from gare_serve.engine.index_check import recheck_served
 from gare_serve.engine.prometheus import Metrics, mark_worker_dead
 from gare_serve.engine.recall_watch import start_recall_watch
 from gare_serve.engine.reload import reload_local
@@ -225,6 +226,8 @@ async def serve_engine(state: EngineState, address: Path, key: bytes) -> None:
     tasks = [loop.create_task(expire_loop(state), name="gare-engine-retained")]
     if s.index_poll_s > 0:
         tasks.append(loop.create_task(follow_current(state, s.index_poll_s), name="gare-engine-follow"))
+    if s.index_check and s.index_recheck_s > 0:
+        tasks.append(loop.create_task(recheck_served(state, s.index_recheck_s), name="gare-engine-index-recheck"))
     server = EngineServer(state, address, key)
     await server.start()
     mark_engine_ready(address.parent)

@@ -19,7 +19,7 @@ import logging
 from starlette.concurrency import run_in_threadpool
 
 from gare_index.store import IndexFormatError, current_version_name
-from gare_serve.engine.reload import ReloadError, ReloadRefused, reload
+from gare_serve.engine.reload import ReloadCheckFailed, ReloadError, ReloadRefused, reload
 from gare_serve.engine.state import ServiceState
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,11 @@ async def follow_current(state: ServiceState, poll_s: float) -> None:
         except ReloadRefused as e:  # built with another checkpoint: never served by this process
             refused = name
             log.error("following the index: %s", e)
+            continue
+        except ReloadCheckFailed as e:  # re-hashing it every poll would give the same answer at the same cost
+            refused = name
+            log.error("following the index: %s (not retried until CURRENT changes; after restoring the files, "
+                      "POST /v1/admin/reload)", e)
             continue
         except ReloadError as e:
             log.error("following the index: %s", e)

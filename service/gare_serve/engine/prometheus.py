@@ -4,7 +4,9 @@
 - ``gare_http_request_duration_seconds{route}``: latency per route;
 - ``gare_search_stage_seconds{stage}``: queue, encode, ann, rerank, total per query;
 - ``gare_batch_size``: queries per micro-batch;
-- ``gare_index_entries`` and ``gare_index_info{version,index_type,checkpoint}``; ``gare_reloads_total{result}``.
+- ``gare_index_entries`` and ``gare_index_info{version,index_type,checkpoint}``; ``gare_reloads_total{result}``;
+  ``gare_index_checks_total{phase,result}`` (index files re-hashed at open, reload, recheck: ok or mismatch) and
+  ``gare_index_check_seconds`` (this worker's last check).
 
 - ``gare_engine_*``: the shared engine (``engine=shared``): per query its queue wait, per batch the HTTP workers
   whose queries it holds and a count of batches mixing workers, requests by kind, process starts; in the workers
@@ -94,6 +96,11 @@ class Metrics:
         )
         self._info_labels: tuple[str, str, str] | None = None
         self.reloads = Counter("gare_reloads", "index reloads by result", ["result"], registry=r)
+        self.index_checks = Counter(
+            "gare_index_checks", "index file checks against the manifest by phase (open, reload, recheck) and result "
+            "(ok, mismatch)", ["phase", "result"], registry=r)
+        self.index_check_seconds = Gauge("gare_index_check_seconds", "duration of this worker's last index file check",
+                                         registry=r, multiprocess_mode="liveall")
         self.thumb_cache = Counter("gare_thumbnail_cache", "thumbnail cache lookups", ["result"], registry=r)
         self.query_cache = QueryCacheMetrics(r)
         self.result_cache = ResultCacheMetrics(r)

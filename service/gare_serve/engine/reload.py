@@ -18,7 +18,14 @@ from typing import Any, Protocol, runtime_checkable
 
 from starlette.concurrency import run_in_threadpool
 
-from gare_index.store import IndexFormatError, IndexMismatchError, current_version_name, open_index
+from gare_index.store import (
+    IndexCheckError,
+    IndexFormatError,
+    IndexMismatchError,
+    current_version_name,
+    open_index,
+)
+from gare_serve.engine.index_check import bad_files, count_check
 from gare_serve.engine.startup import StartupError
 from gare_serve.engine.state import ServiceState
 from gare_serve.engine.versions import VersionHandle, advise_random_access
@@ -26,8 +33,8 @@ from gare_serve.engine.worker_board import WorkerBoard
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ReloadError", "ReloadRefused", "ReloadUnavailable", "SelfReloading", "reload", "reload_local",
-           "watch_reloads"]
+__all__ = ["ReloadCheckFailed", "ReloadError", "ReloadRefused", "ReloadUnavailable", "SelfReloading", "reload",
+           "reload_local", "watch_reloads"]
 
 
 class ReloadError(RuntimeError):
@@ -40,6 +47,10 @@ class ReloadRefused(ReloadError):
 
 class ReloadUnavailable(ReloadError):
     """The index's CURRENT cannot be read, or the version it names cannot be opened."""
+
+
+class ReloadCheckFailed(ReloadUnavailable):
+    """The version's files do not match the hashes of its manifest (index_check): altered, corrupted."""
 
 
 @runtime_checkable
@@ -88,10 +99,20 @@ async def reload_local(state: ServiceState) -> dict[str, Any]:
             reloads.labels("unchanged").inc()
             return {"reloaded": False, "version": name, "previous": name, "n": old.version.n}
         try:
+            # index_check: every file re-hashed against the manifest before the version takes traffic (the old
+            # one serves meanwhile)
             version = await run_in_threadpool(
                 lambda: open_index(s.index, expect_checkpoint_sha=state.checkpoint_sha, verify=s.verify_index,
-                                   use_gpu=s.use_gpu_ann, mmap_ann=True)
+                                   use_gpu=s.use_gpu_ann, mmap_ann=True, check=s.index_check)
             )
+        except IndexCheckError as e:
+            log.error("reload refused: index version %s failed its file check: %s; still serving %s", name, e,
+                      old.version.name)
+            reloads.labels("error").inc()
+            count_check(state.metrics, "reload", e.report)
+            raise ReloadCheckFailed(
+                f"index version {name} failed its file check ({bad_files(e.report)}: not as its manifest says); "
+                f"still serving {old.version.name}") from None
         except IndexMismatchError as e:
             log.error("reload refused: %s", e)
             reloads.labels("refused").inc()
@@ -105,6 +126,8 @@ async def reload_local(state: ServiceState) -> dict[str, Any]:
             reloads.labels("error").inc()
             raise ReloadUnavailable(
                 f"index version {name} could not be opened; still serving {old.version.name}") from None
+        if version.check_report is not None:
+            count_check(state.metrics, "reload", version.check_report)
         try:
             await run_in_threadpool(state.check_fit, version)
         except StartupError as e:
@@ -124,6 +147,7 @@ async def reload_local(state: ServiceState) -> dict[str, Any]:
         state.result_cache.clear()  # keyed by version name anyway: the old entries could only take room
         state.retire_version(old)  # closed when its last in-flight request finishes
         state.publish_index(version)
+        state.index_problems = []  # a re-check's findings were about the version just retired
         reloads.labels("ok").inc()
         log.info("reloaded: now serving %s (%d entries), was %s", version.name, version.n, old.version.name)
         return {"reloaded": True, "version": version.name, "previous": old.version.name, "n": version.n}

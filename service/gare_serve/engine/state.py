@@ -25,7 +25,16 @@ from gare.checkpoint import CheckpointError, load_model
 from gare.model import GARE, resolve_device
 from gare_index.resident import ResidentTooLarge
 from gare_index.resident_version import load_resident
-from gare_index.store import IndexFormatError, IndexVersion, open_index
+from gare_index.store import (
+    VERSIONS_DIR,
+    BackgroundCheck,
+    IndexCheckError,
+    IndexFormatError,
+    IndexVersion,
+    current_version_name,
+    open_index,
+    read_manifest,
+)
 from gare_search import by_example as E
 from gare_search import rerank
 from gare_search import search as S
@@ -38,6 +47,7 @@ from gare_search.text_encoder import (
 )
 from gare_serve.engine.batch_worker import BatchSearch, Job, run_batch
 from gare_serve.engine.batcher import MicroBatcher
+from gare_serve.engine.index_check import count_check
 from gare_serve.engine.prometheus import Metrics
 from gare_serve.engine.query_cache import QueryCache, make_normalizer
 from gare_serve.engine.recall_watch import RecallWatch
@@ -75,6 +85,9 @@ class ServiceState:
         self.checkpoint_path: Path | None = None
         self.checkpoint_sha: str | None = None
         self.handle: VersionHandle | None = None
+        self._pending_check: BackgroundCheck | None = None  # the served version's file check, while load() runs
+        # what the last periodic re-check of the served version's files found (empty: they match, or not checked)
+        self.index_problems: list[str] = []
         # where the served version lives and its stage 1 (on_device: the resident copy's measured choice), for /readyz
         self.stage1: dict[str, Any] | None = None
         self.reload_lock = asyncio.Lock()
@@ -113,7 +126,22 @@ class ServiceState:
                 faiss.omp_set_num_threads(s.torch_threads)
             except (ImportError, AttributeError):  # pragma: no cover - faiss is a dependency
                 pass
-        path, sha = self.resolve_checkpoint()
+        # the served version's files are re-hashed on background threads while the checkpoint is hashed and the
+        # model loads; open_served waits for the verdict (gare_serve.engine.index_check)
+        self._pending_check = self.start_index_check()
+        try:
+            path, sha = self.resolve_checkpoint()
+            self.load_model_and_index(path, sha)
+        except BaseException:
+            if self._pending_check is not None:
+                self._pending_check.cancel()
+            raise
+        finally:
+            self._pending_check = None
+
+    def load_model_and_index(self, path: Path, sha: str) -> None:
+        """load() once the checkpoint is resolved: the model, its query encoder, the served version, the caches."""
+        s = self.settings
         self.load_media_secret()
         try:
             self.device = resolve_device(s.device)
@@ -183,15 +211,38 @@ class ServiceState:
         path, sha, _ = resolve_checkpoint(self.settings)
         return path, sha
 
-    def open_served(self, sha: str) -> Any:
-        """The index's CURRENT version, opened for serving (StartupError when it cannot be)."""
+    def start_index_check(self) -> BackgroundCheck | None:
+        """The file check of CURRENT's version, started now on background threads (None: index_check off, or
+        verify_index, whose sha256 re-hash makes it redundant, or no single index version to check)."""
         s = self.settings
+        if not s.index_check or s.verify_index or s.index is None:
+            return None
+        try:
+            vdir = Path(s.index) / VERSIONS_DIR / current_version_name(s.index)
+            return BackgroundCheck(vdir, read_manifest(vdir).files)
+        except IndexFormatError:  # not one index version (a sharded index), or unreadable: open_served says why
+            return None
+
+    def open_served(self, sha: str) -> Any:
+        """The index's CURRENT version, opened for serving once its files match their manifest (index_check);
+        StartupError when it cannot be."""
+        s = self.settings
+        check = getattr(self, "_pending_check", None) or s.index_check
         try:
             # mmap_ann: the FAISS index is mapped read-only like the arrays, one copy for all workers
-            return open_index(s.index, expect_checkpoint_sha=sha, verify=s.verify_index, use_gpu=s.use_gpu_ann,
-                              mmap_ann=True)
+            version = open_index(s.index, expect_checkpoint_sha=sha, verify=s.verify_index, use_gpu=s.use_gpu_ann,
+                                 mmap_ann=True, check=check)
+        except IndexCheckError as e:
+            count_check(self.metrics, "open", e.report)
+            # the bad files last: log lines and tests that keep the end of a long message keep them
+            raise StartupError(
+                f"index {s.index}: version {e.report.path.name} failed its file check, refusing to serve it (restore "
+                f"the files or build a new version; gare-index verify names every bad file): {e}") from None
         except IndexFormatError as e:
             raise StartupError(f"cannot open the index: {e}") from None
+        if version.check_report is not None:
+            count_check(self.metrics, "open", version.check_report)
+        return version
 
     def check_fit(self, version: IndexVersion) -> None:
         """StartupError when ``version`` does not fit the model; else get it ready for the rerank (the fold's

@@ -1,0 +1,229 @@
+"""Index files checked before they are served: the fast hash the writer records (gare_index.store.fast_hash) and the
+check at open (``open_version(check=True)``, gare_index.store.file_check).
+
+Every file of a version altered in place at the same size (one byte of its payload flipped, same inode) is refused
+by a checked open, naming the file; an unchecked open still accepts the .npy payloads and ann.faiss (what the check
+is for); versions written before fast hashes open and are checked with sha256."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xxhash
+
+from gare_index.store import (
+    FAST_HASH_SCHEME,
+    BackgroundCheck,
+    ExistingFile,
+    IndexCheckError,
+    IndexFormatError,
+    check_files,
+    open_index,
+    open_version,
+    read_manifest,
+    write_version,
+)
+from gare_index.store.fast_hash import BLOCK_BYTES, FastHasher, fast_file_hash
+from tests.indexer.test_index_store import SHA, extra, synth_arrays
+
+
+def naive_fast_hash(data: bytes) -> str:
+    """The scheme by its definition: XXH3-128 of the 64 MiB blocks' XXH3-128 digests, concatenated."""
+    blocks = [xxhash.xxh3_128(data[o:o + BLOCK_BYTES]).digest() for o in range(0, len(data), BLOCK_BYTES)]
+    return f"{FAST_HASH_SCHEME}:{xxhash.xxh3_128(b''.join(blocks)).hexdigest()}"
+
+
+def flip_in_place(path: Path, at: int | None = None) -> int:
+    """Flip one byte of `path` in place (same inode, same size): in the middle of the file, past any header."""
+    size = path.stat().st_size
+    at = size // 2 if at is None else at
+    with open(path, "r+b") as fh:
+        fh.seek(at)
+        b = fh.read(1)
+        fh.seek(at)
+        fh.write(bytes([b[0] ^ 0x5A]))
+    return at
+
+
+def version_files(vdir: Path) -> list[str]:
+    return sorted(p.name for p in vdir.iterdir() if p.is_file())
+
+
+@pytest.fixture
+def index(tmp_path) -> Path:
+    arrays, meta = synth_arrays(64)
+    write_version(tmp_path / "idx", arrays, meta, extra("flat"))
+    return tmp_path / "idx"
+
+
+def test_fast_hash_definition_and_streaming():
+    """The streaming hasher (writes of any size, across block boundaries) and the file hash equal the definition."""
+    rng = np.random.default_rng(0)
+    data = rng.bytes(BLOCK_BYTES * 2 + 12345)
+    want = naive_fast_hash(data)
+    h = FastHasher()
+    pos = 0
+    for step in (1, 7, BLOCK_BYTES - 8, 3 << 20, BLOCK_BYTES + 5, len(data)):
+        h.update(data[pos:pos + step])
+        pos = min(len(data), pos + step)
+    assert pos == len(data) and h.hexdigest() == want
+    assert FastHasher().hexdigest() == naive_fast_hash(b"")
+    other = bytearray(data)
+    other[BLOCK_BYTES + 3] ^= 1
+    assert naive_fast_hash(bytes(other)) != want
+
+
+def test_writer_records_both_hashes_of_every_file(index):
+    vdir = index / "versions" / "v000001"
+    m = read_manifest(vdir)
+    assert sorted(m.files) == [f for f in version_files(vdir) if f != "manifest.json"]
+    for fname, entry in m.files.items():
+        data = (vdir / fname).read_bytes()
+        assert entry.sha256 == hashlib.sha256(data).hexdigest(), fname
+        assert entry.fast_hash == naive_fast_hash(data) == fast_file_hash(vdir / fname), fname
+
+
+def test_linked_files_keep_their_fast_hash(index, monkeypatch):
+    """A version that links its predecessor's files (ExistingFile with their sha256) records the same fast hashes,
+    taken from the predecessor's manifest: the linked files (GBs of frames) are not read again."""
+    import gare_index.store.writer as writer
+
+    def no_reread(path):
+        raise AssertionError(f"{path} re-read to hash it")
+
+    monkeypatch.setattr(writer, "fast_file_hash", no_reread)
+    v1 = open_index(index)
+    files = v1.manifest.files
+    linked = {k: ExistingFile(v1.path / f"{k}.npy", files[f"{k}.npy"].sha256)
+              for k in ("ids", "norms", "units", "frames", "masks", "biases")}
+    name = write_version(index, linked, ExistingFile(v1.path / "meta.sqlite", files["meta.sqlite"].sha256),
+                         extra("flat") | {"ann_params": dict(v1.manifest.ann_params)},
+                         ann=ExistingFile(v1.path / "ann.faiss", files["ann.faiss"].sha256))
+    v1.close()
+    m2 = read_manifest(index / "versions" / name)
+    assert {k: e.fast_hash for k, e in m2.files.items()} == {k: e.fast_hash for k, e in files.items()}
+    open_version(index, name, check=True).close()
+
+
+@pytest.mark.parametrize("fname", ["ann.faiss", "ids.npy", "norms.npy", "units.npy", "frames.npy", "masks.npy",
+                                   "biases.npy", "meta.sqlite", "manifest.json"])
+def test_every_file_altered_in_place_is_refused_at_open(index, fname):
+    vdir = index / "versions" / "v000001"
+    assert fname in version_files(vdir)
+    open_index(index, check=True).close()
+    flip_in_place(vdir / fname)
+    with pytest.raises(IndexFormatError) as e:
+        open_index(index, check=True, expect_checkpoint_sha=SHA).close()
+    if fname != "manifest.json":  # the manifest is caught by what it no longer matches
+        assert f"{vdir / fname}:" in str(e.value)
+    if fname in ("ann.faiss", "units.npy", "frames.npy"):  # the finding: accepted without the check
+        assert isinstance(e.value, IndexCheckError)
+        open_index(index, check=False).close()
+
+
+def test_check_names_every_bad_file_and_counts_bytes(index):
+    vdir = index / "versions" / "v000001"
+    m = read_manifest(vdir)
+    rep = check_files(vdir, m.files, threads=3)
+    assert rep.ok and rep.files == len(m.files) and rep.bytes == sum(e.bytes for e in m.files.values())
+    flip_in_place(vdir / "frames.npy")
+    flip_in_place(vdir / "units.npy", at=(vdir / "units.npy").stat().st_size - 1)  # the last byte
+    rep = check_files(vdir, m.files, threads=1)
+    assert len(rep.problems) == 2 and "frames.npy: fast hash" in rep.problems[0] and "units.npy: fast hash" in rep.problems[1]
+
+
+def test_off_really_skips(index, monkeypatch):
+    """check=False opens without reading the files: a hasher that raises is never called."""
+    import gare_index.store.file_check as fc
+
+    def boom(*a, **k):
+        raise AssertionError("hashed although the check is off")
+
+    monkeypatch.setattr(fc, "hash_block", boom)
+    flip_in_place(index / "versions" / "v000001" / "frames.npy")
+    open_index(index, check=False).close()
+    with pytest.raises(AssertionError, match="hashed although"):
+        open_index(index, check=True).close()
+
+
+def _strip_fast_hashes(vdir: Path) -> None:
+    m = json.loads((vdir / "manifest.json").read_text())
+    for e in m["files"].values():
+        e.pop("fast_hash")
+    (vdir / "manifest.json").write_text(json.dumps(m, indent=1, sort_keys=True))
+
+
+def test_version_without_fast_hashes_opens_and_is_checked_with_sha256(index, caplog):
+    """A version written before fast hashes (no fast_hash in its manifest): opens, checked with sha256 (one
+    WARNING), and an altered file is still refused."""
+    vdir = index / "versions" / "v000001"
+    _strip_fast_hashes(vdir)
+    assert read_manifest(vdir).files["frames.npy"].fast_hash is None
+    with caplog.at_level("WARNING", logger="gare_index.store.file_check"):
+        open_index(index, check=True).close()
+    assert any("checked with sha256" in r.getMessage() for r in caplog.records)
+    rep = check_files(vdir, read_manifest(vdir).files)
+    assert rep.ok and rep.sha256_files == sorted(read_manifest(vdir).files)
+    flip_in_place(vdir / "frames.npy")
+    with pytest.raises(IndexCheckError, match="frames.npy: sha256 does not match"):
+        open_index(index, check=True).close()
+
+
+def test_index_written_by_earlier_code_opens_checked_with_sha256(tmp_path):
+    """The index tests/indexer/data holds (written by main at 78f2e78, before fast hashes): a checked open passes
+    with every file checked against its sha256, and refuses it once a byte of frames.npy is flipped in place."""
+    old = Path(__file__).parent / "data" / "index-main-78f2e78"
+    idx = tmp_path / "old"
+    shutil.copytree(old, idx)
+    vdir = idx / "versions" / "v000001"
+    files = read_manifest(vdir).files
+    assert all(e.fast_hash is None for e in files.values())
+    open_index(idx, check=True).close()
+    assert check_files(vdir, files).sha256_files == sorted(files)
+    flip_in_place(vdir / "frames.npy")
+    with pytest.raises(IndexCheckError, match="frames.npy: sha256 does not match"):
+        open_index(idx, check=True)
+
+
+def test_background_check_is_waited_for_and_cancelled(index):
+    vdir = index / "versions" / "v000001"
+    m = read_manifest(vdir)
+    chk = BackgroundCheck(vdir, m.files)
+    open_version(index, "v000001", check=chk).close()  # the started check is the one waited for
+    assert chk.done() and chk.wait().ok
+    flip_in_place(vdir / "masks.npy")
+    chk = BackgroundCheck(vdir, m.files)
+    with pytest.raises(IndexCheckError, match="masks.npy"):
+        open_version(index, "v000001", check=chk)
+    stop = threading.Event()
+    stop.set()
+    assert check_files(vdir, m.files, stop=stop).problems == [f"{vdir}: check cancelled"]
+
+
+def test_check_reads_the_manifest_it_was_opened_with(index):
+    """A file and its manifest entry both rewritten after the open: the check of the served copy still fails."""
+    v = open_index(index)
+    vdir = v.path
+    flip_in_place(vdir / "units.npy")
+    m = json.loads((vdir / "manifest.json").read_text())
+    m["files"]["units.npy"]["fast_hash"] = fast_file_hash(vdir / "units.npy")
+    (vdir / "manifest.json").write_text(json.dumps(m))
+    assert check_files(vdir, read_manifest(vdir).files).ok
+    assert not check_files(vdir, v.manifest.files).ok
+    v.close()
+
+
+def test_file_shrunk_or_missing(index):
+    vdir = index / "versions" / "v000001"
+    m = read_manifest(vdir)
+    os.truncate(vdir / "frames.npy", m.files["frames.npy"].bytes - 1)
+    (vdir / "biases.npy").unlink()
+    rep = check_files(vdir, m.files)
+    assert sorted(p.split(":")[0] for p in rep.problems) == [str(vdir / "biases.npy"), str(vdir / "frames.npy")]
