@@ -75,6 +75,16 @@ def status_of(s: socket.socket, wait_s: float) -> int | None:
     return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None
 
 
+def read_answer(s: socket.socket, body_bytes: int) -> None:
+    s.settimeout(120)
+    got = b""
+    while len(got.partition(b"\r\n\r\n")[2]) < body_bytes:
+        chunk = s.recv(1 << 20)
+        if not chunk:
+            break
+        got += chunk
+
+
 def dropped_by_server(s: socket.socket) -> bool:
     """True when the server has closed (FIN: CLOSE_WAIT here) or reset (CLOSE) the connection: the first byte of
     Linux's TCP_INFO is the socket's TCP state; nothing is read, so the server is not let to send more."""
@@ -98,7 +108,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.send_timeout_s is not None:
         env["GARE_SEND_TIMEOUT_S"] = str(args.send_timeout_s)
     out: dict = {"clients": args.clients, "queries": args.queries, "k": args.k, "rcvbuf": args.rcvbuf,
-                 "hold_s": args.hold_s, "result_cache_entries": args.result_cache_entries, "settle_s": args.settle_s, "send_timeout_s": args.send_timeout_s,
+                 "hold_s": args.hold_s, "read": args.read, "result_cache_entries": args.result_cache_entries, "settle_s": args.settle_s, "send_timeout_s": args.send_timeout_s,
                  "setup_s": round(time.perf_counter() - t0, 1)}
     with UvicornProcess(["--index", str(index), "--workers", "1"], env=env, ready_timeout_s=600) as srv:
         pid = srv.proc.pid
@@ -113,6 +123,9 @@ def run(args: argparse.Namespace) -> dict:
         before = rss_bytes(pid)
         socks = [open_unread(srv.port, request, args.rcvbuf) for _ in range(args.clients)]
         statuses = [status_of(s, 60.0) for s in socks]
+        if args.read:  # the control: the same burst, every answer read (what the server keeps without unread clients)
+            for s in socks:
+                read_answer(s, out["answer_bytes"])
         peak = before
         deadline = time.monotonic() + args.hold_s
         while time.monotonic() < deadline:
@@ -140,7 +153,8 @@ def write_results(out: dict, stem: Path) -> None:
     lines = [
         "# Clients that never read a large batch answer (bench/http_unread.py)", "",
         f"{out['clients']} clients, each `POST /v1/search/batch` ({out['queries']} queries, k={out['k']}, "
-        f"{out['answer_bytes']} bytes of answer), receive buffer {out['rcvbuf']} bytes, never reading; held "
+        f"{out['answer_bytes']} bytes of answer), receive buffer {out['rcvbuf']} bytes, "
+        f"{'reading their answers (control)' if out['read'] else 'never reading'}; held "
         f"{out['hold_s']} s, then closed; RSS sampled {out['settle_s']} s after. `gare-serve --workers 1`, send timeout "
         f"{out['send_timeout_s'] if out['send_timeout_s'] is not None else 'default'}.", "",
         "| RSS before | peak | end of hold | after | after - before | dropped by the server | target (<= 20 MiB) |",
@@ -163,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--send-timeout-s", type=float, default=None, help="GARE_SEND_TIMEOUT_S (default: the server's)")
     p.add_argument("--result-cache-entries", type=int, default=0, help="GARE_RESULT_CACHE_ENTRIES (default 0: each "
                    "client's answer is computed and rendered, not one cached answer re-sent)")
+    p.add_argument("--read", action="store_true", help="control run: the clients read their answers")
     p.add_argument("--env", type=Path, default=None, help="the service-test corpus and indexes to use (built there "
                    "when missing; default: a new temporary directory)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "http_unread")
