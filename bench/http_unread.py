@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -33,9 +34,70 @@ for sub in ("training", "indexer", "service", ""):
 
 import httpx  # noqa: E402
 
-from tests.service.support import UvicornProcess, make_service_env  # noqa: E402
-
 MiB = 1024 * 1024
+
+
+def make_env(root: Path) -> tuple[Path, list[str]]:
+    """(a 1-s segment index, its captions) of the service tests' kind: 16 synthetic captioned mp4 files, a tiny
+    GARE checkpoint, `gare-index build --segment 1` (what tests/service/support.py builds; bench may not import
+    tests)."""
+    import torch
+
+    from gare.checkpoint import save_checkpoint
+    from gare.config import get_model_config
+    from gare.model import GARE
+    from gare_build.build import BuildOptions, build
+    from gare_train.synth import SynthConfig, generate_corpus
+
+    info = generate_corpus(root / "corpus", SynthConfig(n_videos=16, seed=0, duration=2.0, captions_per_video=2),
+                           progress=False)
+    torch.manual_seed(0)
+    ckpt = root / "tiny.safetensors"
+    model = GARE.build(get_model_config("gare-test-tiny")).eval()
+    save_checkpoint(ckpt, model, queues={"text": torch.nn.functional.normalize(torch.randn(64, model.cfg.embed_dim), dim=-1)})
+    build(str(ckpt), str(info["videos_dir"]), str(root / "seg_index"), BuildOptions(workers=0, progress=False, segment=1.0))
+    return root / "seg_index", read_captions(root)
+
+
+def read_captions(root: Path) -> list[str]:
+    with open(root / "corpus" / "captions.jsonl", encoding="utf-8") as fh:
+        return [json.loads(line)["captions"][0] for line in fh]
+
+
+class Server:
+    """`gare-serve --workers 1` (one process: the worker itself) on 127.0.0.1:<free port>."""
+
+    def __init__(self, index: Path, env: dict[str, str]) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        pythonpath = os.pathsep.join(str(REPO / d) for d in ("training", "indexer", "service", ""))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gare_serve.cli", "--host", "127.0.0.1", "--port", str(self.port), "--index",
+             str(index), "--workers", "1", "--log-level", "warning"],
+            env={**os.environ, "PYTHONPATH": pythonpath, "HF_HUB_OFFLINE": "1", "GARE_TORCH_THREADS": "1", **env})
+
+    def __enter__(self) -> Server:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gare-serve exited with {self.proc.returncode}")
+            try:
+                if httpx.get(self.base_url + "/readyz", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError("gare-serve did not become ready")
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def rss_bytes(pid: int) -> int:
@@ -95,12 +157,9 @@ def dropped_by_server(s: socket.socket) -> bool:
 def run(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     if args.env is not None and (args.env / "seg_index").is_dir():  # a service-test corpus built before
-        index = args.env / "seg_index"
-        with open(args.env / "corpus" / "captions.jsonl", encoding="utf-8") as fh:
-            captions = [json.loads(line)["captions"][0] for line in fh]
+        index, captions = args.env / "seg_index", read_captions(args.env)
     else:
-        env_info = make_service_env(args.env or Path(tempfile.mkdtemp(prefix="gare-unread-")))
-        index, captions = env_info["seg_index"], env_info["captions"]
+        index, captions = make_env(args.env or Path(tempfile.mkdtemp(prefix="gare-unread-")))
     # every client's 64 queries queued at once: a queue that holds them all, so that each gets its answer (not a 503)
     env = {"GARE_WORKER_HEALTHCHECK_S": "900", "GARE_BATCH_QUEUE_SIZE": str(max(1024, 2 * args.clients * args.queries))}
     if args.result_cache_entries is not None:
@@ -110,7 +169,7 @@ def run(args: argparse.Namespace) -> dict:
     out: dict = {"clients": args.clients, "queries": args.queries, "k": args.k, "rcvbuf": args.rcvbuf,
                  "hold_s": args.hold_s, "read": args.read, "result_cache_entries": args.result_cache_entries, "settle_s": args.settle_s, "send_timeout_s": args.send_timeout_s,
                  "setup_s": round(time.perf_counter() - t0, 1)}
-    with UvicornProcess(["--index", str(index), "--workers", "1"], env=env, ready_timeout_s=600) as srv:
+    with Server(index, env) as srv:
         pid = srv.proc.pid
         request = batch_request(srv.port, captions, args.queries, args.k)
         with httpx.Client(base_url=srv.base_url, timeout=120) as c:  # warm: every path the clients take, read

@@ -189,9 +189,11 @@ def test_clock_restarts_after_each_response_and_stops_while_a_request_runs():
 def test_the_configs_carry_the_protocol_to_spawned_workers():
     from gare_serve.processes.uvicorn_config import NodelayConfig
 
-    cfg = NodelayConfig("gare_serve.app:create_app", factory=True, workers=2, header_timeout_s=3.5)
+    cfg = NodelayConfig("gare_serve.app:create_app", factory=True, workers=2, header_timeout_s=3.5,
+                        send_timeout_s=7.5, send_buffer_bytes=123_456)
     clone = pickle.loads(pickle.dumps(cfg))  # what uvicorn's spawn hands each worker
     assert clone.http is HeaderTimeoutH11Protocol and clone.header_timeout_s == 3.5
+    assert (clone.send_timeout_s, clone.send_buffer_bytes) == (7.5, 123_456)
     assert LimitsConfig("gare_serve.app:create_app").http is HeaderTimeoutH11Protocol
 
 
