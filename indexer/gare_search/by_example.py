@@ -143,6 +143,36 @@ class UnsupportedImageType(ExampleError):
     """The declared content type is not one of IMAGE_TYPES (the service answers 415)."""
 
 
+class DecodeBudgetExceeded(ExampleError):
+    """Decoding the image took more CPU time than its budget (``decode_image(budget_s=...)``): it was stopped."""
+
+
+class _BudgetedReader(io.BytesIO):
+    """The upload's bytes, read by Pillow's decoder block by block: each read checks the decoding thread's CPU
+    time against the budget and stops the decode (raises) past it. A decode running in a thread cannot be killed
+    from outside; this stops it from within, at its next block."""
+
+    def __init__(self, data: bytes, budget_s: float) -> None:
+        super().__init__(data)
+        self.budget_s = budget_s
+        self.started = time.thread_time()
+
+    def check(self) -> None:
+        if time.thread_time() - self.started > self.budget_s:
+            raise DecodeBudgetExceeded(f"decoding the image took more than its budget of {self.budget_s:g} s of CPU "
+                                       f"(image_decode_budget_s); send a smaller image")
+
+    def read(self, size: int | None = -1, /) -> bytes:
+        self.check()
+        return super().read(size)
+
+
+# Compressed bytes handed to Pillow's decoder per step when a budget is set (Pillow's own is 64 KiB). A PNG's
+# zlib stream can expand ~1000x, so one 64 KiB step may be ~64 MB of pixels; 4 KiB bounds what runs between
+# two budget checks to a few MB of pixels.
+BUDGET_BLOCK = 4096
+
+
 def image_type(content_type: str | None) -> str | None:
     """The accepted media type a Content-Type names (``IMAGE/PNG``, `` image/png ; x=y`` -> ``image/png``;
     case-insensitive, parameters ignored), or None when it names none of IMAGE_TYPES."""
@@ -168,7 +198,7 @@ def reduced_size(size: tuple[int, int], short_side: int) -> tuple[int, int]:
 
 
 def decode_image(data: bytes, content_type: str | None, *, max_pixels: int, max_aspect: float | None = None,
-                 image_size: int | None = None) -> Image:
+                 image_size: int | None = None, budget_s: float | None = None) -> Image:
     """Bytes -> RGB PIL image, refusing what is not a still image of an allowed type within the bounds.
 
     Checked from the header, before any pixel is decoded: the pixel count (``max_pixels``: width x height) and
@@ -182,6 +212,11 @@ def decode_image(data: bytes, content_type: str | None, *, max_pixels: int, max_
     ``2 * image_size``. The model transform (bicubic to ``image_size``, centre crop) then sees the same picture
     as from the full-size image, up to resampling. None: the image is returned at its full size.
 
+    With ``budget_s`` the decode is bounded in CPU time (of the calling thread): the compressed data is fed to
+    the decoder in small blocks, the time is checked before each and between the steps (decode, convert, reduce),
+    and past the budget the decode stops with DecodeBudgetExceeded. A WebP is decoded in one call of its
+    library, so it is checked only between the steps (its size is bounded by ``max_pixels``).
+
     Every failure raises ExampleError with a fixed message (UnsupportedImageType for a type not accepted)."""
     from PIL import Image
 
@@ -191,8 +226,11 @@ def decode_image(data: bytes, content_type: str | None, *, max_pixels: int, max_
     fmt = IMAGE_TYPES[kind]
     # Pillow's own decompression-bomb guard (Image.MAX_IMAGE_PIXELS, a process-wide value) is left as it is:
     # changing it per call would race between the threads decoding at once. The bound here is checked first.
+    reader = _BudgetedReader(data, budget_s) if budget_s is not None else io.BytesIO(data)
     try:
-        im = Image.open(io.BytesIO(data), formats=[fmt])
+        im = Image.open(reader, formats=[fmt])
+    except DecodeBudgetExceeded:
+        raise
     except Image.DecompressionBombError:  # beyond 2 x Image.MAX_IMAGE_PIXELS: refused by Pillow at open
         limit = min(max_pixels, 2 * Image.MAX_IMAGE_PIXELS) if Image.MAX_IMAGE_PIXELS else max_pixels
         raise ExampleError(f"image has more than {limit} pixels; at most {limit} are accepted") from None
@@ -214,10 +252,16 @@ def decode_image(data: bytes, content_type: str | None, *, max_pixels: int, max_
             im.seek(0)
             if target is not None and fmt == "JPEG":
                 im.draft("RGB", reduced_size((w, h), target))  # decodes at 1/2, 1/4 or 1/8 when that stays >= target
+            if isinstance(reader, _BudgetedReader):
+                im.decodermaxblock = BUDGET_BLOCK
             im.load()
+            if isinstance(reader, _BudgetedReader):
+                reader.check()
             if im.size[0] * im.size[1] > max_pixels:  # a format whose first frame is larger than its header said
                 raise ExampleError(f"image is {im.size[0]}x{im.size[1]} pixels; at most {max_pixels} are accepted")
             out = im if im.mode == "RGB" else im.convert("RGB")  # "P", "1": resize would fall back to NEAREST
+            if isinstance(reader, _BudgetedReader):
+                reader.check()
             if target is not None and min(out.size) > target:
                 out = out.resize(reduced_size(out.size, target), Image.Resampling.BICUBIC, reducing_gap=3.0)
             return out.copy() if out is im else out  # not tied to the file object closed below
@@ -281,6 +325,6 @@ def _rank_no_bias(version: SearchVersion, ann_s: np.ndarray, ann_i: np.ndarray, 
     return rank_examples(ann_s, ann_i, rerank, np.asarray(version.biases, dtype=np.float32)[version.rows(ann_i)], k)
 
 
-__all__ = ["IMAGE_TYPES", "ExampleError", "UnsupportedImageType", "image_type", "reduced_size", "video_query_unit",
+__all__ = ["IMAGE_TYPES", "ExampleError", "UnsupportedImageType", "DecodeBudgetExceeded", "BUDGET_BLOCK", "image_type", "reduced_size", "video_query_unit",
            "frame_match_scores", "example_candidates", "frame_match_rerank", "rank_examples", "search_by_videos",
            "decode_image", "encode_image", "search_by_image"]

@@ -216,6 +216,7 @@ def _serve(args: argparse.Namespace, settings: Settings, group: Any) -> int:
     config = LimitsConfig(
         app, host=settings.host, port=settings.port, log_level=settings.log_level, proxy_headers=False,
         server_header=False, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, header_timeout_s=settings.header_timeout_s,
+        send_timeout_s=settings.send_timeout_s, send_buffer_bytes=settings.send_buffer_bytes,
     )
     server = uvicorn.Server(config)
     try:
@@ -320,6 +321,7 @@ def serve_workers(settings: Settings, workers: int, group: Any = None, engine_th
             "gare_serve.app:create_app", factory=True, workers=workers, host=settings.host, port=settings.port,
             log_level=settings.log_level, proxy_headers=False, server_header=False,
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, header_timeout_s=settings.header_timeout_s,
+            send_timeout_s=settings.send_timeout_s, send_buffer_bytes=settings.send_buffer_bytes,
             # uvicorn pings each worker and kills one that does not answer in time (default 5 s): importing
             # torch and loading a model on a busy machine holds the GIL longer than that
             timeout_worker_healthcheck=settings.worker_healthcheck_s,

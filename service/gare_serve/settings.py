@@ -220,6 +220,22 @@ class Settings(BaseSettings):
     body_timeout_s: float = Field(
         30.0, gt=0, le=3600, description="a request body must arrive within this once its headers are in (408 beyond)"
     )
+    send_timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="a connection whose client takes none of its answer's bytes for this long is "
+        "reset (slow-reader bound; a client that keeps reading is never cut)"
+    )
+    send_buffer_bytes: int = Field(
+        256 * 1024, ge=0, le=64 * 1024 * 1024, description="kernel send buffer (SO_SNDBUF) of each accepted "
+        "connection, bounding what a client that does not read holds in the kernel; 0 = the kernel's autotuning"
+    )
+    image_decode_queue: int = Field(
+        8, ge=0, le=4096, description="image uploads waiting for a decode slot (image_decode_concurrency) per worker; "
+        "beyond it a 503 with Retry-After"
+    )
+    image_decode_budget_s: float = Field(
+        2.0, gt=0, le=600, description="the most time one image may take to decode; a decode past it is stopped and "
+        "the image refused (422)"
+    )
     trusted_hosts: str = Field(
         "", description="comma-separated Host header values accepted ('*' = any; a leading '*.' matches subdomains); "
         "empty = the loopback names (localhost, 127.0.0.1, ::1) when bound to a loopback address, else any"

@@ -123,10 +123,10 @@ async def _echo_app(scope, receive, send):
 
 
 @contextlib.contextmanager
-def _uvicorn_in_thread(app, header_timeout_s: float):
+def _uvicorn_server(app, **limits):
+    """(port, the uvicorn Server) of `app` served in a thread with LimitsConfig(**limits)."""
     port = free_port()
-    config = LimitsConfig(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off",
-                          header_timeout_s=header_timeout_s)
+    config = LimitsConfig(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off", **limits)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -135,10 +135,16 @@ def _uvicorn_in_thread(app, header_timeout_s: float):
         while not server.started:
             assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
             time.sleep(0.02)
-        yield port
+        yield port, server
     finally:
         server.should_exit = True
         thread.join(20)
+
+
+@contextlib.contextmanager
+def _uvicorn_in_thread(app, header_timeout_s: float):
+    with _uvicorn_server(app, header_timeout_s=header_timeout_s) as (port, _):
+        yield port
 
 
 def test_trickled_headers_get_408_and_close_at_the_deadline():
@@ -183,9 +189,11 @@ def test_clock_restarts_after_each_response_and_stops_while_a_request_runs():
 def test_the_configs_carry_the_protocol_to_spawned_workers():
     from gare_serve.processes.uvicorn_config import NodelayConfig
 
-    cfg = NodelayConfig("gare_serve.app:create_app", factory=True, workers=2, header_timeout_s=3.5)
+    cfg = NodelayConfig("gare_serve.app:create_app", factory=True, workers=2, header_timeout_s=3.5,
+                        send_timeout_s=7.5, send_buffer_bytes=123_456)
     clone = pickle.loads(pickle.dumps(cfg))  # what uvicorn's spawn hands each worker
     assert clone.http is HeaderTimeoutH11Protocol and clone.header_timeout_s == 3.5
+    assert (clone.send_timeout_s, clone.send_buffer_bytes) == (7.5, 123_456)
     assert LimitsConfig("gare_serve.app:create_app").http is HeaderTimeoutH11Protocol
 
 
@@ -308,6 +316,136 @@ def test_middleware_bounds_only_the_body():
 
     asyncio.run(BodyTimeoutMiddleware(lifespan_app, timeout_s=0.1)({"type": "lifespan"}, lifespan_receive, None))
     assert got["lifespan"] == {"type": "lifespan.startup"}
+
+
+# --------------------------------------------------------------- the send timeout and the kernel buffer
+TCP_CLOSE, TCP_CLOSE_WAIT = 7, 8  # Linux TCP states (the first byte of TCP_INFO)
+
+
+async def _big_app(scope, receive, send):
+    """`GET /big?n=BYTES` answers n fresh bytes in one send (as the JSON responses of gare-serve do)."""
+    if scope["type"] != "http":
+        return
+    n = int(scope["query_string"].decode().partition("=")[2] or 8 << 20)
+    body = bytes(n)  # a fresh buffer per request, freed only when the transport lets go of it
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/octet-stream"), (b"content-length", str(n).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _tcp_state(sock: socket.socket) -> int:
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0]
+
+
+def _unread_client(port: int, n: int, rcvbuf: int = 4096) -> socket.socket:
+    """A client that asks for n bytes and never reads them (a small receive window: the answer stalls)."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.connect(("127.0.0.1", port))
+    s.sendall(_request("GET", f"/big?n={n}"))
+    return s
+
+
+def _until(cond, limit_s: float, every_s: float = 0.05) -> float | None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        if cond():
+            return time.monotonic() - t0
+        time.sleep(every_s)
+    return None
+
+
+def test_a_client_that_never_reads_is_reset_after_the_send_timeout():
+    """Before: the answer waited in the server's buffers for as long as the client kept the connection."""
+    with _uvicorn_server(_big_app, send_timeout_s=1.0, send_buffer_bytes=64 * 1024) as (port, server):
+        with _unread_client(port, 8 << 20) as s:
+            reset_after = _until(lambda: _tcp_state(s) in (TCP_CLOSE, TCP_CLOSE_WAIT), HANG_S)
+            assert reset_after is not None, "a client that never read its answer was never dropped"
+            assert reset_after >= 0.8, reset_after  # not before the send timeout
+            assert _tcp_state(s) == TCP_CLOSE  # a reset (SO_LINGER 0), not a FIN queued behind 8 MB
+            assert _until(lambda: not server.server_state.connections, HANG_S) is not None
+
+
+def test_a_slow_reader_that_keeps_reading_gets_its_whole_answer():
+    n = 512 * 1024
+    with _uvicorn_server(_big_app, send_timeout_s=0.5, send_buffer_bytes=16 * 1024) as (port, _):
+        with _unread_client(port, n, rcvbuf=8192) as s:
+            got = b""
+            t0 = time.monotonic()
+            while len(got.partition(b"\r\n\r\n")[2]) < n and time.monotonic() - t0 < 60:
+                time.sleep(0.05)  # about 16 KB taken every 0.05 s: slower than the server sends, never idle 0.5 s
+                chunk = s.recv(16 * 1024)
+                assert chunk, f"the server closed a connection that kept reading after {len(got)} bytes"
+                got += chunk
+            head, _, body = got.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200 ") and len(body) == n, (head, len(body))
+            print(f"slow reader: {n} bytes in {time.monotonic() - t0:.1f} s with a 0.5-s send timeout")
+
+
+def test_accepted_sockets_get_the_bounded_send_buffer():
+    """Before: Linux autotuned each accepted socket's send buffer up to net.ipv4.tcp_wmem's maximum (4 MiB)."""
+    with _uvicorn_server(_big_app, send_buffer_bytes=96 * 1024) as (port, server):
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(_request("GET", "/big?n=10"))
+            assert _read_response(s)[0] == 200
+            (conn,) = server.server_state.connections  # the keep-alive connection, server side
+            sock = conn.transport.get_extra_info("socket")
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == 2 * 96 * 1024  # Linux doubles it
+
+
+_BIG_SERVER = """
+import sys, uvicorn
+sys.path[:0] = sys.argv[3].split(":")
+from gare_serve.web.http_limits import LimitsConfig
+from tests.service.test_http_limits import _big_app
+uvicorn.Server(LimitsConfig(_big_app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", lifespan="off",
+                            send_timeout_s=float(sys.argv[2]), send_buffer_bytes=64 * 1024)).run()
+"""
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status", encoding="ascii") as fh:
+        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmRSS:"))
+
+
+def test_memory_held_for_unread_answers_is_given_back_while_the_clients_linger():
+    """12 clients each ask for 8 MB and never read (96 MB of answers) and keep their connections: after the send
+    timeout the server process is back within 20 MiB of its RSS before them (before: ~96 MB more, held until the
+    clients went away). bench/http_unread.py measures the same on gare-serve."""
+    import subprocess
+    import sys
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", _BIG_SERVER, str(port), "1.0", ":".join(p for p in sys.path if p)])
+    try:
+        assert _until(lambda: _can_connect(port), 600, 0.5) is not None, "the test server did not start"  # imports torch
+        with socket.create_connection(("127.0.0.1", port)) as warm:  # every code path once, its answer read
+            warm.sendall(_request("GET", f"/big?n={8 << 20}"))
+            assert _read_response(warm)[0] == 200
+        time.sleep(0.5)
+        before = _rss(proc.pid)
+        clients = [_unread_client(port, 8 << 20) for _ in range(12)]
+        try:
+            dropped = _until(lambda: all(_tcp_state(s) == TCP_CLOSE for s in clients), HANG_S)
+            time.sleep(0.5)
+            after = _rss(proc.pid)
+            print(f"RSS before {before >> 20} MiB, after the drops (clients still open) {after >> 20} MiB")
+            assert dropped is not None, [_tcp_state(s) for s in clients]
+            assert after - before <= 20 << 20, (before >> 20, after >> 20)
+        finally:
+            for s in clients:
+                s.close()
+    finally:
+        proc.terminate()
+        proc.wait(20)
+
+
+def _can_connect(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
 
 
 # -------------------------------------------------------------------------------- a real gare-serve

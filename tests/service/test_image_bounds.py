@@ -392,3 +392,76 @@ def test_image_type_parsing():
     assert E.image_type("image/gif;") == "image/gif"
     for bad in (None, "", "image", "image/png/x", "text/png", "image/x-png"):
         assert E.image_type(bad) is None
+
+
+# ------------------------------------------------------------------------ decode queue, budget, error numbers
+def test_decode_queue_is_bounded_with_a_503(service_env, monkeypatch):
+    """1 decode slot and a queue of 2: of 8 uploads at once, 3 are held (one decoding, two waiting) and the other
+    5 are answered 503 with Retry-After at once, naming the settings. Before: all 8 waited, however many came.
+    The real decode_image, held on an event until the 503s are in (so the 3 are still in the worker then)."""
+    real_decode = E.decode_image
+    release = threading.Event()
+
+    def decode(*args, **kw):
+        assert release.wait(60), "the test never released the decodes"
+        return real_decode(*args, **kw)
+
+    monkeypatch.setattr(E, "decode_image", decode)
+    data = encoded(natural(120, 90), "PNG")
+
+    async def go():
+        app = create_app(settings(service_env["index"], image_decode_concurrency=1, image_decode_queue=2))
+        async with running_app(app, raise_app_exceptions=False) as c:
+            tasks = [asyncio.create_task(c.post(URL, files={"image": ("a.png", data, "image/png")}, data={"k": "2"}))
+                     for _ in range(8)]
+            deadline = time.monotonic() + 60  # hang guard
+            while sum(t.done() for t in tasks) < 5 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            early = [t.result() for t in tasks if t.done()]
+            release.set()
+            return early, await asyncio.gather(*tasks)
+
+    early, rs = asyncio.run(go())
+    assert len(early) == 5 and all(r.status_code == 503 for r in early), [(r.status_code, r.text[:200]) for r in early]
+    for r in early:
+        assert r.headers["retry-after"] == "1"
+        assert "image_decode_queue" in r.json()["detail"], r.text
+    assert sorted(r.status_code for r in rs) == [200] * 3 + [503] * 5
+
+
+def test_decode_budget_stops_a_costly_decode(service_env):
+    """A 4000 x 4000 PNG of one colour (~60 KB: every pixel decoded, ~0.2 s of CPU) against a budget of 5 ms of
+    CPU: stopped inside the decode, 422 naming the budget; under the default budget it is served."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (4000, 4000), (10, 200, 30)).save(buf, "PNG")
+    data = buf.getvalue()
+    assert len(data) < 128 * 1024
+    with pytest.raises(E.DecodeBudgetExceeded, match="0.005 s"):
+        E.decode_image(data, "image/png", max_pixels=16_000_000, image_size=32, budget_s=0.005)
+    with TestClient(create_app(settings(service_env["index"], image_decode_budget_s=0.005))) as c:
+        r = post(c, data, "image/png")
+        assert r.status_code == 422, r.text
+        assert_clean_4xx(r, "0.005 s", "image_decode_budget_s")
+    with TestClient(create_app(settings(service_env["index"]))) as c:
+        assert post(c, data, "image/png").status_code == 200
+
+
+@pytest.mark.parametrize("fmt,ctype", [("PNG", "image/png"), ("JPEG", "image/jpeg"), ("GIF", "image/gif"),
+                                       ("WEBP", "image/webp")])
+def test_a_budget_that_is_not_reached_changes_nothing(fmt, ctype):
+    """The budgeted decode (small blocks, checks between steps) gives the same pixels as the unbudgeted one."""
+    data = encoded(natural(640, 480), fmt)
+    plain = E.decode_image(data, ctype, max_pixels=16_000_000, image_size=64)
+    budgeted = E.decode_image(data, ctype, max_pixels=16_000_000, image_size=64, budget_s=600.0)
+    assert plain.size == budgeted.size and plain.mode == budgeted.mode
+    assert np.array_equal(np.asarray(plain), np.asarray(budgeted))
+
+
+def test_error_texts_keep_their_numbers(client):
+    """The scrubber of error texts took "0x1000..." inside "10000x10000" for a memory address: the client read
+    "image is 10000x… = 100000000 pixels". Addresses are still scrubbed (test_http_surface.py)."""
+    r = post(client, gray_png(10000, 10000, idat=b"x"), "image/png")
+    assert r.status_code == 422, r.text
+    assert_clean_4xx(r, "10000x10000 = 100000000 pixels", "16000000")

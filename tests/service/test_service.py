@@ -352,8 +352,9 @@ def test_openapi_document(client):
     schemas = doc["components"]["schemas"]
     req = schemas["SearchRequest"]
     assert req["properties"]["k"]["maximum"] == 1000 and req["properties"]["k"]["default"] == 10
-    query = req["properties"]["query"]  # optional since search by example (video_id / video_ids)
-    assert next(a for a in query["anyOf"] if a.get("type") == "string")["maxLength"] == 512
+    query = req["properties"]["query"]  # optional since search by example (video_id / video_ids), never null
+    assert query["type"] == "string" and query["maxLength"] == 512
+    assert {"required": ["query"]} in req["oneOf"]  # exactly one kind of query
     assert "video_id" in req["properties"] and "video_ids" in req["properties"]
     assert "/v1/search/image" in paths
     assert req["examples"][0]["query"]

@@ -34,7 +34,8 @@ async def get_state(request: Request) -> ServiceState:
 
 
 StateDep = Annotated[ServiceState, Depends(get_state)]
-VideoId = Annotated[int, PathParam(ge=0, le=2**63 - 1, description="index entry id")]
+# int64 ids: `lt` 2**63 (the OpenAPI document carries bounds as floats, which state 2**63 exactly, not 2**63 - 1)
+VideoId = Annotated[int, PathParam(ge=0, lt=2**63, description="index entry id")]
 
 
 async def presented_key(

@@ -200,7 +200,9 @@ class SecurityHeadersMiddleware:
         await self.app(scope, receive, send_wrapper)
 
 
-_ADDRESS = re.compile(r"0x[0-9a-fA-F]{4,}")
+# a memory address as Python prints it (``at 0x7f3a2b1c4d50``): a "0x" that starts a token, so that the numbers of
+# an error's text stay (``image is 10000x10000``: its "0x1000" is part of a number, not an address)
+_ADDRESS = re.compile(r"(?<![0-9A-Za-z_.])0x[0-9a-fA-F]{4,}")
 # an absolute file system path of two or more components; the API's own routes (/v1/..., /static/...) are kept
 _FS_PATH = re.compile(r"(?<![\w/.])/(?!v\d+/|static/|docs/)[^\s'\"(),;:<>]+/[^\s'\"(),;:<>]*")
 

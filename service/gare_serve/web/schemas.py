@@ -7,9 +7,18 @@ query length, batch size) are the configured ones.
 import json
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
 
 from gare_index.filters import MAX_TEXT as MAX_FILTER_TEXT
+from gare_search.by_example import IMAGE_TYPES
 from gare_search.search import NCL_DEFAULT
 from gare_serve.engine.served_options import AskedOptions
 from gare_serve.settings import Settings
@@ -162,6 +171,11 @@ def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {c: ERRORS[c] for c in codes}
 
 
+# The Content-Types the image part of POST /v1/search/image may declare (OpenAPI multipart `encoding`): any
+# other, or none, is a 415 (gare_search.by_example.IMAGE_TYPES).
+IMAGE_ENCODING: dict[str, Any] = {"requestBody": {"content": {"multipart/form-data": {"encoding": {
+    "image": {"contentType": ", ".join(sorted(IMAGE_TYPES))}}}}}}
+
 SEARCH_ERRORS = errors(400, 401, 403, 409, 413, 422, 503)  # 409: ncl_stage1 on an index without it
 SEARCH_ONE_ERRORS = errors(400, 401, 403, 404, 409, 413, 422, 503)  # + 404: an unknown video_id (more like this)
 IMAGE_ERRORS = errors(400, 401, 403, 413, 415, 422, 503)  # 415: not JPEG/PNG/WebP/GIF; no ncl_stage1 here
@@ -201,17 +215,55 @@ def _not_blank(v: str) -> str:
     return v
 
 
+def integral(v: Any) -> Any:
+    """A JSON number with no fraction (``244.0``) as the integer it is: JSON Schema's ``"type": "integer"`` (the
+    OpenAPI document's) accepts it, so the server does too; ``244.5``, ``"244"`` and ``true`` stay refused (the
+    models are strict)."""
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return v
+
+
+def integer(**bounds: Any) -> Any:
+    """An integer body field type with these bounds (``ge``, ``le``, ``lt``): strict (no strings, no booleans) but
+    integral floats accepted (see `integral`). The bounds go on the integer itself, so that the OpenAPI document
+    states them as minimum/maximum."""
+    return Annotated[int, Field(**bounds), BeforeValidator(integral)]
+# Not blank, in the OpenAPI document: at least one character that is not white space (Python's ``str.isspace``,
+# what ``_not_blank`` strips; ``\S`` of a Python regular expression is the same class).
+NOT_BLANK_PATTERN = r"\S"
+# Index entry ids are int64: the bound is published as exclusiveMaximum 2**63, which a float states exactly (the
+# OpenAPI document carries bounds as floats, and 2**63 - 1 as a float is 2**63: an id one past the range would
+# look valid).
+ID_LIMIT = 2**63
+
+
+def _drop_default(schema: dict[str, Any]) -> None:
+    # an optional field whose absence means "not given": JSON null is refused, so no `"default": null` either
+    schema.pop("default", None)
+
+
+def _query_schema(schema: dict[str, Any]) -> None:
+    _drop_default(schema)
+    schema["pattern"] = NOT_BLANK_PATTERN
+
+
+# Exactly one kind of query in a /v1/search body (what SearchRequest._one_kind enforces).
+ONE_QUERY_KIND = [{"required": ["query"]}, {"required": ["video_id"]}, {"required": ["video_ids"]}]
+
+
 def make_request_models(settings: Settings) -> tuple[type[BaseModel], type[BaseModel]]:
     """Request bodies with this deployment's limits, so the OpenAPI document states the real bounds."""
     max_k, max_K, default_K = settings.max_k, settings.max_candidates, settings.default_candidates
     max_q, max_batch = settings.max_query_chars, settings.max_batch_queries
-    QueryStr = Annotated[str, StringConstraints(min_length=1, max_length=max_q)]
+    QueryText = Annotated[str, StringConstraints(min_length=1, max_length=max_q)]
+    QueryStr = Annotated[QueryText, Field(json_schema_extra={"pattern": NOT_BLANK_PATTERN})]
 
     class _Options(BaseModel):
         model_config = ConfigDict(extra="forbid", strict=True)
-        k: int = Field(10, ge=1, le=max_k, description="results to return")
-        candidates: int | None = Field(
-            None, ge=1, le=max_K,
+        k: integer(ge=1, le=max_k) = Field(10, description="results to return")  # type: ignore[valid-type]
+        candidates: integer(ge=1, le=max_K) | None = Field(  # type: ignore[valid-type]
+            None,
             description=f"K, the ANN shortlist the rerank scores (>= k; default: the index's chosen K (GET /v1/index "
             f"default_candidates), else {default_K}; k when k is larger)",
         )
@@ -247,17 +299,28 @@ def make_request_models(settings: Settings) -> tuple[type[BaseModel], type[BaseM
                                 ncl_stage1=self.ncl_stage1, filter=self.filter)
 
     class SearchRequest(_Options):
-        model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [
+        model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"oneOf": ONE_QUERY_KIND, "examples": [
             {"query": "a dog catches a frisbee", "k": 10},
             {"query": "a red circle rises, then two blue squares slide to the left", "k": 20, "candidates": 512, "rerank": True, "ncl": False},
             {"query": "a goal in the last minute", "k": 10, "filter": FILTER_EXAMPLES[0]},
         ]})
-        query: QueryStr | None = Field(None, description=f"the text to search for (1..{max_q} characters, not blank)")
+        # Each kind is optional but never null (the schema's types say so): left out means "not this kind".
+        query: QueryText = Field(  # type: ignore[assignment]
+            None, description=f"the text to search for (1..{max_q} characters, not blank)", json_schema_extra=_query_schema)
         # ids are int64 in the index (as the path parameter VideoId): a larger number is a 422, not a 500
-        video_id: int | None = Field(None, ge=0, le=2**63 - 1, description="instead of query: more like this indexed video")
-        video_ids: list[Annotated[int, Field(ge=0, le=2**63 - 1)]] | None = Field(
+        video_id: integer(ge=0, lt=ID_LIMIT) = Field(  # type: ignore[assignment, valid-type]
+            None, description="instead of query: more like this indexed video", json_schema_extra=_drop_default)
+        video_ids: list[integer(ge=0, lt=ID_LIMIT)] = Field(  # type: ignore[assignment, valid-type]
             None, min_length=1, max_length=max_batch,
-            description=f"instead of query: more like these 1..{max_batch} videos (their mean unit vector)")
+            description=f"instead of query: more like these 1..{max_batch} videos (their mean unit vector)",
+            json_schema_extra=_drop_default)
+
+        @field_validator("query", "video_id", "video_ids", mode="before")
+        @classmethod
+        def _not_null(cls, v: Any) -> Any:
+            if v is None:  # only an explicit null reaches a validator (a left-out field keeps its default)
+                raise ValueError("must not be null (leave the field out instead)")
+            return v
 
         @field_validator("query")
         @classmethod

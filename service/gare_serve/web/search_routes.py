@@ -13,7 +13,7 @@ import dataclasses
 import json
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, File, Form, HTTPException, Response, UploadFile
@@ -41,6 +41,7 @@ from gare_serve.settings import Settings
 from gare_serve.web.deps import StateDep, require_search
 from gare_serve.web.presentation import API_VERSION, fresh_urls, hit_models
 from gare_serve.web.schemas import (
+    IMAGE_ENCODING,
     IMAGE_ERRORS,
     SEARCH_ERRORS,
     SEARCH_ONE_ERRORS,
@@ -146,6 +147,28 @@ def _json(model: BaseModel) -> Response:
     return Response(model.model_dump_json(), media_type="application/json")
 
 
+class DecodeSlots:
+    """One worker's image decode slots: ``concurrency`` uploads decoded and encoded at once, at most ``queue`` more
+    waiting for a slot; one more is answered 503 with Retry-After (no bytes of it read)."""
+
+    def __init__(self, concurrency: int, queue: int) -> None:
+        self.sem = asyncio.Semaphore(concurrency)
+        self.limit = concurrency + queue
+        self.held = 0  # uploads decoding or waiting in this worker
+
+    @contextlib.asynccontextmanager
+    async def hold(self) -> AsyncIterator[None]:
+        if self.held >= self.limit:
+            raise HTTPException(503, f"too many images are being decoded ({self.held}: image_decode_concurrency + "
+                                     f"image_decode_queue); retry shortly", headers={"Retry-After": "1"})
+        self.held += 1
+        try:
+            async with self.sem:
+                yield
+        finally:
+            self.held -= 1
+
+
 def make_router(settings: Settings) -> APIRouter:
     """The search routes, with this deployment's request bounds in their bodies (and so in the OpenAPI)."""
     SearchRequest, BatchSearchRequest = make_request_models(settings)
@@ -165,28 +188,34 @@ def make_router(settings: Settings) -> APIRouter:
             return _json(res[0])
 
     max_k, max_K, default_K = settings.max_k, settings.max_candidates, settings.default_candidates
-    slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = weakref.WeakKeyDictionary()
+    slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, DecodeSlots] = weakref.WeakKeyDictionary()
 
-    def image_slots() -> asyncio.Semaphore:
-        """This worker's image decode+encode slots (settings.image_decode_concurrency), one semaphore per event
-        loop (an asyncio.Semaphore is bound to the loop it first waits on; tests run one app in several loops)."""
+    def image_slots() -> DecodeSlots:
+        """This worker's image decode+encode slots, one set per event loop (an asyncio.Semaphore is bound to the
+        loop it first waits on; tests run one app in several loops)."""
         loop = asyncio.get_running_loop()
-        sem = slots.get(loop)
-        if sem is None:
-            sem = slots[loop] = asyncio.Semaphore(settings.image_decode_concurrency)
-        return sem
+        got = slots.get(loop)
+        if got is None:
+            got = slots[loop] = DecodeSlots(settings.image_decode_concurrency, settings.image_decode_queue)
+        return got
 
     @router.post(f"/{API_VERSION}/search/image", response_model=SearchResponse, responses=IMAGE_ERRORS,
-                 summary="search by an image (multipart field `image`: JPEG, PNG, WebP or GIF); stage 1 only")
+                 summary="search by an image (multipart field `image`: JPEG, PNG, WebP or GIF); stage 1 only",
+                 openapi_extra=IMAGE_ENCODING)
     async def search_image(
         state: StateDep,
         image: Annotated[UploadFile, File(description=f"the image (at most {settings.max_image_bytes} bytes, "
                                                       f"{settings.max_image_pixels} pixels, long side at most "
-                                                      f"{settings.max_image_aspect:g} x the short side)")],
+                                                      f"{settings.max_image_aspect:g} x the short side); its part's "
+                                                      f"Content-Type one of {', '.join(sorted(E.IMAGE_TYPES))}",
+                                          json_schema_extra={"minLength": 1})],
         k: Annotated[int, Form(ge=1, le=max_k)] = 10,
-        candidates: Annotated[int | None, Form(ge=1, le=max_K)] = None,
-        filter: Annotated[str | None, Form(max_length=MAX_FILTER_TEXT, description="a filter object as JSON text "
-                                           "(the `filter` of POST /v1/search)")] = None,
+        # left out: the default K; never empty or null (a form has no null), so the schema says integer
+        candidates: Annotated[int, Form(ge=1, le=max_K, description="K (>= k; default: max(k, the index's "
+                                                                    "default))")] = None,  # type: ignore[assignment]
+        # left out: no filter; a form has no null, so the schema says string
+        filter: Annotated[str, Form(max_length=MAX_FILTER_TEXT, description="a filter object as JSON text "
+                                    "(the `filter` of POST /v1/search)")] = None,  # type: ignore[assignment]
     ) -> Response:
         t_start = time.perf_counter()
         K = candidates if candidates is not None else min(max_K, max(default_K, k))
@@ -195,9 +224,10 @@ def make_router(settings: Settings) -> APIRouter:
         kind = E.image_type(image.content_type)
         if kind is None:
             raise HTTPException(415, f"image type {image.content_type!r} is not accepted; send one of {sorted(E.IMAGE_TYPES)}")
-        # At most image_decode_concurrency uploads are read, decoded and encoded at once in this worker; the
-        # others wait here holding only their spooled upload (no bytes read, no pixels decoded).
-        async with image_slots():
+        # At most image_decode_concurrency uploads are read, decoded and encoded at once in this worker; at most
+        # image_decode_queue others wait here holding only their spooled upload (no bytes read, no pixels
+        # decoded); past that a 503 with Retry-After.
+        async with image_slots().hold():
             data = await image.read(settings.max_image_bytes + 1)
             if len(data) > settings.max_image_bytes:
                 raise HTTPException(413, f"image is larger than {settings.max_image_bytes} bytes")
@@ -207,7 +237,8 @@ def make_router(settings: Settings) -> APIRouter:
                 raise HTTPException(503, "the model is not loaded yet")
             try:  # reduced while decoded to a short side of at most 2 x the model's input side
                 pil = await run_in_threadpool(E.decode_image, data, kind, max_pixels=settings.max_image_pixels,
-                                              max_aspect=settings.max_image_aspect, image_size=state.model_cfg.image_size)
+                                              max_aspect=settings.max_image_aspect, image_size=state.model_cfg.image_size,
+                                              budget_s=settings.image_decode_budget_s)
             except E.UnsupportedImageType as e:
                 raise HTTPException(415, str(e)) from None
             except E.ExampleError as e:
