@@ -8,8 +8,8 @@ while they hold their connections, and after they have gone. Reported: the RSS a
 connections the server dropped by itself (its send timeout: the client sees EOF or a reset), and the RSS
 after minus the RSS before (the target: within 20 MiB).
 
-    python bench/http_unread.py                      # 60 clients, the server's default settings
-    python bench/http_unread.py --clients 20 --send-timeout-s 2 --hold-s 8
+    python -m bench.http_unread                      # 60 clients, the server's default settings
+    python -m bench.http_unread --clients 20 --send-timeout-s 2 --hold-s 8
 
 Writes bench/results/http_unread.json and .md.
 """
@@ -26,13 +26,17 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-for sub in ("training", "indexer", "service", ""):
-    p = str(REPO / sub)
-    if p not in sys.path:
-        sys.path.insert(0, p)
+import httpx
 
-import httpx  # noqa: E402
+from bench.harness import REPO, RESULTS, start, with_provenance, write_report
+
+# the product code this script's reports measure (bench/harness.py; `python -m bench.stale` reads it)
+MEASURES: tuple[str, ...] = (
+    "service/gare_serve/web/http_limits.py",
+    "service/gare_serve/processes",
+    "service/gare_serve/web/search_routes.py",
+    "service/gare_serve/cli.py",
+)
 
 MiB = 1024 * 1024
 
@@ -206,9 +210,8 @@ def run(args: argparse.Namespace) -> dict:
     return out
 
 
-def write_results(out: dict, stem: Path) -> None:
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+@with_provenance
+def markdown(out: dict) -> str:
     lines = [
         "# Clients that never read a large batch answer (bench/http_unread.py)", "",
         f"{out['clients']} clients, each `POST /v1/search/batch` ({out['queries']} queries, k={out['k']}, "
@@ -222,7 +225,7 @@ def write_results(out: dict, stem: Path) -> None:
         f"{out['rss_after_mib']} MiB | {out['rss_after_minus_before_mib']} MiB | {out['dropped_by_server']} of "
         f"{out['clients']} | {'met' if out['target_met'] else 'missed'} |", "",
     ]
-    stem.with_suffix(".md").write_text("\n".join(lines), encoding="utf-8")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,12 +242,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--read", action="store_true", help="control run: the clients read their answers")
     p.add_argument("--env", type=Path, default=None, help="the service-test corpus and indexes to use (built there "
                    "when missing; default: a new temporary directory)")
-    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "http_unread")
+    p.add_argument("--out", type=Path, default=RESULTS / "http_unread")
     args = p.parse_args(argv)
+    run_rec = start(__name__, MEASURES, argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out = run(args)
+    out["run"] = run_rec.record()
     print(json.dumps(out, indent=1))
-    write_results(out, args.out)
+    write_report(args.out.with_suffix(".json"), out, markdown)
     return 0
 
 

@@ -1,8 +1,8 @@
 """What checking an index's files before serving it costs: opening a version with and without the check, side by side.
 
-    python bench/index_open_check.py --n 50000                 # ~0.9 GB of index files
-    python bench/index_open_check.py --n 50000 --keep          # again, on the gallery already in --work
-    python bench/index_open_check.py --n 1000000 --reps 3 --start-reps 2 --work /big/disk/tmp
+    python -m bench.index_open_check --n 50000                 # ~0.9 GB of index files
+    python -m bench.index_open_check --n 50000 --keep          # again, on the gallery already in --work
+    python -m bench.index_open_check --n 1000000 --reps 3 --start-reps 2 --work /big/disk/tmp
                                                                # ~20 GB of files (frames 11.4 GiB); ~35 GB free
 
 A synthetic gallery of n entries is written through the real index format (bench/serve_bench.write_random_gallery:
@@ -27,29 +27,31 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
-import shlex
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from support import git_commit  # bench/ is on sys.path when a bench script runs
+from bench.harness import (
+    RESULTS,
+    add_render_arg,
+    loadavg,
+    machine,
+    render_requested,
+    start,
+    with_provenance,
+    write_report,
+)
+from bench.serve_bench import drop_file_cache, write_gallery, write_random_gallery
+from gare_index.store import check_files, current_version_name, open_index, read_manifest
+from gare_index.store.file_check import default_check_threads
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from serve_bench import drop_file_cache, loadavg, machine, write_gallery, write_random_gallery  # noqa: E402
-
-from gare_index.store import check_files, current_version_name, open_index, read_manifest  # noqa: E402
-from gare_index.store.file_check import default_check_threads  # noqa: E402
-
-RESULTS = REPO / "bench" / "results"
+# the product code this script's reports measure (bench/harness.py; `python -m bench.stale` reads it)
+MEASURES: tuple[str, ...] = (
+    "indexer/gare_index/store",
+    "service/gare_serve/engine/state.py",
+    "service/gare_serve/engine/startup.py",
+)
 
 
 def index_files(index: Path) -> tuple[Path, dict[str, Any]]:
@@ -135,10 +137,10 @@ def measure(index: Path, reps: int, cache: str, start_reps: int) -> dict[str, An
     return out
 
 
+@with_provenance
 def markdown(data: dict[str, Any]) -> str:
     L = [f"# Index files checked before serving: open with and without the check ({data['n']:,} entries)", "",
-         f"`{data['command']}` at commit `{data['commit']}` on {data['machine'].get('cpu', '?')} "
-         f"({data['machine'].get('cores', '?')} cores), {data['bytes'] / 1e9:.2f} GB of index files "
+         f"{data['bytes'] / 1e9:.2f} GB of index files "
          f"({data['index_type']}), {data['threads']} check threads, {data['reps']} repetitions (medians); load average "
          f"{data.get('loadavg_at_start')} at the start (a shared machine: other jobs ran beside it).", "",
          "| cache | what | check off (s) | check on (s) | added |", "|---|---|---:|---:|---:|"]
@@ -174,11 +176,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="ServiceState.load() pairs (warm cache only: the model load does not depend on it); 0 = none")
     ap.add_argument("--cache", choices=["warm", "cold", "both"], default="both")
     ap.add_argument("--out", type=Path, default=RESULTS / "index_open_check")
-    ap.add_argument("--render", type=Path, help="rewrite the .md from this saved JSON, run nothing")
+    add_render_arg(ap, RESULTS / "index_open_check.json")
     args = ap.parse_args(argv)
-    if args.render is not None:
-        args.render.with_suffix(".md").write_text(markdown(json.loads(args.render.read_text())))
+    if render_requested(RESULTS / "index_open_check.json", markdown, argv):
         return 0
+    run = start(__name__, MEASURES, argv)
     index = args.work / "g" / "index"
     if not (args.keep and (index / "CURRENT").exists()):
         t0 = time.perf_counter()
@@ -192,8 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     vdir, files = index_files(index)
     m = read_manifest(vdir)
     data: dict[str, Any] = {
-        "command": shlex.join(["python", "bench/index_open_check.py", *(argv if argv is not None else sys.argv[1:])]),
-        "commit": git_commit(), "machine": machine(), "n": m.n, "index_type": m.index_type, "reps": args.reps,
+        "machine": machine(), "n": m.n, "index_type": m.index_type, "reps": args.reps,
         "bytes": sum(e.bytes for e in files.values()), "files": {k: e.bytes for k, e in files.items()},
         "threads": default_check_threads(), "loadavg_at_start": loadavg(),
     }
@@ -203,10 +204,9 @@ def main(argv: list[str] | None = None) -> int:
             time_check(index)  # read every file once: in the page cache
         print(f"{cache}:", flush=True)
         data[cache] = measure(index, args.reps, cache, args.start_reps if cache == "warm" else 0)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(data))
-    print(markdown(data))
+    data["run"] = run.record()
+    md = write_report(args.out.with_suffix(".json"), data, markdown)
+    print(md.read_text(encoding="utf-8"))
     return 0
 
 

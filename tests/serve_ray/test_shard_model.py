@@ -105,3 +105,31 @@ def test_light_candidates_equal_the_full_models(env):
         finally:
             a.close()
             b.close()
+
+
+def test_ray_shard_replica_checks_its_files_before_serving(env, monkeypatch, tmp_path):
+    """The deployment's constructor opens its shard with the fast-hash check (GARE_INDEX_CHECK, default on): a file
+    of the shard altered in place at the same size is refused naming it; with the check off it opens."""
+    import shutil
+
+    from gare_index.shards import current_generation, shard_root
+    from gare_index.store import IndexFormatError
+
+    root = shutil.copytree(env[0], tmp_path / "INDEX", symlinks=True)
+    ckpt = env[1]
+    for k in ("GARE_INDEX", "GARE_CHECKPOINT", "GARE_DEVICE", "GARE_INDEX_CHECK"):
+        monkeypatch.delenv(k, raising=False)
+    gen = current_generation(root)
+    units = shard_root(root, 1) / "versions" / gen.versions[1] / "units.npy"
+    data = bytearray(units.read_bytes())
+    data[-1] ^= 0x01  # one bit of the last vector: same size, same header
+    units.unlink()  # its own inode: the other versions' hard links keep the good bytes
+    units.write_bytes(bytes(data))
+    with pytest.raises(IndexFormatError, match="units.npy"):
+        ray_app.ShardServer.func_or_class(str(root), 1, str(ckpt))
+    monkeypatch.setenv("GARE_INDEX_CHECK", "off")
+    server = ray_app.ShardServer.func_or_class(str(root), 1, str(ckpt))
+    try:
+        assert server.call("open", gen.number)
+    finally:
+        server.worker.close()

@@ -118,7 +118,7 @@ class ShardServer:
         path, sha, _ = resolve_checkpoint(settings)
         model = load_shard_model(path, resolve_device(settings.device))  # psi alone: the ingress encodes queries
         self.worker = ShardWorker(index, shard, model, expect_checkpoint_sha=sha, verify=settings.verify_index,
-                                  use_gpu=settings.use_gpu_ann,
+                                  use_gpu=settings.use_gpu_ann, check=settings.index_check,
                                   rerank_settings=rerank.RerankSettings(device=settings.rerank_device))
         self.shard = shard
 

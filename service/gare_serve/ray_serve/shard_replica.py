@@ -79,9 +79,10 @@ class ShardWorker:
 
     def __init__(self, root: str | Path, shard: int, model: PsiModel, *, expect_checkpoint_sha: str | None = None,
                  verify: bool = False, use_gpu: bool | None = None, keep: int = 3,
-                 rerank_settings: rerank.RerankSettings = rerank.DEFAULT_RERANK) -> None:
+                 rerank_settings: rerank.RerankSettings = rerank.DEFAULT_RERANK, check: bool = False) -> None:
         self.root, self.shard, self.model = Path(root), int(shard), model
         self.expect_sha, self.verify, self.use_gpu = expect_checkpoint_sha, verify, use_gpu
+        self.check = check  # every file's fast hash before a version serves (gare_index.store.file_check)
         self.keep = max(1, int(keep))
         self.rerank_settings = rerank_settings  # where its psi rerank runs: the service's setting, every call
         self._open: OrderedDict[int, VersionHandle] = OrderedDict()  # generation -> its version of this shard
@@ -110,7 +111,7 @@ class ShardWorker:
                                    f"was started for {self.n_shards}")
         version = open_version(shard_root(self.root, self.shard), gen.versions[self.shard],
                                expect_checkpoint_sha=self.expect_sha, verify=self.verify, use_gpu=self.use_gpu,
-                               mmap_ann=True)
+                               mmap_ann=True, check=self.check)
         cfg = self.model.cfg
         if version.n and (version.dim != cfg.embed_dim or version.max_frames != cfg.max_frames):
             version.close()
