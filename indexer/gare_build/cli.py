@@ -223,7 +223,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         invgc_r_g=args.invgc_r_g, invgc_r_q=args.invgc_r_q, invgc_grid=args.invgc_grid, index_type=args.index_type,
         bank=args.bank, bank_weight=args.bank_weight,
         index_dir=args.index_dir, device=args.device, precision=args.precision, batch_size=args.batch_size,
-        workers=args.workers, progress=args.progress,
+        workers=args.workers, progress=args.progress, filter=args.filter,
     )
     result = run_compare(opts)
     print(Path(result["paths"]["md"]).read_text())

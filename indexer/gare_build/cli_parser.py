@@ -6,6 +6,7 @@ The commands that run on the parsed arguments are in :mod:`gare_build.cli`.
 from __future__ import annotations
 
 import argparse
+import json
 
 from gare.data_args import add_data_args
 from gare_index.ann_params import INDEX_TYPES
@@ -54,6 +55,17 @@ def _factors(s: str) -> tuple[float, ...]:
     if not v or any(not (f > 0 and f < float("inf")) for f in v):
         raise argparse.ArgumentTypeError(f"factors must be positive finite numbers, got {s!r}")
     return v
+
+
+def _json_object(text: str) -> dict:
+    """A command-line JSON object (a filter), or argparse's error naming the problem."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def _positive_int(s: str) -> int:
@@ -353,6 +365,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="--traffic-weight for the bank rows (default 1: the bank only)")
     sp.add_argument("--index-type", choices=("auto", *INDEX_TYPES), default="auto",
                     help="ANN type of the indexes (default auto: flat below 50k videos)")
+    sp.add_argument("--filter", type=_json_object, default=None, metavar="JSON",
+                    help='search a subset on every side: a filter object over the index fields, e.g. '
+                         '\'{"duration": {"$lte": 20}}\' (the `filter` of POST /v1/search); the queries are the '
+                         'captions whose video passes')
     sp.add_argument("--index-dir", metavar="DIR", help="keep the indexes here (default: a temporary folder, deleted)")
     sp.add_argument("--device", default="auto", help="auto (cuda when present) | cpu | cuda | cuda:N")
     sp.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")

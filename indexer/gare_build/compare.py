@@ -11,6 +11,11 @@ The report (result.md and compare.png) is written by :mod:`gare_build.compare_re
 Ranks. A query's final list is its K candidates in the combination's order; a ground truth outside the
 candidates is ranked after them, in stage-1 order (what a user paging past K would see), so MdR and MnR are
 defined for every query. With K >= the gallery size every video is a candidate.
+
+``--filter JSON`` (:mod:`gare_index.filters`, over the index's fields) restricts every side to the videos that pass:
+stage 1 of every combination runs under the filter (``gare_search.filtered``, the service's plans), the exhaustive
+references, the ranks past the shortlist and the exhaustive metrics count passing videos only, and the queries are
+the captions whose ground-truth video passes.
 """
 
 from __future__ import annotations
@@ -40,7 +45,9 @@ from gare_build.invgc_fit import InvGCUnavailable
 from gare_build.pipeline.biases import checkpoint_gamma_and_queue
 from gare_build.pipeline.options import BuildOptions
 from gare_build.tuning.measure import recall_of_topk
+from gare_index.filters import Filter
 from gare_index.store import open_index
+from gare_search.filtered import FILTER_EXACT_BELOW, filtered_stage1
 from gare_search.query import encode_queries, unit_rows
 from gare_search.rerank import exhaustive_psi, psi_scores
 from gare_search.search import DEFAULT_CANDIDATES, SearchOptions, rank
@@ -105,6 +112,8 @@ class CompareOptions:
     workers: int = 2
     progress: bool | None = None
     combos: tuple[Combo, ...] = field(default=COMBOS)
+    filter: dict[str, Any] | None = None  # a filter object (gare_index.filters) applied to every side
+    filter_exact_below: float = FILTER_EXACT_BELOW  # the service's default plan threshold
 
 
 # ------------------------------------------------------------------------------------------ data
@@ -145,17 +154,28 @@ def _val_source(opts: CompareOptions) -> Any:
 
 
 # ------------------------------------------------------------------------------------------ search
-def stage1(version: Any, kind: str, units: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    return ann_stage(version, units, k, ncl_stage1=kind != "ann")
+def stage1(version: Any, kind: str, units: np.ndarray, k: int, flt: Filter | None = None,
+           exact_below: float = FILTER_EXACT_BELOW) -> tuple[np.ndarray, np.ndarray]:
+    """(scores (a, k), ids (a, k)), missing results id -1; under `flt` the service's filtered stage 1."""
+    if flt is None:
+        return ann_stage(version, units, k, ncl_stage1=kind != "ann")
+    s_list, i_list, _ = filtered_stage1(version, units, k, flt, ncl_stage1=kind != "ann", exact_below=exact_below)
+    a = units.shape[0]
+    scores = np.zeros((a, k), np.float32)
+    ids = np.full((a, k), -1, np.int64)
+    for r, (s, i) in enumerate(zip(s_list, i_list, strict=True)):
+        scores[r, :i.size], ids[r, :i.size] = s, i
+    return scores, ids
 
 
-def two_stage(model: Any, version: Any, t: Any, units: np.ndarray, combo: Combo, k_cand: int, k: int | None = None
-              ) -> list[list[Any]]:
+def two_stage(model: Any, version: Any, t: Any, units: np.ndarray, combo: Combo, k_cand: int, k: int | None = None,
+              flt: Filter | None = None, exact_below: float = FILTER_EXACT_BELOW) -> list[list[Any]]:
     """gare_search.search's stage functions on a batch of encoded queries, with the combination's stage 1.
 
     Returns, per query, the Hits of its candidates in final order (all of them when k is None). With
-    stage1="ann" this is exactly gare_search.search.search_batch after the text encoder."""
-    sc, ids = stage1(version, combo.stage1, units, k_cand)
+    stage1="ann" this is exactly gare_search.search.search_batch after the text encoder (under `flt`: with that
+    filter)."""
+    sc, ids = stage1(version, combo.stage1, units, k_cand, flt, exact_below)
     ann_s = [s[i >= 0] for s, i in zip(sc, ids, strict=True)]
     ann_i = [i[i >= 0] for i in ids]
     psi: list[np.ndarray | None] = [None] * len(ann_i)
@@ -181,8 +201,9 @@ def _stage1_full(version: Any, units: np.ndarray, kind: str) -> np.ndarray:
 
 
 def final_ranks(hits: list[list[Any]], version: Any, units: np.ndarray, kind: str, gt_ids: np.ndarray,
-                chunk: int | None = None) -> np.ndarray:
-    """1-based rank of each query's ground truth: its place among the candidates, else after them in stage-1 order."""
+                chunk: int | None = None, allowed: np.ndarray | None = None) -> np.ndarray:
+    """1-based rank of each query's ground truth: its place among the candidates, else after them in stage-1 order
+    (`allowed` (n,) bool in row order: only those rows count, a filter's passing videos)."""
     ranks = np.empty(len(hits), dtype=np.int64)
     gt_rows = version.rows(gt_ids)
     ids_all = np.asarray(version.ids)
@@ -203,6 +224,8 @@ def final_ranks(hits: list[list[Any]], version: Any, units: np.ndarray, kind: st
                 cand[version.rows(np.asarray(ids, dtype=np.int64))] = True
             g = row[gt_rows[q]]
             better = (~cand) & ((row > g) | ((row == g) & (ids_all < gt_ids[q])))
+            if allowed is not None:
+                better &= allowed
             ranks[q] = len(ids) + 1 + int(better.sum())
     return ranks
 
@@ -212,7 +235,8 @@ def _top_ids(scores: np.ndarray, ids: np.ndarray, top: int) -> np.ndarray:
 
 
 def latency(model: Any, versions: dict[str, Any], combos: list[Combo], texts: list[str], k_cand: int,
-            precision: str, repeats: int = 3) -> dict[str, dict[str, float]]:
+            precision: str, repeats: int = 3, filters: dict[str, Filter] | None = None,
+            exact_below: float = FILTER_EXACT_BELOW) -> dict[str, dict[str, float]]:
     """Per combination, one query at a time (a request without micro-batching): stage 1, psi, rank (k = 10).
 
     The text encoder runs once per query (it is the same for every combination) and is timed apart. The
@@ -235,7 +259,8 @@ def latency(model: Any, versions: dict[str, Any], combos: list[Combo], texts: li
                 best = math.inf
                 for _ in range(repeats):
                     t0 = time.perf_counter()
-                    two_stage(model, versions[c.index], t, u, c, k_cand, k=10)
+                    two_stage(model, versions[c.index], t, u, c, k_cand, k=10,
+                              flt=(filters or {}).get(c.index), exact_below=exact_below)
                     best = min(best, time.perf_counter() - t0)
                 if i >= warm:
                     times[c.name].append(best)
@@ -298,13 +323,28 @@ def run_compare(opts: CompareOptions) -> dict[str, Any]:
         combos = [c for c in (*opts.combos, *(BANK_COMBOS if opts.bank else ())) if c.index in versions]
         v0 = versions["plain"]
 
-        # ---- queries: the captions whose video made it into the index
-        present = set(np.asarray(v0.ids).tolist())
+        # ---- the filter: compiled per version (each checks it against its own fields), the passing rows
+        filters: dict[str, Filter] = {}
+        allowed: np.ndarray | None = None
+        if opts.filter is not None:
+            filters = {name: v.compile_filter(opts.filter) for name, v in versions.items()}
+            allowed = np.asarray(v0.filter_mask(filters["plain"]), dtype=bool)
+            for name, v in versions.items():
+                if not np.array_equal(np.asarray(v.filter_mask(filters[name]), dtype=bool), allowed):
+                    raise RuntimeError(f"the filter passes other videos in the {name} index than in the plain one")
+            if not allowed.any():
+                raise ValueError(f"--filter {json.dumps(opts.filter)}: no video of the gallery passes")
+            desc["filter"] = {"filter": opts.filter, "passing": int(allowed.sum()), "n": int(allowed.size)}
+            notes.append(f"filter {filters['plain'].text}: {int(allowed.sum())} of {allowed.size} gallery videos pass; "
+                         "every row searches those only, the queries are the captions whose video passes")
+
+        # ---- queries: the captions whose video made it into the index (and passes the filter)
+        present = set(np.asarray(v0.ids).tolist() if allowed is None else np.asarray(v0.ids)[allowed].tolist())
         keep_q = [i for i, c in enumerate(caption_clip) if int(c) in present]
         texts = [captions[i] for i in keep_q]
         gt_ids = caption_clip[keep_q].astype(np.int64)
         if not texts:
-            raise ValueError("no test caption has an indexed video")
+            raise ValueError("no test caption has an indexed video" + (" that passes --filter" if allowed is not None else ""))
         device = resolve_device(opts.device)
         model, ckpt = load_model(opts.checkpoint, device)
         with torch.inference_mode():
@@ -320,10 +360,16 @@ def run_compare(opts: CompareOptions) -> dict[str, Any]:
         for name, v in versions.items():
             if not np.array_equal(np.asarray(v.ids), ids_all):
                 raise RuntimeError(f"the {name} index holds other ids than the plain one")
-        ref = {"psi": _top_ids(psi_full, ids_all, TOP)}
+        # under a filter the references are the top TOP of the passing videos (the others scored -inf)
+        off = np.zeros(n, np.float32) if allowed is None else np.where(allowed, 0.0, -np.inf).astype(np.float32)
+        ref = {"psi": _top_ids(psi_full + off[None, :], ids_all, TOP)}
         for name, v in versions.items():
-            ref[f"psi+b:{name}"] = _top_ids(psi_full + np.asarray(v.biases, np.float32)[None, :], ids_all, TOP)
+            ref[f"psi+b:{name}"] = _top_ids(psi_full + np.asarray(v.biases, np.float32)[None, :] + off[None, :], ids_all, TOP)
+        if allowed is not None:  # fewer than TOP passing videos: the rest of a reference row is no video (-1)
+            ref = {key: np.where(allowed[v0.rows(r.reshape(-1))].reshape(r.shape), r, -1) for key, r in ref.items()}
         gt_rows = v0.rows(gt_ids)
+        # the exhaustive metrics over the passing videos: their columns, the ground truths' places among them
+        gt_sub = gt_rows if allowed is None else (np.cumsum(allowed) - 1)[gt_rows]
         K = int(opts.candidates)
         ks = sorted({int(k) for k in opts.coverage_ks} | {K})
         rng = np.random.default_rng(0)
@@ -335,16 +381,17 @@ def run_compare(opts: CompareOptions) -> dict[str, Any]:
             v = versions[combo.index]
             t0 = time.time()
             with torch.inference_mode():
-                hits = two_stage(model, v, t, units, combo, K)
-            ranks = final_ranks(hits, v, units, combo.stage1, gt_ids)
-            cand = stage1(v, combo.stage1, units, max(ks))[1]
+                hits = two_stage(model, v, t, units, combo, K, flt=filters.get(combo.index),
+                                 exact_below=opts.filter_exact_below)
+            ranks = final_ranks(hits, v, units, combo.stage1, gt_ids, allowed=allowed)
+            cand = stage1(v, combo.stage1, units, max(ks), filters.get(combo.index), opts.filter_exact_below)[1]
             # the share of each reference top-10 inside the first K candidates (all queries have TOP references)
             cov = {name: {int(k): recall_of_topk(np.asarray(cand)[:, :k], ref[key]) for k in ks}
                    for name, key in (("psi", "psi"), ("psi+b", f"psi+b:{combo.index}"))}
             # the combination's score over the whole gallery (its NCL normalisation error)
             base = psi_full if combo.rerank else units @ np.asarray(v.stage1_units, dtype=np.float32).T
             full = base + np.asarray(v.biases, np.float32)[None, :] if combo.ncl else base
-            m = retrieval_metrics(full, gt_rows, gamma=gamma)
+            m = retrieval_metrics(full if allowed is None else full[:, allowed], gt_sub, gamma=gamma)
             s1, s2 = combo.describe()
             rows[combo.name] = {
                 "index": combo.index, "stage1": s1, "stage2": s2, "t2v": rank_summary(ranks),
@@ -360,7 +407,8 @@ def run_compare(opts: CompareOptions) -> dict[str, Any]:
             faiss.omp_set_num_threads(opts.latency_threads)
         try:
             lat_threads = {"torch": torch.get_num_threads(), "faiss": faiss.omp_get_max_threads()}
-            for name, lat in latency(model, versions, combos, lat_texts, K, opts.precision, opts.latency_repeats).items():
+            for name, lat in latency(model, versions, combos, lat_texts, K, opts.precision, opts.latency_repeats,
+                                     filters, opts.filter_exact_below).items():
                 rows[name]["latency"] = lat
         finally:
             torch.set_num_threads(threads[0])
@@ -384,7 +432,7 @@ def run_compare(opts: CompareOptions) -> dict[str, Any]:
             "checkpoint": str(Path(opts.checkpoint).absolute()),
             "options": {k: v for k, v in asdict(opts).items() if k != "combos"},
             "data": desc, "n_queries": len(texts), "n_gallery": n, "candidates": K, "coverage_ks": ks,
-            "k_ge_gallery": K >= n, "rows": rows, "ncl": ncl,
+            "k_ge_gallery": K >= n, "rows": rows, "ncl": ncl, "filter": desc.get("filter"),
             "invgc": versions["invgc"].manifest.invgc if "invgc" in versions else None,
             "ncl_stage1": v0.manifest.ncl_stage1,
             "index_type": v0.manifest.index_type,

@@ -8,6 +8,7 @@ the test fails under CI=true and is skipped elsewhere, saying which (tests/conft
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -120,6 +121,41 @@ def test_search_page_end_to_end(service_env, tmp_path):
             # the timings line still shows every stage (that no psi pass ran is tested in test_search.py
             # without a clock: a wall-time bound here failed once on a loaded CI machine, 3.0 ms for a no-op)
             assert re.search(r"ANN [0-9.]+ \+ rerank [0-9.]+ ms", page.text_content("#timings")), page.text_content("#timings")
+            # the filter box: a JSON filter goes with the search (the ids of three results: exactly those come back)
+            searches: list[str] = []
+            page.on("request", lambda r: searches.append(r.post_data or "") if r.url.endswith("/v1/search") else None)
+            keep = sorted(int(c.get_attribute("data-id")) for c in page.locator(".card").all()[:3])
+            page.fill("#filter", json.dumps({"id": {"$in": keep}}))
+            page.press("#q", "Enter")
+            page.wait_for_function("() => document.getElementById('status').textContent.includes('matching the filter')")
+            got = sorted(int(c.get_attribute("data-id")) for c in page.locator(".card").all())
+            assert got == keep, (got, keep)
+            assert '"filter":{"id":{"$in":' in searches[-1], searches[-1]
+            assert "stage 1 plan" in page.text_content("#timings")
+            # ... checked as JSON in the page (no request) ...
+            sent = len(searches)
+            page.fill("#filter", '{"id": ')
+            assert page.get_attribute("#filter", "aria-invalid") == "true"
+            page.press("#q", "Enter")
+            page.wait_for_function("() => document.getElementById('status').textContent.includes('filter is not valid JSON')")
+            page.fill("#filter", '[1, 2]')
+            page.press("#q", "Enter")
+            page.wait_for_function("() => document.getElementById('status').textContent.includes('filter must be a JSON object')")
+            assert len(searches) == sent and "error" in page.get_attribute("#status", "class")
+            # ... and the server's 422 shown as it names the problem
+            page.fill("#filter", '{"no_such_field": 1}')
+            page.press("#q", "Enter")
+            page.wait_for_function("() => document.getElementById('status').textContent.includes('error 422')")
+            assert "no_such_field" in page.text_content("#status") and "unknown field" in page.text_content("#status")
+            assert len(searches) == sent + 1
+            # the browser logs the deliberate 422 on the console: that one error is expected
+            assert any("422" in e for e in errors), errors
+            errors[:] = [e for e in errors if "status of 422" not in e]
+            page.fill("#filter", "")
+            page.press("#q", "Enter")
+            page.wait_for_function("() => !document.getElementById('status').textContent.includes('matching')"
+                                   " && document.getElementById('status').textContent.includes('results for')")
+            assert page.locator(".card").count() == 24 and '"filter"' not in searches[-1]
             # a blank query is refused in the page without a request
             page.fill("#q", "   ")
             page.press("#q", "Enter")

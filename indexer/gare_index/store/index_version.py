@@ -13,9 +13,11 @@ import numpy as np
 
 from gare.sinkhorn import fold_query
 from gare_index.ann import AnnIndex
+from gare_index.fields import Column
 from gare_index.filters import FieldTable, Filter, compile_filter, evaluate, schema_of
 from gare_index.frame_quant import FRAME_SCALES_ARRAY, QuantFrames
 from gare_index.ncl_ann import Stage1Unavailable
+from gare_index.store.field_arrays import load_column
 from gare_index.store.file_check import CheckReport
 from gare_index.store.format import ANN_NCL_FILE, MMAP_ARRAYS
 from gare_index.store.manifest import IndexManifest
@@ -225,11 +227,16 @@ class IndexVersion:
 
     def filter_mask(self, f: Filter) -> np.ndarray:
         """The rows (n,) bool, in ids.npy order, that pass the compiled filter `f`; the columns it reads are loaded
-        from meta.sqlite once per version and kept."""
+        from the version's fields/ arrays (or meta.sqlite) once per version and kept."""
         if self._table is None:
             schema = self.field_schema
-            self._table = FieldTable(self.n, schema, lambda name: self._meta.field_column(name, schema[name], self.ids))
+            self._table = FieldTable(self.n, schema, lambda name: self._field_column(name, schema[name]))
         return evaluate(f, self._table)
+
+    def _field_column(self, name: str, kind: str) -> Column:
+        # the version's fields/ arrays (memory-mapped) when it has them, else a scan of meta.sqlite
+        col = load_column(self.path, self.manifest.files or {}, name, kind, self.n)
+        return col if col is not None else self._meta.field_column(name, kind, self.ids)
 
     def all_metadata(self) -> list[dict]:
         return self._meta.all_metadata()

@@ -30,6 +30,7 @@ from gare_index.frame_quant import (
 from gare_index.ncl_ann import build_ncl_ann, ncl_ann_params
 from gare_index.npy_staging import ExistingFile
 from gare_index.store.fast_hash import fast_file_hash, sha256_and_fast_hash
+from gare_index.store.field_arrays import write_field_arrays
 from gare_index.store.format import (
     ANN_FILE,
     ANN_NCL_FILE,
@@ -400,7 +401,9 @@ def _write_version(root: Path, arrays: Mapping[str, Any], metadata_rows: Iterabl
                 with open(tmp / META_FILE, "rb+") as fh:
                     os.fsync(fh.fileno())
                 files[META_FILE] = _file_entry(tmp / META_FILE)
-
+            # the filter columns as typed arrays (fields/*.npy), so that a filtered search need not scan meta.sqlite
+            files.update(write_field_arrays(tmp, name, ids, _write_npy,
+                                            metadata_rows if rows is None else None, files["ids.npy"]["sha256"]))
 
             manifest = {
                 "format": FORMAT,

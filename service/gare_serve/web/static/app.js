@@ -36,6 +36,33 @@
     return resp;
   }
 
+  // The filter box: empty = no filter; otherwise a JSON object, checked here before any request is sent.
+  const filterInput = $("filter");
+  function readFilter() {
+    const text = filterInput.value.trim();
+    if (!text) return { ok: true, value: undefined };
+    let value;
+    try { value = JSON.parse(text); } catch (e) { return { ok: false, error: "filter is not valid JSON: " + e.message }; }
+    if (value === null || typeof value !== "object" || Array.isArray(value)) {
+      return { ok: false, error: "filter must be a JSON object, e.g. {\"year\": {\"$gte\": 2020}}" };
+    }
+    return { ok: true, value: value };
+  }
+  filterInput.addEventListener("input", () => {
+    const f = readFilter();
+    filterInput.classList.toggle("invalid", !f.ok);
+    filterInput.setAttribute("aria-invalid", f.ok ? "false" : "true");
+  });
+
+  // The server's error detail: a message (a bad filter names the place, e.g. filter.year.$gte), or validation items.
+  function detailText(detail, fallback) {
+    if (typeof detail === "string") return detail;
+    if (Array.isArray(detail)) {
+      return detail.map((d) => ((d && d.loc) ? d.loc.join(".") + ": " : "") + ((d && d.msg) || JSON.stringify(d))).join("; ");
+    }
+    return detail ? JSON.stringify(detail) : fallback;
+  }
+
   let nclTouched = false;
   $("ncl").addEventListener("change", () => { nclTouched = true; });
   // Footer: what the index measured about stage 1 when it was built (GET /v1/index stage1).
@@ -191,6 +218,8 @@
 
   async function run(body, file) {
     if (keyInput.value) sessionStorage.setItem("gare-api-key", keyInput.value);
+    const filter = readFilter();
+    if (!filter.ok) { setStatus(filter.error, true); filterInput.focus(); return; }
     go.disabled = true;
     setStatus("searching…");
     const t0 = performance.now();
@@ -200,24 +229,28 @@
         const fd = new FormData();
         fd.append("image", file, file.name);
         fd.append("k", $("k").value);
+        if (filter.value !== undefined) fd.append("filter", JSON.stringify(filter.value));
         resp = await apiFetch("/v1/search/image", { method: "POST", headers: headers(), body: fd });
       } else {
         resp = await apiFetch("/v1/search", {
-          method: "POST", headers: headers({ "Content-Type": "application/json" }), body: JSON.stringify(body),
+          method: "POST", headers: headers({ "Content-Type": "application/json" }),
+          body: JSON.stringify(filter.value === undefined ? body : Object.assign({}, body, { filter: filter.value })),
         });
       }
       const data = await resp.json().catch(() => ({}));
       if (!resp.ok) {
-        setStatus("error " + resp.status + ": " + (data.detail || resp.statusText), true);
+        setStatus("error " + resp.status + ": " + detailText(data.detail, resp.statusText), true);
         return;
       }
       results.replaceChildren(...data.results.map(card));
       const rtt = performance.now() - t0;
-      setStatus(data.results.length + " results " + describe(data) + " (index " + data.index_version + ")");
+      setStatus(data.results.length + " results " + describe(data) + (filter.value !== undefined ? " matching the filter" : "") +
+        " (index " + data.index_version + ")");
       const t = data.timings_ms;
       timingsEl.textContent = "server " + fmt(t.total, 1) + " ms = queue " + fmt(t.queue, 1) + " + encode " +
         fmt(t.encode, 1) + " + ANN " + fmt(t.ann, 1) + " + rerank " + fmt(t.rerank, 1) + " ms (batch of " +
-        data.batch_size + ") · round trip " + rtt.toFixed(1) + " ms";
+        data.batch_size + ") · round trip " + rtt.toFixed(1) + " ms" +
+        (t.plan ? " · filter " + fmt(t.filter, 1) + " ms, stage 1 plan " + t.plan : "");
       timingsEl.dataset.total = String(t.total);
     } catch (e) {
       setStatus("request failed: " + e, true);
