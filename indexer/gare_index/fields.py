@@ -210,6 +210,32 @@ def stored_value(kind: str, value: Any) -> Any:
 
 
 # ------------------------------------------------------------------------------------------ schema
+# a caption manifest's texts (what gare-train and --ncl-val read from the same file): captions, never a field
+CAPTION_COLUMNS = frozenset({"caption", "captions"})
+
+
+def ignored_columns(raw: Sequence[Mapping[str, Any]], declared: Mapping[str, str]) -> dict[str, str]:
+    """Manifest columns that are not fields, name -> why: caption columns, and undeclared columns whose values
+    are no field type (objects, true/false), as the project's own caption manifests carry (``attributes``). A
+    declared column is never ignored: its values must fit its type."""
+    columns: dict[str, list[Any]] = {}
+    for r in raw:
+        for k, v in r.items():
+            columns.setdefault(k, []).append(v)
+    out = {}
+    for k, vals in columns.items():
+        if k in declared:
+            continue
+        if k in CAPTION_COLUMNS:
+            out[k] = "captions"
+            continue
+        try:
+            infer_type(k, vals)
+        except FieldError as e:
+            out[k] = str(e)
+    return out
+
+
 def merge_schema(prev: Mapping[str, str] | None, declared: Mapping[str, str], raw: Sequence[Mapping[str, Any]],
                  *, adding: bool) -> dict[str, str]:
     """The schema of a new version: ``prev`` (the current version's, None for none), ``declared`` (``--fields``)

@@ -197,3 +197,17 @@ def test_field_types_inference_and_coercion():
         merge_schema({"a": "string"}, {}, [{"c": "x"}], adding=True)
     with pytest.raises(FieldError, match="a: string in the index, number here"):
         merge_schema({"a": "string"}, {"a": "number"}, [], adding=True)
+
+
+def test_captions_and_objects_are_left_out_of_the_fields_unless_declared():
+    """A caption manifest (gare-train's format: captions plus an attributes object) builds: its captions and
+    objects are not fields; a declared column must still fit its type."""
+    from gare_index.fields import ignored_columns
+
+    rows = [{"captions": ["a dog"], "attributes": {"background": "white"}, "channel": "news", "flag": True},
+            {"captions": ["a cat"], "attributes": {"background": "gray"}, "channel": "sport", "flag": False}]
+    ign = ignored_columns(rows, {})
+    assert set(ign) == {"captions", "attributes", "flag"} and "objects" in ign["attributes"]
+    kept = [{k: v for k, v in r.items() if k not in ign} for r in rows]
+    assert merge_schema(None, {}, kept, adding=False) == {"channel": "string"}
+    assert ignored_columns(rows, {"captions": "tags"}).keys() == {"attributes", "flag"}  # declared: kept, typed

@@ -21,7 +21,7 @@ from gare_build.discover import Clip, Skip, discover, expand_segments, fmt_time,
 from gare_build.invgc_fit import invgc_refs, select_invgc
 from gare_build.pipeline.options import BuildOptions, RunReport, progress_enabled
 from gare_build.resumable_work import WorkCache, model_key
-from gare_index.fields import coerce_row, merge_schema, stored_value
+from gare_index.fields import coerce_row, ignored_columns, merge_schema, stored_value
 from gare_index.frame_quant import DEFAULT_FRAME_DTYPE, check_frame_dtype
 from gare_index.store import (
     WORK_DIR,
@@ -296,6 +296,14 @@ def resolve_fields(clips: list[Clip], prev: dict[str, str] | None, declared: Any
     inferred where not declared). On an add, a new column, another type or a value of the wrong type is a
     FieldError that names it, raised before anything is scanned or written."""
     raw = [c.fields for c in clips if c.fields]
+    ignored = ignored_columns(raw, dict(declared or {}))
+    if ignored:  # captions and nested objects are not filterable fields: kept out, said once (declare to keep)
+        log.warning("manifest columns left out of the index's fields: %s",
+                    "; ".join(f"{k} ({why})" for k, why in sorted(ignored.items())))
+        for c in clips:
+            if c.fields:
+                c.fields = {k: v for k, v in c.fields.items() if k not in ignored} or None
+        raw = [c.fields for c in clips if c.fields]
     schema = merge_schema(prev, dict(declared or {}), raw, adding=adding)
     for c in clips:
         if c.fields:
