@@ -53,7 +53,8 @@ def flip_in_place(path: Path, at: int | None = None) -> int:
 
 
 def version_files(vdir: Path) -> list[str]:
-    return sorted(p.name for p in vdir.iterdir() if p.is_file())
+    """Every file of a version, as its manifest names them (relative paths: fields/*.npy too)."""
+    return sorted(p.relative_to(vdir).as_posix() for p in vdir.rglob("*") if p.is_file())
 
 
 @pytest.fixture

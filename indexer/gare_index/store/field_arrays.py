@@ -107,7 +107,9 @@ def _link_previous(tmp: Path, prev_dir: Path, ids_sha256: str, write_npy: Any) -
     mine = {k: v for k, v in pfiles.items() if k.startswith(FIELDS_DIR + "/")}
     if not mine:
         return None
-    return {k: write_npy(tmp / k, ExistingFile(prev_dir / k, v.get("sha256")), np.dtype(np.uint8)) for k, v in mine.items()}
+    # with the recorded fast hash too: a linked column is not read again to hash it
+    return {k: write_npy(tmp / k, ExistingFile(prev_dir / k, v.get("sha256"), v.get("fast_hash")), np.dtype(np.uint8))
+            for k, v in mine.items()}
 
 
 def load_column(path: Path, files: Mapping[str, Any], name: str, kind: str, n: int) -> Column | None:
