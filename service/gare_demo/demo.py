@@ -41,7 +41,8 @@ DEMO_TRAIN = {"batch_size": 32, "lr": 1e-3, "coef_lr": 1.0, "augment": "none", "
 # were shape and motion within the right colour and background. Measured on the same corpus and training
 # (two runs side by side, so the times compare): held-out R@1 11, R@5 37, R@10 40 against 6-7, 36, 39 at
 # 32 px; a training step about 1.2x as long. 64 px with 16 px patches and 96 px with 24 px patches (as cheap as
-# 32 px) and 6 frames a clip were no better (R@1 10, 10 and 10); 48 px for 12 epochs R@1 13 but R@5 35.
+# 32 px) and 6 frames a clip were no better (R@1 10, 10 and 10); at 48 px, 12 epochs R@1 13 but R@5 35, batch 64
+# or lr 2e-3 R@1 11 but R@5 32 and 33.
 DEMO_MODEL_OVERRIDES: dict[str, Any] = {"image_size": 48}
 DEFAULT_EPOCHS = 16  # at most (early stopping); the cosine schedule spans them
 RUN_FILE = "demo-run.json"  # what this run did, stage by stage (the quickstart measurement reads it)
