@@ -37,6 +37,13 @@ log = logging.getLogger(__name__)
 DEMO_MODEL = "gare-cpu-demo"
 DEMO_TRAIN = {"batch_size": 32, "lr": 1e-3, "coef_lr": 1.0, "augment": "none", "freeze_patch_embed": False,
               "cache_frames": True, "early_stop_patience": 6, "num_workers": 2, "seed": 0}
+# 48 px frames (the registered 32 px with 8 px patches: 36 patches a frame instead of 16): the misses at 32 px
+# were shape and motion within the right colour and background. Measured on the same corpus and training
+# (two runs side by side, so the times compare): held-out R@1 11, R@5 37, R@10 40 against 6-7, 36, 39 at
+# 32 px; a training step about 1.2x as long. 64 px with 16 px patches and 96 px with 24 px patches (as cheap as
+# 32 px) and 6 frames a clip were no better (R@1 10, 10 and 10); at 48 px, 12 epochs R@1 13 but R@5 35, batch 64
+# or lr 2e-3 R@1 11 but R@5 32 and 33.
+DEMO_MODEL_OVERRIDES: dict[str, Any] = {"image_size": 48}
 DEFAULT_EPOCHS = 16  # at most (early stopping); the cosine schedule spans them
 RUN_FILE = "demo-run.json"  # what this run did, stage by stage (the quickstart measurement reads it)
 QUALITY_FILE = "heldout-quality.json"
@@ -72,7 +79,7 @@ class _Run:
 def prepare(root: Path, *, n_videos: int, epochs: int, run: _Run | None = None) -> tuple[Path, Path, list[str]]:
     """Corpus -> model -> index -> held-out check; returns (index dir, corpus dir, example queries).
 
-    With one intra-op thread: this model's tensors are tiny (32 clips x 4 frames x 17 tokens x width 64), and on
+    With one intra-op thread: this model's tensors are tiny (32 clips x 4 frames x 37 tokens x width 64), and on
     a 2-core machine shared with other work two OpenMP threads mostly wait for each other, so one thread trained
     and indexed faster there than two (the run's stage times: bench/results/quickstart.json)."""
     import torch
@@ -112,10 +119,12 @@ def _prepare(root: Path, *, n_videos: int, epochs: int, run: _Run) -> tuple[Path
     if not ckpt.exists():
         print(f"training {DEMO_MODEL} from scratch (up to {epochs} epochs, stops when validation stops improving)",
               flush=True)
-        cfg = TrainConfig(model=DEMO_MODEL, data={"kind": "manifest", "train": str(corpus / TRAIN_MANIFEST)}, out_dir=str(model_dir),
+        cfg = TrainConfig(model=DEMO_MODEL, model_overrides=dict(DEMO_MODEL_OVERRIDES),
+                          data={"kind": "manifest", "train": str(corpus / TRAIN_MANIFEST)}, out_dir=str(model_dir),
                           epochs=epochs, **DEMO_TRAIN)
         summary = Trainer(cfg).fit()
-        run.stage("training", time.perf_counter() - t0, False, model=DEMO_MODEL, epochs_run=summary["epochs_run"],
+        run.stage("training", time.perf_counter() - t0, False, model=DEMO_MODEL,
+                  model_overrides=dict(DEMO_MODEL_OVERRIDES), epochs_run=summary["epochs_run"],
                   max_epochs=epochs, best_val_r1=summary["best_val_r1"])
     else:
         print(f"model: reusing {ckpt}", flush=True)

@@ -9,6 +9,8 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
+from gare.checkpoint import read_checkpoint
+from gare.config import get_model_config
 from gare_demo import demo
 from gare_index.fields import BUILTIN_FIELDS
 from gare_index.store import open_index
@@ -39,6 +41,9 @@ def test_demo_stages_then_a_second_run_reuses_them(tmp_path, monkeypatch):
     train = rec["stages"][1]
     assert train["model"] == demo.DEMO_MODEL == "gare-cpu-demo" and train["epochs_run"] == 1
     assert len(list((corpus / "videos").glob("*.mp4"))) == 24 and (index / "CURRENT").is_file()
+    # the demo's model is the registered one with the demo's overrides (48 px frames), as the checkpoint records
+    ckpt = read_checkpoint(root / "model" / "best.safetensors")
+    assert ckpt.config == get_model_config(demo.DEMO_MODEL, **demo.DEMO_MODEL_OVERRIDES) and ckpt.config.image_size == 48
     held = [c for c, _ in demo.heldout_captions(corpus)]
     q = rec["heldout"]
     assert q["queries"] == len(held) > 0 and 0 <= q["hits"] <= q["queries"] and q["k"] == 10
@@ -105,13 +110,14 @@ def test_demo_library_fields_filter_over_http(tmp_path):
 @pytest.mark.slow
 def test_demo_model_finds_held_out_captions(tmp_path):
     """The README demo as it runs (200 videos, its epoch budget), measured over HTTP with the demo's serving
-    settings: of the 40 held-out captions, the right video in the top 10 for at least 36 and in the top 5 for at
-    least 32 (one full run measured R@1 7, R@5 36, R@10 39; the bar leaves room for another machine's floats)."""
+    settings: of the 40 held-out captions, the right video first for at least 8, in the top 5 for at least 34 and
+    in the top 10 for at least 37 (two full runs measured R@1 11, R@5 37, R@10 40; the bar leaves room for another
+    machine's floats)."""
     root = tmp_path / "demo"
     index, corpus, examples = demo.prepare(root, n_videos=200, epochs=demo.DEFAULT_EPOCHS)
     with _client(index, corpus) as c:
         q = demo.heldout_recall_over_api(_post(c), corpus)
-    assert q["queries"] == 40 and q["recall"]["10"] >= 36 and q["recall"]["5"] >= 32, q
+    assert q["queries"] == 40 and q["recall"]["10"] >= 37 and q["recall"]["5"] >= 34 and q["recall"]["1"] >= 8, q
     # the first suggestion (the curl example the demo prints) was ranked first offline; over HTTP (the int8 text
     # tower by default on the CPU) it stays near the top
     assert 0 < q["ranks"][[c for c, _ in demo.heldout_captions(corpus)].index(examples[0])] <= 5, q
