@@ -228,3 +228,18 @@ def test_file_shrunk_or_missing(index):
     (vdir / "biases.npy").unlink()
     rep = check_files(vdir, m.files)
     assert sorted(p.split(":")[0] for p in rep.problems) == [str(vdir / "biases.npy"), str(vdir / "frames.npy")]
+
+
+def test_verify_rehash_catches_an_altered_fast_hash_in_the_manifest(index):
+    """`gare-index verify` (rehash) holds every file to both recorded hashes: a manifest whose fast hash was
+    altered in place (its sha256 entries intact) is reported, naming the file."""
+    from gare_index.store import verify_index
+
+    vdir = index / "versions" / "v000001"
+    assert verify_index(index) == []
+    m = json.loads((vdir / "manifest.json").read_text())
+    fast = m["files"]["units.npy"]["fast_hash"]
+    flipped = fast[:-1] + ("0" if fast[-1] != "0" else "1")
+    (vdir / "manifest.json").write_text((vdir / "manifest.json").read_text().replace(fast, flipped))
+    problems = verify_index(index)
+    assert any("units.npy" in p and "fast hash" in p for p in problems), problems

@@ -19,6 +19,7 @@ from gare_index.ann_params import AnnParams
 from gare_index.frame_quant import FRAME_SCALES_ARRAY, QuantFrames
 from gare_index.metadb import check_meta_db
 from gare_index.ncl_ann import FoldedRows
+from gare_index.store.fast_hash import sha256_and_fast_hash
 from gare_index.store.file_check import BackgroundCheck, IndexCheckError
 from gare_index.store.format import (
     ANN_FILE,
@@ -113,8 +114,17 @@ def _hash_problems(path: Path, files: Mapping[str, FileEntry], *, rehash: bool) 
         if size != info.bytes:
             problems.append(f"{p}: {size} bytes, manifest says {info.bytes}")
             continue
-        if rehash and file_sha256(p) != info.sha256:
+        if not rehash:
+            continue
+        if info.fast_hash:  # both recorded hashes must hold: one read gives both
+            sha, fast = sha256_and_fast_hash(p)
+        else:
+            sha, fast = file_sha256(p), None
+        if sha != info.sha256:
             problems.append(f"{p}: sha256 does not match the manifest (file corrupted or modified)")
+        elif fast is not None and fast != info.fast_hash:
+            problems.append(f"{p}: fast hash {fast} does not match the manifest's {info.fast_hash} (the manifest "
+                            "was altered, or the file)")
     return problems
 
 
