@@ -34,9 +34,21 @@ def count_check(metrics: Metrics, phase: str, report: CheckReport | None, *, ok:
         metrics.index_check_seconds.set(report.seconds)
 
 
+def _in_version(problem: str) -> str:
+    """A problem's file as the manifest names it (``fields/year.values.npy``), without the directories above the
+    version's own folder."""
+    parts = Path(problem.split(":", 1)[0]).parts
+    if "versions" in parts:
+        at = len(parts) - 1 - parts[::-1].index("versions")  # .../versions/<name>/<file in the version>
+        if len(parts) > at + 2:
+            return "/".join(parts[at + 2:])
+    return parts[-1] if parts else problem
+
+
 def bad_files(report: CheckReport) -> str:
-    """The names of the bad files (no directories: this text may reach an HTTP client)."""
-    return ", ".join(sorted({Path(p.split(":", 1)[0]).name for p in report.problems}))
+    """The bad files as the manifest names them (no directories above the version: this text may reach an HTTP
+    client)."""
+    return ", ".join(sorted({_in_version(p) for p in report.problems}))
 
 
 def recheck_version(version: Any) -> CheckReport | None:
