@@ -42,7 +42,7 @@ import numpy as np
 from bench.clip_like import HARD, clip_like_sets, describe
 from bench.harness import RESULTS, start, write_results
 from gare_build.tuning.ladder import TuneConfig, build_candidate, describe_params
-from gare_build.tuning.measure import exact_topk, recall_of_topk
+from gare_build.tuning.measure import exact_topk, p50_ms, recall_of_topk
 from gare_build.tuning.queries import build_sample
 from gare_build.tuning.recall import tune_ann
 from gare_index.ann import AnnIndex
@@ -75,19 +75,6 @@ class BuildOnce:
         return self.built[kind], None
 
 
-def p50_one_thread(ann: AnnIndex, q: np.ndarray, n: int) -> float:
-    threads = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(1)
-    try:
-        ann.search(q[:1], K)
-        lat = []
-        for i in range(min(n, q.shape[0])):
-            t0 = time.perf_counter()
-            ann.search(q[i : i + 1], K)
-            lat.append(time.perf_counter() - t0)
-    finally:
-        faiss.omp_set_num_threads(threads)
-    return 1000.0 * float(np.median(lat))
 
 
 def measure(ann: AnnIndex, sets: dict[str, Any], n_lat: int) -> dict[str, float]:
@@ -95,7 +82,7 @@ def measure(ann: AnnIndex, sets: dict[str, Any], n_lat: int) -> dict[str, float]
     for dist in DISTS:
         _, got = ann.search(sets[f"q_{dist}"], K)
         out[f"recall_{dist}"] = recall_of_topk(got, sets[f"gt_{dist}"])
-    out["p50_ms"] = p50_one_thread(ann, sets["q_users"], n_lat)
+    out["p50_ms"] = p50_ms(ann, sets["q_users"], K, n_lat, gpu=False)
     return out
 
 
