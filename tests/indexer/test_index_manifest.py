@@ -75,8 +75,12 @@ def test_round_trip_through_the_model(tmp_path):
     assert raw["segment"] == {"seconds": 4, "overlap": 1.5} and isinstance(raw["segment"]["seconds"], int)  # 4 stays 4
     assert m.segment.seconds == 4 and m.segment.overlap == 1.5 and m.next_id == 40
     assert m.biases["my_note"] == [1, 2]  # an open record: tools may add fields
-    assert set(m.files) == {f"{k}.npy" for k in ("ids", "norms", "units", "frames", "masks", "biases")} | {
+    core = {n for n in m.files if not n.startswith("fields/")}
+    assert core == {f"{k}.npy" for k in ("ids", "norms", "units", "frames", "masks", "biases")} | {
         "ann.faiss", "meta.sqlite"}
+    # each metadata column is also written as filter arrays (fields/NAME.*), one record per file
+    columns = {n.split("/")[1].split(".")[0] for n in m.files if n.startswith("fields/")}
+    assert {"path", "folder", "start", "end", "duration"} <= columns
     for name, entry in m.files.items():
         assert entry.bytes == (root / "versions" / "v000001" / name).stat().st_size
     # a derived version that carries fields over from the read model writes the same JSON for them

@@ -26,10 +26,13 @@ from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 
 from gare_serve.app import create_app
+from gare_serve.settings import Settings
 from tests.service.support import copy_index, settings
 
 ADMIN = "conformance-admin-key"
 SEARCH = "conformance-search-key"
+# the longest side / shortest side the tests' servers accept (Settings.max_image_aspect's default)
+MAX_ASPECT = int(Settings.model_fields["max_image_aspect"].default)
 PIL_FORMATS = {"image/png": "PNG", "image/jpeg": "JPEG", "image/gif": "GIF", "image/webp": "WEBP"}
 
 
@@ -40,7 +43,10 @@ def image_bytes(fmt: str) -> st.SearchStrategy[bytes]:
 
     @st.composite
     def one(draw: st.DrawFn) -> bytes:
-        w, h = draw(st.integers(1, 48)), draw(st.integers(1, 48))
+        # within the document's words for the part: long side at most MAX_ASPECT x the short side (the server's
+        # max_image_aspect default); a 48x2 image is refused with a 422 by design
+        w = draw(st.integers(1, 48))
+        h = draw(st.integers(-(-w // MAX_ASPECT), min(48, w * MAX_ASPECT)))
         colour = tuple(draw(st.integers(0, 255)) for _ in range(3))
         buf = io.BytesIO()
         Image.new("RGB", (w, h), colour).save(buf, format=fmt)
