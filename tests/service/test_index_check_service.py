@@ -138,6 +138,13 @@ def test_file_changed_under_the_running_server_is_caught_by_the_recheck(service_
         while _checks(app, "recheck", "ok") <= ok and time.monotonic() < deadline:
             time.sleep(0.05)
         assert state.index_problems == []
+        vdir = idx / "versions" / served
+        at = flip_in_place(vdir / "manifest.json", _manifest_at(vdir))  # a sha256 record: only the seal tells
+        bad = _checks(app, "recheck", "mismatch")
+        while _checks(app, "recheck", "mismatch") <= bad and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [p.split(": ", 1)[0] for p in state.index_problems] == [str(vdir / "manifest.json")], state.index_problems
+        flip_in_place(vdir / "manifest.json", at)
 
 
 def test_version_without_fast_hashes_is_served(service_env, tmp_path, caplog):

@@ -16,14 +16,12 @@ manifest altered by accident or by someone who does not also rewrite the seal.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from gare_index.store.fast_hash import FAST_HASH_SCHEME, FastHasher, split_fast_hash
 from gare_index.store.format import MANIFEST_FILE, atomic_write_text
-
-log = logging.getLogger(__name__)
 
 __all__ = ["SEAL_FILE", "SealStatus", "manifest_seal", "seal_status", "unsealed_warning", "write_seal",
            "write_sealed_manifest"]
@@ -43,7 +41,7 @@ class SealStatus:
     """The seal of one version: ``state`` is ``"sealed"`` (the seal matches the manifest), ``"unsealed"`` (no seal:
     a version written before seals) or ``"bad"`` (``problem`` says why, naming manifest.json)."""
 
-    state: str
+    state: Literal["sealed", "unsealed", "bad"]
     problem: str = ""
 
     @property

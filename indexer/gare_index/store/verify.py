@@ -79,9 +79,9 @@ def verify_index(
 ) -> list[str]:
     """Problems found in a version (CURRENT by default); an empty list means it is consistent.
 
-    Checks: the manifest's seal (a version without one is not a problem: :func:`gare_index.store.seal.seal_status`
-    tells, :func:`seal_version` seals it), manifest, file sizes and (rehash) sha256 and fast hash; array shapes and dtypes; ids unique and equal across
-    ids.npy, FAISS and SQLite; norms positive and finite, units of unit length; at least one frame per
+    Checks: the manifest's seal first (a version without one is not a problem: :func:`gare_index.store.seal_status`
+    tells, :func:`seal_version` seals it), manifest, file sizes and (rehash) sha256 and fast hash; array shapes and
+    dtypes; ids unique and equal across ids.npy, FAISS and SQLite; norms positive and finite, units of unit length; at least one frame per
     video; padded frame rows zero, or, for a checkpoint with ``reference_padding``, holding their features
     with v̄ = norm * unit the mean over all rows of the stored frames; biases finite; psi's constants (psi_consts.npy): shape,
     fingerprint, finite, and `psi_sample` random rows recomputed with the index's checkpoint when readable. `check_files` also re-checks every indexed video
