@@ -1,4 +1,4 @@
-"""`gare-index`: build | add | remove | biases | tune | upgrade | verify | stats | gc | compare: the commands run on
+"""`gare-index`: build | add | remove | biases | tune | upgrade | verify | seal | stats | gc | compare: the commands run on
 the parsed command line (the parser: :mod:`gare_build.cli_parser`; see docs/index-format.md and docs/postprocessing.md).
 """
 
@@ -34,12 +34,15 @@ from gare_index.describe import describe_stage1
 from gare_index.fields import parse_field_spec
 from gare_index.shards import current_generation, is_sharded, shard_root
 from gare_index.store import (
+    VERSIONS_DIR,
     WORK_DIR,
     IndexFormatError,
     current_version_name,
     gc,
     index_lock,
     open_version,
+    seal_status,
+    seal_version,
     verify_index,
 )
 from gare_search.search import DEFAULT_CANDIDATES
@@ -231,6 +234,10 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+# a version without manifest.json.xxh3 is not a problem: verify says so and how to seal it
+UNSEALED = "unsealed: written before manifests were sealed; `gare-index seal` seals it"
+
+
 def _cmd_verify(args: argparse.Namespace) -> int:
     sha = file_sha256(args.checkpoint) if args.checkpoint else None
     if is_sharded(args.out):
@@ -238,9 +245,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     problems = verify_index(args.out, name=args.version_name, rehash=not args.quick, expect_checkpoint_sha=sha,
                             check_files=args.check_videos)
     name = args.version_name or current_version_name(args.out)
+    sealed = seal_status(Path(args.out) / VERSIONS_DIR / name).state == "sealed"
     if args.json:
-        print(json.dumps({"index": str(args.out), "version": name, "ok": not problems, "problems": list(problems)},
-                         indent=1))
+        print(json.dumps({"index": str(args.out), "version": name, "ok": not problems, "problems": list(problems),
+                          "sealed": sealed}, indent=1))
         return 1 if problems else 0
     if problems:
         for p in problems:
@@ -249,7 +257,22 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         return 1
     with open_version(args.out, name, use_gpu=False) as v:
         padding = "reference_padding (padded rows kept, v̄ over all rows)" if v.reference_padding else "padded rows masked"
-    print(f"verify: {args.out} {name} OK ({padding})")
+    print(f"verify: {args.out} {name} OK ({padding}; {'sealed' if sealed else UNSEALED})")
+    return 0
+
+
+def _cmd_seal(args: argparse.Namespace) -> int:
+    """Seal CURRENT's version (or --version's; a sharded root: every shard's version of the current generation)."""
+    if is_sharded(args.out):
+        if args.version_name:
+            raise ValueError("--version names a version of one index; a sharded index is sealed at its current "
+                             "generation")
+        gen = current_generation(args.out)
+        targets = [(shard_root(args.out, s), name) for s, name in enumerate(gen.versions)]
+    else:
+        targets = [(Path(args.out), args.version_name or current_version_name(args.out))]
+    for root, name in targets:
+        print(f"seal: {root} {name} {seal_version(root, name)}")
     return 0
 
 
@@ -269,7 +292,10 @@ def _verify_sharded(args: argparse.Namespace, sha: str | None) -> int:
     if problems:
         print(f"verify: {len(problems)} problem(s) in {args.out}")
         return 1
-    print(f"verify: {args.out} generation {gen.number} ({gen.n_shards} shards: {', '.join(gen.versions)}) OK")
+    unsealed = [f"shard {s} ({name})" for s, name in enumerate(gen.versions)
+                if seal_status(shard_root(args.out, s) / VERSIONS_DIR / name).state != "sealed"]
+    print(f"verify: {args.out} generation {gen.number} ({gen.n_shards} shards: {', '.join(gen.versions)}) OK"
+          + (f" ({', '.join(unsealed)} {UNSEALED})" if unsealed else ""))
     return 0
 
 
@@ -335,7 +361,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"build": _cmd_build, "add": _cmd_build, "remove": _cmd_remove, "biases": _cmd_biases,
-            "verify": _cmd_verify, "stats": _cmd_stats, "gc": _cmd_gc, "compare": _cmd_compare,
+            "verify": _cmd_verify, "seal": _cmd_seal, "stats": _cmd_stats, "gc": _cmd_gc, "compare": _cmd_compare,
             "upgrade": _cmd_upgrade, "tune": _cmd_tune}
 
 

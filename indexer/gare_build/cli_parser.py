@@ -325,6 +325,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp.add_argument("--json", action="store_true", help="print {index, version, ok, problems} as JSON on stdout")
 
+    sp = sub.add_parser("seal", help="seal a version written before manifests were sealed (manifest.json.xxh3), after "
+                        "re-hashing every file against its manifest; exit 1 without sealing when one differs",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_index_arg(sp)
+    sp.add_argument("--version", dest="version_name", help="a version other than CURRENT (a sharded index: every "
+                    "shard's version of the current generation)")
+
     sp = sub.add_parser("stats", help="print the index's statistics (--json for all of them as JSON)")
     _add_index_arg(sp)
     sp.add_argument("--json", action="store_true", help="machine-readable output")

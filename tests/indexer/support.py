@@ -70,3 +70,11 @@ def cli_env() -> dict[str, str]:
 
 def cli_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "gare_build.cli", *args]
+
+
+def reseal(vdir: Path) -> None:
+    """Seal a version's manifest.json as it now is (gare_index.store.seal): a test that edits a manifest by hand, to
+    make it say something another check must catch, keeps it sealed so that this other check is the one exercised."""
+    from gare_index.store.seal import write_seal
+
+    write_seal(vdir, (vdir / "manifest.json").read_bytes())

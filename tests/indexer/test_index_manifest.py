@@ -21,6 +21,7 @@ from gare_index.store import (
     verify_index,
     write_version,
 )
+from tests.indexer.support import reseal
 from tests.indexer.test_index_store import extra, synth_arrays
 
 # A complete index written by `gare_build.build.build` of main at commit 78f2e78, before the manifest had a model
@@ -41,6 +42,7 @@ def _edit_manifest(root: Path, change) -> Path:
     m = json.loads((vdir / MANIFEST_FILE).read_text())
     change(m)
     (vdir / MANIFEST_FILE).write_text(json.dumps(m, indent=1, sort_keys=True))
+    reseal(vdir)  # refused for what it says, not for breaking its seal
     return vdir / MANIFEST_FILE
 
 

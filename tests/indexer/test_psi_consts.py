@@ -14,6 +14,7 @@ from gare_index import psi_consts
 from gare_search import query as Q
 from gare_search import rerank as R
 from gare_search import search as S
+from tests.indexer.support import reseal
 from tests.psi_reference import REFERENCES, exhaustive_fused, psi_scores_fused
 from tests.service.support import build_index, copy_index
 
@@ -130,12 +131,14 @@ def test_stale_or_corrupt_constants_are_refused_and_reported(model_and_index, tm
     man = json.loads((path / "manifest.json").read_text())
     man["psi_fold"]["fingerprint"] = "0" * 64  # constants of other psi weights
     (path / "manifest.json").write_text(json.dumps(man))
+    reseal(path)
     with open_index(root) as v:
         assert not R.fold_usable(model, v)
         assert "stale" in psi_consts.fold_status(v, psi_consts.fold_of(model))
         assert any("fingerprint" in p for p in verify_index(root, rehash=False))
     man["psi_fold"]["fingerprint"] = psi_consts.fold_of(model).fingerprint
     (path / "manifest.json").write_text(json.dumps(man))
+    reseal(path)
     arr = np.load(path / "psi_consts.npy", mmap_mode="r+")
     arr[3, -1] += 1.0  # one constant of row 3 (same file size: only the recomputation or the hash sees it)
     arr.flush()

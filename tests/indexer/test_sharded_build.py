@@ -394,3 +394,44 @@ def test_shards_build_on_the_dask_engine(tmp_path, ckpt, corpus, single):
     ref_b = single_biases(single)
     np.testing.assert_allclose([got[p][2] for p in sorted(ref_b)], [ref_b[p] for p in sorted(ref_b)], atol=1e-5)
     assert main(["verify", "--out", str(tmp_path / "INDEX")]) == 0
+
+
+# ------------------------------------------------------------------------------------------ sealed manifests
+def _sealed(root) -> dict[str, str]:
+    """version -> its seal state (gare_index.store.seal_status) of every version under `root`."""
+    from gare_index.store import seal_status
+
+    return {v: seal_status(root / "versions" / v).state for v in list_versions(root)}
+
+
+def test_every_writer_path_seals_its_version(tmp_path, ckpt, corpus, sharded3, capsys):
+    """build, add, biases (a version derived from the current one, its other files hard-linked) and a sharded build
+    each write a sealed version; `seal` on a sharded root seals the shards' versions written before seals."""
+    import shutil
+
+    from gare_build.build import recompute_biases
+    from gare_index.store import SEAL_FILE
+
+    lib = copy_videos(corpus, tmp_path / "lib", names=sorted(p.name for p in corpus.glob("*.mp4"))[:8])
+    out = tmp_path / "INDEX"
+    build(ckpt, lib, out, opts(keep=5))
+    copy_videos(corpus, lib)
+    assert main(["add", "--videos", str(lib), "--out", str(out), "--workers", "0", "--batch-size", "4",
+                 "--no-progress", "--keep", "5"]) == 0
+    recompute_biases(out, keep=5)
+    assert _sealed(out) == {"v000001": "sealed", "v000002": "sealed", "v000003": "sealed"}
+    gen = current_generation(sharded3)
+    for s, name in enumerate(gen.versions):
+        assert _sealed(shard_root(sharded3, s))[name] == "sealed"
+
+    root = tmp_path / "SHARDED"
+    shutil.copytree(sharded3, root)
+    for s, name in enumerate(gen.versions):  # as if written before seals
+        (shard_root(root, s) / "versions" / name / SEAL_FILE).unlink()
+    capsys.readouterr()
+    assert main(["verify", "--out", str(root), "--quick"]) == 0
+    assert "shard 0 (" in capsys.readouterr().out.split(" OK ")[1]
+    assert main(["seal", "--out", str(root)]) == 0
+    assert capsys.readouterr().out.count(" sealed\n") == 3
+    for s, name in enumerate(gen.versions):
+        assert _sealed(shard_root(root, s))[name] == "sealed"

@@ -24,6 +24,7 @@ from gare_search import by_example as E
 from gare_search import search as S
 from gare_search import shard_search as SH
 from tests.indexer.postprocess_support import queues
+from tests.indexer.support import reseal
 
 TOL = 1e-5
 R = dict(invgc=True, invgc_r_g=0.3, invgc_r_q=0.2, invgc_k=2.0)  # given r: no validation search, a strong correction
@@ -196,5 +197,6 @@ def test_invgc_shards_refuse_a_mixed_correction(env, tmp_path):
     m = json.loads(mf.read_text())
     m["invgc"]["mean_g"] += 0.01
     mf.write_text(json.dumps(m))
+    reseal(mf.parent)
     problems = verify_sharded(out, rehash=False)
     assert any("InvGC corrections differ" in p for p in problems), problems

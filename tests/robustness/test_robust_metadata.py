@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gare_index.store import META_FILE, IndexFormatError, open_index, verify_index
+from gare_index.store import META_FILE, SEAL_FILE, IndexFormatError, open_index, verify_index
+from tests.indexer.support import reseal
 from tests.robustness.test_robust_common import copy_index, index_cli, recording, running_app
 from tests.service.support import settings as svc_settings
 
@@ -38,6 +39,7 @@ def _rehash(vdir: Path) -> None:
     data = (vdir / META_FILE).read_bytes()
     m["files"][META_FILE] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (vdir / "manifest.json").write_text(json.dumps(m, indent=1, sort_keys=True))
+    reseal(vdir)
 
 
 def _edit_db(vdir: Path, *sql: str) -> None:
@@ -112,7 +114,7 @@ def test_damaged_metadata_is_refused_everywhere(robust_env, tmp_path):
                     served = (await c.get("/v1/index")).json()["version"]
                     name = _new_version(idx)
                     vdir = idx / "versions" / name
-                    original = (vdir / META_FILE).read_bytes(), (vdir / "manifest.json").read_bytes()
+                    original = [(vdir / f).read_bytes() for f in (META_FILE, "manifest.json", SEAL_FILE)]
                     damage(vdir, kind)
                     try:
                         open_index(idx, use_gpu=False).close()
@@ -136,6 +138,7 @@ def test_damaged_metadata_is_refused_everywhere(robust_env, tmp_path):
                     (vdir / META_FILE).unlink()
                     _replace(vdir / META_FILE, original[0])
                     _replace(vdir / "manifest.json", original[1])
+                    _replace(vdir / SEAL_FILE, original[2])
                     r2 = await c.post("/v1/admin/reload", headers={"Authorization": f"Bearer {KEY}"})
                     row["repaired_reload_status"] = r2.status_code
                     row["served"] = served

@@ -4,7 +4,9 @@ Each file of a new version altered in place at the same size (one byte flipped, 
 ``POST /v1/admin/reload`` (503, the old version keeps serving, ``gare_index_checks_total{phase="reload",
 result="mismatch"}``) and by the start (StartupError naming the file); with ``index_check`` off the same
 alteration of ann.faiss, units.npy or frames.npy is served (the finding); a file changed under the running server
-is caught by the next periodic re-check; a version written before fast hashes is served."""
+is caught by the next periodic re-check; a version written before fast hashes and seals is served. manifest.json is
+held to its seal (manifest.json.xxh3): a hex digit of a file's sha256 record, which no other check at open reads, or
+any byte of the seal changed is refused like a bad file."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from gare_index.store import SEAL_FILE
 from gare_serve.app import create_app
 from gare_serve.engine.startup import StartupError
 from gare_serve.settings import Settings
@@ -38,12 +41,10 @@ def _files(vdir: Path) -> list[Path]:
 
 
 def _manifest_at(vdir: Path) -> int:
-    """Where manifest.json is altered: inside a file's fast hash, a record the open's check reads. The manifest
-    has no hash of its own: a change confined to a file's sha256 record is caught by `gare-index verify` (which
-    holds every file to both hashes), not by the check at open or reload."""
+    """Where manifest.json is altered: a hex digit of units.npy's sha256 record, which the fast check at open or
+    reload does not read (`gare-index verify` does): only the manifest's seal catches it there."""
     data = (vdir / "manifest.json").read_bytes()
-    at = data.index(b'"fast_hash": "xxh3-128-b64m:', data.index(b'"units.npy"'))
-    return at + len(b'"fast_hash": "xxh3-128-b64m:') + 3  # a hex digit of units.npy's digest
+    return data.index(b'"sha256": "', data.index(b'"units.npy": {')) + len(b'"sha256": "') + 3
 
 
 def _new_version_own_inodes(idx: Path) -> str:
@@ -68,7 +69,7 @@ def test_reload_refuses_every_file_altered_in_place(service_env, tmp_path):
         name = _new_version_own_inodes(idx)
         vdir = idx / "versions" / name
         fnames = sorted(p.relative_to(vdir).as_posix() for p in _files(vdir))
-        assert {"ann.faiss", "units.npy", "frames.npy", "manifest.json", "meta.sqlite"} <= set(fnames)
+        assert {"ann.faiss", "units.npy", "frames.npy", "manifest.json", SEAL_FILE, "meta.sqlite"} <= set(fnames)
         accepted, mismatches = [], 0
         for fname in fnames:
             at = flip_in_place(vdir / fname, _manifest_at(vdir) if fname == "manifest.json" else None)
@@ -80,8 +81,8 @@ def test_reload_refuses_every_file_altered_in_place(service_env, tmp_path):
             assert f"still serving {served}" in r.json()["detail"], (fname, r.text)
             mismatches += "failed its file check" in r.json()["detail"]
             assert _checks(app, "reload", "mismatch") == mismatches  # every check failure counted
-            if fname != "manifest.json":  # the manifest is caught by what it no longer matches (see _manifest_at)
-                assert fname in r.json()["detail"] and str(tmp_path) not in r.json()["detail"], r.text
+            named = "manifest.json" if fname == SEAL_FILE else fname  # the seal: the manifest no longer matches it
+            assert named in r.json()["detail"] and str(tmp_path) not in r.json()["detail"], r.text
             s = c.post("/v1/search", json=QUERY)
             assert s.status_code == 200 and s.json()["index_version"] == served, (fname, s.text)
             flip_in_place(vdir / fname, at)  # restored, byte for byte
@@ -137,10 +138,18 @@ def test_file_changed_under_the_running_server_is_caught_by_the_recheck(service_
         while _checks(app, "recheck", "ok") <= ok and time.monotonic() < deadline:
             time.sleep(0.05)
         assert state.index_problems == []
+        vdir = idx / "versions" / served
+        at = flip_in_place(vdir / "manifest.json", _manifest_at(vdir))  # a sha256 record: only the seal tells
+        bad = _checks(app, "recheck", "mismatch")
+        while _checks(app, "recheck", "mismatch") <= bad and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [p.split(": ", 1)[0] for p in state.index_problems] == [str(vdir / "manifest.json")], state.index_problems
+        flip_in_place(vdir / "manifest.json", at)
 
 
 def test_version_without_fast_hashes_is_served(service_env, tmp_path, caplog):
-    """A version written before fast hashes were recorded: served, checked with sha256 (one WARNING)."""
+    """A version written before fast hashes and seals were recorded: served, checked with sha256 (one WARNING),
+    with one WARNING that it is unsealed (not repeated by the re-checks), naming the way to seal it."""
     idx = copy_index(service_env["index"], tmp_path / "index")
     cur = (idx / "CURRENT").read_text().strip()
     mpath = idx / "versions" / cur / "manifest.json"
@@ -148,8 +157,31 @@ def test_version_without_fast_hashes_is_served(service_env, tmp_path, caplog):
     for e in m["files"].values():
         e.pop("fast_hash")
     mpath.write_text(json.dumps(m, indent=1, sort_keys=True))
-    app = create_app(settings(idx, index_poll_s=0))
+    (mpath.parent / SEAL_FILE).unlink()
+    app = create_app(settings(idx, index_poll_s=0, index_recheck_s=0.2))
     with caplog.at_level("WARNING", logger="gare_index.store.file_check"), TestClient(app) as c:
         assert c.post("/v1/search", json=QUERY).status_code == 200
         assert _checks(app, "open", "ok") == 1
+        deadline = time.monotonic() + 60  # hang guard: the re-check runs every 0.2 s
+        while _checks(app, "recheck", "ok") < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _checks(app, "recheck", "ok") >= 2
     assert any("checked with sha256" in r.getMessage() for r in caplog.records)
+    unsealed = [r.getMessage() for r in caplog.records if f"has no {SEAL_FILE}" in r.getMessage()]
+    assert len(unsealed) == 1 and f"index version {cur}" in unsealed[0] and "gare-index seal" in unsealed[0], unsealed
+
+
+def test_start_refuses_a_changed_sha256_record_in_the_manifest(service_env, tmp_path):
+    """A hex digit of a file's sha256 record changed in manifest.json (every file still matches its fast hash): the
+    start is refused naming manifest.json (the seal), and the same index starts once the digit is restored."""
+    idx = copy_index(service_env["index"], tmp_path / "index")
+    cur = (idx / "CURRENT").read_text().strip()
+    vdir = idx / "versions" / cur
+    at = flip_in_place(vdir / "manifest.json", _manifest_at(vdir))
+    with pytest.raises(StartupError) as e, TestClient(create_app(settings(idx, index_poll_s=0))):
+        pass
+    assert "failed its file check" in str(e.value), e.value
+    assert f"{cur}/manifest.json: does not match its seal {SEAL_FILE}" in str(e.value), e.value
+    flip_in_place(vdir / "manifest.json", at)
+    with TestClient(create_app(settings(idx, index_poll_s=0))) as c:
+        assert c.post("/v1/search", json=QUERY).status_code == 200

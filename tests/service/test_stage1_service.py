@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 
 from gare_index.store import open_index
 from gare_serve.app import create_app
+from tests.indexer.support import reseal
 from tests.service.support import copy_index, settings
 
 
@@ -56,6 +57,7 @@ def test_index_without_stage1_uses_the_setting(service_env, tmp_path):
     m["stage1"] = None  # an index built before issue 13 (or with --no-tune)
     mpath.unlink()  # a copy may share the file with the original through a hard link
     mpath.write_text(json.dumps(m))
+    reseal(mpath.parent)
     with TestClient(create_app(settings(idx, default_candidates=40))) as c:
         info = c.get("/v1/index").json()
         assert info["stage1"] is None and info["default_candidates"] == 40

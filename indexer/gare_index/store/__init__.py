@@ -6,6 +6,7 @@ Layout (see docs/index-format.md)::
       CURRENT                      the current version's directory name ("v000003"), switched atomically
       versions/v000003/            immutable once renamed into place
          manifest.json             format, version, checkpoint binding, shapes, ANN params, biases, file hashes
+         manifest.json.xxh3        the seal: the fast hash of manifest.json's bytes (absent in older versions)
          ann.faiss                 FAISS index over the unit vectors, ids = video ids (int64)
          ids.npy (n,) int64        row order of every array below (ascending ids)
          norms.npy (n,) float32    |v̄|
@@ -34,8 +35,8 @@ version or the new one, and a writer killed at any moment leaves the previous ve
 
 Modules: :mod:`.format` (names, constants, errors, lock, file helpers), :mod:`.manifest` (manifest.json as
 the typed :class:`IndexManifest`, checked at read and at write), :mod:`.reader` (opening a version), :mod:`.index_version` (the opened :class:`IndexVersion`), :mod:`.writer`, :mod:`.verify`,
-:mod:`.fast_hash` (the fast file hash the manifest records) and :mod:`.file_check` (re-hashing a version's files
-before it is served: ``open_version(check=True)``). Import from ``gare_index.store``; the submodules are an implementation detail.
+:mod:`.fast_hash` (the fast file hash the manifest records), :mod:`.seal` (the manifest's own hash, beside it) and
+:mod:`.file_check` (re-hashing a version's files before it is served: ``open_version(check=True)``). Import from ``gare_index.store``; the submodules are an implementation detail.
 """
 
 from gare_index.npy_staging import ExistingFile
@@ -79,7 +80,8 @@ from gare_index.store.reader import (
     open_version,
     read_manifest,
 )
-from gare_index.store.verify import verify_index
+from gare_index.store.seal import SEAL_FILE, SealStatus, seal_status, write_sealed_manifest
+from gare_index.store.verify import seal_version, verify_index
 from gare_index.store.writer import gc, remove_stale_tmp, switch_current, write_version
 
 __all__ = [  # every name importable from gare_index.store
@@ -126,4 +128,9 @@ __all__ = [  # every name importable from gare_index.store
     "write_version",
     "gc",
     "verify_index",
+    "seal_version",
+    "SEAL_FILE",
+    "SealStatus",
+    "seal_status",
+    "write_sealed_manifest",
 ]

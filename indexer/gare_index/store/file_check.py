@@ -9,6 +9,10 @@ same check on a thread so that it overlaps other loading work (the service start
 ``open_version(check=True)`` before opening FAISS and SQLite); whoever serves the version waits for its verdict
 first. A mismatch is a :class:`IndexCheckError` naming every bad file.
 
+Before the files, the check holds manifest.json to its seal (:mod:`gare_index.store.seal`): a manifest whose bytes
+differ from what was sealed is a bad file like any other (a byte changed in a record no other check reads, a
+file's sha256). A version without a seal (written before seals) is checked as before, with one WARNING.
+
 The check reads the manifest the caller opened the version with (the copy in memory), so a file altered
 together with the manifest on disk after the open is still caught.
 """
@@ -35,6 +39,7 @@ from gare_index.store.fast_hash import (
 )
 from gare_index.store.format import IndexFormatError
 from gare_index.store.manifest import FileEntry
+from gare_index.store.seal import seal_status, unsealed_warning
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +57,8 @@ class IndexCheckError(IndexFormatError):
 @dataclass(frozen=True)
 class CheckReport:
     """What one check found: ``problems`` (one line per bad file, empty when every file matches), the files
-    and bytes read, the seconds it took, and the files checked with sha256 for want of a fast hash."""
+    and bytes read, the seconds it took, the files checked with sha256 for want of a fast hash, and whether the
+    manifest has a seal (False: a version written before seals; its manifest was trusted as read)."""
 
     path: Path
     problems: list[str]
@@ -60,6 +66,7 @@ class CheckReport:
     bytes: int = 0
     seconds: float = 0.0
     sha256_files: list[str] = field(default_factory=list)
+    sealed: bool = True
 
     @property
     def ok(self) -> bool:
@@ -93,15 +100,20 @@ def _sha256(path: Path, stop: threading.Event) -> str:
 
 
 def check_files(path: str | os.PathLike, files: Mapping[str, FileEntry], *, threads: int | None = None,
-                stop: threading.Event | None = None) -> CheckReport:
-    """Re-hash every file of `files` (``manifest.files``) in the version directory `path` against its fast hash
-    (or its sha256 when it has none); `threads` (default :func:`default_check_threads`) hash blocks in parallel.
-    `stop` set: the check ends early with the problem "check cancelled"."""
+                stop: threading.Event | None = None, warn_unsealed: bool = True) -> CheckReport:
+    """Check manifest.json against its seal, then re-hash every file of `files` (``manifest.files``) in the version
+    directory `path` against its fast hash (or its sha256 when it has none); `threads` (default
+    :func:`default_check_threads`) hash blocks in parallel. `stop` set: the check ends early with the problem
+    "check cancelled". `warn_unsealed`: log the WARNING of a version without a seal (the periodic re-check of a
+    served version does not repeat the one its open gave)."""
     t0 = time.perf_counter()
     path = Path(path)
     stop = stop or threading.Event()
     threads = max(1, threads or default_check_threads())
-    problems: list[str] = []
+    seal = seal_status(path)
+    problems: list[str] = [] if seal.ok else [seal.problem]
+    if seal.state == "unsealed" and warn_unsealed:
+        log.warning("%s", unsealed_warning(path))
     fast: dict[str, tuple[int, int, str]] = {}  # name -> (fd, size, expected digest hex)
     slow: dict[str, str] = {}  # name -> expected sha256
     total = 0
@@ -169,7 +181,7 @@ def check_files(path: str | os.PathLike, files: Mapping[str, FileEntry], *, thre
         for fd, _, _ in fast.values():
             os.close(fd)
     report = CheckReport(path, problems, files=len(files), bytes=total, seconds=time.perf_counter() - t0,
-                         sha256_files=sorted(slow))
+                         sha256_files=sorted(slow), sealed=seal.state != "unsealed")
     if slow and not problems:
         log.warning("index version %s: %d file(s) have no fast hash in the manifest (written before fast hashes "
                     "were recorded, or by a newer gare-index): checked with sha256 instead, which is slower (%s); "

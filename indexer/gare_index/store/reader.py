@@ -20,7 +20,7 @@ from gare_index.frame_quant import FRAME_SCALES_ARRAY, QuantFrames
 from gare_index.metadb import check_meta_db
 from gare_index.ncl_ann import FoldedRows
 from gare_index.store.fast_hash import sha256_and_fast_hash
-from gare_index.store.file_check import BackgroundCheck, IndexCheckError
+from gare_index.store.file_check import BackgroundCheck, CheckReport, IndexCheckError
 from gare_index.store.format import (
     ANN_FILE,
     ANN_NCL_FILE,
@@ -42,6 +42,7 @@ from gare_index.store.format import (
 )
 from gare_index.store.index_version import IndexVersion
 from gare_index.store.manifest import FileEntry, IndexManifest, parse_manifest
+from gare_index.store.seal import seal_status, unsealed_warning
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +71,23 @@ def list_versions(root: str | os.PathLike) -> list[str]:
 
 def read_manifest(path: Path) -> IndexManifest:
     """The manifest of the version directory `path`, validated (IndexFormatError naming the file and every bad field)."""
-    mpath = Path(path) / MANIFEST_FILE
+    return _read_manifest_bytes(Path(path))[0]
+
+
+def _read_manifest_bytes(path: Path) -> tuple[IndexManifest, bytes]:
+    """(the manifest of the version directory `path`, the bytes it was parsed from)."""
+    mpath = path / MANIFEST_FILE
     try:
-        raw = json.loads(mpath.read_text(encoding="utf-8"))
+        data = mpath.read_bytes()
     except FileNotFoundError:
         raise IndexFormatError(f"{mpath}: missing") from None
+    return manifest_from_bytes(mpath, data), data
+
+
+def manifest_from_bytes(mpath: Path, data: bytes) -> IndexManifest:
+    """The manifest whose file `mpath` holds the bytes `data`, validated as :func:`read_manifest` does."""
+    try:
+        raw = json.loads(data.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise IndexFormatError(f"{mpath}: not valid JSON ({e})") from e
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
@@ -103,7 +116,8 @@ def _check_checkpoint(manifest: IndexManifest, where: str, expect_sha: str | Non
         )
 
 
-def _hash_problems(path: Path, files: Mapping[str, FileEntry], *, rehash: bool) -> list[str]:
+def file_hash_problems(path: Path, files: Mapping[str, FileEntry], *, rehash: bool) -> list[str]:
+    """Every file of `files` present in `path` at its size; `rehash`: and matching both hashes its entry records."""
     problems = []
     for fname, info in sorted(files.items()):
         p = path / fname
@@ -156,17 +170,29 @@ def open_version(
     background threads while the version opens, and returns only when they match (:class:`IndexCheckError`
     naming every bad file otherwise); a :class:`BackgroundCheck` of this version's directory started earlier is
     waited for instead (another one is ignored and a check started here). ``verify=True`` (sha256) makes it
-    redundant."""
+    redundant. Both hold the manifest's bytes to their seal (gare_index.store.seal) first, before anything it says
+    is used (its checkpoint binding too): a mismatch is an :class:`IndexCheckError` (check) or an
+    :class:`IndexFormatError` (verify) naming manifest.json."""
     root = Path(root)
     path = root / VERSIONS_DIR / name
     if not path.is_dir():
         raise IndexFormatError(f"{path}: version directory missing")
-    manifest = read_manifest(path)
+    manifest, data = _read_manifest_bytes(path)
+    if check or verify:  # the bytes just parsed, so the manifest in use is the sealed one
+        seal = seal_status(path, data)
+        if not seal.ok:
+            if isinstance(check, BackgroundCheck) and check.path.resolve() == path.resolve():
+                check.cancel()  # this version will not be served: its files need not be read
+            if verify:
+                raise IndexFormatError(seal.problem)
+            raise IndexCheckError(CheckReport(path, [seal.problem]))
+        if seal.state == "unsealed" and verify:  # a check says so itself (file_check)
+            log.warning("%s", unsealed_warning(path))
     _check_checkpoint(manifest, f"{root} ({name})", expect_checkpoint_sha)
     files = manifest.files
     if not files:
         raise IndexFormatError(f"{path / MANIFEST_FILE}: no 'files' table")
-    problems = _hash_problems(path, files, rehash=verify)
+    problems = file_hash_problems(path, files, rehash=verify)
     if problems:
         raise IndexFormatError("; ".join(problems))
     pending: BackgroundCheck | None = None

@@ -1,4 +1,5 @@
-"""Verifying an index: file hashes, shapes, ids, FAISS contents and the folded NCL index against the arrays.
+"""Verifying an index: the manifest's seal, file hashes, shapes, ids, FAISS contents and the folded NCL index
+against the arrays; sealing a version written before seals (:func:`seal_version`).
 """
 
 from __future__ import annotations
@@ -13,8 +14,15 @@ import numpy as np
 from gare.sinkhorn import fold_biases
 from gare_index.ann import AnnIndex
 from gare_index.psi_consts import problems as psi_problems
-from gare_index.store.format import ANN_NCL_FILE, IndexFormatError
-from gare_index.store.reader import IndexVersion, current_version_name, open_version
+from gare_index.store.format import ANN_NCL_FILE, MANIFEST_FILE, VERSIONS_DIR, IndexFormatError, index_lock
+from gare_index.store.reader import (
+    IndexVersion,
+    current_version_name,
+    file_hash_problems,
+    manifest_from_bytes,
+    open_version,
+)
+from gare_index.store.seal import SEAL_FILE, seal_status, write_seal
 
 log = logging.getLogger(__name__)
 
@@ -71,20 +79,24 @@ def verify_index(
 ) -> list[str]:
     """Problems found in a version (CURRENT by default); an empty list means it is consistent.
 
-    Checks: manifest, file sizes and (rehash) sha256; array shapes and dtypes; ids unique and equal across
-    ids.npy, FAISS and SQLite; norms positive and finite, units of unit length; at least one frame per
+    Checks: the manifest's seal first (a version without one is not a problem: :func:`gare_index.store.seal_status`
+    tells, :func:`seal_version` seals it), manifest, file sizes and (rehash) sha256 and fast hash; array shapes and
+    dtypes; ids unique and equal across ids.npy, FAISS and SQLite; norms positive and finite, units of unit length; at least one frame per
     video; padded frame rows zero, or, for a checkpoint with ``reference_padding``, holding their features
     with v̄ = norm * unit the mean over all rows of the stored frames; biases finite; psi's constants (psi_consts.npy): shape,
     fingerprint, finite, and `psi_sample` random rows recomputed with the index's checkpoint when readable. `check_files` also re-checks every indexed video
     file's size and mtime on disk (a changed file is reported, not an error of the index itself).
     """
     root = Path(root)
+    problems: list[str] = []
     try:
         name = name or current_version_name(root)
+        if not rehash:  # the rehash checks the seal first (open_version(verify=True)); a quick verify does it here
+            seal = seal_status(root / VERSIONS_DIR / name)
+            problems += [] if seal.ok else [seal.problem]
         v = open_version(root, name, verify=rehash, expect_checkpoint_sha=expect_checkpoint_sha, use_gpu=False)
     except IndexFormatError as e:
-        return [str(e)]
-    problems: list[str] = []
+        return [*problems, str(e)]
     with v:
         n = v.n
         ids = np.asarray(v.ids)
@@ -178,3 +190,35 @@ def verify_index(
                 if st.st_size != m["size"] or abs(st.st_mtime - float(m["mtime"])) > 1e-6:
                     problems.append(f"video {m['id']}: {p} changed since it was indexed")
     return problems
+
+
+def seal_version(root: str | os.PathLike, name: str | None = None) -> str:
+    """Seal a version written before seals (CURRENT's by default): every file re-hashed against both hashes its
+    manifest records, then the seal of the manifest's bytes written (gare_index.store.seal). Returns "sealed", or
+    "already sealed" for a version whose seal matches; IndexFormatError naming every problem (nothing written)
+    when a file or the existing seal does not match."""
+    root = Path(root)
+    name = name or current_version_name(root)
+    vdir = root / VERSIONS_DIR / name
+    mpath = vdir / MANIFEST_FILE
+    try:
+        data = mpath.read_bytes()
+    except FileNotFoundError:
+        raise IndexFormatError(f"{mpath}: missing") from None
+    seal = seal_status(vdir, data)
+    if seal.state == "sealed":
+        return "already sealed"
+    if seal.state == "bad":
+        raise IndexFormatError(f"{seal.problem}; not sealing: restore the manifest, or remove {SEAL_FILE} only if "
+                               "manifest.json is known to be right")
+    manifest = manifest_from_bytes(mpath, data)
+    problems = file_hash_problems(vdir, manifest.files, rehash=True)
+    if problems:
+        raise IndexFormatError(f"index version {name} not sealed, its files do not match its manifest: "
+                               + "; ".join(problems))
+    with index_lock(root):  # not while a writer's gc removes the version
+        if not vdir.is_dir() or mpath.read_bytes() != data:
+            raise IndexFormatError(f"{vdir}: removed or rewritten while it was verified; not sealed")
+        write_seal(vdir, data)
+    log.info("sealed index version %s (%s)", name, vdir / SEAL_FILE)
+    return "sealed"

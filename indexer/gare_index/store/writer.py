@@ -59,6 +59,7 @@ from gare_index.store.format import (
 )
 from gare_index.store.manifest import IndexManifest, parse_manifest
 from gare_index.store.reader import current_version_name, list_versions
+from gare_index.store.seal import write_sealed_manifest
 
 log = logging.getLogger(__name__)
 
@@ -430,7 +431,7 @@ def _write_version(root: Path, arrays: Mapping[str, Any], metadata_rows: Iterabl
                 typed = parse_manifest(json.loads(json.dumps(manifest, default=str)))
             except ValueError as e:
                 raise ValueError(f"write_version: the manifest is not valid: {e}") from None
-            atomic_write_text(tmp / MANIFEST_FILE, typed.to_json())
+            write_sealed_manifest(tmp, typed.to_json())  # manifest.json and its seal (gare_index.store.seal)
             fsync_dir(tmp)
             test_pause("write")
             os.rename(tmp, vdir / name)

@@ -53,12 +53,13 @@ def bad_files(report: CheckReport) -> str:
 
 def recheck_version(version: Any) -> CheckReport | None:
     """Re-hash the files of an open version against the manifest it was opened with (one thread: the server keeps
-    its cores); None for a view that is not one index version (the Ray ingress's sharded view)."""
+    its cores), the manifest on disk against its seal first; None for a view that is not one index version (the
+    Ray ingress's sharded view). An unsealed version's WARNING was given by its open, not repeated here."""
     path = getattr(version, "path", None)
     files = getattr(getattr(version, "manifest", None), "files", None)
     if path is None or not files:
         return None
-    return check_files(path, files, threads=1)
+    return check_files(path, files, threads=1, warn_unsealed=False)
 
 
 async def recheck_served(state: Any, every_s: float) -> None:
