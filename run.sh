@@ -7,6 +7,11 @@ set -euo pipefail
 cd "$(dirname "$0")"
 VENV="${GARE_VENV:-$HOME/.cache/gare/venv}"
 PY="${PYTHON:-python3}"
+# Python caches the bytecode of what it imports (__pycache__) unless PYTHONDONTWRITEBYTECODE is set, as some
+# sandboxes and CI images do. Then every process (each CLI run, server worker, Ray replica, test subprocess)
+# compiles torch's, torchvision's and open_clip's sources again: about 10 s of CPU a process on a 2-core machine
+# (`python -c "import gare_build.cli"`: 15 s of CPU uncached, 5 s cached). Let the first import write the cache.
+unset PYTHONDONTWRITEBYTECODE
 
 install() {
   if [ ! -x "$VENV/bin/python" ]; then
@@ -15,7 +20,7 @@ install() {
   fi
   # torch 2.14.1 + torchvision 0.29.1 is the pair whose wheels match here (open_clip needs torchvision).
   # One resolve for everything; --no-compile: pip would byte-compile all ~9,000 installed .py files (torch,
-  # triton, ...) up front, while Python compiles the few it imports on first use (issue 16: time to first search).
+  # triton, ...) up front, while Python compiles and caches the few it imports on first use (time to first search).
   # (this machine's pip configuration warns about every missing local index folder; hide those lines only)
   "$VENV/bin/pip" install -q --disable-pip-version-check --no-compile "torch==2.14.1" "torchvision==0.29.1" \
     -e ".[$1]" 2> >(grep -v '^WARNING: Location' >&2)

@@ -153,3 +153,23 @@ def test_the_dockerfile_check_catches_a_stale_path():
             "RUN pip install --no-deps -e . && python -m compileall -q /app/training\n")
     copies, used, _ = _dockerfile_paths(text)
     assert copies == ["gare"] and used == ["training"] and "training" not in copies
+
+
+def test_run_sh_lets_python_cache_bytecode(tmp_path):
+    """`run.sh test` under PYTHONDONTWRITEBYTECODE=1 (as some sandboxes and CI images set it) still lets Python
+    write __pycache__: otherwise every process of the suite compiles torch again. A stand-in venv records the
+    environment and arguments run.sh gives its python; nothing is installed."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    seen = tmp_path / "seen.txt"
+    for name, body in {"pip": "exit 0", "ruff": "exit 0",
+                       "python": f'echo "${{PYTHONDONTWRITEBYTECODE-unset}} ${{HF_HUB_OFFLINE-}} $*" >> {seen}'}.items():
+        (venv / "bin" / name).write_text(f"#!/bin/sh\n{body}\n")
+        (venv / "bin" / name).chmod(0o755)
+    env = {**os.environ, "GARE_VENV": str(venv), "PYTHONDONTWRITEBYTECODE": "1", "GARE_CHROMIUM": "/bin/true"}
+    proc = subprocess.run(["bash", str(REPO / "run.sh"), "test", "-k", "nothing"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    first = seen.read_text().splitlines()[0].split()
+    assert first[:2] == ["unset", "1"], first  # bytecode cache allowed; hub offline
+    assert first[2:5] == ["-m", "pytest", "-q"] and first[-2:] == ["-k", "nothing"], first

@@ -21,9 +21,6 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, given
-from hypothesis import settings as hsettings
-from hypothesis.errors import Unsatisfiable
 
 from gare_build.cli import main as index_main
 from gare_index.store import IndexFormatError, list_versions, open_index, verify_index
@@ -38,63 +35,13 @@ from tests.robustness.test_robust_common import (
     record,
     running_app,
 )
+from tests.service.openapi_fuzz import run_fuzz
 from tests.service.support import settings as svc_settings
 
 KEY = "robust-hostile-admin-key"
 
 
 # ============================================================================================ fuzzing
-def _checks():
-    from schemathesis import checks as sc
-    from schemathesis.specs.openapi import checks as oc
-
-    return [sc.not_a_server_error, oc.response_schema_conformance, oc.content_type_conformance,
-            oc.status_code_conformance, oc.negative_data_rejection]
-
-
-def run_fuzz(app, *, max_examples: int, derandomize: bool, headers: dict | None = None,
-             modes=("positive", "negative")) -> dict:
-    """Every operation of the app's /openapi.json, positive and negative data, through schemathesis."""
-    import schemathesis
-    from schemathesis.core.failures import FailureGroup
-    from schemathesis.generation import GenerationMode
-
-    schema = schemathesis.openapi.from_asgi("/openapi.json", app)
-    checks = _checks()
-    stats: dict[str, dict[str, int]] = {}
-    failures: list[dict] = []
-    ops = [o.ok() for o in schema.get_all_operations()]
-    def make_test(op, mode_name):
-        @hsettings(max_examples=max_examples, deadline=None, derandomize=derandomize, database=None,
-                   phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
-        @given(case=op.as_strategy(generation_mode=GenerationMode(mode_name)))
-        def one(case):
-            r = case.call(headers=headers)
-            key = f"{op.label} [{mode_name}]"
-            stats.setdefault(key, {})
-            stats[key][str(r.status_code)] = stats[key].get(str(r.status_code), 0) + 1
-            try:
-                case.validate_response(r, checks=checks)
-            except FailureGroup as fg:
-                for f in fg.exceptions:
-                    title = getattr(f, "title", type(f).__name__)
-                    failures.append({"operation": op.label, "mode": mode_name, "status": r.status_code,
-                                     "check": title, "message": str(f)[:600], "curl": case.as_curl_command()[:600]})
-
-        return one
-
-    for op in ops:
-        for mode_name in modes:
-            try:
-                make_test(op, mode_name)()
-            except Unsatisfiable:
-                pass  # no parameters to negate (e.g. GET /healthz in negative mode)
-    total = sum(sum(v.values()) for v in stats.values())
-    five = sum(n for v in stats.values() for c, n in v.items() if c.startswith("5"))
-    return {"operations": len(ops), "requests": total, "5xx": five, "failures": failures,
-            "stats": stats}
-
-
 @pytest.fixture(scope="module")
 def fuzz_index(robust_env, tmp_path_factory):
     return copy_index(robust_env, tmp_path_factory.mktemp("fuzz") / "index")
