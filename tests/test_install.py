@@ -162,11 +162,13 @@ def test_run_sh_lets_python_cache_bytecode(tmp_path):
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     seen = tmp_path / "seen.txt"
-    for name, body in {"pip": "exit 0", "ruff": "exit 0",
+    # a stand-in chromium on PATH too: run.sh must not apt-get a browser for this test
+    for name, body in {"pip": "exit 0", "ruff": "exit 0", "chromium": "exit 0",
                        "python": f'echo "${{PYTHONDONTWRITEBYTECODE-unset}} ${{HF_HUB_OFFLINE-}} $*" >> {seen}'}.items():
         (venv / "bin" / name).write_text(f"#!/bin/sh\n{body}\n")
         (venv / "bin" / name).chmod(0o755)
-    env = {**os.environ, "GARE_VENV": str(venv), "PYTHONDONTWRITEBYTECODE": "1", "GARE_CHROMIUM": "/bin/true"}
+    env = {**os.environ, "GARE_VENV": str(venv), "PYTHONDONTWRITEBYTECODE": "1",
+           "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}"}
     proc = subprocess.run(["bash", str(REPO / "run.sh"), "test", "-k", "nothing"], env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
