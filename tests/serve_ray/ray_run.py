@@ -3,7 +3,8 @@ namespace with only loopback when the test runs as root): ``python -m tests.serv
 
 Starts a local Ray cluster of ``nodes`` nodes bound to 127.0.0.1 (no dashboard), Serve's HTTP proxy on 127.0.0.1,
 deploys ``gare_serve.ray_serve.deployment:build_app`` over a sharded index, then runs the config's ``steps`` in order and writes
-what each saw to OUT.json (``out["steps"][name]``). Every answer is recorded as {status, partial, missing_shards,
+what each saw to OUT.json (``out["steps"][name]``). With ``apps`` ([{name, app, steps}]) the apps are deployed one
+after the other on the same cluster (each deleted before the next is deployed): ``out["apps"][name]["steps"]``. Every answer is recorded as {status, partial, missing_shards,
 index_version, hits: [[file name, id, score, ann, psi, bias], ...], detail, qi (the request's index)}. Steps:
 
 - ``ask``: each request of ``requests`` once, in order.
@@ -263,6 +264,32 @@ def start_head(node: dict[str, Any], tries: int) -> Cluster:
     raise AssertionError("unreachable")
 
 
+def run_steps(base: str, port: int, steps: list[dict[str, Any]], into: dict[str, Any]) -> None:
+    """Each step of one app in order; what it saw goes to ``into[step name]``."""
+    killed: dict[int, list[str]] = {}
+    with httpx.Client(base_url=base, timeout=60) as client:  # a client per app: no connection of the one before
+        for st in steps:
+            t1 = time.time()
+            if st["do"] == "ask":
+                r = step_ask(client, st)
+            elif st["do"] == "kill":
+                r = step_kill(client, st)
+                killed[st["shard"]] = r["killed"]
+            elif st["do"] == "until_restarted":
+                r = step_until_restarted(client, st, killed.get(st["shard"], []))
+            elif st["do"] == "load_while":
+                r = step_load_while(base, st)
+            elif st["do"] == "raw":
+                r = step_raw(port, st)
+            elif st["do"] == "slow":
+                r = step_slow(port, st)
+            elif st["do"] == "listeners":
+                r = step_listeners(st)
+            else:
+                raise ValueError(f"unknown step {st['do']!r}")
+            into[st["name"]] = {**r, "step_s": time.time() - t1}
+
+
 def main(cfg: dict[str, Any]) -> dict[str, Any]:
     t_start = time.time()
     node = {"node_ip_address": LOOPBACK, "include_dashboard": False, "num_cpus": cfg.get("num_cpus", 2),
@@ -275,35 +302,29 @@ def main(cfg: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"nodes": len([n for n in ray.nodes() if n["Alive"]]),
                            "node_ips": sorted({n["NodeManagerAddress"] for n in ray.nodes()}),
                            "cluster_s": time.time() - t_start, "steps": {}}
+    # one or several apps, one after the other on the same cluster and proxy (``apps``: [{name, app, steps}]); a
+    # config with ``app`` and ``steps`` is one app whose steps are also ``out["steps"]``
+    apps = cfg.get("apps") or [{"name": "main", "app": cfg["app"], "steps": cfg["steps"]}]
+    out["apps"] = {}
     try:
-        serve.start(http_options={"host": LOOPBACK, "port": cfg["port"]})
-        t0 = time.time()
-        serve.run(build_app(cfg["app"]), name="gare", route_prefix="/", blocking=False)
+        # proxy_location "HeadOnly": the nodes of a local cluster share 127.0.0.1, so a proxy on every node (Ray's
+        # default) puts two proxies on one port, and the kernel splits the connections between them
+        serve.start(http_options={"host": LOOPBACK, "port": cfg["port"]},
+                    proxy_location=cfg.get("proxy_location", "EveryNode"))
         base = f"http://{LOOPBACK}:{cfg['port']}"
-        wait_ready(base, cfg.get("ready_timeout_s", 240))
-        out["ready_s"] = time.time() - t0
-        killed: dict[int, list[str]] = {}
-        with httpx.Client(base_url=base, timeout=60) as client:
-            for st in cfg["steps"]:
-                t1 = time.time()
-                if st["do"] == "ask":
-                    r = step_ask(client, st)
-                elif st["do"] == "kill":
-                    r = step_kill(client, st)
-                    killed[st["shard"]] = r["killed"]
-                elif st["do"] == "until_restarted":
-                    r = step_until_restarted(client, st, killed.get(st["shard"], []))
-                elif st["do"] == "load_while":
-                    r = step_load_while(base, st)
-                elif st["do"] == "raw":
-                    r = step_raw(cfg["port"], st)
-                elif st["do"] == "slow":
-                    r = step_slow(cfg["port"], st)
-                elif st["do"] == "listeners":
-                    r = step_listeners(st)
-                else:
-                    raise ValueError(f"unknown step {st['do']!r}")
-                out["steps"][st["name"]] = {**r, "step_s": time.time() - t1}
+        for i, spec in enumerate(apps):
+            if i:  # the previous app gone before the next one answers /readyz (never a stale answer)
+                t0 = time.time()
+                serve.delete("gare")
+                out["apps"][apps[i - 1]["name"]]["delete_s"] = time.time() - t0
+            t0 = time.time()
+            serve.run(build_app(spec["app"]), name="gare", route_prefix="/", blocking=False)
+            wait_ready(base, cfg.get("ready_timeout_s", 240))
+            rec: dict[str, Any] = {"ready_s": time.time() - t0, "steps": {}}
+            out["apps"][spec["name"]] = rec
+            run_steps(base, cfg["port"], spec["steps"], rec["steps"])
+        if "apps" not in cfg:
+            out["ready_s"], out["steps"] = out["apps"]["main"]["ready_s"], out["apps"]["main"]["steps"]
     finally:
         t_down = time.time()
         # no serve.shutdown(): its graceful drain of every replica takes seconds each, and the cluster (every Ray

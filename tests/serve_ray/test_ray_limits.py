@@ -3,8 +3,9 @@ network namespace with only loopback (root: ``unshare -n``), started with the pr
 (``gare_serve.ray_serve.ray_node.ray_env``): Serve's proxy carries gare-serve's header timeout, body timeout, body
 limits and Host check (``gare_serve.ray_serve.proxy_limits``), and no Ray process listens off the node address.
 
-One cluster for the module (``limits_run``: a cluster start is tens of seconds here); the checks that need no
-cluster (the start-up's arguments and environment, Ray's loopback rewrite) run without one.
+The cluster is the suite's one Ray run (tests/serve_ray/one_cluster.py, app ``limits``: a cluster start is tens of
+seconds here); the checks that need no cluster (the start-up's arguments and environment, Ray's loopback rewrite)
+run without one.
 """
 
 from __future__ import annotations
@@ -32,67 +33,25 @@ from gare_serve.ray_serve.ray_node import (
     serve_http_options,
 )
 from gare_serve.settings import Settings
-from tests.serve_ray.test_ray_serve import build_sharded_cli, run_ray
+from tests.serve_ray.one_cluster import (
+    BAD_HOST,
+    BODY_TIMEOUT_S,
+    GUARD_S,
+    HEADER_TIMEOUT_S,
+    MAX_BODY,
+    NODE,
+    RAW,
+    SLOW_HEADERS,
+    request,
+)
 from tests.service.support import free_port
-
-NODE = "127.0.0.1"
-HEADER_TIMEOUT_S, BODY_TIMEOUT_S, MAX_BODY = 4, 6, 4096  # GARE_* of the cluster: short, so the module is quick
-EVERY_S = 2.0  # the slow client's pace: one byte every 2 s
-GUARD_S = 60.0  # hang guard of a slow client: 10x and more the timeouts above
-BAD_HOST = "rebind.example"
-
-
-def request(method: str, path: str, host: str = NODE, body: bytes = b"", headers: dict[str, str] | None = None,
-            chunks: list[bytes] | None = None) -> str:
-    """A raw HTTP/1.1 request (latin-1 text for ray_run's ``raw`` step); ``chunks``: a chunked body instead."""
-    lines = [f"{method} {path} HTTP/1.1", f"Host: {host}", "Connection: close", *(f"{k}: {v}" for k, v in
-                                                                                 (headers or {}).items())]
-    if chunks is not None:
-        lines.append("Transfer-Encoding: chunked")
-        payload = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in chunks) + b"0\r\n\r\n"
-    else:
-        if body or method == "POST":
-            lines.append(f"Content-Length: {len(body)}")
-        payload = body
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1").decode("latin-1") + payload.decode("latin-1")
-
-
-JSON = {"Content-Type": "application/json"}
-BIG = b'{"query": "' + b"a" * (MAX_BODY + 100) + b'"}'
-RAW = {
-    "readyz": request("GET", "/readyz"),
-    "readyz_bad_host": request("GET", "/readyz", host=BAD_HOST),
-    "routes": request("GET", "/-/routes"),  # answered by Ray's proxy itself, never by the ingress
-    "routes_bad_host": request("GET", "/-/routes", host=BAD_HOST),
-    "search": request("POST", "/v1/search", body=b'{"query": "a dog", "k": 3}', headers=JSON),
-    "search_too_large": request("POST", "/v1/search", body=BIG, headers=JSON),
-    "search_too_large_chunked": request("POST", "/v1/search", chunks=[BIG[i:i + 1000] for i in range(0, len(BIG), 1000)],
-                                        headers=JSON),
-}
-SLOW_HEADERS = "GET /readyz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + "a" * 60  # never finished: 120 s at 2 s/byte
-SLOW_BODY_HEAD = ("POST /v1/search HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                  "Content-Length: 200\r\n\r\n")
 
 
 @pytest.fixture(scope="module")
-def limits_run(service_env, tmp_path_factory):
-    """One Ray run: a 1-shard index behind the ingress (2 Serve replicas), then every probe of this module."""
-    base = tmp_path_factory.mktemp("ray-limits")
-    index = build_sharded_cli(service_env["checkpoint"], service_env["videos"], base / "n1", 1)
-    cfg = {"port": free_port(), "nodes": 1, "num_cpus": 2, "timeout_s": 600, "start_tries": 3,
-           "app": {"index": str(index), "shard_replicas": 1, "allow_partial": False, "shard_timeout_s": 30},
-           "steps": [{"do": "listeners", "name": "listeners", "netns": os.geteuid() == 0},
-                     {"do": "raw", "name": "raw", "requests": list(RAW.values())},
-                     {"do": "slow", "name": "slow_headers", "trickle": SLOW_HEADERS, "every_s": EVERY_S,
-                      "guard_s": GUARD_S},
-                     {"do": "slow", "name": "slow_body", "head": SLOW_BODY_HEAD, "trickle": '{"query": "' + "a" * 150,
-                      "every_s": EVERY_S, "guard_s": GUARD_S}]}
-    env = {**ray_env(NODE), "GARE_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S), "GARE_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S),
-           "GARE_MAX_BODY_BYTES": str(MAX_BODY),
-           # a host loaded by other jobs: give the dashboard agent time to register (not a product setting)
-           "RAY_agent_register_timeout_ms": "120000"}
-    out, _ = run_ray(base, cfg, env)
-    steps = out["steps"]
+def limits_run(ray_cluster):
+    """The suite's one Ray run, app ``limits`` (tests/serve_ray/one_cluster.py): a 1-shard index behind the ingress,
+    then every probe of this module."""
+    steps = dict(ray_cluster["apps"]["limits"]["steps"])
     steps["raw"] = dict(zip(RAW, steps["raw"]["answers"], strict=True))
     return steps
 

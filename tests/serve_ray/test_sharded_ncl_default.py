@@ -15,44 +15,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import shutil
 from pathlib import Path
 
 import pytest
 
 from gare.checkpoint import load_model
-from gare_build.cli import main as gare_index
-from gare_index.shards import current_generation, write_generation
+from gare_index.shards import current_generation
 from gare_index.store import IndexFormatError
 from gare_serve.app import create_app
 from gare_serve.ray_serve.ingress_state import ShardedServiceState, ShardedView
 from gare_serve.ray_serve.shard_replica import LocalShards, ShardWorker
-from tests.indexer.ncl_support import flip_manifests
-from tests.serve_ray.test_ray_serve import run_ray
-from tests.service.support import free_port, running_app, settings
-
-QUERY = "a red circle moves left"
-
-
-@pytest.fixture(scope="module")
-def decided(service_env, tmp_path_factory):
-    """{"on": a 2-shard root whose recorded default is on, "off": one recorded off, "mixed": a generation naming
-    shard 0 of the "on" decision and shard 1 of the "off" one}."""
-    root = tmp_path_factory.mktemp("sharded-ncl-serve")
-    lose, win, _ = flip_manifests(service_env["checkpoint"], service_env["index"], root / "val")
-    on = root / "on"
-    rc = gare_index(["build", "--checkpoint", str(service_env["checkpoint"]), "--videos", str(service_env["videos"]),
-                     "--out", str(on), "--shards", "2", "--index-type", "flat", "--batch-size", "4", "--workers", "0",
-                     "--no-progress", "--ncl-val", str(win)])
-    assert rc == 0
-    off = shutil.copytree(on, root / "off", symlinks=True)
-    assert gare_index(["biases", "--out", str(off), "--ncl-val", str(lose)]) == 0
-    mixed = shutil.copytree(off, root / "mixed", symlinks=True)
-    g_off = current_generation(mixed)
-    # the "on" decision's shard 0 version is the off root's previous generation's (gc keeps it)
-    g_on = current_generation(on)
-    write_generation(mixed, [g_on.versions[0], g_off.versions[1]])
-    return {"on": on, "off": off, "mixed": mixed, "checkpoint": service_env["checkpoint"]}
+from tests.serve_ray.one_cluster import NCL_QUERY as QUERY
+from tests.serve_ray.one_cluster import NCL_REQUESTS
+from tests.service.support import running_app, settings
 
 
 @contextlib.asynccontextmanager
@@ -118,16 +93,12 @@ def test_a_generation_of_two_decisions_is_not_served(decided):
         ShardedView(decided["mixed"], current_generation(decided["mixed"]), client=None, expect_sha=None)  # type: ignore[arg-type]
 
 
-def test_ray_ingress_follows_the_recorded_default(decided, tmp_path):
-    """The same over Ray Serve (tests.serve_ray.ray_run: two nodes bound to 127.0.0.1 (a CPU per replica), in a private network
-    namespace when root): the "on" index (the search's own default is off) serves psi + biases when the request
-    leaves ncl out, psi alone when it says false."""
-    reqs = [{"query": QUERY, "k": 5}, {"query": QUERY, "k": 5, "ncl": False}, {"query": QUERY, "k": 5, "ncl": True}]
-    cfg = {"port": free_port(), "nodes": 2, "num_cpus": 2, "timeout_s": 300,
-           "app": {"index": str(decided["on"]), "shard_replicas": 1, "allow_partial": False, "shard_timeout_s": 10},
-           "steps": [{"do": "ask", "name": "answers", "requests": reqs}]}
-    out, _ = run_ray(tmp_path, cfg)
-    got = out["steps"]["answers"]["answers"]
+def test_ray_ingress_follows_the_recorded_default(decided, ray_cluster):
+    """The same over Ray Serve (the suite's one Ray run, app ``ncl``: tests/serve_ray/one_cluster.py, two nodes bound
+    to 127.0.0.1, in a private network namespace when root): the "on" index (the search's own default is off) serves
+    psi + biases when the request leaves ncl out, psi alone when it says false."""
+    got = ray_cluster["apps"]["ncl"]["steps"]["answers"]["answers"]
+    assert [a["qi"] for a in got] == [0, 1, 2] and NCL_REQUESTS[1]["ncl"] is False and NCL_REQUESTS[2]["ncl"] is True
     assert all(a["status"] == 200 and a["partial"] is False for a in got), got
     # a hit: [file name, id, score, ann, psi, bias]
     plain, no, yes = ([(h[2], h[4], h[5]) for h in a["hits"]] for a in got)
