@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -66,10 +65,6 @@ def cli_env() -> dict[str, str]:
     env["HF_HUB_OFFLINE"] = "1"
     env.pop("GARE_INDEX_TEST_PAUSE", None)
     return env
-
-
-def cli_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "gare_build.cli", *args]
 
 
 def reseal(vdir: Path) -> None:

@@ -1,8 +1,9 @@
 """Faults: SIGKILL of `gare-index` at random points, tampered index files, a full disk, reload of a bad version.
 
 * Kill: for each seed the library changes (videos added, deleted, rewritten), a random `gare-index`
-  command (build / add / remove) is started as a subprocess and SIGKILLed (with its decode workers) at a
-  random offset from a random anchor (process start, encoder start, version write, CURRENT switch). After
+  command (build / add / remove) is started as a process of its own (forked from one that imported the CLI
+  once: tests/forked_cli.py) and SIGKILLed (with its decode workers) at a random offset from a random anchor
+  (process start, encoder start, version write, CURRENT switch). After
   every kill `gare-index verify` passes, CURRENT names a complete version, a live `gare-serve` keeps
   answering (a prober sends searches all along) and serves CURRENT after a reload, and a resumed
   `gare-index build` ends with every video of the library exactly once; nothing still wanted is lost after
@@ -29,7 +30,6 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -41,7 +41,8 @@ from gare.checkpoint import file_sha256
 from gare_build.build import BuildOptions, build
 from gare_index.store import current_version_name, list_versions, open_index, verify_index
 from tests.conftest import require
-from tests.indexer.support import cli_cmd, cli_env, copy_videos
+from tests.forked_cli import ForkServer
+from tests.indexer.support import cli_env, copy_videos
 from tests.robustness.test_robust_common import (
     LIVE_KEY,
     IndexWorker,
@@ -141,7 +142,15 @@ def _mutate_library(robust_env, rng: random.Random, lib: Path, pool: list[str]) 
     return done
 
 
-def _kill_run(args: list[str], anchor: str, delay: float, tmp: Path, timeout: float = 120.0,
+@pytest.fixture(scope="module")
+def forks():
+    """The module's gare-index commands, forked from one process that imported the CLI once (tests/forked_cli.py):
+    each a real process of its own, SIGKILLed with its decode workers, without 5 s of imports each."""
+    with ForkServer(cli_env()) as server:
+        yield server
+
+
+def _kill_run(forks: ForkServer, args: list[str], anchor: str, delay: float, tmp: Path, timeout: float = 120.0,
               pause_s: float = PAUSE_S) -> dict:
     """Start `gare-index ARGS`, SIGKILL its process group `delay` s after `anchor`; what happened."""
     env = cli_env()
@@ -150,8 +159,7 @@ def _kill_run(args: list[str], anchor: str, delay: float, tmp: Path, timeout: fl
     if anchor in ("write", "switch"):
         env.update(GARE_INDEX_TEST_PAUSE=anchor, GARE_INDEX_TEST_PAUSE_FILE=str(marker),
                    GARE_INDEX_TEST_PAUSE_SECONDS=str(pause_s))
-    proc = subprocess.Popen([sys.executable, "-m", "gare_build.cli", *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = forks.popen(args, env)  # its own session (killpg below)
     lines: list[str] = []
     encoding = threading.Event()
 
@@ -202,7 +210,8 @@ def _landing(before: dict, idx: Path, run: dict) -> str:
 WINDOWS = ("inside the version write", "after the rename, before the switch")
 
 
-def run_kill_seeds(robust_env, live, tmp_path: Path, seeds: list[int], name: str, anchors: tuple[str, ...] | None = None) -> dict:
+def run_kill_seeds(robust_env, live, forks, tmp_path: Path, seeds: list[int], name: str,
+                   anchors: tuple[str, ...] | None = None) -> dict:
     """One kill per seed (see the module docstring). `anchors`: cycle through these instead of ANCHORS, with
     the kill inside the PAUSE_S hold (so "write" lands inside the version write, "switch" between rename and
     switch). What is observed is recorded before it is asserted: data lost is measured by comparing the
@@ -242,7 +251,7 @@ def run_kill_seeds(robust_env, live, tmp_path: Path, seeds: list[int], name: str
             submitted = {p: file_sha256(p) for p in lib_files(lib)}  # what the library holds now
             row: dict = {"seed": seed, "changes": changes, "command": cmd, "anchor": anchor, "delay_s": round(delay, 3)}
             fig["rounds"].append(row)
-            run = _kill_run(args, anchor, delay, tmp_path, pause_s=pause_s)
+            run = _kill_run(forks, args, anchor, delay, tmp_path, pause_s=pause_s)
             row.update(killed=run["killed"], rc=run["rc"], killed_after_s=run["after_s"])
             row["landing"] = _landing(before, idx, run)
 
@@ -295,24 +304,24 @@ def run_kill_seeds(robust_env, live, tmp_path: Path, seeds: list[int], name: str
     return fig
 
 
-def test_sigkill_at_random_points(robust_env, live, tmp_path):
-    fig = run_kill_seeds(robust_env, live, tmp_path, [0, 1, 2], "kill_fast")
+def test_sigkill_at_random_points(robust_env, live, forks, tmp_path):
+    fig = run_kill_seeds(robust_env, live, forks, tmp_path, [0, 1, 2], "kill_fast")
     assert sum(r["killed"] for r in fig["rounds"]) >= 1  # the checks hold wherever the kill lands
 
 
-def test_sigkill_inside_the_version_write_and_before_the_switch(robust_env, live, tmp_path):
+def test_sigkill_inside_the_version_write_and_before_the_switch(robust_env, live, forks, tmp_path):
     """Six kills held (GARE_INDEX_TEST_PAUSE) inside the version write or between rename and switch, over
     build / add / remove: the two windows where a half-written version exists on disk."""
-    fig = run_kill_seeds(robust_env, live, tmp_path, list(range(10, 16)), "kill_windows_fast", anchors=("write", "switch"))
+    fig = run_kill_seeds(robust_env, live, forks, tmp_path, list(range(10, 16)), "kill_windows_fast", anchors=("write", "switch"))
     landed = [r["landing"] for r in fig["rounds"]]
     assert sum(x in WINDOWS for x in landed) >= 6, landed
     assert {x for x in landed if x in WINDOWS} == set(WINDOWS), landed
 
 
 @pytest.mark.slow
-def test_sigkill_at_random_points_many_seeds(robust_env, live, tmp_path):
+def test_sigkill_at_random_points_many_seeds(robust_env, live, forks, tmp_path):
     seeds = list(range(100, 100 + int(os.environ.get("GARE_ROBUST_KILL_SEEDS", "24"))))
-    fig = run_kill_seeds(robust_env, live, tmp_path, seeds, "kill_full")
+    fig = run_kill_seeds(robust_env, live, forks, tmp_path, seeds, "kill_full")
     assert sum(r["killed"] for r in fig["rounds"]) >= len(seeds) // 2
 
 
@@ -321,14 +330,14 @@ def test_sigkill_at_random_points_many_seeds(robust_env, live, tmp_path):
 # the kill lands at a known point: after N clips are encoded and committed to INDEX/work/, inside the version
 # write (files in versions/.tmp-*), after the rename but before CURRENT is switched. The next run resumes from
 # INDEX/work/ without re-encoding finished videos (counted from report.json).
-def _paused_run(args: list[str], *, pause: str | None = None, marker: Path | None = None, timeout: float = 120.0):
+def _paused_run(forks: ForkServer, args: list[str], *, pause: str | None = None, marker: Path | None = None,
+                timeout: float = 120.0):
     """Run gare-index; with `pause`, wait for the pause marker, SIGKILL the process group and return None."""
     env = cli_env()
     if pause:
         env["GARE_INDEX_TEST_PAUSE"] = pause
         env["GARE_INDEX_TEST_PAUSE_FILE"] = str(marker)
-    proc = subprocess.Popen(cli_cmd(*args), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = forks.popen(args, env)  # its own session (killpg below)
     if not pause:
         out, err = proc.communicate(timeout=timeout)
         return proc.returncode, out, err
@@ -367,7 +376,7 @@ def _assert_intact(out: Path, name: str, n: int) -> None:
     v.close()
 
 
-def test_kill_while_encoding_resumes_from_the_work_cache(robust_env, tmp_path):
+def test_kill_while_encoding_resumes_from_the_work_cache(robust_env, forks, tmp_path):
     ck, corpus = robust_env["checkpoint"], robust_env["videos"]
     lib = copy_videos(corpus, tmp_path / "lib", [f"video{i}.mp4" for i in range(4)])
     out = tmp_path / "INDEX"
@@ -379,12 +388,12 @@ def test_kill_while_encoding_resumes_from_the_work_cache(robust_env, tmp_path):
             "--workers", "1", "--no-progress"]
 
     # 1. killed after 4 of the 6 new clips were encoded (two work batches committed)
-    _paused_run(args, pause="encoded:4", marker=marker)
+    _paused_run(forks, args, pause="encoded:4", marker=marker)
     _assert_intact(out, v1, 4)
     assert _work_keys(out) == 4
 
     # 2. the resumed run encodes only the remaining 2: 4 clips come from work/, 4 from the previous version
-    rc, out_text, err = _paused_run(args)
+    rc, out_text, err = _paused_run(forks, args)
     assert rc == 0, err
     assert "build: 10 videos in" in out_text
     report = json.loads((out / "report.json").read_text())
@@ -396,13 +405,13 @@ def test_kill_while_encoding_resumes_from_the_work_cache(robust_env, tmp_path):
 
     # 3. killed inside the version write (files in versions/.tmp-*): not a version, v2 stays current
     copy_videos(corpus, lib, ["video10.mp4", "video11.mp4"])
-    _paused_run(args, pause="write", marker=marker)
+    _paused_run(forks, args, pause="write", marker=marker)
     _assert_intact(out, v2, 10)
     assert any(p.name.startswith(".tmp-") for p in (out / "versions").iterdir())
     assert list_versions(out) == [v1, v2]
 
     # 4. the next run re-encodes nothing and every video is in the index exactly once
-    rc, _, err = _paused_run(args)
+    rc, _, err = _paused_run(forks, args)
     assert rc == 0, err
     report = json.loads((out / "report.json").read_text())
     assert (report["encoded"], report["from_cache"], report["from_index"]) == (0, 2, 10), report
@@ -414,20 +423,20 @@ def test_kill_while_encoding_resumes_from_the_work_cache(robust_env, tmp_path):
 
 
 @pytest.mark.slow
-def test_kill_before_the_first_version_and_before_the_switch(robust_env, tmp_path):
+def test_kill_before_the_first_version_and_before_the_switch(robust_env, forks, tmp_path):
     ck, corpus = robust_env["checkpoint"], robust_env["videos"]
     lib = copy_videos(corpus, tmp_path / "lib", [f"video{i}.mp4" for i in range(8)])
     out = tmp_path / "INDEX"
     marker = tmp_path / "paused"
     args = ["build", "--checkpoint", str(ck), "--videos", str(lib), "--out", str(out), "--batch-size", "3",
             "--workers", "2", "--no-progress"]
-    _paused_run(args, pause="encoded:3", marker=marker)
+    _paused_run(forks, args, pause="encoded:3", marker=marker)
     assert not (out / "CURRENT").exists() and list_versions(out) == []  # no version yet, nothing half-visible
     assert _work_keys(out) == 3
     # killed after the rename, before CURRENT exists: still no current version for readers
-    _paused_run(args, pause="switch", marker=marker)
+    _paused_run(forks, args, pause="switch", marker=marker)
     assert not (out / "CURRENT").exists()
-    rc, _, err = _paused_run(args)
+    rc, _, err = _paused_run(forks, args)
     assert rc == 0, err
     report = json.loads((out / "report.json").read_text())
     assert (report["encoded"], report["from_cache"]) == (0, 8)
@@ -435,9 +444,9 @@ def test_kill_before_the_first_version_and_before_the_switch(robust_env, tmp_pat
     # and once more with a previous version: a kill between rename and switch leaves it current
     (lib / "video0.mp4").unlink()
     prev = current_version_name(out)
-    _paused_run(args, pause="switch", marker=marker)
+    _paused_run(forks, args, pause="switch", marker=marker)
     _assert_intact(out, prev, 8)
-    rc, _, err = _paused_run(args)
+    rc, _, err = _paused_run(forks, args)
     assert rc == 0, err
     _assert_intact(out, current_version_name(out), 7)
 
