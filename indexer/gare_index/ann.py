@@ -307,10 +307,21 @@ class AnnIndex:
         scores[ids < 0] = -np.inf
         return scores, ids
 
-    def search_subset(self, queries: np.ndarray, k: int, allowed: np.ndarray, *, widen: int = 1
-                      ) -> tuple[np.ndarray, np.ndarray, bool]:
-        """Top-k by inner product among the ids whose bit is set in `allowed` ((max id + 1,) bool: the filter
-        inside the ANN, a faiss IDSelectorBitmap): (scores (q, k), ids (q, k), exhaustive). IVF scans `widen`
+    def scan_fraction(self) -> float | None:
+        """The share of the rows one unfiltered search reads: nprobe / nlist for IVF (cells of about equal size),
+        1 for flat; None for HNSW (the graph walk has no fixed share)."""
+        inner = inner_index(self._cpu)
+        if isinstance(inner, faiss.IndexIVF):
+            return min(1.0, max(1, int(inner.nprobe)) / max(1, int(inner.nlist)))
+        if isinstance(inner, faiss.IndexHNSW):
+            return None
+        return 1.0
+
+    def search_subset(self, queries: np.ndarray, k: int, allowed: np.ndarray | None = None, *, widen: int = 1,
+                      bits: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, bool]:
+        """Top-k by inner product among the ids whose bit is set in `allowed` ((max id + 1,) bool), or in `bits`
+        (the same packed, bit i = id i: what :func:`gare_index.filter_cache.id_bitmap` gives) -- the filter
+        inside the ANN, a faiss IDSelectorBitmap: (scores (q, k), ids (q, k), exhaustive). IVF scans `widen`
         times its nprobe cells and HNSW explores `widen` times its efSearch (a selective filter leaves few passing
         rows in the cells it would scan); `exhaustive` says whether that breadth already covers every row (flat,
         or IVF with every cell scanned), so that a shorter answer means fewer rows pass. Always on the CPU copy
@@ -323,7 +334,11 @@ class AnnIndex:
         nq = q.shape[0]
         if nq == 0 or self.ntotal == 0:
             return np.full((nq, k), -np.inf, dtype=np.float32), np.full((nq, k), -1, dtype=np.int64), True
-        bits = np.packbits(np.asarray(allowed, dtype=bool), bitorder="little")  # bit i = id i (faiss's layout)
+        if (allowed is None) == (bits is None):
+            raise ValueError("search_subset takes one of allowed (bool per id) or bits (packed)")
+        if bits is None:
+            bits = np.packbits(np.asarray(allowed, dtype=bool), bitorder="little")  # bit i = id i (faiss's layout)
+        bits = np.ascontiguousarray(bits, dtype=np.uint8)
         sel = faiss.IDSelectorBitmap(int(bits.size), faiss.swig_ptr(bits))  # n = bytes of the bitmap
         inner = inner_index(self._cpu)
         exhaustive = True

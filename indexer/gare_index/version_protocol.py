@@ -10,11 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from gare_index.frame_quant import QuantFrames
+
+if TYPE_CHECKING:  # gare_index.store imports this module (through psi_consts): names only, no import at run time
+    from gare_index.filter_cache import FilterRows
+    from gare_index.filters import Filter
 
 
 class CheckpointView(Protocol):
@@ -88,3 +92,12 @@ class SearchVersion(PsiVersion, Protocol):
     def biases(self) -> np.ndarray: ...
 
     def search(self, queries: np.ndarray, k: int, *, ncl_stage1: bool = False) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def filter_rows(self, f: Filter) -> tuple[FilterRows, bool]: ...
+
+    def id_bitmap(self, rows: np.ndarray) -> np.ndarray: ...
+
+    def scan_fraction(self, *, ncl_stage1: bool = False) -> float | None: ...
+
+    def search_filtered(self, queries: np.ndarray, k: int, rows: np.ndarray, *, ncl_stage1: bool = False,
+                        widen: int = 1, bits: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, bool]: ...

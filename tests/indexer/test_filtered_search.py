@@ -11,6 +11,7 @@ import torch
 from gare.checkpoint import file_sha256, load_model
 from gare_index.ann_params import INDEX_TYPES
 from gare_index.store import open_index, write_version
+from gare_search import filtered as F
 from gare_search import search as S
 from gare_search.query import encode_queries, unit_rows
 
@@ -19,8 +20,9 @@ CHANNELS = ["news", "sport", "music", "film", "misc"]
 TEXTS = ["a red ball", "people dancing on a stage", "a cat"]
 
 
-def _gallery(root, ckpt, index_type: str):
-    """A synthetic version of N videos for the tiny model (f=6, d=64) with fields: channel (skewed), year, tags."""
+def _gallery(root, ckpt, index_type: str, *, ids_are_rows: bool = False):
+    """A synthetic version of N videos for the tiny model (f=6, d=64) with fields: channel (skewed), year, tags;
+    ids 5, 7, 9, ... (a version after removals: the ANN's id bitmap is built from the ids) or 0..N-1."""
     model, _ = load_model(ckpt, "cpu")
     f, d = model.cfg.max_frames, model.cfg.embed_dim
     rng = np.random.default_rng(3)
@@ -31,7 +33,7 @@ def _gallery(root, ckpt, index_type: str):
     frames = (rng.standard_normal((N, f, d)) * masks[:, :, None]).astype(np.float16)
     vbar = frames.astype(np.float32).sum(1) / used[:, None]
     norms = np.linalg.norm(vbar, axis=1).astype(np.float32)
-    ids = np.arange(N, dtype=np.int64) * 2 + 5  # ids are not rows
+    ids = np.arange(N, dtype=np.int64) if ids_are_rows else np.arange(N, dtype=np.int64) * 2 + 5
     arrays = {"ids": ids, "norms": norms, "units": (vbar / norms[:, None]).astype(np.float32), "frames": frames,
               "masks": masks, "biases": (rng.standard_normal(N) * 0.05).astype(np.float32)}
     chan = rng.choice(CHANNELS, N, p=[0.02, 0.08, 0.3, 0.5, 0.1])
@@ -71,9 +73,10 @@ def exhaustive(model, version, text: str, spec, opts: S.SearchOptions) -> list[t
     return [(int(ids[top][j]), float(final[j])) for j in order]
 
 
-@pytest.fixture(scope="module")
-def flat_env(tmp_path_factory, ckpt):
-    model, v = _gallery(tmp_path_factory.mktemp("flt") / "INDEX", ckpt, "flat")
+@pytest.fixture(scope="module", params=[False, True], ids=["ids-not-rows", "ids-are-rows"])
+def flat_env(tmp_path_factory, ckpt, request):
+    model, v = _gallery(tmp_path_factory.mktemp("flt") / "INDEX", ckpt, "flat", ids_are_rows=request.param)
+    assert v._ids_are_rows is request.param  # the bitmap's fast path (the mask is the bitmap) and the general one
     yield model, v
     v.close()
 
@@ -125,8 +128,51 @@ def test_ann_plan_returns_only_passing_rows_on_every_index_type(tmp_path, ckpt, 
                 assert {h.id for h in r.hits} <= ok_ids
                 assert len(r.hits) == min(10, len(ok_ids))
                 assert r.plan.plan in ("ann", "ann+exact")
-                rounds.append(r.plan.rounds)
+                rounds.append(r.plan.widen)
     finally:
         v.close()
     if index_type != "hnsw":  # one cell of 16 holds too few rows of a selective filter: the search was widened
         assert max(rounds) > 1
+
+
+def test_the_first_ivf_breadth_and_the_cost_rule_by_hand():
+    # 1M rows, nprobe / nlist = 1/32 (31,250 rows a search), K = 256
+    assert F.first_widen(1 / 32, 10_000, 256) == 2  # 10,000 / 32 = 312.5 passing a breadth; 2 x 256 / 312.5 -> 2
+    assert F.first_widen(1 / 32, 1_000, 256) == 17  # 31.25 a breadth: ceil(16.4)
+    assert F.first_widen(1 / 32, 100, 256) == 32  # at most every cell
+    assert F.first_widen(1 / 32, 500_000, 256) == 1
+    assert F.first_widen(None, 1_000, 256) == 1 and F.first_widen(1.0, 1_000, 256) == 1  # HNSW, flat
+    n = 1_000_000
+    # exact: passing x 50 against the rows the widened search reads (share x widen x n)
+    assert F.choose_exact(1_000, n, 1 / 32, 17, None) is True  # 50,000 <= 531,250
+    assert F.choose_exact(5_000, n, 1 / 32, 4, None) is False  # 250,000 > 125,000
+    assert F.choose_exact(20_000, n, 1.0, 1, None) is True and F.choose_exact(20_001, n, 1.0, 1, None) is False  # flat
+    assert F.choose_exact(20_000, n, None, 1, None) is True and F.choose_exact(20_001, n, None, 1, None) is False
+    assert F.choose_exact(30_000, n, 1 / 32, 1, 0.03) is True and F.choose_exact(30_001, n, 1 / 32, 1, 0.03) is False
+
+
+@pytest.mark.parametrize("index_type", ["ivf", "hnsw"])
+def test_the_automatic_plan_follows_the_cost_rule_and_starts_at_the_estimated_breadth(tmp_path, ckpt, index_type):
+    model, v = _gallery(tmp_path / "INDEX", ckpt, index_type)
+    try:
+        share = v.scan_fraction()
+        assert share == (1 / 16 if index_type == "ivf" else None)  # nprobe 1 of 16 cells; HNSW: no fixed share
+        seen = set()
+        # 12 rows pass the first: more than K = 8, few enough that the exact plan is the cheaper (12 x 50 <= 600)
+        for spec in [{"year": 2000, "channel": {"$ne": "film"}}, *FILTERS]:
+            f = v.compile_filter(spec)
+            passing = int(v.filter_mask(f).sum())
+            o = S.SearchOptions(k=5, candidates=8, filter=f)  # filter_exact_below: None, the automatic choice
+            assert o.filter_exact_below is None
+            w0 = F.first_widen(share, passing, min(8, passing))
+            want = "exact" if passing <= 8 or F.choose_exact(passing, N, share, w0, None) else "ann"
+            for r in S.search_batch(model, v, TEXTS, o):
+                assert r.plan.plan in ((want,) if want == "exact" else ("ann", "ann+exact")), (spec, r.plan)
+                if r.plan.plan == "ann" and r.plan.rounds == 1:
+                    assert r.plan.widen == w0  # the first round at the estimated breadth, not at 1
+                assert {h.id for h in r.hits} <= set(v.ids[v.filter_mask(f)].tolist())
+                assert len(r.hits) == min(5, passing)
+                seen.add((r.plan.plan, r.plan.passing > 8))
+        assert ("exact", True) in seen and ("ann", True) in seen, seen
+    finally:
+        v.close()

@@ -14,6 +14,7 @@ import numpy as np
 from gare.sinkhorn import fold_query
 from gare_index.ann import AnnIndex
 from gare_index.fields import Column
+from gare_index.filter_cache import FilterCache, FilterRows, id_bitmap
 from gare_index.filters import FieldTable, Filter, compile_filter, evaluate, schema_of
 from gare_index.frame_quant import FRAME_SCALES_ARRAY, QuantFrames
 from gare_index.ncl_ann import Stage1Unavailable
@@ -53,6 +54,8 @@ class IndexVersion:
     _lut: np.ndarray | None = field(init=False, repr=False, default=None)  # id -> row (-1: none) for compact ids
     _meta: MetaRows = field(init=False, repr=False)  # meta.sqlite, opened on first use
     _table: FieldTable | None = field(init=False, repr=False, default=None)  # filter columns, built on first use
+    _ids_are_rows: bool = field(init=False, repr=False, default=False)  # ids == arange(n): no removal yet
+    filter_cache: FilterCache = field(init=False, repr=False, default_factory=FilterCache)  # filter -> rows passing
 
     def __post_init__(self) -> None:
         self._meta = MetaRows(self.path, self.name)
@@ -63,6 +66,8 @@ class IndexVersion:
         ids = np.asarray(self.ids, dtype=np.int64)
         order = np.argsort(ids, kind="stable")
         self._sorted_ids, self._sorted_rows = ids[order], order.astype(np.int64)
+        self._ids_are_rows = bool(ids.size == 0 or (int(ids[0]) == 0 and int(ids[-1]) == ids.size - 1
+                                                    and bool((np.diff(ids) == 1).all())))
         # ids are 0..next_id with gaps left by removals: a dense table (8 bytes per id up to the largest) turns the
         # per-request id -> row lookup (K = 256 ids) into one gather, ~5x the binary search
         if ids.size and int(self._sorted_ids[0]) >= 0 and int(self._sorted_ids[-1]) < 4 * ids.size + 1024:
@@ -187,27 +192,37 @@ class IndexVersion:
         return scores, ids
 
     def search_filtered(self, queries: np.ndarray, k: int, rows: np.ndarray, *, ncl_stage1: bool = False,
-                        widen: int = 1) -> tuple[np.ndarray, np.ndarray, bool]:
+                        widen: int = 1, bits: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, bool]:
         """Stage 1 with a filter inside the ANN: as :meth:`search`, among the rows (n,) bool that pass only, the
         ANN `widen` times broader (:meth:`gare_index.ann.AnnIndex.search_subset`); the third value says whether
-        that search saw every passing row (then a shorter answer means fewer rows pass)."""
+        that search saw every passing row (then a shorter answer means fewer rows pass). `bits`: the passing ids
+        as a packed bitmap (:meth:`id_bitmap` of `rows`) when the caller has it already."""
         q = np.ascontiguousarray(np.atleast_2d(np.asarray(queries, dtype=np.float32)))
         if q.shape[0] == 0:
             return np.zeros((0, k), np.float32), np.zeros((0, k), np.int64), True
-        passing = self._sorted_ids[np.asarray(rows, dtype=bool)[self._sorted_rows]]  # ids of the passing rows
-        allowed = np.zeros(int(self._sorted_ids[-1]) + 1 if self._sorted_ids.size else 0, dtype=bool)
-        allowed[passing] = True
+        if bits is None:
+            bits = self.id_bitmap(rows)
         if not ncl_stage1:
-            scores, ids, full = self.ann.search_subset(q, int(k), allowed, widen=widen)
+            scores, ids, full = self.ann.search_subset(q, int(k), bits=bits, widen=widen)
             return np.asarray(scores, dtype=np.float32), np.asarray(ids, dtype=np.int64), full
         self.check_stage1(ncl_stage1=True)
-        scores, ids, full = self.ann_ncl.search_subset(fold_query(q, self.ncl_c), int(k), allowed, widen=widen)
+        scores, ids, full = self.ann_ncl.search_subset(fold_query(q, self.ncl_c), int(k), bits=bits, widen=widen)
         scores = np.asarray(scores, dtype=np.float32).copy()
         ids = np.asarray(ids, dtype=np.int64)
         ok = ids >= 0
         if ok.any():
             scores[ok] -= np.asarray(self.biases, dtype=np.float32)[self.rows(ids[ok])]
         return scores, ids, full
+
+    def scan_fraction(self, *, ncl_stage1: bool = False) -> float | None:
+        """The share of the rows one unfiltered stage-1 search reads (:meth:`gare_index.ann.AnnIndex.scan_fraction`
+        of the index it searches)."""
+        ann = self.ann_ncl if ncl_stage1 and self.ann_ncl is not None else self.ann
+        return ann.scan_fraction()
+
+    def id_bitmap(self, rows: np.ndarray) -> np.ndarray:
+        """The ids of the rows (n,) bool as a packed bitmap, bit i = id i (faiss's IDSelectorBitmap layout)."""
+        return id_bitmap(rows, np.asarray(self.ids, dtype=np.int64), ids_are_rows=self._ids_are_rows)
 
     def metadata(self, ids: Sequence[int] | np.ndarray) -> list[dict]:
         """SQLite rows as dicts, in the order of `ids` (an id may repeat). Unknown ids raise KeyError."""
@@ -226,12 +241,21 @@ class IndexVersion:
         return compile_filter(spec, self.field_schema)
 
     def filter_mask(self, f: Filter) -> np.ndarray:
-        """The rows (n,) bool, in ids.npy order, that pass the compiled filter `f`; the columns it reads are loaded
-        from the version's fields/ arrays (or meta.sqlite) once per version and kept."""
+        """The rows (n,) bool, in ids.npy order, that pass the compiled filter `f` (read-only: copy to edit)."""
+        return self.filter_rows(f)[0].mask
+
+    def filter_rows(self, f: Filter) -> tuple[FilterRows, bool]:
+        """(what `f` passes here: mask, id bitmap, rows; whether it came from :attr:`filter_cache`). The columns
+        a filter reads are loaded from the version's fields/ arrays (or meta.sqlite) once per version and kept."""
+        return self.filter_cache.get(f.text, lambda: self._evaluate(f))
+
+    def _evaluate(self, f: Filter) -> FilterRows:
         if self._table is None:
             schema = self.field_schema
             self._table = FieldTable(self.n, schema, lambda name: self._field_column(name, schema[name]))
-        return evaluate(f, self._table)
+        mask = np.asarray(evaluate(f, self._table), dtype=bool)
+        mask.setflags(write=False)
+        return FilterRows(mask, self.id_bitmap(mask), int(np.count_nonzero(mask)))
 
     def _field_column(self, name: str, kind: str) -> Column:
         # the version's fields/ arrays (memory-mapped) when it has them, else a scan of meta.sqlite

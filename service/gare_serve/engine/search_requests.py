@@ -48,7 +48,7 @@ def request_options(state: ServiceState, version: IndexVersion, asked: AskedOpti
     if asked.filter is None:
         return opts
     return dataclasses.replace(opts, filter=request_filter(version, asked.filter),
-                               filter_exact_below=float(s.filter_exact_below))
+                               filter_exact_below=s.filter_exact_below)
 
 
 def request_filter(version: Any, spec: Any) -> Filter:

@@ -250,7 +250,7 @@ def make_router(settings: Settings) -> APIRouter:
                 with example_errors():
                     if filter is not None:
                         opts = dataclasses.replace(opts, filter=request_filter(version, parse_filter_text(filter)),
-                                                   filter_exact_below=float(settings.filter_exact_below))
+                                                   filter_exact_below=settings.filter_exact_below)
                     a = await search_by_image(state, version, pil, opts)
                 return _json(await example_response(state, version, a,
                                                     {"kind": "image", "content_type": kind, "bytes": nbytes}, t_start))
