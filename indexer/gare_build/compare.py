@@ -113,7 +113,7 @@ class CompareOptions:
     progress: bool | None = None
     combos: tuple[Combo, ...] = field(default=COMBOS)
     filter: dict[str, Any] | None = None  # a filter object (gare_index.filters) applied to every side
-    filter_exact_below: float | None = FILTER_EXACT_BELOW  # the service's default plan threshold
+    filter_exact_below: float = FILTER_EXACT_BELOW  # the service's default plan threshold
 
 
 # ------------------------------------------------------------------------------------------ data
@@ -155,7 +155,7 @@ def _val_source(opts: CompareOptions) -> Any:
 
 # ------------------------------------------------------------------------------------------ search
 def stage1(version: Any, kind: str, units: np.ndarray, k: int, flt: Filter | None = None,
-           exact_below: float | None = FILTER_EXACT_BELOW) -> tuple[np.ndarray, np.ndarray]:
+           exact_below: float = FILTER_EXACT_BELOW) -> tuple[np.ndarray, np.ndarray]:
     """(scores (a, k), ids (a, k)), missing results id -1; under `flt` the service's filtered stage 1."""
     if flt is None:
         return ann_stage(version, units, k, ncl_stage1=kind != "ann")
@@ -169,7 +169,7 @@ def stage1(version: Any, kind: str, units: np.ndarray, k: int, flt: Filter | Non
 
 
 def two_stage(model: Any, version: Any, t: Any, units: np.ndarray, combo: Combo, k_cand: int, k: int | None = None,
-              flt: Filter | None = None, exact_below: float | None = FILTER_EXACT_BELOW) -> list[list[Any]]:
+              flt: Filter | None = None, exact_below: float = FILTER_EXACT_BELOW) -> list[list[Any]]:
     """gare_search.search's stage functions on a batch of encoded queries, with the combination's stage 1.
 
     Returns, per query, the Hits of its candidates in final order (all of them when k is None). With
@@ -236,7 +236,7 @@ def _top_ids(scores: np.ndarray, ids: np.ndarray, top: int) -> np.ndarray:
 
 def latency(model: Any, versions: dict[str, Any], combos: list[Combo], texts: list[str], k_cand: int,
             precision: str, repeats: int = 3, filters: dict[str, Filter] | None = None,
-            exact_below: float | None = FILTER_EXACT_BELOW) -> dict[str, dict[str, float]]:
+            exact_below: float = FILTER_EXACT_BELOW) -> dict[str, dict[str, float]]:
     """Per combination, one query at a time (a request without micro-batching): stage 1, psi, rank (k = 10).
 
     The text encoder runs once per query (it is the same for every combination) and is timed apart. The

@@ -14,11 +14,11 @@ version keeps what a filter passes (:mod:`gare_index.filter_cache`), so a repeat
   HNSW search still short after :data:`MAX_WIDEN` falls back to the exact plan (``ann+exact``).
 * ``empty`` -- no row passes: no candidates.
 
-Which of ``exact`` and ``ann``: with ``exact_below`` a fraction, exact when ``passing <= K`` or ``passing / n <=
-exact_below``. With ``exact_below=None`` (the default) by their estimated costs: exact when ``passing <= K`` or
-``passing x EXACT_ROW_COST`` is at most the rows the widened IVF search reads (an ANN row the selector skips costs
-a bitmap test; an exact row a gather of its vector and a dot product: bench/results/filtered_search_1m.md); an
-HNSW index, whose walk has no fixed share, uses :data:`FILTER_EXACT_FRACTION`.
+Which of ``exact`` and ``ann``: exact when ``passing <= K`` or ``passing / n <= exact_below`` (default 2%). In the
+benchmark's clustered 1M gallery, below about 2% the filtered top 10 reach past the query's own cluster into
+others that an IVF search finds only by scanning most cells, while the exact product over so few rows costs less
+than the unfiltered search; above it one widened IVF search finds them (recall and latency per plan, 0.1% to 50%
+passing: bench/results/filtered_search_1m.md).
 
 Ranking ties (equal stage-1 scores) are broken by id ascending, as the exact stage 1 of the resident index does.
 """
@@ -38,10 +38,8 @@ from gare_index.version_protocol import SearchVersion
 
 log = logging.getLogger(__name__)
 
-FILTER_EXACT_BELOW: float | None = None  # the default plan choice: by estimated cost (see the module docstring)
-FILTER_EXACT_FRACTION = 0.02  # HNSW's threshold (passing / n) under the automatic choice
-EXACT_ROW_COST = 50.0  # an exact row (gather + dot product) in ANN rows skipped by the selector (a bitmap test)
-WIDEN_MARGIN = 2.0  # an IVF search under a filter starts where its cells hold ~2x the candidates wanted
+FILTER_EXACT_BELOW = 0.02  # selectivity (passing / n) at or below which the whole subset is scored exactly
+WIDEN_MARGIN = 4.0  # an IVF search under a filter starts where its cells hold ~4x the candidates wanted
 MAX_WIDEN = 64  # the broadest HNSW search under a filter: 64x the efSearch of an unfiltered one
 PLANS = ("exact", "ann", "ann+exact", "empty")
 
@@ -106,17 +104,8 @@ def first_widen(share: float | None, passing: int, need: int) -> int:
     return int(min(max(1, w), math.ceil(1.0 / share)))
 
 
-def choose_exact(passing: int, n: int, share: float | None, widen: int, exact_below: float | None) -> bool:
-    """Whether the exact plan scores this filter's `passing` rows (see the module docstring)."""
-    if exact_below is not None:
-        return passing <= exact_below * n
-    if share is None:
-        return passing <= FILTER_EXACT_FRACTION * n
-    return passing * EXACT_ROW_COST <= min(1.0, share * widen) * n
-
-
 def filtered_stage1(version: SearchVersion, units: np.ndarray, candidates: int, f: Filter, *, ncl_stage1: bool,
-                    exact_below: float | None = FILTER_EXACT_BELOW, exclude: np.ndarray | None = None
+                    exact_below: float = FILTER_EXACT_BELOW, exclude: np.ndarray | None = None
                     ) -> tuple[list[np.ndarray], list[np.ndarray], FilterPlan]:
     """Stage 1 of the queries `units` (a, d) under filter `f`: per query (cosines, ids) of at most K candidates
     that pass (missing results dropped), and the :class:`FilterPlan` taken. `exclude`: ids that never pass (a
@@ -145,7 +134,7 @@ def filtered_stage1(version: SearchVersion, units: np.ndarray, candidates: int, 
     need = min(K, passing)
     share = version.scan_fraction(ncl_stage1=ncl_stage1)
     widen = first_widen(share, passing, need)
-    if passing <= K or choose_exact(passing, n, share, widen, exact_below):
+    if passing <= K or passing <= exact_below * n:
         s, i = exact_topk(version, units, rows_fn(), K, ncl_stage1=ncl_stage1)
         plan = FilterPlan("exact", passing, n, filter_s=t1 - t0, stage1_s=time.perf_counter() - t1, cached=cached)
         return list(s), list(i), plan

@@ -52,16 +52,15 @@ class SearchOptions:
     ncl_stage1: bool = False  # choose the candidates by cos + b (the index's folded ANN, --ncl-stage1)
     # only videos that pass this filter (compiled against the index's fields: version.compile_filter); None: all
     filter: Filter | None = None
-    # a filter passing at most this fraction of the gallery is searched exactly; None: the plan of lower estimated
-    # cost (gare_search.filtered)
-    filter_exact_below: float | None = FILTER_EXACT_BELOW
+    # a filter passing at most this fraction of the gallery is searched exactly (gare_search.filtered)
+    filter_exact_below: float = FILTER_EXACT_BELOW
 
     def __post_init__(self) -> None:
         if self.k < 1:
             raise ValueError(f"k must be >= 1, got {self.k}")
         if self.candidates < self.k:
             raise ValueError(f"candidates (K={self.candidates}) must be >= k ({self.k})")
-        if self.filter_exact_below is not None and not 0.0 <= self.filter_exact_below <= 1.0:
+        if not 0.0 <= self.filter_exact_below <= 1.0:
             raise ValueError(f"filter_exact_below must be in [0, 1], got {self.filter_exact_below}")
 
 

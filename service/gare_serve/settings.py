@@ -204,10 +204,9 @@ class Settings(BaseSettings):
     max_k: int = Field(1000, ge=1, le=100_000)
     default_candidates: int = Field(DEFAULT_CANDIDATES, ge=1)
     max_candidates: int = Field(2048, ge=1, le=1_000_000)
-    filter_exact_below: float | None = Field(
+    filter_exact_below: float = Field(
         FILTER_EXACT_BELOW, ge=0.0, le=1.0, description="a search filter passing at most this fraction of the gallery "
-        "is searched exactly (every passing video scored, no ANN), a broader one runs the ANN with the filter inside; "
-        "unset: the plan of lower estimated cost (gare_search.filtered)")
+        "is searched exactly (every passing video scored, no ANN); a broader one runs the ANN with the filter inside")
     max_batch_queries: int = Field(64, ge=1, le=10_000)
     max_image_aspect: float = Field(
         20.0, ge=1.0, le=10_000.0, description="largest long side / short side of an uploaded image (422 beyond)"

@@ -135,37 +135,30 @@ def test_ann_plan_returns_only_passing_rows_on_every_index_type(tmp_path, ckpt, 
         assert max(rounds) > 1
 
 
-def test_the_first_ivf_breadth_and_the_cost_rule_by_hand():
-    # 1M rows, nprobe / nlist = 1/32 (31,250 rows a search), K = 256
-    assert F.first_widen(1 / 32, 10_000, 256) == 2  # 10,000 / 32 = 312.5 passing a breadth; 2 x 256 / 312.5 -> 2
-    assert F.first_widen(1 / 32, 1_000, 256) == 17  # 31.25 a breadth: ceil(16.4)
-    assert F.first_widen(1 / 32, 100, 256) == 32  # at most every cell
+def test_the_first_ivf_breadth_by_hand():
+    # 1M rows, nprobe / nlist = 1/32 (31,250 rows a search), K = 256: a breadth whose cells hold ~4 x 256 passing
+    assert F.first_widen(1 / 32, 10_000, 256) == 4  # 10,000 / 32 = 312.5 passing a breadth; 1,024 / 312.5 -> 4
+    assert F.first_widen(1 / 32, 30_000, 256) == 2  # 937.5 a breadth: ceil(1.09)
+    assert F.first_widen(1 / 32, 1_000, 256) == 32  # 31.25 a breadth: 33, at most every cell (32 breadths)
     assert F.first_widen(1 / 32, 500_000, 256) == 1
+    assert F.first_widen(1 / 32, 1_000, 10) == 2  # fewer candidates wanted: 40 / 31.25
     assert F.first_widen(None, 1_000, 256) == 1 and F.first_widen(1.0, 1_000, 256) == 1  # HNSW, flat
-    n = 1_000_000
-    # exact: passing x 50 against the rows the widened search reads (share x widen x n)
-    assert F.choose_exact(1_000, n, 1 / 32, 17, None) is True  # 50,000 <= 531,250
-    assert F.choose_exact(5_000, n, 1 / 32, 4, None) is False  # 250,000 > 125,000
-    assert F.choose_exact(20_000, n, 1.0, 1, None) is True and F.choose_exact(20_001, n, 1.0, 1, None) is False  # flat
-    assert F.choose_exact(20_000, n, None, 1, None) is True and F.choose_exact(20_001, n, None, 1, None) is False
-    assert F.choose_exact(30_000, n, 1 / 32, 1, 0.03) is True and F.choose_exact(30_001, n, 1 / 32, 1, 0.03) is False
 
 
 @pytest.mark.parametrize("index_type", ["ivf", "hnsw"])
-def test_the_automatic_plan_follows_the_cost_rule_and_starts_at_the_estimated_breadth(tmp_path, ckpt, index_type):
+def test_the_default_plan_and_the_first_breadth_on_a_version(tmp_path, ckpt, index_type):
     model, v = _gallery(tmp_path / "INDEX", ckpt, index_type)
     try:
         share = v.scan_fraction()
         assert share == (1 / 16 if index_type == "ivf" else None)  # nprobe 1 of 16 cells; HNSW: no fixed share
         seen = set()
-        # 12 rows pass the first: more than K = 8, few enough that the exact plan is the cheaper (12 x 50 <= 600)
+        # 12 rows pass the first: more than K = 8, at most the default 2% of 600 (exact); the others more
         for spec in [{"year": 2000, "channel": {"$ne": "film"}}, *FILTERS]:
             f = v.compile_filter(spec)
             passing = int(v.filter_mask(f).sum())
-            o = S.SearchOptions(k=5, candidates=8, filter=f)  # filter_exact_below: None, the automatic choice
-            assert o.filter_exact_below is None
+            o = S.SearchOptions(k=5, candidates=8, filter=f)  # the default filter_exact_below, 2%
             w0 = F.first_widen(share, passing, min(8, passing))
-            want = "exact" if passing <= 8 or F.choose_exact(passing, N, share, w0, None) else "ann"
+            want = "exact" if passing <= 8 or passing <= 0.02 * N else "ann"
             for r in S.search_batch(model, v, TEXTS, o):
                 assert r.plan.plan in ((want,) if want == "exact" else ("ann", "ann+exact")), (spec, r.plan)
                 if r.plan.plan == "ann" and r.plan.rounds == 1:
