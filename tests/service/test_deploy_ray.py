@@ -7,6 +7,7 @@ as a whole is checked against the compose specification by test_deploy.py) again
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -56,8 +57,14 @@ def _compose() -> dict:
     return yaml.safe_load(COMPOSE.read_text())
 
 
+@functools.cache
+def _crd_yaml() -> dict:
+    # parsed once per run (a ~1 MB schema: seconds with the pure-Python loader); callers copy before changing it
+    return yaml.load(CRD.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
 def _crd_schema() -> dict:
-    crd = yaml.safe_load(CRD.read_text())
+    crd = copy.deepcopy(_crd_yaml())
     assert crd["kind"] == "CustomResourceDefinition" and crd["spec"]["group"] == "ray.io"
     assert crd["spec"]["names"]["kind"] == "RayService"
     (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
@@ -143,7 +150,16 @@ def test_the_crd_check_refuses_a_broken_manifest(break_it):
     manifest = _manifest()
     break_it(manifest)
     with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate(manifest, _strict(_crd_schema()))
+        _strict_validator().validate(manifest)
+
+
+@functools.cache
+def _strict_validator() -> jsonschema.protocols.Validator:
+    """The strict CRD schema's validator, its schema checked once (jsonschema.validate checks it on every call)."""
+    schema = _strict(_crd_schema())
+    cls = jsonschema.validators.validator_for(schema)
+    cls.check_schema(schema)
+    return cls(schema)
 
 
 # --- the application: one config, the import path, the arguments -------------------------------------------------
