@@ -168,8 +168,10 @@ def main() -> None:
         make_synthetic_index(path, args.ram_videos, 512, 12, index_type)
         wrote = time.time() - t0
         disk = sum(p.stat().st_size for p in (path / "versions").rglob("*") if p.is_file())
-        res = json.loads(subprocess.run([sys.executable, __file__, "--ram-probe", str(path)], check=True,
-                                        capture_output=True, text=True).stdout.strip().splitlines()[-1])
+        # a fresh process (its RSS is the probe), run as the package's module like every benchmark
+        res = json.loads(subprocess.run([sys.executable, "-m", "bench.index_throughput", "--ram-probe", str(path)],
+                                        check=True, capture_output=True, text=True,
+                                        cwd=Path(__file__).resolve().parents[1]).stdout.strip().splitlines()[-1])
         n = res["n"]
         per_open = (res["after_open"] - res["before"]) / n
         per_search = (res["after_search"] - res["before"]) / n

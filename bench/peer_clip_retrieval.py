@@ -696,8 +696,10 @@ def in_private_netns() -> bool:
 def reexec_in_netns(argv: list[str]) -> int:
     """Run this script again inside `unshare -n` with loopback up (clip-retrieval binds 0.0.0.0)."""
     script = 'ip link set lo up && exec "$@"'
-    cmd = ["unshare", "-n", "sh", "-c", script, "sh", sys.executable, str(Path(__file__).resolve()), *argv]
-    return subprocess.run(cmd, env={**os.environ, "GARE_PEER_NETNS": "1"}).returncode
+    cmd = ["unshare", "-n", "sh", "-c", script, "sh", sys.executable, "-m", "bench.peer_clip_retrieval", *argv]
+    # as the package's module, from the repository root (a script path would not find the bench package)
+    return subprocess.run(cmd, env={**os.environ, "GARE_PEER_NETNS": "1"},
+                          cwd=Path(__file__).resolve().parents[1]).returncode
 
 
 def main(argv: list[str] | None = None) -> int:
