@@ -26,6 +26,7 @@ from gare_build.shard_build import (
     gc_sharded,
     remove_sharded,
     stats_sharded,
+    tune_sharded,
     verify_sharded,
 )
 from gare_build.tuning.version_tuning import Stage1Options
@@ -144,8 +145,8 @@ def _cmd_build(args: argparse.Namespace) -> int:
 
 
 def _cmd_tune(args: argparse.Namespace) -> int:
-    _refuse_sharded(args)
-    report = retune(args.out, options=_stage1_options(args), checkpoint=args.checkpoint,
+    run = tune_sharded if is_sharded(args.out) else retune  # sharded: every shard, then one new generation
+    report = run(args.out, options=_stage1_options(args), checkpoint=args.checkpoint,
                     captions=_caption_texts(args.tune_captions), index_type=args.index_type, keep=args.keep,
                     progress=args.progress)
     print(report.summary())

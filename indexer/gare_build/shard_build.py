@@ -46,6 +46,7 @@ from gare_build.discover import discover, scan
 from gare_build.pipeline.options import progress_enabled
 from gare_build.pipeline.plan import postprocess_setup, resolve_fields
 from gare_build.pipeline.stats import stats
+from gare_build.retune import retune
 from gare_build.shard_global import DEFERRED, GlobalStep, RowConcat, global_step
 from gare_index.shards import (
     agreed_ncl_default,
@@ -339,6 +340,39 @@ def biases_sharded(out: str | os.PathLike, *, checkpoint: Any = None, keep: int 
                           score=score, k=k, carry_traffic=False, queue_kind=queue_kind, captions=captions,
                           ncl_val=ncl_val, ncl_gammas=gamma_factors)
         _commit(root, global_step(root, gen.n_shards, report, step), report, keep, 0)
+    return report
+
+
+def tune_sharded(out: str | os.PathLike, *, options: Any = None, checkpoint: Any = None, captions: Any = None,
+                 index_type: str | None = None, keep: int = 3, progress: bool | None = None) -> RunReport:
+    """`gare-index tune` on a sharded root: each shard's stage 1 tuned again on the same queries (a bank of served
+    queries, captions, or the build's mix) over that shard's videos, as a new shard version, then one new
+    generation naming them all. Nothing else changes (the biases and their NCL default are the whole gallery's).
+    A shard whose tuning fails leaves the generation as it was: the shards go back to the versions it names."""
+    root = _root(out)
+    report = RunReport(command="tune", index=str(root))
+    with reported(root, report), index_lock(root, BUILD_LOCK, blocking=False):
+        gen = _require_generation(root)
+        _reset_shards(root, gen)
+        report.previous_version = f"g{gen.number:06d}"
+        versions, entries = [], []
+        try:
+            for s in range(gen.n_shards):
+                sub = retune(shard_root(root, s), options=options, checkpoint=checkpoint, captions=captions,
+                             index_type=index_type, keep=_KEEP_ALL, progress=progress)
+                versions.append(sub.version)
+                entries.append({"shard": s, **(sub.stage1 or {})})
+                report.index_type = report.index_type or sub.index_type
+        except BaseException:
+            _reset_shards(root, gen)  # the shards tuned so far go back to the generation's versions
+            raise
+        # the generation's stage-1 record: the lowest shard recall (what every shard meets), each shard's own
+        worst = min(entries, key=lambda e: e.get("recall", 1.0))
+        report.stage1 = {**{k: v for k, v in worst.items() if k != "shard"}, "shards": entries}
+        new = write_generation(root, versions)
+        report.version = f"g{new.number:06d}"
+        report.n_videos = sum(_n_of(shard_root(root, s), v) for s, v in enumerate(versions))
+        gc_sharded(root, keep=keep)
     return report
 
 

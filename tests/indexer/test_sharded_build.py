@@ -28,6 +28,7 @@ from gare_index.shards import (
     write_generation,
 )
 from gare_index.store import IndexFormatError, current_version_name, list_versions, open_index
+from gare_serve.engine.traffic_bank import QueryBank
 from tests.indexer.support import copy_videos
 
 
@@ -255,9 +256,52 @@ def test_bad_sharded_requests(tmp_path, ckpt, corpus, single, sharded3, capsys):
     assert "would hold no video" in capsys.readouterr().err
     assert main(["remove", "--out", str(sharded3), "99999"]) == 1
     assert "99999" in capsys.readouterr().err
-    assert main(["tune", "--out", str(sharded3)]) == 1
-    assert "sharded index" in capsys.readouterr().err
+    before = [current_version_name(shard_root(sharded3, s)) for s in range(3)]
+    assert main(["tune", "--out", str(sharded3), "--from-bank", str(tmp_path / "no-such-bank.npy")]) == 1
+    assert "no-such-bank.npy" in capsys.readouterr().err
     assert current_generation(sharded3).number == 1  # nothing changed
+    assert [current_version_name(shard_root(sharded3, s)) for s in range(3)] == before
+
+
+def test_tune_on_a_sharded_index_writes_one_new_generation(tmp_path, ckpt, corpus, capsys):
+    """`gare-index tune --from-bank` on a sharded root: every shard tuned on the bank's queries as a new shard
+    version (its arrays and biases unchanged), one new generation naming them; a bank that cannot tune (one
+    distinct query) changes nothing, shards included."""
+    lib = copy_videos(corpus, tmp_path / "lib", names=sorted(p.name for p in corpus.glob("*.mp4"))[:8])
+    out = tmp_path / "INDEX"
+    assert build_sharded(ckpt, lib, out, opts(keep=3), n_shards=2).exit_code == 0
+    g1 = current_generation(out)
+    old = {}
+    for s, name in enumerate(g1.versions):
+        with open_index(shard_root(out, s)) as v:
+            assert v.name == name
+            old[s] = (np.asarray(v.ids).copy(), np.asarray(v.units).copy(), np.asarray(v.biases).copy(), v.dim)
+    rng = np.random.default_rng(0)
+    units = np.concatenate([old[s][1] for s in old])
+    q = units[rng.integers(0, len(units), 20)] + 0.3 * rng.standard_normal((20, old[0][3])).astype(np.float32)
+    bank = QueryBank(100, old[0][3], tmp_path / "bank.npy")
+    bank.push((q / np.linalg.norm(q, axis=1, keepdims=True)).astype(np.float32))
+    bank.flush()
+    capsys.readouterr()
+    assert main(["tune", "--out", str(out), "--from-bank", str(tmp_path / "bank.npy"), "--recall-target", "0.9"]) == 0
+    printed = capsys.readouterr().out
+    g2 = current_generation(out)
+    assert g2.number == g1.number + 1 and f"g{g2.number:06d}" in printed and "stage 1: recall@" in printed
+    for s, name in enumerate(g2.versions):
+        assert name != g1.versions[s] and current_version_name(shard_root(out, s)) == name
+        with open_index(shard_root(out, s)) as v:
+            assert v.manifest["builder"]["command"] == "tune"
+            assert v.manifest["stage1"]["query_source"].startswith("query-bank (")
+            for a, b in zip(old[s][:3], (v.ids, v.units, v.biases), strict=True):
+                np.testing.assert_array_equal(a, np.asarray(b))  # only stage 1 changed
+    assert json.loads((out / "report.json").read_text())["version"] == f"g{g2.number:06d}"
+    one = QueryBank(100, old[0][3], tmp_path / "one.npy")  # one query served three times
+    one.push(np.repeat((q[:1] / np.linalg.norm(q[:1])).astype(np.float32), 3, axis=0))
+    one.flush()
+    assert main(["tune", "--out", str(out), "--from-bank", str(tmp_path / "one.npy")]) == 1
+    assert "distinct" in capsys.readouterr().err
+    assert current_generation(out).number == g2.number
+    assert [current_version_name(shard_root(out, s)) for s in range(2)] == list(g2.versions)
 
 
 # ------------------------------------------------------------------------------------------ add / remove / gc
