@@ -246,13 +246,13 @@ def main(argv: list[str] | None = None) -> int:
             burst(srv.port, queries[-1000:], 2, 5)  # warm-up (first requests of each worker), not counted
         data["startup_s"] = round(time.perf_counter() - t_start, 1)
         q = 0
-        for run in range(args.runs):
-            order = MODES if run % 2 == 0 else MODES[::-1]
+        for i in range(args.runs):  # alternating the order (not `run`: that is this run's record)
+            order = MODES if i % 2 == 0 else MODES[::-1]
             for mode in order:
                 chunk = queries[q:q + args.clients * args.requests]
                 q += len(chunk)
                 r = measure(servers[mode], chunk, args.clients, args.requests)
-                r["run"] = run + 1
+                r["run"] = i + 1
                 print(json.dumps(r), flush=True)
                 data["runs"].append(r)
     finally:
