@@ -188,22 +188,32 @@ def merge_one(got: Sequence[tuple[int, ShardCandidates]], n_shards: int, o: Sear
     """One query: (shard, its candidates) of the shards that answered -> the ranked global top k."""
     if not got:
         return []
-    gids = np.concatenate([global_id(np.full(c.ids.size, s, np.int64), np.asarray(c.ids, np.int64), n_shards)
-                           for s, c in got]).astype(np.int64, copy=False)
-    ann = np.concatenate([np.asarray(c.ann, np.float32) for _, c in got])
-    bias = np.concatenate([np.asarray(c.bias, np.float32) for _, c in got])
+    gids, ann, bias, keep = stage1_cut(got, n_shards, int(o.candidates), ncl_stage1=o.ncl_stage1)
     have_psi = [c.psi is not None for _, c in got]
     if any(have_psi) and not all(have_psi):
         raise ValueError(f"merge: shards {[s for (s, _), h in zip(got, have_psi, strict=True) if not h]} sent no "
                          "rerank scores where the others did")
     psi = np.concatenate([np.asarray(c.psi, np.float32) for _, c in got]) if all(have_psi) else None
-    # stage-1 key (n,): what each shard chose its K by (the NCL fold picks by cos + b)
-    key = ann + bias if o.ncl_stage1 else ann
-    keep = np.lexsort((gids, -key))[: o.candidates]
     psi_k = None if psi is None else psi[keep]
     if kind == "text":
         return rank(ann[keep], gids[keep], psi_k, bias[keep], o)
     return rank_examples(ann[keep], gids[keep], psi_k, bias[keep], o.k)
+
+
+def stage1_cut(got: Sequence[tuple[int, ShardCandidates]], n_shards: int, k: int, *,
+               ncl_stage1: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The union of the shards' stage-1 lists and its global top ``k``, the candidates a merged query is reranked
+    over: (global ids, ann, bias) of the union, in shard order, and the positions of its top k by (stage-1 score
+    desc, global id asc), the stage-1 score being what each shard chose its K by (ann, or ann + bias with
+    ``ncl_stage1``: the NCL fold picks by cos + b)."""
+    if not got:
+        return np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros(0, np.float32), np.zeros(0, np.int64)
+    gids = np.concatenate([global_id(np.full(c.ids.size, s, np.int64), np.asarray(c.ids, np.int64), n_shards)
+                           for s, c in got]).astype(np.int64, copy=False)
+    ann = np.concatenate([np.asarray(c.ann, np.float32) for _, c in got])
+    bias = np.concatenate([np.asarray(c.bias, np.float32) for _, c in got])
+    key = ann + bias if ncl_stage1 else ann
+    return gids, ann, bias, np.lexsort((gids, -key))[: int(k)]
 
 
 def slowest(timings: Sequence[dict[str, float]]) -> dict[str, float]:
@@ -371,6 +381,6 @@ def search_sharded_by_image(model: SearchModel, sharded: ShardedIndex, image: Im
 
 
 __all__ = ["MERGE_KINDS", "ShardCandidates", "MergedResult", "ShardsMissing", "per_query", "as_query_tensor",
-           "shard_candidates", "merge", "search_sharded", "ExampleRows", "ExampleQuery", "split_examples",
+           "shard_candidates", "merge", "stage1_cut", "search_sharded", "ExampleRows", "ExampleQuery", "split_examples",
            "example_rows", "example_query", "shard_example_candidates", "shard_image_candidates",
            "search_sharded_by_videos", "search_sharded_by_image"]

@@ -125,9 +125,12 @@ def test_exact_top_is_chunked_and_exact():
     ids = rng.permutation(5000)[:1000].astype(np.int64)
     v = SimpleNamespace(stage1_units=units, ids=ids, biases=np.zeros(1000, np.float32))
     q = _unit(rng.standard_normal((1, 16)).astype(np.float32))[0]
-    want = ids[np.argsort(-(units @ q))[:10]]
+    order = np.argsort(-(units @ q))[:10]
+    want = ids[order]
     for rows in (1, 7, 64, 1000, 5000):
-        assert exact_top(v, q, 10, chunk_rows=rows).tolist() == want.tolist()
+        got, scores = exact_top(v, q, 10, chunk_rows=rows)
+        assert got.tolist() == want.tolist()
+        np.testing.assert_allclose(scores, (units @ q)[order], rtol=0, atol=1e-6)  # the scores of those rows
 
 
 # ------------------------------------------------------------------------------------------ bounds

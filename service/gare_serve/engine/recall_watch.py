@@ -1,42 +1,33 @@
 """Stage-1 recall watched in production: a sample of served queries re-run exactly in the background.
 
-The build measures stage 1 on a sample of queries (``gare_build.tuning.version_tuning``: recall@K of the exact top-10, K the
-manifest's ``stage1.recall_at``, against ``stage1.recall_target``); real users may query elsewhere. Here each
-worker samples ``recall_sample_rate`` of the text queries it serves (the rows its batch thread passes through
-``IndexVersion.search``: the query's unit vector and the candidate ids actually served) into a bounded queue
-(full: the sample is dropped and counted), and one background thread computes, per sample,
+The build measures stage 1 on a sample of queries (``gare_build.tuning.version_tuning``: recall@K of the exact
+top-10, K the manifest's ``stage1.recall_at``, against ``stage1.recall_target``); real users may query elsewhere.
+Each worker samples ``recall_sample_rate`` of the text queries it serves (unit vector, stage-1 ids served) into a
+bounded queue (full: dropped, counted); one background thread computes per sample the exact top-10 of the *same
+score* stage 1 ranks by, over the stage-1 vectors (InvGC-corrected when the index has them, as the tuner measures):
+``cos(t, v̂_j)``, or ``+ b_j`` for the NCL fold (``ncl_stage1``, labelled ``stage1="ncl"``), in chunks
+(``chunk_bytes``); then ``recall`` = |exact top-10 ∩ stage-1 top-K| / 10 at the manifest's K (the tuner's
+definition, :func:`gare_build.tuning.measure.recall_of_topk`: the served list when served at that K, else stage 1
+run again at it) and ``served_recall``, the same share inside the candidates served (the request's own K).
+Where the exact answer and stage 1 come from is the watch's :class:`Stage1Source`: :class:`IndexSource` over one
+index version by default; the Ray ingress's state brings its own (``recall_source()``:
+``gare_serve.ray_serve.ingress_state.ShardSource``, a sharded generation probed shard by shard).
 
-* the exact top-10 of the *same score* stage 1 ranks by, over the version's stage-1 vectors
-  (``IndexVersion.stage1_units``: the InvGC-corrected ones when the index has them, as the tuner measures):
-  ``cos(t, v̂_j)`` for the plain stage 1, ``cos(t, v̂_j) + b_j`` for the NCL fold (``ncl_stage1``: the search
-  ``ann_ncl.faiss`` approximates; the tuner does not score it, the watcher does, labelled ``stage1="ncl"``).
-  The scan reads the memory-mapped vectors in chunks (``chunk_bytes``), so memory stays bounded at any size;
-* ``recall`` = |exact top-10 ∩ stage-1 top-K| / 10 with K = the manifest's ``recall_at`` (the tuner's
-  definition, :func:`gare_build.tuning.measure.recall_of_topk`): the served list when the request was served at that K,
-  else stage 1 run again at that K (deterministic on the CPU: the list a request at that K gets);
-* ``served_recall``: the same share inside the candidates the request was actually served with (its own K).
+Metrics (``gare_stage1_recall*``, gare_serve.engine.prometheus): per-query histograms, this worker's rolling mean
+over the last ``recall_window`` queries on the served version and its target, counters. A rolling mean (over at
+least ``recall_warn_min_queries`` queries) below the target logs a WARNING, at most once per
+``recall_warn_interval_s``; below it for ``recall_alarm_after_s`` of ``clock`` (every evaluation in that time), the
+alarm goes off: one ERROR line naming the retune command, ``gare_stage1_recall_alarm`` = 1,
+``gare_stage1_recall_alarms_total`` + 1 (docs/retune.md); it clears when the mean is back at the target or another
+version is served.
 
-Metrics (gare_serve.engine.prometheus): the per-query histograms ``gare_stage1_recall`` and ``gare_stage1_served_recall``
-(``stage1`` label), this worker's rolling mean over the last ``recall_window`` queries on the served version
-(``gare_stage1_recall_mean``, NaN until one is evaluated) next to the version's target
-(``gare_stage1_recall_target``), and counters of sampled / evaluated / dropped / skipped queries and of the CPU
-seconds spent. When the rolling mean (over at least ``recall_warn_min_queries`` queries) is below the target,
-a WARNING is logged, at most once per ``recall_warn_interval_s``. When it has stayed below the target for
-``recall_alarm_after_s`` (every evaluation in that time found it below, each over at least
-``recall_warn_min_queries`` queries), the alarm goes off: one ERROR line naming the retune command,
-``gare_stage1_recall_alarm`` = 1 and ``gare_stage1_recall_alarms_total`` + 1 (an alert rule or a scheduled
-``gare-index tune --from-bank`` reads them: docs/retune.md); it clears (gauge 0) when the mean is back at the
-target or another version is served. Time is read from ``clock`` (``time.monotonic``), which tests replace.
+CPU bound: the exact scan is numpy's single-threaded ``np.einsum``, counted by the thread's CPU clock; after every
+chunk the thread sleeps until its CPU time since the sample's start is at most ``recall_cpu_share`` of the wall
+time since then (:func:`cpu_pacer`). (Stage 1 run again goes through FAISS, whose threads may be under-counted.)
 
-CPU bound: the exact scan is numpy's own single-threaded loop (``np.einsum``, no BLAS threads), so the thread's
-CPU clock (``time.thread_time``) counts all of it; after every chunk the thread sleeps until its CPU time
-since the sample's start is at most ``recall_cpu_share`` of the wall time since then. Every sample's window
-therefore holds the bound, and so does any run of them. (The re-run of stage 1 at the manifest's K, a small
-part of the work, goes through FAISS, which may use its OpenMP threads: that part can be under-counted.)
-
-Reloads: every evaluation takes the version the service serves *now* (a reference, released after); samples
-served by another version are skipped (``reason="stale"``) and a new version restarts the rolling window with
-its own target.
+Reloads: every evaluation takes the version served *now* (held, released after); samples served by another are
+skipped (``reason="stale"``); a new version restarts the window with its own target and clears the alarm (at its
+first evaluation, or within a second while the thread idles).
 """
 
 from __future__ import annotations
@@ -49,7 +40,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -91,6 +82,22 @@ class _Stopped(Exception):
     pass
 
 
+class SkipSample(Exception):
+    """A :class:`Stage1Source` cannot measure this sample: skipped, counted under the reason (its message)."""
+
+
+def cpu_pacer(cpu_share: float, stop: threading.Event | None = None) -> Callable[[], None]:
+    """A step function for a paced scan started now: each call sleeps until this thread's CPU time since now is at
+    most ``cpu_share`` of the wall time since now (``stop`` set: it ends the scan instead)."""
+    c0, w0, stop = time.thread_time(), time.perf_counter(), stop or threading.Event()
+
+    def step() -> None:
+        wait = (time.thread_time() - c0) / cpu_share - (time.perf_counter() - w0)
+        if stop.is_set() or (wait > 0 and stop.wait(wait)):
+            raise _Stopped
+    return step
+
+
 @dataclass
 class _VersionState:
     name: str
@@ -100,9 +107,8 @@ class _VersionState:
 
 
 class _SampledVersion:
-    """The served version, seen through the batch thread: ``search`` also offers rows to the watch.
-
-    Everything else is the version's own attribute (the search reads frames, biases, ... through it)."""
+    """The served version as the batch thread sees it: ``search`` also offers rows to the watch; everything else is
+    the version's own attribute (the search reads frames, biases, ... through it)."""
 
     def __init__(self, version: IndexVersion, watch: RecallWatch) -> None:
         self._version = version
@@ -120,19 +126,48 @@ class _SampledVersion:
         return scores, ids
 
 
-def _stage1_record(version: IndexVersion) -> Any:
-    m = getattr(version, "manifest", None)
-    st = getattr(m, "stage1", None) if m is not None else None
-    return st or {}
-
-
 def version_target(version: IndexVersion) -> tuple[float | None, int]:
     """(the version's recall target or None when it was not tuned, the K it is measured at, capped at n)."""
-    st = _stage1_record(version)
+    st = getattr(getattr(version, "manifest", None), "stage1", None) or {}
     target = st.get("recall_target")
     k = st.get("recall_at") or DEFAULT_CANDIDATES
     n = int(version.n)
     return (float(target) if isinstance(target, (int, float)) else None), max(1, min(int(k), n) if n else int(k))
+
+
+class Stage1Source(Protocol):
+    """How a watch measures the served version. ``target``: (recall target or None, the K it is measured at);
+    ``measure``: (the exact top-10 ids, the stage-1 ids at ``k_target``, whether stage 1 was run again for them)
+    or :class:`SkipSample`, ``step()`` called between the scan's chunks; ``wrap``: the version the batch thread
+    searches (one offering its stage-1 calls to the watch, or the version itself when samples come another way)."""
+
+    def target(self, version: Any) -> tuple[float | None, int]: ...
+    def measure(self, version: Any, sample: Sample, k_target: int,
+                step: Callable[[], None]) -> tuple[np.ndarray, np.ndarray, bool]: ...
+    def wrap(self, version: Any, watch: RecallWatch) -> Any: ...
+
+
+class IndexSource:
+    """The served version is one index version: the exact scan over its stage-1 vectors (``chunk_bytes`` a step),
+    stage 1 run again through ``IndexVersion.search``, the version's own stage-1 calls sampled."""
+
+    def __init__(self, chunk_bytes: int = CHUNK_BYTES) -> None:
+        self.chunk_bytes = max(1, int(chunk_bytes))
+
+    def target(self, version: IndexVersion) -> tuple[float | None, int]:
+        return version_target(version)
+
+    def measure(self, version: IndexVersion, sample: Sample, k_target: int,
+                step: Callable[[], None]) -> tuple[np.ndarray, np.ndarray, bool]:
+        exact, _ = exact_top(version, sample.unit, TOP, ncl_stage1=sample.ncl_stage1,
+                             chunk_rows=max(1, self.chunk_bytes // max(1, 4 * int(version.dim))), step=step)
+        if sample.k == k_target:
+            return exact, sample.served, False
+        _, got = version.search(sample.unit[None, :], k_target, ncl_stage1=sample.ncl_stage1)
+        return exact, got[0][got[0] >= 0], True
+
+    def wrap(self, version: IndexVersion, watch: RecallWatch) -> Any:
+        return _SampledVersion(version, watch)
 
 
 class RecallWatch:
@@ -140,25 +175,14 @@ class RecallWatch:
 
     ``current()`` returns the service's current :class:`gare_serve.engine.versions.VersionHandle` (or None); ``metrics`` a
     :class:`gare_serve.engine.prometheus.Metrics` (None: counts only in :attr:`stats`). Thread-safe: :meth:`observe` /
-    :meth:`offer` run on the batch thread, the evaluations on the watch's own thread (:meth:`start`)."""
+    :meth:`offer` run on the batch thread, the evaluations on the watch's own thread (:meth:`start`). ``source``:
+    what the exact answer and stage 1 come from (default :class:`IndexSource` with ``chunk_bytes``)."""
 
-    def __init__(
-        self,
-        current: Callable[[], Any],
-        metrics: Any = None,
-        *,
-        sample_rate: float = 0.01,
-        cpu_share: float = 0.05,
-        queue_size: int = 64,
-        window: int = 200,
-        warn_min_queries: int = 50,
-        warn_interval_s: float = 600.0,
-        chunk_bytes: int = CHUNK_BYTES,
-        keep_recent: int = 256,
-        seed: int | None = None,
-        alarm_after_s: float = 3600.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, current: Callable[[], Any], metrics: Any = None, *, sample_rate: float = 0.01,
+                 cpu_share: float = 0.05, queue_size: int = 64, window: int = 200, warn_min_queries: int = 50,
+                 warn_interval_s: float = 600.0, chunk_bytes: int = CHUNK_BYTES, keep_recent: int = 256,
+                 seed: int | None = None, alarm_after_s: float = 3600.0, clock: Callable[[], float] = time.monotonic,
+                 source: Stage1Source | None = None) -> None:
         if not 0.0 <= sample_rate <= 1.0:
             raise ValueError(f"sample_rate must be in [0, 1], got {sample_rate}")
         if not 0.0 < cpu_share <= 1.0:
@@ -179,10 +203,9 @@ class RecallWatch:
         self.clock = clock
         self._below_since: float | None = None  # clock time the rolling mean was first seen below the target
         self.alarmed = False  # the alarm is on (for the served version)
-        self.chunk_bytes = max(1, int(chunk_bytes))
+        self.source: Stage1Source = source if source is not None else IndexSource(chunk_bytes)
         self.recent: deque[Evaluation] = deque(maxlen=keep_recent)
-        self.stats: dict[str, Any] = {"sampled": 0, "evaluated": 0, "dropped": 0, "skipped": {}, "cpu_s": 0.0,
-                                      "alarms": 0}
+        self.stats: dict[str, Any] = {"sampled": 0, "evaluated": 0, "dropped": 0, "skipped": {}, "cpu_s": 0.0, "alarms": 0}
         self._rng = random.Random(seed)
         self._queue: deque[Sample] = deque()
         self._lock = threading.Lock()
@@ -200,15 +223,14 @@ class RecallWatch:
 
     # ------------------------------------------------------------------ sampling (batch thread)
     def wrap(self, version: IndexVersion) -> Any:
-        """The version to hand to ``gare_search.search.search_batch``: its stage-1 calls feed the sample."""
-        return _SampledVersion(version, self)
+        """The version to hand to ``gare_search.search.search_batch``: its stage-1 calls feed the sample (the
+        source's choice: :meth:`Stage1Source.wrap`)."""
+        return self.source.wrap(version, self)
 
     def observe(self, version_name: str, queries: np.ndarray, ids: np.ndarray, k: int, ncl_stage1: bool) -> None:
         """One stage-1 call: offer each row with probability ``sample_rate``."""
-        n = int(np.shape(ids)[0])
-        rate = self.sample_rate
-        for r in range(n):
-            if rate >= 1.0 or self._rng.random() < rate:
+        for r in range(int(np.shape(ids)[0])):
+            if self.sample_rate >= 1.0 or self._rng.random() < self.sample_rate:
                 row = np.asarray(ids[r], dtype=np.int64)
                 self.offer(Sample(version_name, np.array(queries[r], dtype=np.float32), row[row >= 0].copy(), k,
                                   bool(ncl_stage1)))
@@ -250,12 +272,11 @@ class RecallWatch:
         self._stop.set()
         with self._lock:
             self._ready.notify_all()
-        t = self._thread
+        t, self._thread = self._thread, None
         if t is not None:
             t.join(timeout)
             if t.is_alive():  # pragma: no cover - a chunk takes milliseconds
                 log.warning("recall watch thread did not stop within %.0f s", timeout)
-        self._thread = None
 
     def idle(self) -> bool:
         """Nothing queued and no evaluation running (tests wait for this)."""
@@ -274,28 +295,29 @@ class RecallWatch:
     def _run(self) -> None:
         while not self._stop.is_set():
             s = self._take(0.5)
-            if s is None:
-                continue
             try:
+                if s is None:
+                    self._follow_served()
+                    continue
                 self.evaluate(s, paced=True)
             except _Stopped:
                 return
             except Exception:  # noqa: BLE001 - the watch must never take the service down
-                log.exception("recall watch: evaluating a sampled query failed")
-                self._skip("error")
+                log.exception("recall watch: %s failed", "following the served version" if s is None else
+                              "evaluating a sampled query")
+                if s is not None:
+                    self._skip("error")
             finally:
                 with self._lock:
                     self._busy = False
 
-    # ------------------------------------------------------------------ one evaluation
-    def _pace(self, c0: float, w0: float) -> None:
-        """Sleep until the CPU time since (c0, w0) is at most cpu_share of the wall time since w0."""
-        if self._stop.is_set():
-            raise _Stopped
-        wait = (time.thread_time() - c0) / self.cpu_share - (time.perf_counter() - w0)
-        if wait > 0 and self._stop.wait(wait):
-            raise _Stopped
+    def _follow_served(self) -> None:
+        """Idle: a newly served version restarts the window and clears the alarm now, not at its first sample."""
+        h = self.current()
+        if self._vs is not None and h is not None and not h.closed and h.version.name != self._vs.name:
+            self._version_state(h.version)
 
+    # ------------------------------------------------------------------ one evaluation
     def _skip(self, reason: str) -> None:
         with self._lock:
             sk = self.stats["skipped"]
@@ -305,52 +327,45 @@ class RecallWatch:
 
     def evaluate(self, sample: Sample, *, paced: bool = False) -> Evaluation | None:
         """Re-run one sample exactly on the current version; None when skipped (stale version, empty index)."""
-        c0, w0 = time.thread_time(), time.perf_counter()
-        h = self.current()
-        if h is None:
-            self._skip("unloaded")
-            return None
-        h.acquire()
+        c0 = time.thread_time()
+        pace = cpu_pacer(self.cpu_share, self._stop) if paced else (lambda: None)
         try:
-            if h.closed:  # retired and closed between reading the handle and acquiring it
-                self._skip("stale")
-                return None
-            version = h.version
-            vs = self._version_state(version)
-            if sample.version != version.name:
-                self._skip("stale")
-                return None
-            if version.n == 0:  # (an empty served list on a non-empty index is a miss, scored as such)
-                self._skip("empty")
-                return None
-            pace = (lambda: self._pace(c0, w0)) if paced else (lambda: None)
-            exact = exact_top(version, sample.unit, TOP, ncl_stage1=sample.ncl_stage1,
-                              chunk_rows=max(1, self.chunk_bytes // max(1, 4 * int(version.dim))), step=pace)
-            kt = vs.k_target
-            if sample.k == kt:
-                listed, rerun = sample.served, False
-            else:
-                _, got = version.search(sample.unit[None, :], kt, ncl_stage1=sample.ncl_stage1)
-                listed, rerun = got[0][got[0] >= 0], True
-            recall = _share(exact, listed)
-            served = _share(exact, sample.served)
-        finally:
-            h.release()
-        ev = Evaluation(sample, "ncl" if sample.ncl_stage1 else "cosine", exact, recall, served, kt, rerun, 0.0)
+            ev, vs = self._measure(sample, pace)
+        except SkipSample as e:
+            self._skip(str(e))
+            return None
         self._record(ev, vs)
         ev.cpu_s = time.thread_time() - c0
         with self._lock:
             self.stats["cpu_s"] += ev.cpu_s
         if self.metrics is not None:
             self.metrics.recall_cpu.inc(ev.cpu_s)
-        if paced:
-            self._pace(c0, w0)
+        pace()
         return ev
+
+    def _measure(self, sample: Sample, pace: Callable[[], None]) -> tuple[Evaluation, _VersionState]:
+        h = self.current()
+        if h is None:
+            raise SkipSample("unloaded")
+        h.acquire()
+        try:
+            if h.closed:  # retired and closed between reading the handle and acquiring it
+                raise SkipSample("stale")
+            vs = self._version_state(h.version)
+            if sample.version != h.version.name:
+                raise SkipSample("stale")
+            if h.version.n == 0:  # (an empty served list on a non-empty index is a miss, scored as such)
+                raise SkipSample("empty")
+            exact, listed, rerun = self.source.measure(h.version, sample, vs.k_target, pace)
+        finally:
+            h.release()
+        return Evaluation(sample, "ncl" if sample.ncl_stage1 else "cosine", exact, _share(exact, listed),
+                          _share(exact, sample.served), vs.k_target, rerun, 0.0), vs
 
     def _version_state(self, version: IndexVersion) -> _VersionState:
         vs = self._vs
         if vs is None or vs.name != version.name:
-            target, kt = version_target(version)
+            target, kt = self.source.target(version)
             vs = self._vs = _VersionState(version.name, target, kt, deque(maxlen=self.window_size))
             self._last_warn = -math.inf
             self._clear_alarm()
@@ -433,18 +448,15 @@ class RecallWatch:
 
 def _share(exact: np.ndarray, listed: np.ndarray) -> float:
     """|exact ∩ listed| / |exact| (gare_build.tuning.measure.recall_of_topk for one query)."""
-    if exact.size == 0:
-        return math.nan
-    return float(np.isin(exact, listed).sum() / exact.size)
+    return float(np.isin(exact, listed).sum() / exact.size) if exact.size else math.nan
 
 
-def exact_top(version: IndexVersion, unit: np.ndarray, top: int = TOP, *, ncl_stage1: bool = False, chunk_rows: int = 65536,
-              step: Callable[[], None] | None = None) -> np.ndarray:
-    """The exact top-``top`` ids by ``unit · v̂_j`` (+ ``b_j`` with ``ncl_stage1``) over ``version.stage1_units``.
-
-    Reads ``chunk_rows`` rows at a time (a memmap stays a memmap: memory is one chunk's scores), scores them
-    with numpy's single-threaded einsum and keeps the best ``top`` (ties: the lower row); ``step()`` runs
-    after every chunk (the watch's pacing)."""
+def exact_top(version: IndexVersion, unit: np.ndarray, top: int = TOP, *, ncl_stage1: bool = False,
+              chunk_rows: int = 65536, step: Callable[[], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, scores) of the exact top-``top`` by ``unit · v̂_j`` (+ ``b_j`` with ``ncl_stage1``) over
+    ``version.stage1_units``, best first (ties: the lower row). Reads ``chunk_rows`` rows at a time (a memmap stays
+    a memmap: memory is one chunk's scores), scored by numpy's single-threaded einsum; ``step()`` runs after every
+    chunk (the watch's pacing)."""
     units = version.stage1_units
     n = int(units.shape[0])
     q = np.ascontiguousarray(unit, dtype=np.float32).reshape(-1)
@@ -454,36 +466,35 @@ def exact_top(version: IndexVersion, unit: np.ndarray, top: int = TOP, *, ncl_st
     best_r = np.zeros(0, np.int64)
     for s in range(0, n, max(1, int(chunk_rows))):
         e = min(n, s + int(chunk_rows))
-        block = np.asarray(units[s:e])
-        if block.dtype != np.float32:
-            block = block.astype(np.float32)
+        block = np.asarray(units[s:e], dtype=np.float32)
         sc = np.einsum("nd,d->n", block, q)
         if biases is not None:
             sc = sc + biases[s:e]
-        if e - s > top:
-            keep = np.argpartition(-sc, top - 1)[:top]
-        else:
-            keep = np.arange(e - s)
+        keep = np.argpartition(-sc, top - 1)[:top] if e - s > top else np.arange(e - s)
         cs = np.concatenate([best_s, sc[keep]])
         cr = np.concatenate([best_r, keep.astype(np.int64) + s])
         order = np.lexsort((cr, -cs))[:top]
         best_s, best_r = cs[order], cr[order]
         if step is not None:
             step()
-    return np.asarray(version.ids, dtype=np.int64)[best_r]
+    return np.asarray(version.ids, dtype=np.int64)[best_r], best_s.astype(np.float32)
 
 
 def start_recall_watch(state: Any) -> RecallWatch | None:
-    """The service's watch (settings ``recall_*``), started; None when ``recall_sample_rate`` is 0."""
+    """The service's watch (settings ``recall_*``), started; None when ``recall_sample_rate`` is 0. A state that
+    serves something else than one index version says how to measure it (``state.recall_source()``: the Ray
+    ingress's sharded generation); else :class:`IndexSource`."""
     s = state.settings
     if s.recall_sample_rate <= 0:
         return None
+    make_source = getattr(state, "recall_source", None)
     w = RecallWatch(lambda: state.handle, state.metrics, sample_rate=s.recall_sample_rate,
                     cpu_share=s.recall_cpu_share, queue_size=s.recall_queue_size, window=s.recall_window,
                     warn_min_queries=s.recall_warn_min_queries, warn_interval_s=s.recall_warn_interval_s,
-                    alarm_after_s=s.recall_alarm_after_s)
+                    alarm_after_s=s.recall_alarm_after_s, source=make_source() if make_source is not None else None)
     state.recall_watch = w
     return w.start()
 
 
-__all__ = ["TOP", "Sample", "Evaluation", "RecallWatch", "exact_top", "version_target", "start_recall_watch"]
+__all__ = ["TOP", "Sample", "Evaluation", "SkipSample", "Stage1Source", "IndexSource", "RecallWatch", "cpu_pacer",
+           "exact_top", "version_target", "start_recall_watch"]

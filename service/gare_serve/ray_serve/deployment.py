@@ -11,7 +11,10 @@ FastAPI app, and one deployment per shard.
   for the generation the request names.
 - ``gare-ingress``: gare-serve's app (``gare_serve.app.create_app``: the same routes, schemas, auth and key roles, limits,
   caches and page) with a ``gare_serve.ray_serve.ingress_state.ShardedServiceState``: it encodes each query once, calls every
-  shard through :class:`RayShards` and merges the global top k (``gare_search.shard_search.merge``).
+  shard through :class:`RayShards` and merges the global top k (``gare_search.shard_search.merge``). As gare-serve, it
+  records the query bank (``GARE_QUERY_BANK_SIZE``, ``GARE_QUERY_BANK_PATH``: a path the ingress can write; with
+  several ingress replicas each rewrites the file with its own bank, so it holds one replica's share) and watches stage-1 recall (``GARE_RECALL_*``: sampled queries probed on
+  every shard, the ``gare_stage1_recall_*`` metrics and alarm on the ingress's ``/metrics``; docs/retune.md).
 
 Arguments (``serve run ... key=value`` or the dict): ``index`` (required, a sharded INDEX root, on storage every
 node sees), ``checkpoint`` (optional, as gare-serve), ``shard_replicas`` (default 1), ``ingress_replicas``
@@ -102,8 +105,7 @@ class AppArgs:
         raise ValueError(f"{name} must be true or false, got {v!r}")
 
     def settings_overrides(self) -> dict[str, Any]:
-        # recall watching re-runs stage 1 on one index version; the ingress holds none (off here)
-        return {"index": self.index, "checkpoint": self.checkpoint, "recall_sample_rate": 0.0}
+        return {"index": self.index, "checkpoint": self.checkpoint}
 
 
 @serve.deployment
@@ -130,8 +132,9 @@ class ShardServer:
 
 class RayShards:
     """The shard deployments as the ingress calls them (``gare_serve.ray_serve.ingress_state.ShardClient``): one call per
-    shard, all in flight at once, each waited for at most ``timeout_s``; a shard whose replica died, timed out or
-    failed is left out of the answer (and logged), so the caller flags it. An ExampleError (an unknown example id)
+    shard, all in flight at once, each waited for at most ``timeout_s`` (or the call's own: the recall watch's paced
+    probes); a shard whose replica died, timed out or failed is left out of the answer (and logged), so the caller
+    flags it. An ExampleError (an unknown example id)
     is the user's error and is raised as such."""
 
     def __init__(self, handles: Sequence[DeploymentHandle], timeout_s: float) -> None:
@@ -139,10 +142,11 @@ class RayShards:
         self.n_shards = len(self.handles)
         self.timeout_s = float(timeout_s)
 
-    def call(self, method: str, args: Mapping[int, tuple[Any, ...]]) -> dict[int, Any]:
-        # called from worker threads (the micro-batcher's, the route thread pool): blocking waits are allowed there
+    def call(self, method: str, args: Mapping[int, tuple[Any, ...]], timeout_s: float | None = None) -> dict[int, Any]:
+        # called from worker threads (the micro-batcher's, the route thread pool, the recall watch's): blocking waits
+        # are allowed there
         pending = {s: self.handles[s].call.remote(method, *a) for s, a in args.items()}
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else float(timeout_s))
         out: dict[int, Any] = {}
         for s, resp in pending.items():
             try:

@@ -13,6 +13,19 @@ Every call names the generation the request started on (the ``VersionHandle`` it
 answered from exactly one generation; :func:`follow_generations` moves the ingress to a new generation once every
 shard has opened it. A shard that does not answer: 503 naming it, or, with ``allow_partial``, the answer of the
 others flagged ``partial`` with ``missing_shards`` (never a silent drop).
+
+What gare-serve records of its traffic runs here too. The query bank (``GARE_QUERY_BANK_SIZE``/``_PATH``) is fed by
+the batch worker with the unit vectors of the queries encoded here, as in gare-serve
+(``gare_serve.engine.batch_worker.run_batch``), and ``gare-index tune --out ROOT --from-bank`` takes it on the
+sharded root. The stage-1 recall watch (``GARE_RECALL_SAMPLE_RATE`` > 0, ``gare_serve.engine.recall_watch``)
+measures the whole generation: :meth:`ShardedServiceState.search_batch` offers a sampled query with the candidates
+it was served (the merge's global top K of the shards' stage-1 lists), and :class:`ShardSource` measures it on
+every shard (``gare_serve.ray_serve.shard_replica.ShardWorker.stage1_probe``, the exact scan paced in the
+replica): the generation's exact top-10 is the merge of every shard's exact top-10 (a video in it is in its own
+shard's), its stage-1 candidates the union of every shard's stage-1 top K at the K that shard was tuned at (its
+``recall_at``: a shard meeting its target keeps that share of its own top-10, so the union keeps that share of the
+generation's), the target the lowest of the shards' (:func:`generation_target`). Metrics, warning and alarm are
+gare-serve's, on this app's ``/metrics``; a new generation restarts the window and clears the alarm.
 """
 
 from __future__ import annotations
@@ -44,24 +57,32 @@ from gare_index.store import VERSIONS_DIR, IndexFormatError, IndexManifest, read
 from gare_search import by_example as E
 from gare_search import shard_search as SH
 from gare_search.query import encode_queries, sync, unit_rows
-from gare_search.search import QueryResult, SearchOptions
+from gare_search.search import DEFAULT_CANDIDATES, QueryResult, SearchOptions
 from gare_serve.engine.prometheus import Metrics
+from gare_serve.engine.recall_watch import CHUNK_BYTES, TOP, RecallWatch, Sample, SkipSample
 from gare_serve.engine.reload import ReloadRefused, ReloadUnavailable
 from gare_serve.engine.startup import StartupError, resolve_checkpoint
 from gare_serve.engine.state import ServiceState
 from gare_serve.engine.versions import VersionHandle
+from gare_serve.ray_serve.shard_replica import ShardProbe
 from gare_serve.settings import Settings
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ShardClient", "ShardedQueryResult", "ShardedView", "ShardedServiceState", "follow_generations"]
+__all__ = ["ShardClient", "ShardedQueryResult", "ShardedView", "ShardedServiceState", "ShardSource",
+           "generation_target", "shard_recall_ks", "follow_generations"]
+
+# How long the recall watch waits for a shard's probe: its exact scan is paced to recall_cpu_share of the replica's
+# time (at 5%, twenty times its CPU time), far past a search's shard timeout on a large shard
+PROBE_TIMEOUT_S = 600.0
 
 
 class ShardClient(Protocol):
     n_shards: int
 
-    def call(self, method: str, args: Mapping[int, tuple[Any, ...]]) -> dict[int, Any]:
-        """shard -> its answer to ``method(*args[shard])``; shards that did not answer are left out."""
+    def call(self, method: str, args: Mapping[int, tuple[Any, ...]], timeout_s: float | None = None) -> dict[int, Any]:
+        """shard -> its answer to ``method(*args[shard])``; shards that did not answer (within ``timeout_s``, None:
+        the client's own) are left out."""
 
 
 @dataclass
@@ -203,10 +224,13 @@ class ShardedServiceState(ServiceState):
         t = encoder(list(texts)) if encoder is not None else encode_queries(model, texts, precision, tower=tower)
         sync(model.device)
         t_np = t.detach().to("cpu", torch.float32).numpy()  # (a, d): what crosses to the shards
+        units = unit_rows(t_np)  # what every shard's stage 1 searches with
         if on_units is not None:
-            on_units(unit_rows(t_np))
+            on_units(units)
         t1 = time.perf_counter()
         parts = self.fan_out(version, "candidates", lambda s: (t_np, opts))
+        if self.recall_watch is not None:
+            self.offer_samples(self.recall_watch, version, units, parts, opts)
         t2 = time.perf_counter()
         merged = SH.merge(parts, version.n_shards, opts, n_queries=len(texts))
         t3 = time.perf_counter()
@@ -214,6 +238,28 @@ class ShardedServiceState(ServiceState):
                                             "rerank": m.timings.get("rerank", 0.0), "rank": t3 - t2,
                                             "shards": t2 - t1, "total": t3 - t0}, missing_shards=m.missing_shards)
                 for m in merged]
+
+    def offer_samples(self, watch: RecallWatch, view: ShardedView, units: np.ndarray,
+                      parts: Sequence[Sequence[SH.ShardCandidates] | None], opts: Sequence[SearchOptions]) -> None:
+        """The recall watch's sample of these queries (``watch.observe``: each with probability
+        ``recall_sample_rate``), each with the candidates it was served: the global top K of every shard's stage-1
+        list, as the merge keeps them. A partial answer or a filtered query says nothing about stage 1 over the
+        gallery: not offered."""
+        if any(p is None for p in parts):
+            return
+        try:
+            for i, o in enumerate(opts):
+                if getattr(o, "filter", None) is not None:
+                    continue
+                gids, _, _, keep = SH.stage1_cut([(s, p[i]) for s, p in enumerate(parts)], view.n_shards,
+                                                 int(o.candidates), ncl_stage1=o.ncl_stage1)
+                watch.observe(view.name, units[i:i + 1], gids[keep][None, :], int(o.candidates), o.ncl_stage1)
+        except Exception:  # noqa: BLE001 - sampling must never fail a search
+            log.exception("recall watch: sampling a sharded stage-1 result failed")
+
+    def recall_source(self) -> ShardSource:
+        """How the recall watch measures a generation (``gare_serve.engine.recall_watch.start_recall_watch``)."""
+        return ShardSource(self.client, cpu_share=self.settings.recall_cpu_share)
 
     def search_by_videos(self, version: ShardedView, ids: Sequence[int], opts: SearchOptions) -> QueryResult:
         """More like these videos (GLOBAL ids): their rows from their own shards, then every shard, merged."""
@@ -302,6 +348,59 @@ class ShardedServiceState(ServiceState):
             old.retire()
         log.info("now serving generation %s (was %s)", view.name, old.version.name if old is not None else None)
         return True
+
+
+def shard_recall_ks(view: ShardedView) -> list[int]:
+    """Every shard's K: the ``recall_at`` its stage 1 was tuned at (the service's default K when not tuned)."""
+    return [max(1, int((m.stage1 or {}).get("recall_at") or DEFAULT_CANDIDATES)) for m in view.manifests]
+
+
+def generation_target(view: ShardedView) -> tuple[float | None, int]:
+    """(the generation's recall target: the lowest of its shards' ``stage1.recall_target``, what every shard was
+    tuned to meet, None when no shard was; the K reported with it: the largest shard K, capped at the generation's
+    size)."""
+    targets = [float(t) for m in view.manifests if isinstance(t := (m.stage1 or {}).get("recall_target"), (int, float))]
+    k = max(shard_recall_ks(view))
+    return (min(targets) if targets else None), max(1, min(k, int(view.n)) if view.n else k)
+
+
+class ShardSource:
+    """The recall watch's :class:`gare_serve.engine.recall_watch.Stage1Source` over a sharded generation: one
+    ``stage1_probe`` call per shard per sample (each shard's exact scan paced to ``cpu_share`` in its replica, its
+    stage 1 asked at its own K: :func:`shard_recall_ks`), merged by GLOBAL id. Stage 1 is always run again: the
+    served list is the merge's cut at the request's K, not the shards' lists. A shard that does not answer within
+    ``timeout_s``: the sample is skipped (``reason="shards"``)."""
+
+    def __init__(self, client: ShardClient, *, cpu_share: float = 1.0, chunk_bytes: int = CHUNK_BYTES,
+                 timeout_s: float = PROBE_TIMEOUT_S) -> None:
+        self.client, self.cpu_share, self.chunk_bytes, self.timeout_s = client, float(cpu_share), chunk_bytes, timeout_s
+
+    def target(self, view: ShardedView) -> tuple[float | None, int]:
+        return generation_target(view)
+
+    def measure(self, view: ShardedView, sample: Sample, k_target: int,
+                step: Callable[[], None]) -> tuple[np.ndarray, np.ndarray, bool]:
+        """(the generation's exact top-10 GLOBAL ids, the union of the shards' stage-1 lists, True)."""
+        n, ks = view.n_shards, shard_recall_ks(view)
+        got: dict[int, ShardProbe] = self.client.call(
+            "stage1_probe", {s: (view.generation.number, sample.unit, ks[s], sample.ncl_stage1, self.cpu_share,
+                                 self.chunk_bytes) for s in range(n)}, timeout_s=self.timeout_s)
+        step()
+        if len(got) < n:
+            log.warning("recall watch: shards %s did not answer the probe of a sample; skipped",
+                        sorted(set(range(n)) - set(got)))
+            raise SkipSample("shards")
+        gids = np.concatenate([global_id(np.full(p.exact_ids.size, s, np.int64), np.asarray(p.exact_ids, np.int64), n)
+                               for s, p in got.items()]).astype(np.int64, copy=False)
+        scores = np.concatenate([np.asarray(p.exact_scores, np.float32) for p in got.values()])
+        exact = gids[np.lexsort((gids, -scores))[:TOP]]  # each shard's exact top-10 holds the global one's videos
+        listed = [global_id(np.full(p.listed.size, s, np.int64), np.asarray(p.listed, np.int64), n)
+                  for s, p in got.items()]
+        return exact, np.concatenate(listed).astype(np.int64, copy=False), True
+
+    def wrap(self, view: ShardedView, watch: RecallWatch) -> ShardedView:
+        """The view itself: the state offers the served lists (:meth:`ShardedServiceState.offer_samples`)."""
+        return view
 
 
 async def follow_generations(state: ShardedServiceState, poll_s: float) -> None:

@@ -1,5 +1,7 @@
 """One shard of a sharded index as a server process sees it: its versions pinned by generation, and the calls the
-ingress makes on it (what a Ray Serve shard replica runs: ``gare_serve.ray_serve.deployment``).
+ingress makes on it (what a Ray Serve shard replica runs: ``gare_serve.ray_serve.deployment``): the searches, and
+the recall watch's probe of a sampled query (:meth:`ShardWorker.stage1_probe`: this shard's exact top-10 and its
+stage 1 at the watch's K, the exact scan paced here, where its CPU is spent).
 
 :class:`ShardWorker` opens shard ``s``'s version that a generation names (``gare_index.shards``: never the shard's
 own CURRENT, which is the builder's working state), memory-mapped, and answers every call for the generation the
@@ -18,6 +20,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +36,27 @@ from gare_index.store import IndexFormatError, open_version
 from gare_search import rerank
 from gare_search import shard_search as SH
 from gare_search.search import SearchOptions
+from gare_search.stage1 import ann_stage, valid
+from gare_serve.engine.recall_watch import CHUNK_BYTES, TOP, cpu_pacer, exact_top
 from gare_serve.engine.versions import VersionHandle, advise_random_access
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ShardWorker", "LocalShards", "SHARD_CALLS", "ShardModel", "load_shard_model"]
+__all__ = ["ShardWorker", "LocalShards", "SHARD_CALLS", "ShardModel", "ShardProbe", "load_shard_model"]
 
 # The calls the ingress makes on a shard (method names of ShardWorker); a Ray replica refuses any other name.
-SHARD_CALLS = ("open", "candidates", "example_rows", "example_candidates", "image_candidates", "metadata", "path_of")
+SHARD_CALLS = ("open", "candidates", "example_rows", "example_candidates", "image_candidates", "metadata", "path_of",
+               "stage1_probe")
+
+
+@dataclass
+class ShardProbe:
+    """One sampled query on one shard, for the recall watch (LOCAL ids): the exact top-10 by the stage-1 score and
+    the shard's stage-1 top K, as a served query at that K gets it."""
+
+    exact_ids: np.ndarray  # (<= 10,) int64, best first
+    exact_scores: np.ndarray  # (<= 10,) float32: cos(t, v̂_j), + b_j with ncl_stage1
+    listed: np.ndarray  # (<= K,) int64: stage 1's top K, in its order
 
 
 class ShardModel(torch.nn.Module):
@@ -173,6 +189,23 @@ class ShardWorker:
             return v.metadata(known) if known.size else []
         return self._run(generation, rows)
 
+    def stage1_probe(self, generation: int, unit: np.ndarray, k: int, ncl_stage1: bool, cpu_share: float = 1.0,
+                     chunk_bytes: int = CHUNK_BYTES) -> ShardProbe:
+        """The recall watch's look at this shard for one sampled query (unit (d,), the stage-1 query vector): the
+        exact top-10 over the shard's stage-1 vectors (``gare_serve.engine.recall_watch.exact_top``, in chunks of
+        ``chunk_bytes``, paced to ``cpu_share`` of this thread's wall time), and its stage-1 top ``k`` through the
+        version's ANN, as the searches run it (``gare_search.stage1``)."""
+        def probe(v: Any) -> ShardProbe:
+            q = np.ascontiguousarray(unit, dtype=np.float32).reshape(-1)
+            ids, scores = exact_top(v, q, TOP, ncl_stage1=ncl_stage1, step=cpu_pacer(float(cpu_share)),
+                                    chunk_rows=max(1, int(chunk_bytes) // max(1, 4 * int(v.dim))))
+            listed = np.zeros(0, np.int64)
+            if v.n:  # an empty shard lists nothing
+                sc, got = ann_stage(v, q[None, :], max(1, int(k)), ncl_stage1=ncl_stage1)
+                listed = valid(sc[0], got[0])[1]
+            return ShardProbe(ids, scores, listed)
+        return self._run(generation, probe)
+
     def path_of(self, generation: int, local_id: int) -> str | None:
         p = self._run(generation, lambda v: v.path_of(int(local_id)))
         return None if p is None else str(p)
@@ -193,8 +226,9 @@ class LocalShards:
         self.n_shards = len(self.workers)
         self.down: set[int] = set()
 
-    def call(self, method: str, args: Mapping[int, tuple[Any, ...]]) -> dict[int, Any]:
-        """shard -> its answer to ``method(*args[shard])``; a shard that did not answer is left out."""
+    def call(self, method: str, args: Mapping[int, tuple[Any, ...]], timeout_s: float | None = None) -> dict[int, Any]:
+        """shard -> its answer to ``method(*args[shard])``; a shard that did not answer is left out (``timeout_s``:
+        the Ray handles' wait; nothing waits here)."""
         if method not in SHARD_CALLS:
             raise ValueError(f"unknown shard call {method!r}; one of {SHARD_CALLS}")
         return {s: getattr(self.workers[s], method)(*a) for s, a in args.items() if s not in self.down}
