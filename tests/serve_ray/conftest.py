@@ -49,11 +49,13 @@ def decided(service_env, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def ray_cluster(service_env, shard_env, decided, tmp_path_factory):
-    """The one Ray run (tests/serve_ray/one_cluster.py): {"apps": {name: {"steps": ...}}, ...}, and "want": the
-    single index's answers to the shards app's requests (computed here while the cluster starts)."""
+    """The one Ray run (tests/serve_ray/one_cluster.py): {"apps": {name: {"steps": ...}}, ...}, "want": the
+    single index's answers to the shards app's requests (computed here while the cluster starts), and "bank": the
+    query bank file the ingresses wrote."""
     base = tmp_path_factory.mktemp("ray-cluster")
     n1 = build_sharded_cli(service_env["checkpoint"], service_env["videos"], base / "n1", 1)
-    cfg, env = cluster_config(n1, decided["on"], shard_env["n2"], shard_env["captions"])
+    bank = base / "bank" / "queries.npy"
+    cfg, env = cluster_config(n1, decided["on"], shard_env["n2"], shard_env["captions"], bank)
     reqs, everything = shard_requests(shard_env["captions"])
     out, want = run_ray(base, cfg, env, meanwhile=lambda: reference(shard_env["single"], [*reqs, everything]))
-    return {**out, "want": want}
+    return {**out, "want": want, "bank": bank}

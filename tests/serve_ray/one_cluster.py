@@ -6,7 +6,11 @@ Three apps are deployed one after the other on the same 2-node cluster, started 
 * ``limits`` (tests/serve_ray/test_ray_limits.py): a 1-shard index; the listeners, raw requests, slow clients;
 * ``ncl`` (tests/serve_ray/test_sharded_ncl_default.py): the 2-shard index whose recorded NCL default is on;
 * ``shards`` (tests/serve_ray/test_ray_serve.py): the 2-shard index built by the CLI, its answers against the single
-  index's, then every replica of shard 1 killed (last: the app is not used after it).
+  index's, the stage-1 recall watch's metrics on the ingress's /metrics, then every replica of shard 1 killed (last:
+  the app is not used after it).
+
+Every ingress records the query bank (``bank_path``: each app's ingress loads what the one before wrote and adds
+its own text queries) and samples every text query for the recall watch.
 """
 
 from __future__ import annotations
@@ -61,12 +65,19 @@ NCL_REQUESTS = [{"query": NCL_QUERY, "k": 5}, {"query": NCL_QUERY, "k": 5, "ncl"
                 {"query": NCL_QUERY, "k": 5, "ncl": True}]
 
 
+# what the shards app's /metrics must show once the watch has evaluated its 5 complete text answers
+RECALL_DONE = ["gare_stage1_recall_window_queries 5.0"]
+# the text queries every app's ingress searched, in order (the bank's rows): the limits app's raw search, the ncl app's
+BANKED_BEFORE_SHARDS = ["a dog", NCL_QUERY, NCL_QUERY, NCL_QUERY]
+
+
 def shard_requests(captions: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The shards app's text requests (2 captions, NCL off and on) and one asking for every video (k = 16)."""
     return text_requests(captions, 2), {"query": captions[2], "k": 16, "candidates": 16, "ncl": True}
 
 
-def cluster_config(n1: Path, ncl_on: Path, n2: Path, captions: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
+def cluster_config(n1: Path, ncl_on: Path, n2: Path, captions: list[str],
+                   bank_path: Path) -> tuple[dict[str, Any], dict[str, str]]:
     """(ray_run's config, the cluster's environment)."""
     reqs, everything = shard_requests(captions)
     apps = [
@@ -86,6 +97,8 @@ def cluster_config(n1: Path, ncl_on: Path, n2: Path, captions: list[str]) -> tup
         {"name": "shards",
          "app": {"index": str(n2), "shard_replicas": 1, "allow_partial": True, "shard_timeout_s": 10},
          "steps": [{"do": "ask", "name": "answers", "requests": [*reqs, everything]},
+                   {"do": "metrics", "name": "recall", "until": RECALL_DONE, "prefix": "gare_stage1_recall",
+                    "timeout_s": 60},
                    {"do": "kill", "name": "kill", "shard": 1},
                    {"do": "ask", "name": "after_kill", "requests": [everything]}]},
     ]
@@ -94,6 +107,10 @@ def cluster_config(n1: Path, ncl_on: Path, n2: Path, captions: list[str]) -> tup
            "proxy_location": "HeadOnly"}
     env = {**ray_env(NODE), "GARE_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S), "GARE_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S),
            "GARE_MAX_BODY_BYTES": str(MAX_BODY),
+           # what the ingress records of its traffic: every text query in the bank, written at once, and sampled for
+           # the recall watch, whose probes run unpaced on these tiny shards
+           "GARE_QUERY_BANK_SIZE": "1000", "GARE_QUERY_BANK_PATH": str(bank_path), "GARE_QUERY_BANK_FLUSH_EVERY": "1",
+           "GARE_RECALL_SAMPLE_RATE": "1", "GARE_RECALL_CPU_SHARE": "1",
            # a host loaded by other jobs: give the dashboard agent time to register (not a product setting)
            "RAY_agent_register_timeout_ms": "120000"}
     return cfg, env

@@ -17,6 +17,8 @@ index_version, hits: [[file name, id, score, ann, psi, bias], ...], detail, qi (
   body of the answer (tests/serve_ray/test_ray_limits.py).
 - ``slow``: one connection sends ``head`` at once, then ``trickle`` one byte every ``every_s`` seconds, stopping
   when the server answers or closes (at most ``guard_s``): what came back and when, from the connection's opening.
+- ``metrics``: GET /metrics until every line of ``until`` is in it (at most ``timeout_s``; the recall watch evaluates
+  its samples in the background): the ``prefix`` lines of the last answer.
 - ``listeners``: every listening TCP socket of this process and its descendants (every Ray process of the run),
   with its address and the process's name, and (``netns``: in a private network namespace) every listening socket
   of the namespace from /proc/net/tcp and tcp6.
@@ -134,6 +136,16 @@ def step_load_while(base: str, st: dict[str, Any]) -> dict[str, Any]:
         th.join(timeout=90)
     return {"command_rc": cmd.returncode, "command_output": (cmd.stdout + cmd.stderr)[-4000:], "command_done_s": t_cmd,
             "answers": answers}
+
+
+def step_metrics(client: httpx.Client, st: dict[str, Any]) -> dict[str, Any]:
+    t0, text = time.time(), ""
+    while time.time() - t0 < st.get("timeout_s", 60):
+        text = client.get("/metrics").text
+        if all(line in text.splitlines() for line in st["until"]):
+            break
+        time.sleep(0.1)
+    return {"lines": [ln for ln in text.splitlines() if ln.startswith(st["prefix"])], "waited_s": time.time() - t0}
 
 
 def read_answer(sock: socket.socket, deadline: float) -> bytes:
@@ -285,6 +297,8 @@ def run_steps(base: str, port: int, steps: list[dict[str, Any]], into: dict[str,
                 r = step_slow(port, st)
             elif st["do"] == "listeners":
                 r = step_listeners(st)
+            elif st["do"] == "metrics":
+                r = step_metrics(client, st)
             else:
                 raise ValueError(f"unknown step {st['do']!r}")
             into[st["name"]] = {**r, "step_s": time.time() - t1}

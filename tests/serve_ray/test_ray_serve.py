@@ -5,7 +5,8 @@ single flat index over the same videos.
 
 - fast (the CI suite; the suite's one Ray run, tests/serve_ray/one_cluster.py): 2 nodes, 2 shards: text answers with and without NCL equal the single index's; with every
   replica of shard 1 killed and ``allow_partial``, the answer is flagged partial, names shard 1, and holds exactly
-  the full answer's shard-0 videos.
+  the full answer's shard-0 videos. The ingresses wrote the query bank (exactly the text queries they served) and
+  the shards app's /metrics shows the recall watch's evaluation of its queries on every shard.
 - slow: 3 shards x 2 replicas (one replica killed: the other serves; all killed without ``allow_partial``: a 503
   naming the shard, then Ray restarts it and the answers are right again); 4 shards switching generation under load
   (`gare-index add` while clients query: every answer equals the single-index answer of exactly the generation its
@@ -18,8 +19,12 @@ import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from gare.checkpoint import load_model
+from gare_search.query import encode_queries, unit_rows
+from tests.serve_ray.one_cluster import BANKED_BEFORE_SHARDS, shard_requests
 from tests.serve_ray.support import assert_same_record, build_sharded_cli, reference, run_ray, text_requests
 from tests.service.support import build_index, free_port
 
@@ -45,6 +50,24 @@ def test_ray_serve_two_shards_equal_the_single_index_and_a_dead_shard_is_flagged
     full = steps["answers"]["answers"][-1]["hits"]
     assert a["hits"] and all(h[1] % 2 == 0 for h in a["hits"])
     assert [(h[0], h[1], h[2]) for h in a["hits"]] == [(h[0], h[1], h[2]) for h in full if h[1] % 2 == 0]
+
+
+def test_ray_ingress_records_the_query_bank_and_watches_stage1_recall(ray_cluster, shard_env):
+    """The suite's one Ray run: every ingress recorded its text queries (GARE_QUERY_BANK_*), and the shards app's
+    watch evaluated its 5 complete answers on both shard replicas (GARE_RECALL_SAMPLE_RATE=1)."""
+    rec = ray_cluster["apps"]["shards"]["steps"]["recall"]
+    lines = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in rec["lines"]}
+    assert lines["gare_stage1_recall_window_queries"] == 5, rec
+    # flat shards, each tuned at K = its 8 videos: every global top-10 is found; the target is the shards' 0.995
+    assert lines["gare_stage1_recall_mean"] == 1.0 and lines["gare_stage1_recall_target"] == 0.995
+    assert lines['gare_stage1_recall_evaluated_total{list="rerun"}'] == 5 and lines["gare_stage1_recall_alarm"] == 0
+    reqs, everything = shard_requests(shard_env["captions"])
+    # the bank, oldest first: each app's ingress loaded the file the one before wrote; the shards app's answers,
+    # then its one answer after the kill (partial, but searched)
+    texts = [*BANKED_BEFORE_SHARDS, *(r["query"] for r in reqs), everything["query"], everything["query"]]
+    bank = np.load(ray_cluster["bank"], allow_pickle=False)
+    model, _ = load_model(shard_env["checkpoint"], "cpu")
+    np.testing.assert_allclose(bank, unit_rows(encode_queries(model, texts)), atol=1e-5)
 
 
 @pytest.mark.slow  # ~3 min on 2 cores: 3 nodes, 3 shards x 2 replicas + the ingress, each loading torch
