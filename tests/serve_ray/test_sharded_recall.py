@@ -157,6 +157,10 @@ def test_sharded_recall_equals_a_naive_reference_with_a_weak_shard(shard_env):
             ncl = [watch.evaluate(Sample(view.name, units[i], np.zeros(0, np.int64), 0, ncl_stage1=True))
                    for i in range(4)]
             metrics = metric_lines((await client.get("/metrics")).text)
+            shards.down.add(1)  # a shard that does not answer the probe: the sample is skipped, never half-measured
+            assert watch.evaluate(Sample(view.name, units[0], np.zeros(0, np.int64), 0)) is None
+            assert watch.stats["skipped"] == {"shards": 1} and watch.stats["evaluated"] == 12
+            shards.down.clear()
             refs = [naive(shards, 1, units[i], ks, 16 if i < 4 else 6) for i in range(8)]
             refs_ncl = [naive(shards, 1, units[i], ks, 16, ncl=True) for i in range(4)]
             return evs, ncl, units, metrics, refs, refs_ncl, (target, kt, ks), [m.stage1 for m in view.manifests]

@@ -11,10 +11,11 @@ FastAPI app, and one deployment per shard.
   for the generation the request names.
 - ``gare-ingress``: gare-serve's app (``gare_serve.app.create_app``: the same routes, schemas, auth and key roles, limits,
   caches and page) with a ``gare_serve.ray_serve.ingress_state.ShardedServiceState``: it encodes each query once, calls every
-  shard through :class:`RayShards` and merges the global top k (``gare_search.shard_search.merge``). As gare-serve, it
-  records the query bank (``GARE_QUERY_BANK_SIZE``, ``GARE_QUERY_BANK_PATH``: a path the ingress can write; with
-  several ingress replicas each rewrites the file with its own bank, so it holds one replica's share) and watches stage-1 recall (``GARE_RECALL_*``: sampled queries probed on
-  every shard, the ``gare_stage1_recall_*`` metrics and alarm on the ingress's ``/metrics``; docs/retune.md).
+  shard through :class:`RayShards` and merges the global top k (``gare_search.shard_search.merge``). As gare-serve,
+  it records the query bank (``GARE_QUERY_BANK_SIZE``, ``GARE_QUERY_BANK_PATH``: a path the ingress can write; with
+  several ingress replicas each rewrites the file with its own bank, so it holds one replica's share) and watches
+  stage-1 recall (``GARE_RECALL_*``: sampled queries probed on every shard, the ``gare_stage1_recall_*`` metrics
+  and alarm on the ingress's ``/metrics``; docs/retune.md).
 
 Arguments (``serve run ... key=value`` or the dict): ``index`` (required, a sharded INDEX root, on storage every
 node sees), ``checkpoint`` (optional, as gare-serve), ``shard_replicas`` (default 1), ``ingress_replicas``
@@ -134,8 +135,7 @@ class RayShards:
     """The shard deployments as the ingress calls them (``gare_serve.ray_serve.ingress_state.ShardClient``): one call per
     shard, all in flight at once, each waited for at most ``timeout_s`` (or the call's own: the recall watch's paced
     probes); a shard whose replica died, timed out or failed is left out of the answer (and logged), so the caller
-    flags it. An ExampleError (an unknown example id)
-    is the user's error and is raised as such."""
+    flags it. An ExampleError (an unknown example id) is the user's error and is raised as such."""
 
     def __init__(self, handles: Sequence[DeploymentHandle], timeout_s: float) -> None:
         self.handles = list(handles)
