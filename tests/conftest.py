@@ -28,6 +28,26 @@ def require(condition: object, reason: str) -> None:
     pytest.skip(reason)
 
 
+# ------------------------------------------------------------------------------------------ parallel runs
+# The README's test command runs on pytest-xdist (`-n 2 --dist loadgroup`). Each module is one group, so its
+# module-scoped servers start once, on one worker; the modules that read the suite's one Ray cluster run
+# (tests/serve_ray/one_cluster.py, a session fixture) are one group, or each worker would start its own cluster.
+RAY_CLUSTER_GROUP = "ray-cluster"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the groups into node ids
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group(RAY_CLUSTER_GROUP))
+        else:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+    # The Ray group first: it is the longest (a cluster start and three apps), and a long group handed out last
+    # leaves the other worker idle at the end. Stable: every other test keeps its order (each worker collects
+    # the same list, which xdist requires).
+    items.sort(key=lambda item: 0 if item.get_closest_marker("xdist_group").args[0] == RAY_CLUSTER_GROUP else 1)
+
+
 @pytest.fixture(scope="session")
 def tiny_cfg():
     from gare.config import get_model_config
