@@ -29,23 +29,43 @@ def require(condition: object, reason: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------ parallel runs
-# The README's test command runs on pytest-xdist (`-n 2 --dist loadgroup`). Each module is one group, so its
-# module-scoped servers start once, on one worker; the modules that read the suite's one Ray cluster run
-# (tests/serve_ray/one_cluster.py, a session fixture) are one group, or each worker would start its own cluster.
-RAY_CLUSTER_GROUP = "ray-cluster"
+# The README's test command runs on two pytest-xdist processes. Each module is one unit of work, so its
+# module-scoped servers start once, on one process; the modules that read the suite's one Ray cluster run
+# (a session fixture, tests/serve_ray/one_cluster.py) are one unit, or each process would start its own cluster.
+# (xdist's own --dist loadgroup cannot carry this: it renames items through a node attribute pytest 9.2 no longer
+# reads, so every test became its own unit.)
+RAY_CLUSTER_UNIT = "ray-cluster"
+CLUSTER_READERS = frozenset({"tests/serve_ray/test_ray_limits.py", "tests/serve_ray/test_ray_serve.py",
+                             "tests/serve_ray/test_sharded_ncl_default.py"})
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the groups into node ids
+def _unit(nodeid: str) -> str:
+    module = nodeid.split("::", 1)[0]
+    return RAY_CLUSTER_UNIT if module in CLUSTER_READERS else module
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: only called when xdist runs the tests
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    from xdist.scheduler import LoadScopeScheduling  # xdist is there when this hook is called (not otherwise)
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    return ModuleScheduling(config, log)
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    if "ray_cluster" in getattr(item, "fixturenames", ()) and _unit(item.nodeid) != RAY_CLUSTER_UNIT:
+        raise pytest.UsageError(f"{item.nodeid} reads the Ray cluster run: add its module to "
+                                "CLUSTER_READERS in tests/conftest.py")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if "ray_cluster" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group(RAY_CLUSTER_GROUP))
-        else:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
-    # The Ray group first: it is the longest (a cluster start and three apps), and a long group handed out last
-    # leaves the other worker idle at the end. Stable: every other test keeps its order (each worker collects
+    # The Ray unit first: it is the longest (a cluster start and three apps), and a long unit handed out last
+    # leaves the other process idle at the end. Stable: every other test keeps its order (each process collects
     # the same list, which xdist requires).
-    items.sort(key=lambda item: 0 if item.get_closest_marker("xdist_group").args[0] == RAY_CLUSTER_GROUP else 1)
+    items.sort(key=lambda item: 0 if _unit(item.nodeid) == RAY_CLUSTER_UNIT else 1)
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,8 @@ Three apps are deployed one after the other on the same 2-node cluster, started 
 
 Every ingress records the query bank (``bank_path``: each app's ingress loads what the one before wrote and adds
 its own text queries) and samples every text query for the recall watch.
+
+The modules that read the run are listed in tests/conftest.py (``CLUSTER_READERS``): they run on one test process.
 """
 
 from __future__ import annotations
