@@ -61,11 +61,19 @@ def pytest_itemcollected(item: pytest.Item) -> None:
                                 "CLUSTER_READERS in tests/conftest.py")
 
 
+# The longest units, longest first (CI's --durations): handed out first, so that no long unit is left for the end
+# while the other process has nothing to do. Only an order: a unit missing here runs after them, in file order.
+LONG_UNITS = (RAY_CLUSTER_UNIT, "tests/test_walkthrough.py", "tests/robustness/test_robust_faults.py",
+              "tests/service/test_serve_shutdown.py", "tests/service/test_serve_engine.py",
+              "tests/service/test_page_e2e.py", "tests/service/test_serve_spread.py",
+              "tests/service/test_http_limits.py", "tests/test_install.py", "tests/training/test_training.py")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # The Ray unit first: it is the longest (a cluster start and three apps), and a long unit handed out last
-    # leaves the other process idle at the end. Stable: every other test keeps its order (each process collects
-    # the same list, which xdist requires).
-    items.sort(key=lambda item: 0 if _unit(item.nodeid) == RAY_CLUSTER_UNIT else 1)
+    # Stable: within a unit and among the others the file order stays (each process collects the same list,
+    # which xdist requires).
+    rank = {u: i for i, u in enumerate(LONG_UNITS)}
+    items.sort(key=lambda item: rank.get(_unit(item.nodeid), len(rank)))
 
 
 @pytest.fixture(scope="session")
