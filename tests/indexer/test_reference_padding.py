@@ -12,10 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import open_clip
 import pytest
 import torch
 
+from gare.backbone import open_clip_module
 from gare.checkpoint import load_model
 from gare.video import load_frames
 from gare_build.build import stats
@@ -67,7 +67,7 @@ def imported(tmp_path_factory):
     dec = [load_frames(p, max_frames=cfg.max_frames, framerate=cfg.video_framerate, image_size=cfg.image_size) for p in paths]
     pixels = torch.stack([d[0] for d in dec])
     mask = torch.stack([d[1] for d in dec])
-    tokens = open_clip.get_tokenizer("gare-test-tiny")(CAPTIONS)
+    tokens = open_clip_module().get_tokenizer("gare-test-tiny")(CAPTIONS)
     with torch.no_grad():
         t_ref, F_ref = reference_encode(sd, tokens, pixels, mask)
     yield dict(sd=sd, ckpt=ckpt, out=out, model=model, version=version, mask=mask, t_ref=t_ref, F_ref=F_ref)

@@ -15,6 +15,7 @@ import signal
 
 import pytest
 
+from gare.text_clean import clean_lower
 from gare_search import search as S
 from gare_serve.app import create_app
 from gare_serve.engine.engine_server import EngineState, engine_settings
@@ -178,6 +179,10 @@ def test_worker_holds_no_model_and_reports_the_engine(env):
     assert ready["status"] == "ready" and ready["engine"]["up"] and ready["engine"]["pid"] == pid != os.getpid()
     assert health == {"status": "ok", "engine": {"up": True, "pid": pid}}
     assert info["device"] == "cpu" and info["version"] == "v000001" and info["checkpoint"]["sha256"]
+    # its result cache cleans a text as the engine's tokenizer does (CLIP's "lower"), named by the engine: the
+    # worker built no tokenizer
+    assert state.result_cache.normalize is clean_lower
+    assert state.result_cache.key("v", "c", "e", "A  Dog&amp;cat ", "o") == state.result_cache.key("v", "c", "e", "a dog&cat", "o")
 
 
 def test_auth_and_limits_answer_in_the_worker(env):

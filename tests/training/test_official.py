@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import math
 
-import open_clip
 import pytest
 import torch
 import torch.nn.functional as F
 
-import gare.backbone  # noqa: F401  (registers the tiny open_clip config)
+from gare.backbone import open_clip_module
 from gare.checkpoint import load_model
 from gare_train.authors_checkpoint import convert_official_state_dict
 from gare_train.cli import main as train_cli
@@ -23,7 +22,7 @@ D, FRAMES, WORDS, TEMP = 64, 6, 16, 3.0
 
 def official_state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    clip = open_clip.create_model("gare-test-tiny", pretrained=None, force_quick_gelu=True)
+    clip = open_clip_module().create_model("gare-test-tiny", pretrained=None, force_quick_gelu=True)
     sd = {}
     for k, v in clip.state_dict().items():
         noise = torch.randn(v.shape, generator=g) * (0.02 if v.ndim > 1 else 0.05)
@@ -78,7 +77,7 @@ def reference_encode(sd, tokens, frames, mask=None) -> tuple[torch.Tensor, torch
     rows included (what the authors' model computes for them)."""
     clip_sd = {k[5:]: v for k, v in sd.items() if k.startswith("clip.")}
     # open_clip infers the architecture from the OpenAI layout on its own; it stores fp16, so reload in fp32.
-    clip = open_clip.model.build_model_from_openai_state_dict(dict(clip_sd), quick_gelu=True, cast_dtype=torch.float32)
+    clip = open_clip_module().model.build_model_from_openai_state_dict(dict(clip_sd), quick_gelu=True, cast_dtype=torch.float32)
     clip = clip.float().eval()
     clip.load_state_dict(clip_sd)
     t = clip.encode_text(tokens)  # context length 16 == max_words: the reference's 32-word case in miniature
@@ -167,7 +166,7 @@ def test_imported_model_scores_equal_reference(tmp_path):
 
     g = torch.Generator().manual_seed(3)
     captions = ["a man is playing guitar", "a woman cooks pasta in a kitchen", "cars race on a track"]
-    tokens = open_clip.get_tokenizer("gare-test-tiny")(captions)
+    tokens = open_clip_module().get_tokenizer("gare-test-tiny")(captions)
     frames = torch.randn(4, FRAMES, 3, 32, 32, generator=g)
     ref = reference_scores(sd, tokens, frames)
 
@@ -191,7 +190,7 @@ def test_imported_model_scores_padded_clips_as_the_authors(tmp_path):
 
     g = torch.Generator().manual_seed(5)
     captions = ["a dog jumps over a fence", "two people dance", "a red car turns left", "someone slices bread"]
-    tokens = open_clip.get_tokenizer("gare-test-tiny")(captions)
+    tokens = open_clip_module().get_tokenizer("gare-test-tiny")(captions)
     real = [FRAMES, 4, 2, 1]  # the first clip is full length, the others padded
     mask = torch.zeros(len(real), FRAMES, dtype=torch.long)
     frames = torch.randn(len(real), FRAMES, 3, 32, 32, generator=g)

@@ -12,21 +12,32 @@ tests build the backbone through exactly the same `open_clip.create_model` call 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import zipfile
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
-import open_clip
 import torch
-from open_clip.factory import load_checkpoint
 
 from gare.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
 _CONFIG_DIR = Path(__file__).parent / "model_configs"
-open_clip.add_model_config(_CONFIG_DIR)
+
+
+@functools.cache
+def open_clip_module() -> ModuleType:
+    """open_clip, imported on first use with our configs registered. Importing it costs seconds of CPU (it pulls
+    in torchvision and torch._dynamo): a process that never builds a backbone or a tokenizer (gare-serve's
+    supervisor and HTTP workers, shard replicas, most gare-index commands) never pays it."""
+    import open_clip  # on first use, not at import time (see above)
+
+    open_clip.add_model_config(_CONFIG_DIR)
+    return open_clip
 
 NO_WEIGHTS = ("", "none", "None", None)
 
@@ -60,6 +71,7 @@ class _DropRandomInitWarning(logging.Filter):
 
 def create_clip(cfg: ModelConfig, pretrained: str | None = None) -> torch.nn.Module:
     """Build the open_clip CLIP model for `cfg` and load `pretrained` (defaults to cfg.pretrained)."""
+    open_clip = open_clip_module()
     pretrained = cfg.pretrained if pretrained is None else pretrained
     if cfg.backbone not in open_clip.list_models():
         raise ValueError(f"unknown open_clip model {cfg.backbone!r}; see open_clip.list_models()")
@@ -93,7 +105,7 @@ def load_clip_weights(model: torch.nn.Module, path: str) -> None:
         model.load_state_dict(sd, strict=True)
     else:
         # open_clip's loader: torch.load(weights_only=True) or safetensors, OpenAI or open_clip layout.
-        load_checkpoint(model, path, strict=True, weights_only=True)
+        open_clip_module().factory.load_checkpoint(model, path, strict=True, weights_only=True)
     log.info("loaded CLIP weights from %s", path)
 
 
@@ -130,5 +142,5 @@ def encode_images(clip: torch.nn.Module, images: torch.Tensor) -> torch.Tensor:
     return clip.encode_image(images)
 
 
-def get_tokenizer(cfg: ModelConfig):
-    return open_clip.get_tokenizer(cfg.backbone, context_length=cfg.max_words)
+def get_tokenizer(cfg: ModelConfig) -> Any:
+    return open_clip_module().get_tokenizer(cfg.backbone, context_length=cfg.max_words)

@@ -17,8 +17,6 @@ import logging
 from collections.abc import Iterator
 
 import torch
-from open_clip.model import QuickGELU
-from open_clip.transformer import Transformer
 from torch import nn
 
 from gare import backbone
@@ -37,8 +35,9 @@ class TemporalTransformer(nn.Module):
         super().__init__()
         self.heads = heads
         self.frame_position_embeddings = nn.Embedding(num_positions, width)
-        self.transformer = Transformer(
-            width, layers, heads, act_layer=QuickGELU if quick_gelu else nn.GELU, batch_first=True
+        oc = backbone.open_clip_module()  # the CLIP blocks; open_clip is imported when a model is built, not before
+        self.transformer = oc.transformer.Transformer(
+            width, layers, heads, act_layer=oc.model.QuickGELU if quick_gelu else nn.GELU, batch_first=True
         )
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -15,10 +15,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import open_clip
 import torch
 
-from gare import backbone as _backbone  # noqa: F401  (registers our open_clip configs, which the matcher searches)
+from gare.backbone import open_clip_module
 from gare.checkpoint import save_checkpoint
 from gare.config import ModelConfig
 from gare.model import GARE
@@ -98,6 +97,7 @@ def infer_clip_dims(sd: dict[str, torch.Tensor]) -> dict[str, int]:
 
 def match_open_clip_model(dims: dict[str, int]) -> str:
     """The open_clip config whose sizes equal `dims` (heads follow OpenAI's width // 64 convention)."""
+    open_clip = open_clip_module()  # with our configs registered: the matcher searches them too
     candidates = []
     for name in open_clip.list_models():
         cfg = open_clip.get_model_config(name)

@@ -119,7 +119,7 @@ class EngineState(ServiceState):
             "pid": os.getpid(), "version": h.version.name if h is not None else None,
             "n": h.version.n if h is not None else 0, "device": str(self.device), "precision": self.precision,
             "encoder_kind": self.encoder.kind if self.encoder is not None else None,
-            "encoder_variant": self.encoder_variant, "model_cfg": self.model_cfg,
+            "encoder_variant": self.encoder_variant, "model_cfg": self.model_cfg, "text_clean": self.text_clean,
             "checkpoint_path": str(self.checkpoint_path) if self.checkpoint_path else None,
             "checkpoint_sha": self.checkpoint_sha, "query_bank": self.query_bank is not None,
             "queued": self.batcher.queued, "queries": self.batcher.items, "batches": self.batcher.batches,

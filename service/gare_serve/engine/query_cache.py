@@ -32,13 +32,13 @@ workers in prometheus multiprocess mode).
 from __future__ import annotations
 
 import logging
-import unicodedata
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from gare.text_clean import nfc_whitespace
 from gare_serve.lru import ByteLRU, LRUStats
 
 log = logging.getLogger(__name__)
@@ -50,9 +50,8 @@ ENTRY_OVERHEAD_BYTES = 256
 __all__ = ["QueryCache", "QueryCacheMetrics", "make_normalizer", "default_normalize"]
 
 
-def default_normalize(text: str) -> str:
-    """Fallback normaliser: Unicode NFC, whitespace collapsed and stripped, case kept."""
-    return " ".join(unicodedata.normalize("NFC", text).split())
+# Unicode NFC, whitespace collapsed and stripped, case kept: the cleaning for a tokenizer without its own
+default_normalize = nfc_whitespace
 
 
 def make_normalizer(tokenizer: Any | None) -> Callable[[str], str]:

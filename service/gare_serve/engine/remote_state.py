@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 from starlette.concurrency import run_in_threadpool
 
-from gare.backbone import get_tokenizer
+from gare.text_clean import cleaner
 from gare_index.ncl_ann import Stage1Unavailable
 from gare_index.store import (
     ANN_NCL_FILE,
@@ -46,7 +46,6 @@ from gare_serve.engine.batcher import BatcherClosed, BatchInfo
 from gare_serve.engine.engine_link import EngineLink, wait_for_engine
 from gare_serve.engine.engine_wire import EngineUnavailable, EngineVersionGone
 from gare_serve.engine.prometheus import Metrics
-from gare_serve.engine.query_cache import make_normalizer
 from gare_serve.engine.result_cache import ResultCache
 from gare_serve.engine.startup import StartupError
 from gare_serve.engine.state import ServiceState
@@ -170,8 +169,9 @@ class EngineClientState(ServiceState):
             raise StartupError(f"cannot read index version {info['version']}: {e}") from None
         self.handle = VersionHandle(view)
         self.publish_index(view)
-        # whole results keyed by the text as the tokenizer sees it (the engine's query cache does the same)
-        normalize = make_normalizer(get_tokenizer(self.model_cfg))
+        # whole results keyed by the text as the engine's tokenizer sees it (as its query cache keys them), by the
+        # cleaning's name: building the tokenizer here would import open_clip, seconds of CPU in every worker
+        normalize = cleaner(info.get("text_clean"))
         self.result_cache = ResultCache(
             0 if info.get("query_bank") else s.result_cache_entries, s.result_cache_bytes, normalize=normalize,
             metrics=self.metrics.result_cache,

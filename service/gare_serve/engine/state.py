@@ -23,6 +23,7 @@ from fastapi import HTTPException
 
 from gare.checkpoint import CheckpointError, load_model
 from gare.model import GARE, resolve_device
+from gare.text_clean import clean_name
 from gare_index.resident import ResidentTooLarge
 from gare_index.resident_version import load_resident
 from gare_index.store import (
@@ -95,6 +96,7 @@ class ServiceState:
         self.query_bank: QueryBank | None = None  # when GARE_QUERY_BANK_SIZE > 0
         self.recall_watch: RecallWatch | None = None  # when GARE_RECALL_SAMPLE_RATE > 0 (set by the lifespan)
         self.query_cache: QueryCache | None = None  # built in load() (needs the tokenizer's normaliser)
+        self.text_clean = "identity"  # how the tokenizer cleans a text (gare.text_clean), set in load()
         self.result_cache = ResultCache(0)  # built in load(); off until then
         # Several workers behind one port (gare-serve --workers N): their shared run directory.
         self.board: WorkerBoard | None = (
@@ -163,9 +165,11 @@ class ServiceState:
                                               cuda_graph=s.text_cuda_graph)
         except TextEncoderError as e:
             raise StartupError(str(e)) from None
-        # the query-embedding cache keys a text as the tokenizer sees it
+        # the query-embedding cache keys a text as the tokenizer sees it; the workers' result caches too, by name
+        tokenizer = query_tokenizer(model)
+        self.text_clean = clean_name(tokenizer)
         self.query_cache = QueryCache(
-            s.query_cache_entries, s.query_cache_bytes, normalize=make_normalizer(query_tokenizer(model)),
+            s.query_cache_entries, s.query_cache_bytes, normalize=make_normalizer(tokenizer),
             metrics=self.metrics.query_cache,
         )
         version = self.open_served(sha)
