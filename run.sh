@@ -44,9 +44,11 @@ case "${1:-}" in
     "$VENV/bin/ruff" check training indexer service tests bench
     # --durations=25: every CI log lists the slowest tests (what a test-time regression shows up as).
     # -n 2 (pytest-xdist): two test processes; most tests wait on servers, subprocesses and sockets, so two keep
-    # 2 cores busy. tests/conftest.py hands out whole modules (a module's servers start on one process) and the
-    # Ray cluster's modules together. GARE_TEST_PROCESSES=0 runs every test in this process (no xdist).
-    "$VENV/bin/python" -m pytest -q -m "not slow and not gpu" -n "${GARE_TEST_PROCESSES:-2}" --durations=25 "${@:2}"  # gpu: bench/gpu_check.sh runs them on a GPU
+    # 2 cores busy. tests/conftest.py hands out whole modules (a module's servers start on one process), the Ray
+    # cluster's modules together, the longest first (--no-loadscope-reorder: in that order, not by test count).
+    # GARE_TEST_PROCESSES=0 runs every test in this process (no xdist).
+    "$VENV/bin/python" -m pytest -q -m "not slow and not gpu" -n "${GARE_TEST_PROCESSES:-2}" --no-loadscope-reorder \
+      --durations=25 "${@:2}"  # gpu: bench/gpu_check.sh runs them on a GPU
     ;;
   demo)
     install dist
