@@ -84,9 +84,9 @@ def test_the_console_scripts_run_from_the_wheel_alone(wheel_install, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(target), "HF_HUB_OFFLINE": "1"}
     # one interpreter for what the package must hold besides its modules: where gare came from, the page's files,
     # and the registered open_clip configs (data files the backbone registers from the installed package)
-    where = subprocess.run([sys.executable, "-c", "import json, gare, gare.backbone, open_clip, gare_serve.web.ops_routes as o; "
+    where = subprocess.run([sys.executable, "-c", "import json, gare, gare_serve.web.ops_routes as o; from gare.backbone import open_clip_module; "
                             "print(json.dumps([gare.__file__, str(o.STATIC_DIR), "
-                            "sorted(m for m in open_clip.list_models() if m.startswith('gare-'))]))"],
+                            "sorted(m for m in open_clip_module().list_models() if m.startswith('gare-')) ]))"],
                            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert where.returncode == 0, where.stderr
     gare_file, static, registered = json.loads(where.stdout)

@@ -55,7 +55,8 @@ def ray_cluster(service_env, shard_env, decided, tmp_path_factory):
     base = tmp_path_factory.mktemp("ray-cluster")
     n1 = build_sharded_cli(service_env["checkpoint"], service_env["videos"], base / "n1", 1)
     bank = base / "bank" / "queries.npy"
-    cfg, env = cluster_config(n1, decided["on"], shard_env["n2"], shard_env["captions"], bank)
+    n2 = shutil.copytree(shard_env["n2"], base / "n2", symlinks=True)  # the run hides one of its shards
+    cfg, env = cluster_config(n1, decided["on"], n2, shard_env["captions"], bank)
     reqs, everything = shard_requests(shard_env["captions"])
     out, want = run_ray(base, cfg, env, meanwhile=lambda: reference(shard_env["single"], [*reqs, everything]))
     return {**out, "want": want, "bank": bank}

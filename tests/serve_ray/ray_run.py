@@ -8,7 +8,8 @@ after the other on the same cluster (each deleted before the next is deployed): 
 index_version, hits: [[file name, id, score, ann, psi, bias], ...], detail, qi (the request's index)}. Steps:
 
 - ``ask``: each request of ``requests`` once, in order.
-- ``kill``: kill ``count`` (default all) live replicas of shard ``shard``'s deployment, no restart by hand.
+- ``kill``: kill ``count`` (default all) live replicas of shard ``shard``'s deployment, no restart by hand
+  (``hide``: that shard's folder, renamed first, so that no replacement can start).
 - ``until_restarted``: query (round-robin over ``requests``) until Ray has a replica of ``shard`` that was not
   killed and 3 complete answers in a row came back (at most ``timeout_s``).
 - ``load_while``: ``clients`` threads query in closed loop while ``command`` runs (``gare-index add`` switching the
@@ -85,8 +86,23 @@ def step_kill(client: httpx.Client, st: dict[str, Any]) -> dict[str, Any]:
     dep = shard_deployment_name(st["shard"])
     before = replica_names(dep)
     killed = before[: st.get("count", len(before))]
-    for name in killed:
-        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    if st.get("hide"):  # the shard's folder away: Serve's replacement replicas cannot open it, the shard stays down
+        os.rename(st["hide"], st["hide"] + ".hidden")
+    actors = [ray.get_actor(name, namespace="serve") for name in killed]
+    for actor in actors:
+        ray.kill(actor, no_restart=True)
+    # ray.kill only asks: until an actor is gone it may still answer a request (the next step's would then see the
+    # shard alive). Each is gone when a call on it raises (at most 60 s: a hang guard).
+    deadline = time.time() + 60
+    for actor in actors:
+        while time.time() < deadline:
+            try:
+                ray.get(actor.__ray_ready__.remote(), timeout=1)
+            except ray.exceptions.GetTimeoutError:
+                continue
+            except ray.exceptions.RayActorError:
+                break
+            time.sleep(0.05)
     return {"before": before, "killed": killed, "t": time.time()}
 
 
