@@ -94,6 +94,16 @@ def _require_generation(root: Path) -> Any:
     return gen
 
 
+def _resume_generation(root: Path, report: RunReport) -> Any:
+    """The opening of a command that changes an existing sharded index (remove, biases, tune): its current
+    generation (an error when there is none), every shard back at the version it names, recorded as the
+    report's previous version."""
+    gen = _require_generation(root)
+    _reset_shards(root, gen)
+    report.previous_version = f"g{gen.number:06d}"
+    return gen
+
+
 def _reset_shards(root: Path, gen: Any) -> None:
     """Every shard's CURRENT back to the version the generation names: a run killed before its generation
     switch may have moved some of them to versions no generation names."""
@@ -306,9 +316,7 @@ def remove_sharded(out: str | os.PathLike, items: Sequence[str], *, checkpoint: 
     root = _root(out)
     report = RunReport(command="remove", index=str(root))
     with reported(root, report), index_lock(root, BUILD_LOCK, blocking=False):
-        gen = _require_generation(root)
-        _reset_shards(root, gen)
-        report.previous_version = f"g{gen.number:06d}"
+        gen = _resume_generation(root, report)
         fits = 0
         for s, local in sorted(_route_items(root, gen, items).items()):
             fits += _absorb(report, remove(shard_root(root, s), local, checkpoint=checkpoint, keep=_KEEP_ALL,
@@ -333,9 +341,7 @@ def biases_sharded(out: str | os.PathLike, *, checkpoint: Any = None, keep: int 
     with reported(root, report), index_lock(root, BUILD_LOCK, blocking=False):
         if not 0.0 <= traffic_weight <= 1.0:
             raise ValueError(f"--traffic-weight must be in [0, 1], got {traffic_weight}")
-        gen = _require_generation(root)
-        _reset_shards(root, gen)
-        report.previous_version = f"g{gen.number:06d}"
+        gen = _resume_generation(root, report)
         step = GlobalStep(checkpoint=checkpoint, n_iters=n_iters, traffic=traffic, traffic_weight=traffic_weight,
                           score=score, k=k, carry_traffic=False, queue_kind=queue_kind, captions=captions,
                           ncl_val=ncl_val, ncl_gammas=gamma_factors)
@@ -352,9 +358,7 @@ def tune_sharded(out: str | os.PathLike, *, options: Any = None, checkpoint: Any
     root = _root(out)
     report = RunReport(command="tune", index=str(root))
     with reported(root, report), index_lock(root, BUILD_LOCK, blocking=False):
-        gen = _require_generation(root)
-        _reset_shards(root, gen)
-        report.previous_version = f"g{gen.number:06d}"
+        gen = _resume_generation(root, report)
         versions, entries = [], []
         try:
             for s in range(gen.n_shards):
