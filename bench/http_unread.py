@@ -8,8 +8,12 @@ while they hold their connections, and after they have gone. Reported: the RSS a
 connections the server dropped by itself (its send timeout: the client sees EOF or a reset), and the RSS
 after minus the RSS before (the target: within 20 MiB).
 
-    python -m bench.http_unread                      # 60 clients, the server's default settings
-    python -m bench.http_unread --clients 20 --send-timeout-s 2 --hold-s 8
+The same burst runs against one fresh server per configuration, side by side in one run: the served defaults,
+and the same server with the hit budget (GARE_INFLIGHT_HITS) and the heap trim (GARE_HEAP_TRIM_S) each turned
+off, and both off (what the worker kept before either existed).
+
+    python -m bench.http_unread                      # 60 clients, every configuration
+    python -m bench.http_unread --configs served --clients 20 --send-timeout-s 2 --hold-s 8
 
 Writes bench/results/http_unread.json and .md.
 """
@@ -33,12 +37,22 @@ from bench.harness import REPO, RESULTS, start, with_provenance, write_report
 # the product code this script's reports measure (bench/harness.py; `python -m bench.stale` reads it)
 MEASURES: tuple[str, ...] = (
     "service/gare_serve/web/http_limits.py",
+    "service/gare_serve/web/hit_budget.py",
+    "service/gare_serve/heap_trim.py",
     "service/gare_serve/processes",
     "service/gare_serve/web/search_routes.py",
     "service/gare_serve/cli.py",
 )
 
 MiB = 1024 * 1024
+OFF = {"GARE_INFLIGHT_HITS": str(100_000_000), "GARE_HEAP_TRIM_S": "0"}
+# each configuration's settings on top of the server's defaults
+CONFIGS: dict[str, dict[str, str]] = {
+    "served": {},
+    "no hit budget": {"GARE_INFLIGHT_HITS": OFF["GARE_INFLIGHT_HITS"]},
+    "no heap trim": {"GARE_HEAP_TRIM_S": OFF["GARE_HEAP_TRIM_S"]},
+    "neither": dict(OFF),
+}
 
 
 def make_env(root: Path) -> tuple[Path, list[str]]:
@@ -172,7 +186,17 @@ def run(args: argparse.Namespace) -> dict:
         env["GARE_SEND_TIMEOUT_S"] = str(args.send_timeout_s)
     out: dict = {"clients": args.clients, "queries": args.queries, "k": args.k, "rcvbuf": args.rcvbuf,
                  "hold_s": args.hold_s, "read": args.read, "result_cache_entries": args.result_cache_entries, "settle_s": args.settle_s, "send_timeout_s": args.send_timeout_s,
-                 "setup_s": round(time.perf_counter() - t0, 1)}
+                 "setup_s": round(time.perf_counter() - t0, 1), "runs": []}
+    for name in args.configs:
+        print(f"{name}: {CONFIGS[name] or 'the defaults'}", file=sys.stderr, flush=True)
+        row = burst(index, captions, {**env, **CONFIGS[name]}, args)
+        out["answer_bytes"] = row.pop("answer_bytes")
+        out["runs"].append({"config": name, "settings": CONFIGS[name], **row})
+    return out
+
+
+def burst(index: Path, captions: list[str], env: dict[str, str], args: argparse.Namespace) -> dict:
+    """One fresh server, warmed, then the burst of clients; its RSS before, during and after."""
     with Server(index, env) as srv:
         pid = srv.proc.pid
         request = batch_request(srv.port, captions, args.queries, args.k)
@@ -181,14 +205,13 @@ def run(args: argparse.Namespace) -> dict:
                 r = c.post("/v1/search/batch", content=request.partition(b"\r\n\r\n")[2],
                            headers={"content-type": "application/json"})
                 r.raise_for_status()
-        out["answer_bytes"] = len(r.content)
         time.sleep(1.0)
         before = rss_bytes(pid)
         socks = [open_unread(srv.port, request, args.rcvbuf) for _ in range(args.clients)]
-        statuses = [status_of(s, 60.0) for s in socks]
+        statuses = [status_of(s, 120.0) for s in socks]
         if args.read:  # the control: the same burst, every answer read (what the server keeps without unread clients)
             for s in socks:
-                read_answer(s, out["answer_bytes"])
+                read_answer(s, len(r.content))
         peak = before
         deadline = time.monotonic() + args.hold_s
         while time.monotonic() < deadline:
@@ -201,13 +224,11 @@ def run(args: argparse.Namespace) -> dict:
         time.sleep(args.settle_s)
         after = rss_bytes(pid)
         alive = httpx.get(srv.base_url + "/healthz", timeout=10).status_code
-    out.update({"rss_before_mib": round(before / MiB, 1), "rss_peak_mib": round(peak / MiB, 1),
-                "rss_end_of_hold_mib": round(during / MiB, 1), "rss_after_mib": round(after / MiB, 1),
-                "rss_after_minus_before_mib": round((after - before) / MiB, 1),
-                "statuses": {str(c): statuses.count(c) for c in sorted(set(statuses), key=str)},
-                "dropped_by_server": dropped, "healthz_after": alive,
-                "target_met": (after - before) <= 20 * MiB})
-    return out
+    return {"answer_bytes": len(r.content), "rss_before_mib": round(before / MiB, 1), "rss_peak_mib": round(peak / MiB, 1),
+            "rss_end_of_hold_mib": round(during / MiB, 1), "rss_after_mib": round(after / MiB, 1),
+            "rss_after_minus_before_mib": round((after - before) / MiB, 1),
+            "statuses": {str(c): statuses.count(c) for c in sorted(set(statuses), key=str)},
+            "dropped_by_server": dropped, "healthz_after": alive, "target_met": (after - before) <= 20 * MiB}
 
 
 @with_provenance
@@ -217,14 +238,21 @@ def markdown(out: dict) -> str:
         f"{out['clients']} clients, each `POST /v1/search/batch` ({out['queries']} queries, k={out['k']}, "
         f"{out['answer_bytes']} bytes of answer), receive buffer {out['rcvbuf']} bytes, "
         f"{'reading their answers (control)' if out['read'] else 'never reading'}; held "
-        f"{out['hold_s']} s, then closed; RSS sampled {out['settle_s']} s after. `gare-serve --workers 1`, send timeout "
+        f"{out['hold_s']} s, then closed; RSS sampled {out['settle_s']} s after. `gare-serve --workers 1` (one fresh "
+        f"server per row, side by side in this run), send timeout "
         f"{out['send_timeout_s'] if out['send_timeout_s'] is not None else 'default'}.", "",
-        "| RSS before | peak | end of hold | after | after - before | dropped by the server | target (<= 20 MiB) |",
-        "|---|---|---|---|---|---|---|",
-        f"| {out['rss_before_mib']} MiB | {out['rss_peak_mib']} MiB | {out['rss_end_of_hold_mib']} MiB | "
-        f"{out['rss_after_mib']} MiB | {out['rss_after_minus_before_mib']} MiB | {out['dropped_by_server']} of "
-        f"{out['clients']} | {'met' if out['target_met'] else 'missed'} |", "",
+        "| configuration | settings | RSS before | peak | end of hold | after | after - before | answered 200 | "
+        "dropped by the server | target (<= 20 MiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    for r in out["runs"]:
+        settings = ", ".join(f"`{k}={v}`" for k, v in r["settings"].items()) or "defaults"
+        lines.append(
+            f"| {r['config']} | {settings} | {r['rss_before_mib']} MiB | {r['rss_peak_mib']} MiB | "
+            f"{r['rss_end_of_hold_mib']} MiB | {r['rss_after_mib']} MiB | {r['rss_after_minus_before_mib']} MiB | "
+            f"{r['statuses'].get('200', 0)} of {out['clients']} | {r['dropped_by_server']} of {out['clients']} | "
+            f"{'met' if r['target_met'] else 'missed'} |")
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -239,11 +267,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--send-timeout-s", type=float, default=None, help="GARE_SEND_TIMEOUT_S (default: the server's)")
     p.add_argument("--result-cache-entries", type=int, default=0, help="GARE_RESULT_CACHE_ENTRIES (default 0: each "
                    "client's answer is computed and rendered, not one cached answer re-sent)")
+    p.add_argument("--configs", type=lambda v: [c.strip() for c in v.split(",")], default=list(CONFIGS),
+                   help=f"comma-separated, of: {', '.join(CONFIGS)} (default: all, in that order)")
     p.add_argument("--read", action="store_true", help="control run: the clients read their answers")
     p.add_argument("--env", type=Path, default=None, help="the service-test corpus and indexes to use (built there "
                    "when missing; default: a new temporary directory)")
     p.add_argument("--out", type=Path, default=RESULTS / "http_unread")
     args = p.parse_args(argv)
+    if unknown := [c for c in args.configs if c not in CONFIGS]:
+        p.error(f"unknown configuration {unknown[0]!r}; choose from {', '.join(CONFIGS)}")
     run_rec = start(__name__, MEASURES, argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out = run(args)

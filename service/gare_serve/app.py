@@ -33,6 +33,7 @@ from gare_serve.engine.reload import watch_reloads
 from gare_serve.engine.remote_state import ENGINE_POLL_S, EngineClientState, follow_engine
 from gare_serve.engine.startup import StartupError
 from gare_serve.engine.state import ServiceState
+from gare_serve.heap_trim import trim_when_grown
 from gare_serve.settings import (
     KEY_FIELDS,
     KeyRoles,
@@ -118,6 +119,8 @@ def create_app(settings: Settings | None = None, *, state_factory: Callable[[Set
             tasks.append(loop.create_task(follow(state, poll_s), name="gare-follow-current"))
         if state.runs_searches and settings.index_check and settings.index_recheck_s > 0:  # files changed in place
             tasks.append(loop.create_task(recheck_served(state, settings.index_recheck_s), name="gare-index-recheck"))
+        if settings.heap_trim_s > 0:  # the heap a burst of large answers grew, given back once they are gone
+            tasks.append(loop.create_task(trim_when_grown(settings.heap_trim_s), name="gare-heap-trim"))
         try:
             yield
         finally:

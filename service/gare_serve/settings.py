@@ -208,6 +208,16 @@ class Settings(BaseSettings):
         FILTER_EXACT_BELOW, ge=0.0, le=1.0, description="a search filter passing at most this fraction of the gallery "
         "is searched exactly (every passing video scored, no ANN); a broader one runs the ANN with the filter inside")
     max_batch_queries: int = Field(64, ge=1, le=10_000)
+    heap_trim_s: float = Field(
+        2.0, ge=0, le=3600, description="how often a worker checks whether its memory grew by 8 MiB since its last "
+        "heap trim, and then returns the freed heap to the system (glibc malloc_trim; 0 = never): a burst of large "
+        "answers no longer leaves the worker grown (bench/results/http_unread.md)"
+    )
+    inflight_hits: int = Field(
+        2048, ge=1, le=100_000_000, description="result hits one worker holds at once, from search to JSON (a request "
+        "counts its queries x k); more wait their turn, and one larger than this runs alone. Bounds the memory a "
+        "burst of large batches takes (bench/results/http_unread.md)"
+    )
     max_image_aspect: float = Field(
         20.0, ge=1.0, le=10_000.0, description="largest long side / short side of an uploaded image (422 beyond)"
     )

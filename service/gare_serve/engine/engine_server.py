@@ -48,6 +48,7 @@ from gare_serve.engine.reload import reload_local
 from gare_serve.engine.startup import StartupError
 from gare_serve.engine.state import ServiceState
 from gare_serve.engine.versions import VersionHandle
+from gare_serve.heap_trim import trim_when_grown
 from gare_serve.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -228,6 +229,8 @@ async def serve_engine(state: EngineState, address: Path, key: bytes) -> None:
         tasks.append(loop.create_task(follow_current(state, s.index_poll_s), name="gare-engine-follow"))
     if s.index_check and s.index_recheck_s > 0:
         tasks.append(loop.create_task(recheck_served(state, s.index_recheck_s), name="gare-engine-index-recheck"))
+    if s.heap_trim_s > 0:  # its answers to the workers are large too (gare_serve.heap_trim)
+        tasks.append(loop.create_task(trim_when_grown(s.heap_trim_s), name="gare-engine-heap-trim"))
     server = EngineServer(state, address, key)
     await server.start()
     mark_engine_ready(address.parent)

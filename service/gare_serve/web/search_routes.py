@@ -39,6 +39,7 @@ from gare_serve.engine.served_options import AskedOptions
 from gare_serve.engine.state import ServiceState
 from gare_serve.settings import Settings
 from gare_serve.web.deps import StateDep, require_search
+from gare_serve.web.hit_budget import HitBudget
 from gare_serve.web.presentation import API_VERSION, fresh_urls, hit_models
 from gare_serve.web.schemas import (
     IMAGE_ENCODING,
@@ -179,16 +180,27 @@ def make_router(settings: Settings) -> APIRouter:
     async def search_one(body: SearchRequest, state: StateDep) -> Response:  # type: ignore[valid-type]
         t_start = time.perf_counter()
         with state.use_version() as version:
-            ids = body.example_ids()
-            if ids is not None:  # more like this: stage 1 with the videos' mean v̂, rerank by s_vv
-                with example_errors():
-                    a = await search_by_videos(state, version, ids, body.asked())
-                return _json(await example_response(state, version, a, {"kind": "videos", "ids": ids}, t_start))
-            res = await text_responses(state, version, [body.query], body.asked(), t_start)
-            return _json(res[0])
+            async with hits_in_flight(version, 1, body.k):
+                ids = body.example_ids()
+                if ids is not None:  # more like this: stage 1 with the videos' mean v̂, rerank by s_vv
+                    with example_errors():
+                        a = await search_by_videos(state, version, ids, body.asked())
+                    return _json(await example_response(state, version, a, {"kind": "videos", "ids": ids}, t_start))
+                res = await text_responses(state, version, [body.query], body.asked(), t_start)
+                return _json(res[0])
 
     max_k, max_K, default_K = settings.max_k, settings.max_candidates, settings.default_candidates
     slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, DecodeSlots] = weakref.WeakKeyDictionary()
+    budgets: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, HitBudget] = weakref.WeakKeyDictionary()
+
+    def hits_in_flight(version: IndexVersion, queries: int, k: int) -> contextlib.AbstractAsyncContextManager[None]:
+        """Room in this worker's hit budget (``inflight_hits``) for a request's answer: ``queries`` x its k (at
+        most the index's entries), held from its search until its JSON is made (gare_serve.web.hit_budget)."""
+        loop = asyncio.get_running_loop()
+        budget = budgets.get(loop)
+        if budget is None:
+            budget = budgets[loop] = HitBudget(settings.inflight_hits)
+        return budget.hold(queries * min(k, max(1, version.n)))
 
     def image_slots() -> DecodeSlots:
         """This worker's image decode+encode slots, one set per event loop (an asyncio.Semaphore is bound to the
@@ -251,18 +263,20 @@ def make_router(settings: Settings) -> APIRouter:
                     if filter is not None:
                         opts = dataclasses.replace(opts, filter=request_filter(version, parse_filter_text(filter)),
                                                    filter_exact_below=settings.filter_exact_below)
-                    a = await search_by_image(state, version, pil, opts)
-                return _json(await example_response(state, version, a,
-                                                    {"kind": "image", "content_type": kind, "bytes": nbytes}, t_start))
+                    async with hits_in_flight(version, 1, k):
+                        a = await search_by_image(state, version, pil, opts)
+                        return _json(await example_response(
+                            state, version, a, {"kind": "image", "content_type": kind, "bytes": nbytes}, t_start))
 
     @router.post(f"/{API_VERSION}/search/batch", response_model=BatchSearchResponse, responses=SEARCH_ERRORS,
                  summary="many queries in one request (shared options)")
     async def search_batch(body: BatchSearchRequest, state: StateDep) -> Response:  # type: ignore[valid-type]
         t_start = time.perf_counter()
         with state.use_version() as version:
-            res = await text_responses(state, version, list(body.queries), body.asked(), t_start)
-            return _json(BatchSearchResponse(
-                index_version=version.name, results=res, timings_ms={"total": ms(time.perf_counter() - t_start)},
-            ))
+            async with hits_in_flight(version, len(body.queries), body.k):
+                res = await text_responses(state, version, list(body.queries), body.asked(), t_start)
+                return _json(BatchSearchResponse(
+                    index_version=version.name, results=res, timings_ms={"total": ms(time.perf_counter() - t_start)},
+                ))
 
     return router
