@@ -209,8 +209,8 @@ class Settings(BaseSettings):
         "is searched exactly (every passing video scored, no ANN); a broader one runs the ANN with the filter inside")
     max_batch_queries: int = Field(64, ge=1, le=10_000)
     heap_trim_s: float = Field(
-        2.0, ge=0, le=3600, description="how often a worker checks whether its memory grew by 8 MiB since its last "
-        "heap trim, and then returns the freed heap to the system (glibc malloc_trim; 0 = never): a burst of large "
+        2.0, ge=0, le=3600, description="how often a worker checks whether its heap's free memory grew by 8 MiB since "
+        "its last heap trim, and then returns the freed heap to the system (glibc malloc_trim; 0 = never): a burst of large "
         "answers no longer leaves the worker grown (bench/results/http_unread.md)"
     )
     inflight_hits: int = Field(
