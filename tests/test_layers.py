@@ -464,3 +464,13 @@ def test_checker_catches_a_write_to_another_module_s_global(tmp_path):
                             "gare_serve/ok.py": "class A:\n    pass\ndef f(a: A):\n    a.DEVICE = 1\n"})
     assert foreign_global_writes(root) == ["gare_serve.state:4 assigns rerank.DEVICE",
                                            "gare_serve.state:5 assigns R.DEVICE", "gare_serve.state:6 setattr(rerank, ...)"]
+
+
+def test_the_architecture_page_names_every_product_module():
+    """docs/architecture.md is the map a new engineer reads: every product module is named in it (a module added
+    without a line there fails here)."""
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    unnamed = sorted(str(p.relative_to(ROOT)) for folder in SOURCE_ROOTS for p in (ROOT / folder).rglob("*.py")
+                     if p.name not in ("__init__.py", "__main__.py") and f"`{p.name}`" not in doc
+                     and f"/{p.name}`" not in doc and f"/{p.name})" not in doc)
+    assert not unnamed, "modules docs/architecture.md does not name: " + ", ".join(unnamed)

@@ -91,7 +91,7 @@ class AnnParams:
     pq_m: int | None = None  # ivfpq sub-quantisers (None: default_pq_m(d)); must divide d
     rescore: int = 4  # ivfpq: shortlist k * rescore candidates, re-scored exactly
     coarse: str = "auto"  # ivf / ivfpq quantiser: "flat", "hnsw", or "auto" (hnsw from COARSE_HNSW_MIN cells)
-    fastscan: bool = False  # ivfpq: 4-bit fast-scan PQ codes (SIMD lookups, ~5-10x faster scans) instead of 8-bit
+    fastscan: bool = False  # ivfpq: 4-bit fast-scan PQ codes (SIMD table lookups: faster scans) instead of 8-bit
     train_per_cell: int = 64  # ivf / ivfpq: k-means training rows per cell (>= 39; fewer = faster training)
 
     def __post_init__(self) -> None:

@@ -24,8 +24,9 @@ from gare_index.ncl_ann import build_ncl_ann
 from gare_index.store import open_index
 from gare_search import search as S
 from gare_serve.app import create_app
+from gare_serve.engine.exact_scan import exact_top
 from gare_serve.engine.prometheus import Metrics
-from gare_serve.engine.recall_watch import RecallWatch, Sample, exact_top
+from gare_serve.engine.recall_watch import RecallWatch, Sample
 from gare_serve.engine.versions import VersionHandle
 from tests.service.support import copy_index, settings
 

@@ -35,8 +35,9 @@ class TuneConfig:
     latency_budget_ms: float = 5.0  # p50 of one query per call on one thread
     # Recall first: when nothing meets the target within the budget, the search effort is raised further (past
     # max_ef / max_nprobe_frac, the index types in order, exact flat last on the auto ladder) up to this p50.
-    # 100 ms: IVF-Flat over 1M rows probing ~40% of its cells, or HNSW efSearch in the tens of thousands, on one
-    # core; exact flat search fits below it up to ~300k rows (a 1M scan costs ~300 ms per query on one core).
+    # The ceiling leaves a 1M-row gallery room for IVF probing a large share of its cells or HNSW at a very high
+    # efSearch on one core, and exact flat search for galleries a few times smaller (the measured frontiers:
+    # bench/results/stage1_frontier.md, stage1_frontier_hnsw.md).
     # At or below latency_budget_ms it is off (the budget is a hard limit, as before).
     latency_ceiling_ms: float = 100.0
     n_queries: int = 1000  # sample queries used in all (half tune, half held out)

@@ -23,7 +23,7 @@ version is served.
 
 CPU bound: the exact scan is numpy's single-threaded ``np.einsum``, counted by the thread's CPU clock; after every
 chunk the thread sleeps until its CPU time since the sample's start is at most ``recall_cpu_share`` of the wall
-time since then (:func:`cpu_pacer`). (Stage 1 run again goes through FAISS, whose threads may be under-counted.)
+time since then (:func:`gare_serve.engine.exact_scan.cpu_pacer`). (Stage 1 run again goes through FAISS, whose threads may be under-counted.)
 
 Reloads: every evaluation takes the version served *now* (held, released after); samples served by another are
 skipped (``reason="stale"``); a new version restarts the window with its own target and clears the alarm (at its
@@ -46,11 +46,10 @@ import numpy as np
 
 from gare_index.store import IndexVersion
 from gare_search.search import DEFAULT_CANDIDATES
+from gare_serve.engine.exact_scan import CHUNK_BYTES, TOP, ScanStopped, cpu_pacer, exact_top
 
 log = logging.getLogger(__name__)
 
-TOP = 10  # the exact top-k whose recall is measured (gare_build.tuning.version_tuning: k = 10)
-CHUNK_BYTES = 16 << 20  # stage-1 vectors read per step of the exact scan
 
 
 @dataclass
@@ -78,24 +77,8 @@ class Evaluation:
     cpu_s: float  # thread CPU seconds of this evaluation
 
 
-class _Stopped(Exception):
-    pass
-
-
 class SkipSample(Exception):
     """A :class:`Stage1Source` cannot measure this sample: skipped, counted under the reason (its message)."""
-
-
-def cpu_pacer(cpu_share: float, stop: threading.Event | None = None) -> Callable[[], None]:
-    """A step function for a paced scan started now: each call sleeps until this thread's CPU time since now is at
-    most ``cpu_share`` of the wall time since now (``stop`` set: it ends the scan instead)."""
-    c0, w0, stop = time.thread_time(), time.perf_counter(), stop or threading.Event()
-
-    def step() -> None:
-        wait = (time.thread_time() - c0) / cpu_share - (time.perf_counter() - w0)
-        if stop.is_set() or (wait > 0 and stop.wait(wait)):
-            raise _Stopped
-    return step
 
 
 @dataclass
@@ -300,7 +283,7 @@ class RecallWatch:
                     self._follow_served()
                     continue
                 self.evaluate(s, paced=True)
-            except _Stopped:
+            except ScanStopped:
                 return
             except Exception:  # noqa: BLE001 - the watch must never take the service down
                 log.exception("recall watch: %s failed", "following the served version" if s is None else
@@ -451,35 +434,6 @@ def _share(exact: np.ndarray, listed: np.ndarray) -> float:
     return float(np.isin(exact, listed).sum() / exact.size) if exact.size else math.nan
 
 
-def exact_top(version: IndexVersion, unit: np.ndarray, top: int = TOP, *, ncl_stage1: bool = False,
-              chunk_rows: int = 65536, step: Callable[[], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, scores) of the exact top-``top`` by ``unit · v̂_j`` (+ ``b_j`` with ``ncl_stage1``) over
-    ``version.stage1_units``, best first (ties: the lower row). Reads ``chunk_rows`` rows at a time (a memmap stays
-    a memmap: memory is one chunk's scores), scored by numpy's single-threaded einsum; ``step()`` runs after every
-    chunk (the watch's pacing)."""
-    units = version.stage1_units
-    n = int(units.shape[0])
-    q = np.ascontiguousarray(unit, dtype=np.float32).reshape(-1)
-    biases = np.asarray(version.biases, dtype=np.float32) if ncl_stage1 else None
-    top = min(int(top), n)
-    best_s = np.zeros(0, np.float32)
-    best_r = np.zeros(0, np.int64)
-    for s in range(0, n, max(1, int(chunk_rows))):
-        e = min(n, s + int(chunk_rows))
-        block = np.asarray(units[s:e], dtype=np.float32)
-        sc = np.einsum("nd,d->n", block, q)
-        if biases is not None:
-            sc = sc + biases[s:e]
-        keep = np.argpartition(-sc, top - 1)[:top] if e - s > top else np.arange(e - s)
-        cs = np.concatenate([best_s, sc[keep]])
-        cr = np.concatenate([best_r, keep.astype(np.int64) + s])
-        order = np.lexsort((cr, -cs))[:top]
-        best_s, best_r = cs[order], cr[order]
-        if step is not None:
-            step()
-    return np.asarray(version.ids, dtype=np.int64)[best_r], best_s.astype(np.float32)
-
-
 def start_recall_watch(state: Any) -> RecallWatch | None:
     """The service's watch (settings ``recall_*``), started; None when ``recall_sample_rate`` is 0. A state that
     serves something else than one index version says how to measure it (``state.recall_source()``: the Ray
@@ -496,5 +450,5 @@ def start_recall_watch(state: Any) -> RecallWatch | None:
     return w.start()
 
 
-__all__ = ["TOP", "Sample", "Evaluation", "SkipSample", "Stage1Source", "IndexSource", "RecallWatch", "cpu_pacer",
-           "exact_top", "version_target", "start_recall_watch"]
+__all__ = ["Sample", "Evaluation", "SkipSample", "Stage1Source", "IndexSource", "RecallWatch", "version_target",
+           "start_recall_watch"]

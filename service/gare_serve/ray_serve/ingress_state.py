@@ -58,8 +58,9 @@ from gare_search import by_example as E
 from gare_search import shard_search as SH
 from gare_search.query import encode_queries, sync, unit_rows
 from gare_search.search import DEFAULT_CANDIDATES, QueryResult, SearchOptions
+from gare_serve.engine.exact_scan import CHUNK_BYTES, TOP
 from gare_serve.engine.prometheus import Metrics
-from gare_serve.engine.recall_watch import CHUNK_BYTES, TOP, RecallWatch, Sample, SkipSample
+from gare_serve.engine.recall_watch import RecallWatch, Sample, SkipSample
 from gare_serve.engine.reload import ReloadRefused, ReloadUnavailable
 from gare_serve.engine.startup import StartupError, resolve_checkpoint
 from gare_serve.engine.state import ServiceState

@@ -37,7 +37,7 @@ from gare_search import rerank
 from gare_search import shard_search as SH
 from gare_search.search import SearchOptions
 from gare_search.stage1 import ann_stage, valid
-from gare_serve.engine.recall_watch import CHUNK_BYTES, TOP, cpu_pacer, exact_top
+from gare_serve.engine.exact_scan import CHUNK_BYTES, TOP, cpu_pacer, exact_top
 from gare_serve.engine.versions import VersionHandle, advise_random_access
 
 log = logging.getLogger(__name__)
@@ -192,7 +192,7 @@ class ShardWorker:
     def stage1_probe(self, generation: int, unit: np.ndarray, k: int, ncl_stage1: bool, cpu_share: float = 1.0,
                      chunk_bytes: int = CHUNK_BYTES) -> ShardProbe:
         """The recall watch's look at this shard for one sampled query (unit (d,), the stage-1 query vector): the
-        exact top-10 over the shard's stage-1 vectors (``gare_serve.engine.recall_watch.exact_top``, in chunks of
+        exact top-10 over the shard's stage-1 vectors (``gare_serve.engine.exact_scan.exact_top``, in chunks of
         ``chunk_bytes``, paced to ``cpu_share`` of this thread's wall time), and its stage-1 top ``k`` through the
         version's ANN, as the searches run it (``gare_search.stage1``)."""
         def probe(v: Any) -> ShardProbe:
