@@ -26,11 +26,12 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from starlette.concurrency import run_in_threadpool
 
+from gare.model_protocols import SearchModel
 from gare.text_clean import cleaner
 from gare_index.ncl_ann import Stage1Unavailable
 from gare_index.store import (
@@ -51,6 +52,9 @@ from gare_serve.engine.startup import StartupError
 from gare_serve.engine.state import ServiceState
 from gare_serve.engine.versions import VersionHandle
 from gare_serve.settings import Settings
+
+if TYPE_CHECKING:  # for the annotation only (the image is searched by the engine process)
+    from PIL import Image
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +204,7 @@ class EngineClientState(ServiceState):
     def search_by_videos(self, version: MetadataVersion, ids: Sequence[int], opts: S.SearchOptions) -> S.QueryResult:
         return self.call_threadsafe("videos", version.name, list(ids), opts)
 
-    def search_by_image(self, model: Any, version: MetadataVersion, image: Any, opts: S.SearchOptions) -> S.QueryResult:
+    def search_by_image(self, model: SearchModel | None, version: MetadataVersion, image: Image.Image, opts: S.SearchOptions) -> S.QueryResult:
         return self.call_threadsafe("image", version.name, image, opts)
 
     def call_threadsafe(self, op: str, *args: Any) -> Any:

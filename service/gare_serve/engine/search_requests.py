@@ -18,13 +18,14 @@ Errors are typed and left to the routes to map to HTTP: ``gare_index.ncl_ann.Sta
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.concurrency import run_in_threadpool
 
 from gare_index.filters import Filter, compile_filter, schema_of
-from gare_index.store import IndexVersion
+from gare_index.store import IndexManifest, IndexVersion
 from gare_search import search as S
 from gare_serve.engine.batch_worker import Job
 from gare_serve.engine.batcher import BatchInfo
@@ -51,7 +52,15 @@ def request_options(state: ServiceState, version: IndexVersion, asked: AskedOpti
                                filter_exact_below=s.filter_exact_below)
 
 
-def request_filter(version: Any, spec: Any) -> Filter:
+class Described(Protocol):
+    """What a filter is compiled against: anything served with an index manifest (an open version, a shared-engine
+    worker's metadata view, a sharded generation's view)."""
+
+    @property
+    def manifest(self) -> IndexManifest: ...
+
+
+def request_filter(version: Described, spec: Mapping[str, Any]) -> Filter:
     """A request's filter compiled against the served version's fields as its manifest records them (``fields``;
     the same for an opened version, a shared-engine worker's metadata view and a sharded generation's view)."""
     return compile_filter(spec, schema_of(getattr(version.manifest, "fields", None)))

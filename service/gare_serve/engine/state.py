@@ -36,6 +36,7 @@ from gare_index.store import (
     open_index,
     read_manifest,
 )
+from gare_index.version_protocol import SearchVersion
 from gare_search import by_example as E
 from gare_search import rerank
 from gare_search import search as S
@@ -260,7 +261,7 @@ class ServiceState:
         rerank.prepare(self.model, version)
         warm_index(version, self.settings.warm_index_bytes)  # the first searches after a load: no disk read per page
 
-    def on_device(self, version: Any) -> Any:
+    def on_device(self, version: SearchVersion) -> SearchVersion:
         """The version to serve: on a CUDA model (``gpu_index`` auto), its device-resident copy
         (:func:`gare_index.resident_version.load_resident`: stage 1 and the rerank's rows in GPU memory, stage 1 chosen
         by measurement), on ``gpu_index_devices`` when named (``cpu`` too: a host copy with torch's exact stage 1);
