@@ -4,7 +4,8 @@ A report (a JSON file under bench/results/, its markdown beside it) is listed wh
 - it records no commit, or a commit that is not in this branch's history (not an ancestor of HEAD);
 - its tree was dirty when it ran (``"dirty": true`` in its ``"run"`` block; ``-dirty`` / ``+dirty`` /
   ``uncommitted`` in an older report's commit field, or a non-empty ``modified`` list);
-- a path it measures changed after its commit (``git log COMMIT..HEAD -- PATHS``), the paths being the report's own
+- a path it measures changed after its commit (``git log COMMIT..HEAD -- PATHS``, less the commits that changed
+  only comments and docstrings there), the paths being the report's own
   ``run.measures`` or, for a report written before the harness, the ``MEASURES`` of the script that wrote it (read
   from the script's source, found from the report's command or its name);
 - the script that wrote it cannot be found, or declares no measured paths.
@@ -136,12 +137,53 @@ def pathspecs(measures: list[str]) -> list[str]:
     return [f":(glob){p.rstrip('/') + '/**' if p.endswith('/') else p}" for p in measures]
 
 
+def _code(source: str | None) -> str | None:
+    """A Python source as code: its AST without docstrings (comments are not in it); None for a missing file or
+    one that does not parse (compared as text by the caller)."""
+    if source is None:
+        return None
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
+def _show(repo: Path, rev: str, path: str) -> str | None:
+    out = _git(repo, "show", f"{rev}:{path}")
+    return out.stdout if out.returncode == 0 else None
+
+
+def changes_code(repo: Path, commit: str, measures: list[str]) -> bool:
+    """Whether ``commit`` changed a measured path in more than comments and docstrings (any change to a file that
+    is not Python, an added or removed file, or a Python file whose code differs from its parent's)."""
+    parent = _git(repo, "rev-parse", "--verify", "--quiet", f"{commit}^1")
+    if parent.returncode:
+        return True  # a root commit: everything in it is new
+    names = _git(repo, "diff", "--name-only", parent.stdout.strip(), commit, "--", *pathspecs(measures))
+    for name in names.stdout.split():
+        before, after = _show(repo, parent.stdout.strip(), name), _show(repo, commit, name)
+        if not name.endswith(".py") or before is None or after is None:
+            return True
+        code_before, code_after = _code(before), _code(after)
+        if code_before is None or code_after is None or code_before != code_after:
+            return True
+    return False
+
+
 def changes_since(repo: Path, commit: str, measures: list[str]) -> list[str]:
-    """The commits after ``commit`` up to HEAD that touched a measured path (short hashes, newest first)."""
+    """The commits after ``commit`` up to HEAD that changed a measured path's code (short hashes, newest first): a
+    commit that only edited comments or docstrings there does not change what the report measured."""
     out = _git(repo, "log", "--format=%h", f"{commit}..HEAD", "--", *pathspecs(measures))
     if out.returncode:
         raise RuntimeError(f"git log {commit}..HEAD failed: {out.stderr.strip()}")
-    return out.stdout.split()
+    return [c for c in out.stdout.split() if changes_code(repo, c, measures)]
 
 
 def in_history(repo: Path, commit: str) -> bool:

@@ -84,6 +84,19 @@ def test_a_report_older_than_a_change_to_its_measured_path_is_listed_and_a_fresh
     assert got["bench/results/tool.json"] == "current"
 
 
+def test_a_change_to_comments_and_docstrings_only_does_not_make_a_report_stale(repo):
+    code = 'def f(x):\n    return x + 1\n'
+    c1 = commit_file(repo, "pkg/b.py", code, "code")
+    report(repo, "tool.json", {"commit": c1})
+    commit_file(repo, "pkg/b.py", '"""Module doc."""\n# why\ndef f(x):\n    """Doc."""\n    return x + 1  # said\n',
+                "comments and docstrings only")
+    assert stale(repo)["bench/results/tool.json"] == "current"
+    commit_file(repo, "pkg/b.py", '"""Module doc."""\ndef f(x):\n    """Doc."""\n    return x + 2\n', "the code")
+    assert "1 later commit(s) changed what it measures" in stale(repo)["bench/results/tool.json"]
+    commit_file(repo, "pkg/notes.txt", "a data file the code may read\n", "not Python")
+    assert "2 later commit(s) changed what it measures" in stale(repo)["bench/results/tool.json"]
+
+
 def test_a_dirty_report_is_listed(repo):
     head = git(repo, "rev-parse", "HEAD")
     report(repo, "dirty_run.json", {"run": {"commit": head, "dirty": True, "script": "bench/tool.py",
