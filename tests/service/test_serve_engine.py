@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import torch
 
 from gare_serve.app import create_app
 from tests.service.support import UvicornProcess, copy_index, running_app, settings
@@ -79,7 +80,11 @@ def server(service_env, tmp_path_factory):
 def reference(server):
     """The in-process service's answers on the same (first) index version."""
     _, idx, sh = server
-    s = settings(idx, device="cpu", index_poll_s=0, recall_sample_rate=0)
+    # at the server's thread count (UvicornProcess runs it with GARE_TORCH_THREADS=1): a float tower's bits hold per
+    # thread count (gare.text_fixed), and on some CPUs (AVX-512 EPYC) a short caption's embedding differs in its
+    # last bits between 1 and 2 threads; the process's own count is put back for the tests that follow
+    s = settings(idx, device="cpu", index_poll_s=0, recall_sample_rate=0, torch_threads=1)
+    threads = torch.get_num_threads()
 
     async def go():
         async with running_app(create_app(s)) as c:
@@ -89,7 +94,10 @@ def reference(server):
                                   data={"k": "5"})).json()
             return texts, example, image
 
-    return asyncio.run(asyncio.wait_for(go(), HANG_S))
+    try:
+        return asyncio.run(asyncio.wait_for(go(), HANG_S))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _ready(srv) -> dict:
