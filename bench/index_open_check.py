@@ -2,7 +2,7 @@
 
     python -m bench.index_open_check --n 50000                 # ~0.9 GB of index files
     python -m bench.index_open_check --n 50000 --keep          # again, on the gallery already in --work
-    python -m bench.index_open_check --n 1000000 --reps 3 --start-reps 2 --work /big/disk/tmp
+    python -m bench.index_open_check --n 1000000 --reps 3 --start-reps 3 --work /big/disk/tmp
                                                                # ~20 GB of files (frames 11.4 GiB); ~35 GB free
 
 A synthetic gallery of n entries is written through the real index format (bench/serve_bench.write_random_gallery:
@@ -52,6 +52,9 @@ MEASURES: tuple[str, ...] = (
     "service/gare_serve/engine/state.py",
     "service/gare_serve/engine/startup.py",
 )
+
+
+TARGET_ADDED_PCT = 10.0  # what issue 42 asks of the check at 1M entries
 
 
 def index_files(index: Path) -> tuple[Path, dict[str, Any]]:
@@ -112,6 +115,10 @@ def measure(index: Path, reps: int, cache: str, start_reps: int) -> dict[str, An
             evict(index)
         return fn()
 
+    if start_reps:
+        # one untimed start first: the first ServiceState.load() of a process also pays imports and reads the
+        # checkpoint from disk, which would land on whichever mode runs first
+        print(f"  {cache} start (untimed warm-up): {time_start(index, False):.3f} s", flush=True)
     for r in range(reps):
         order = ("off", "on") if r % 2 == 0 else ("on", "off")
         for what in pairs:
@@ -125,6 +132,7 @@ def measure(index: Path, reps: int, cache: str, start_reps: int) -> dict[str, An
                 pairs[what][mode].append(dt)
                 print(f"  {cache} {what} check={mode}: {dt:.3f} s", flush=True)
         checks.append(run(lambda: time_check(index)))
+        print(f"  {cache} check alone: {checks[-1]['s']:.3f} s ({checks[-1]['gb_s']:.2f} GB/s)", flush=True)
         verify.append(run(lambda: time_open(index, verify=True)))
     out: dict[str, Any] = {}
     for what, modes in pairs.items():
@@ -158,10 +166,15 @@ def markdown(data: dict[str, Any]) -> str:
         m = data.get(cache)
         if m:
             L.append(f"| {cache} | {m['check']['median_gb_s']:.2f} | {statistics.median(m['verify_sha256_open_s']):.3f} |")
+    verdicts = [(cache, what, m[what]["added_pct"]) for cache in ("warm", "cold") if (m := data.get(cache))
+                for what in ("open", "start") if what in m]
+    L += ["", f"Target (issue 42): the check adds at most {TARGET_ADDED_PCT:.0f}% to the time to open a 1M-entry "
+          "index. " + "; ".join(f"{cache} {what}: {pct:+.1f}%, {'met' if pct <= TARGET_ADDED_PCT else 'NOT met'}"
+                                 for cache, what, pct in verdicts) + "."]
     L += ["", "`open`: `open_index(check=False)` vs `open_index(check=True)` (the check runs on background threads "
           "while the version opens). `start`: gare-serve's `ServiceState.load()` with `index_check` off and on (the "
-          "check starts before the model loads). The check's time is bounded by bytes / rate: at 1M entries "
-          "(~20 GB with IVF and psi's constants) that is ~20 GB over the rate above.", ""]
+          "check starts before the model loads, so the two overlap). The check's time is bounded by the bytes over "
+          "the rate above; the sha256 column is `gare-index verify`'s re-hash, for scale.", ""]
     return "\n".join(L)
 
 
