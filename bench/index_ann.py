@@ -180,7 +180,6 @@ def main() -> None:
             + ("Real rows: half of the real queries (shuffled, seeded) are the tuner's sample, the other half "
                "is evaluated; the data column says where they come from (notes). " if real_rows else "")
             + f"*recall@256*: share of each evaluation query's exact top-10 inside the ANN top-256 (K = the service's "
-            f"*recall@256*: share of each evaluation query's exact top-10 inside the ANN top-256 (K = the service's "
             f"default candidates); *recall@10*: inside the ANN top-10; *p50/p95*: one query per call, ONE thread, "
             f"K = 256, over {args.latency_queries} queries; *build*: training + adding every index the tuner "
             f"built; *tune*: the tuner's measuring time (ground truth of its sample, recall and latency searches)."
