@@ -13,12 +13,12 @@ What it does, all observed in this run:
    held-out check), then when `GET /` first answered 200 (server ready) and when `POST /v1/search` with a
    held-out caption first returned results (first search), all measured from the start of `bash run.sh demo`;
 4. the held-out quality over HTTP: each of the 40 held-out captions (never trained on) searched on the running
-   server, counting how often the right video is in the top 10;
+   server, the right video's rank read from the results (R@1, R@5, R@10);
 5. optionally the screenshot of the page with a held-out query (bench/demo_screenshot.py);
 6. stops the server (SIGINT) and runs `bash run.sh demo` again on the same folders: time to first search.
 
-The verdict is PASS only if the first search came within --target-s (300 s), the held-out top-10 count is at
-least --min-hits (16 of 40: the demo before issue 16) and the second run answered within 60 s; any error is
+The verdict is PASS only if the first search came within --target-s (300 s), the held-out R@1 and R@5 over HTTP
+reach --min-r1 and --min-r5 (20 and 36 of 40) and the second run answered within 60 s; any error is
 written as a failure. The load average at the start and the end is recorded: on a shared machine the
 training stage is the one that grows.
 """
@@ -145,25 +145,26 @@ def wait_first_search(run: DemoRun, base: str, query: str, deadline_s: float) ->
     raise TimeoutError(f"no search answered within {deadline_s:.0f} s")
 
 
-def heldout_over_http(base: str, corpus: Path, k: int = 10) -> dict[str, int]:
-    hits = n = 0
-    with open(corpus / "captions_test.jsonl") as fh:
-        for line in fh:
-            rec = json.loads(line)
-            want = Path(rec["video"]).name
-            status, body = http("POST", base + "/v1/search", {"query": rec["captions"][0], "k": k})
-            if status != 200:
-                raise RuntimeError(f"search failed with HTTP {status}: {body!r:.200}")
-            n += 1
-            hits += any(h["metadata"].get("name") == want for h in body["results"])
-    return {"hits": hits, "queries": n, "k": k}
+def heldout_over_http(base: str, corpus: Path, k: int = 10) -> dict[str, Any]:
+    """The demo's held-out check (gare_demo.demo.heldout_recall_over_api) against the running server: R@1/5/10 over
+    HTTP, the right video's rank per caption; a non-200 answer is an error."""
+    from gare_demo.demo import heldout_recall_over_api
+
+    def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
+        status, got = http("POST", base + path, body)
+        if status != 200:
+            raise RuntimeError(f"search failed with HTTP {status}: {got!r:.200}")
+        return got
+
+    return heldout_recall_over_api(post, corpus, k=k)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     res: dict[str, Any] = {
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "command": command_line(module=__name__),
-        "cpu": cpu_name(), "cores": os.cpu_count(), "target_s": args.target_s, "min_hits": args.min_hits,
+        "cpu": cpu_name(), "cores": os.cpu_count(), "target_s": args.target_s, "min_r1": args.min_r1,
+        "min_r5": args.min_r5,
         "load_start": loadavg(), "status": "failed", "error": None,
     }
     # the clone holds HEAD only: what the tree has besides (bench/harness.py's tree state) is not measured
@@ -231,8 +232,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         problems = []
         if fr["first_search_s"] > args.target_s:
             problems.append(f"first search after {fr['first_search_s']:.0f} s > {args.target_s:.0f} s")
-        if h["hits"] < args.min_hits:
-            problems.append(f"held-out top-10 {h['hits']} of {h['queries']} < {args.min_hits}")
+        for K, least in (("1", args.min_r1), ("5", args.min_r5)):
+            if h["recall"][K] < least:
+                problems.append(f"held-out R@{K} {h['recall'][K]} of {h['queries']} < {least}")
         if res["second_run"]["first_search_s"] > SECOND_RUN_LIMIT_S or not res["second_run"]["all_stages_reused"]:
             problems.append("the second run did not reuse every stage within 60 s")
         res["status"] = "pass" if not problems else "fail"
@@ -259,6 +261,12 @@ def _fmt(s: float | None) -> str:
     return f"{m} min {sec:02d} s" if m else f"{sec} s"
 
 
+def _targets(res: dict[str, Any]) -> str:
+    if "min_r1" in res:
+        return f"held-out R@1 at least {res['min_r1']} and R@5 at least {res['min_r5']} of 40"
+    return f"held-out top-10 at least {res['min_hits']} of 40"  # a report from before the R@1/R@5 targets
+
+
 @with_provenance
 def markdown(res: dict[str, Any]) -> str:
     verdict = {"pass": "PASS", "fail": "FAIL", "failed": "FAILED (the run did not finish)"}[res["status"]]
@@ -266,8 +274,8 @@ def markdown(res: dict[str, Any]) -> str:
         GENERATED, "",
         "# Time to first search: `bash run.sh demo` from a fresh clone", "",
         f"**{verdict}**" + (f": {res['error']}" if res.get("error") else
-                            f": first search within {res['target_s'] / 60:g} minutes, held-out top-10 at least "
-                            f"{res['min_hits']} of 40, second run within {SECOND_RUN_LIMIT_S:.0f} s."), "",
+                            f": first search within {res['target_s'] / 60:g} minutes, {_targets(res)}, second run "
+                            f"within {SECOND_RUN_LIMIT_S:.0f} s."), "",
         f"Measured {res['date']} at commit `{res['commit']}`"
         + (" (uncommitted changes were not part of the clone)" if res.get("uncommitted_changes_not_measured") else "")
         + f" by `{res['command']}`; CPU: {res['cpu']}, {res['cores']} cores, no GPU; load average (1/5/15 min) "
@@ -293,12 +301,20 @@ def markdown(res: dict[str, Any]) -> str:
         lines += ["## First run", "", "| stage | took | since start |", "| --- | ---: | ---: |"]
         for name, took, since in rows:
             lines.append(f"| {name} | {_fmt(took)} | {_fmt(since)} |")
-        h = res["heldout_http"]
-        lines += ["", f"Search quality on the 40 held-out captions (their videos are in the library, the captions were "
-                  f"never trained on), asked over HTTP on the running server: the right video is in the top "
-                  f"{h['k']} for **{h['hits']} of {h['queries']}** (chance: 2; the demo before issue 16, "
-                  f"`gare-cpu-small` trained 40 epochs in ~15 min: 16). The demo's own check said "
-                  f"{res['heldout_demo']['hits']} of {res['heldout_demo']['queries']}.", ""]
+        h, d = res["heldout_http"], res["heldout_demo"]
+        if "recall" in h:
+            got = ", ".join(f"R@{K} **{v} of {h['queries']}**" for K, v in h["recall"].items())
+            own = ", ".join(f"R@{K} {v}" for K, v in d.get("recall", {}).items())
+            lines += ["", f"Search quality on the {h['queries']} held-out captions (their videos are in the library, the "
+                      f"captions were never trained on), asked over HTTP on the running server: the right video "
+                      f"first, in the top 5, in the top 10: {got} (targets: {_targets(res)}; chance at 10: 2). The "
+                      f"demo's own check (the same search in process) said {own}.", ""]
+        else:  # a report from before the ranks were recorded
+            lines += ["", f"Search quality on the 40 held-out captions (their videos are in the library, the captions "
+                      f"were never trained on), asked over HTTP on the running server: the right video is in the top "
+                      f"{h['k']} for **{h['hits']} of {h['queries']}** (chance: 2; the demo before issue 16, "
+                      f"`gare-cpu-small` trained 40 epochs in ~15 min: 16). The demo's own check said "
+                      f"{d['hits']} of {d['queries']}.", ""]
     sr = res.get("second_run")
     if sr:
         lines += ["## Second run (same folders: every stage reused)", "", "| step | since start |", "| --- | ---: |",
@@ -320,7 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default=None, help="where the temporary clone and demo folder go (default: $TMPDIR)")
     p.add_argument("--timeout-s", type=float, default=1500.0)
     p.add_argument("--target-s", type=float, default=300.0)
-    p.add_argument("--min-hits", type=int, default=16)
+    # issue 43's targets for the demo, over HTTP
+    p.add_argument("--min-r1", type=int, default=20, help="held-out captions whose video comes first, at least")
+    p.add_argument("--min-r5", type=int, default=36, help="held-out captions whose video is in the top 5, at least")
     p.add_argument("--screenshot", help="also write the page's screenshot here (relative to the repository)")
     p.add_argument("--out-md", default="docs/quickstart-times.md")
     p.add_argument("--out-json", default="bench/results/quickstart.json")
