@@ -104,3 +104,60 @@ def test_image_part_schema_declares_what_the_server_takes(client):
     assert client.post("/v1/search/image", files={"image": ("x.png", b"", "image/png")}).status_code == 422
     r = client.post("/v1/search/image", files={"image": ("x.bin", b"\x89PNG", "application/octet-stream")})
     assert r.status_code == 415, r.text
+
+
+def _patterns(doc: dict[str, Any]) -> set[str]:
+    schemas = doc["components"]["schemas"]
+    return {schemas["SearchRequest"]["properties"]["query"]["pattern"],
+            schemas["BatchSearchRequest"]["properties"]["queries"]["items"]["pattern"]}
+
+
+def test_query_pattern_means_the_servers_blank_in_json_schemas_own_regex_dialect(client):
+    """JSON Schema's `pattern` is an ECMA-262 regular expression (what fuzzers and other languages' validators
+    follow), run here by Node.js over every code point: it must pass exactly the characters that are not white
+    space as the server strips them (str.isspace). Before: `\\S`, which in ECMA-262 passes U+0085 and U+001C-U+001F
+    (a query of "\\u0085\\u0085" was valid by the document, 422 from the server) and refuses U+FEFF."""
+    import json
+    import shutil
+    import subprocess
+
+    from tests.conftest import require
+
+    node = shutil.which("node")
+    require(node is not None, "node (Node.js) runs the document's patterns as ECMA-262 regular expressions")
+    (pattern,) = _patterns(client.get("/openapi.json").json())
+    script = ("const p = new RegExp(process.argv[1], 'u'); const out = [];"
+              "for (let c = 0; c < 0x110000; c++) { if (c >= 0xd800 && c < 0xe000) continue;"
+              " if (p.test(String.fromCodePoint(c))) out.push(c); } console.log(JSON.stringify(out));")
+    got = subprocess.run([node, "-e", script, pattern], capture_output=True, text=True, timeout=120, check=True)
+    passed = set(json.loads(got.stdout))
+    text = {c for c in range(0x110000) if not 0xD800 <= c < 0xE000 and not chr(c).isspace()}
+    assert passed == text, (sorted(passed - text)[:10], sorted(text - passed)[:10])
+    for blank in ("\u0085\u0085", "\x1c", " \u3000 "):  # and the server refuses exactly those
+        assert client.post("/v1/search", json={"query": blank}).status_code == 422, repr(blank)
+        assert client.post("/v1/search/batch", json={"queries": ["a red circle", blank]}).status_code == 422
+    assert client.post("/v1/search", json={"query": "\ufeff"}).status_code == 200  # not white space to either
+
+
+def test_an_image_form_field_sent_twice_is_refused(client):
+    """The document says `candidates` is one integer; two parts named candidates are an array, which the form
+    parser used to reduce to one of them (200). Now 422 naming the field."""
+    png = _png_bytes()
+    r = client.post("/v1/search/image", files=[("image", ("a.png", png, "image/png"))],
+                    data={"candidates": ["20", "30"]})
+    assert r.status_code == 422 and "candidates" in r.text, r.text
+    r = client.post("/v1/search/image", files=[("image", ("a.png", png, "image/png")),
+                                               ("image", ("b.png", png, "image/png"))])
+    assert r.status_code == 422 and "image" in r.text, r.text
+    assert client.post("/v1/search/image", files={"image": ("a.png", png, "image/png")},
+                       data={"candidates": "20"}).status_code == 200
+
+
+def _png_bytes() -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (48, 32), (30, 200, 30)).save(buf, format="PNG")
+    return buf.getvalue()

@@ -16,7 +16,7 @@ import weakref
 from collections.abc import AsyncIterator, Iterator
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, File, Form, HTTPException, Response, UploadFile
+from fastapi import APIRouter, Depends, File, Form, HTTPException, Request, Response, UploadFile
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
@@ -51,6 +51,8 @@ from gare_serve.web.schemas import (
     Timings,
     make_request_models,
 )
+
+IMAGE_FORM_FIELDS = ("image", "k", "candidates", "filter")  # the image route's form fields
 
 
 def ms(seconds: float) -> float:
@@ -216,6 +218,7 @@ def make_router(settings: Settings) -> APIRouter:
                  openapi_extra=IMAGE_ENCODING)
     async def search_image(
         state: StateDep,
+        request: Request,
         image: Annotated[UploadFile, File(description=f"the image (at most {settings.max_image_bytes} bytes, "
                                                       f"{settings.max_image_pixels} pixels, long side at most "
                                                       f"{settings.max_image_aspect:g} x the short side); its part's "
@@ -230,6 +233,12 @@ def make_router(settings: Settings) -> APIRouter:
                                     "(the `filter` of POST /v1/search)")] = None,  # type: ignore[assignment]
     ) -> Response:
         t_start = time.perf_counter()
+        # A field given twice is refused: the form parser keeps one of the values (an array is not the integer
+        # or string the OpenAPI document promises), and which one the client meant is not ours to guess.
+        form = await request.form()  # parsed already for the parameters above: the same object, cached
+        repeated = sorted(name for name in IMAGE_FORM_FIELDS if len(form.getlist(name)) > 1)
+        if repeated:
+            raise HTTPException(422, f"form field(s) given more than once: {', '.join(repeated)}")
         K = candidates if candidates is not None else min(max_K, max(default_K, k))
         if K < k:
             raise HTTPException(422, f"candidates ({K}) must be >= k ({k})")
