@@ -1,4 +1,4 @@
-"""The README demo (gare_demo.demo): every stage real (generated mp4 files, gare-cpu-demo trained here, a real
+"""The README demo (gare_demo.demo): every stage real (generated mp4 files, gare-cpu-demo-cnn trained here, a real
 index with the generator's fields), its run record, the second run reusing everything, the suggested queries,
 filters on the library's fields over HTTP, and (slow) the held-out quality it promises, measured over HTTP."""
 
@@ -39,11 +39,11 @@ def test_demo_stages_then_a_second_run_reuses_them(tmp_path, monkeypatch):
     assert [s["name"] for s in rec["stages"]] == ["corpus", "training", "index", "held-out check"]
     assert not any(s["reused"] for s in rec["stages"])
     train = rec["stages"][1]
-    assert train["model"] == demo.DEMO_MODEL == "gare-cpu-demo" and train["epochs_run"] == 1
+    assert train["model"] == demo.DEMO_MODEL == "gare-cpu-demo-cnn" and train["epochs_run"] == 1
     assert len(list((corpus / "videos").glob("*.mp4"))) == 24 and (index / "CURRENT").is_file()
-    # the demo's model is the registered one with the demo's overrides (48 px frames), as the checkpoint records
+    # the demo's model is the registered one with the demo's overrides (none: 32 px frames), as the checkpoint records
     ckpt = read_checkpoint(root / "model" / "best.safetensors")
-    assert ckpt.config == get_model_config(demo.DEMO_MODEL, **demo.DEMO_MODEL_OVERRIDES) and ckpt.config.image_size == 48
+    assert ckpt.config == get_model_config(demo.DEMO_MODEL, **demo.DEMO_MODEL_OVERRIDES) and ckpt.config.image_size == 32
     held = [c for c, _ in demo.heldout_captions(corpus)]
     q = rec["heldout"]
     assert q["queries"] == len(held) > 0 and 0 <= q["hits"] <= q["queries"] and q["k"] == 10
@@ -110,14 +110,14 @@ def test_demo_library_fields_filter_over_http(tmp_path):
 @pytest.mark.slow
 def test_demo_model_finds_held_out_captions(tmp_path):
     """The README demo as it runs (200 videos, its epoch budget), measured over HTTP with the demo's serving
-    settings: of the 40 held-out captions, the right video first for at least 8, in the top 5 for at least 34 and
-    in the top 10 for at least 37 (two full runs measured R@1 11, R@5 37, R@10 40; the bar leaves room for another
-    machine's floats)."""
+    settings: of the 40 held-out captions, the right video first for at least 20, in the top 5 for at least 37 and
+    in the top 10 for at least 37 (two full runs measured R@1 27, R@5 40, R@10 40; seed 1 gave 22, 39, 40; the bar
+    leaves room for another machine's floats)."""
     root = tmp_path / "demo"
     index, corpus, examples = demo.prepare(root, n_videos=200, epochs=demo.DEFAULT_EPOCHS)
     with _client(index, corpus) as c:
         q = demo.heldout_recall_over_api(_post(c), corpus)
-    assert q["queries"] == 40 and q["recall"]["10"] >= 37 and q["recall"]["5"] >= 34 and q["recall"]["1"] >= 8, q
+    assert q["queries"] == 40 and q["recall"]["10"] >= 37 and q["recall"]["5"] >= 37 and q["recall"]["1"] >= 20, q
     # the first suggestion (the curl example the demo prints) was ranked first offline; over HTTP (the int8 text
     # tower by default on the CPU) it stays near the top
     assert 0 < q["ranks"][[c for c, _ in demo.heldout_captions(corpus)].index(examples[0])] <= 5, q
