@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import io
 import json
+import math
+import re
 from typing import Any
 
 from hypothesis import HealthCheck, Phase, assume, given
@@ -96,13 +98,38 @@ def _beyond_json_schema(case: Any) -> bool:
         return False
 
 
-def _same_bytes_as_a_valid_form(case: Any) -> bool:
-    """A negative multipart case that makes a field an empty array: a form sends one part per element, so no part
-    at all, the same bytes as a request that leaves the optional field out (valid); no server can tell them
-    apart. A field sent twice (a two-element array) is still sent and refused."""
+def form_properties(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """path -> the properties of its multipart/form-data body (the $ref resolved), from an OpenAPI document."""
+    out = {}
+    for path, item in doc.get("paths", {}).items():
+        for op in item.values():
+            body = (op.get("requestBody") or {}).get("content", {}).get("multipart/form-data") if isinstance(op, dict) else None
+            if body:
+                sch = body["schema"]
+                if "$ref" in sch:
+                    sch = doc["components"]["schemas"][sch["$ref"].rsplit("/", 1)[1]]
+                out[path] = sch.get("properties", {})
+    return out
+
+
+def _same_bytes_as_a_valid_form(case: Any, props: dict[str, dict[str, Any]]) -> bool:
+    """A negative multipart case that a form cannot tell from a valid one: a form sends text, so an empty array is
+    no part at all (the same bytes as leaving the optional field out) and the string "7" the same part as the
+    integer 7 (when 7 is within the field's bounds). No server can refuse those; a field sent twice (a two-element
+    array) or a string that is not such an integer is still sent and refused."""
     media = getattr(case, "media_type", None) or ""
     body = case.body if isinstance(case.body, dict) else {}
-    return media.startswith("multipart/") and any(isinstance(v, list) and not v for v in body.values())
+    if not media.startswith("multipart/"):
+        return False
+    for name, v in body.items():
+        if isinstance(v, list) and not v:
+            return True
+        p = props.get(name, {})
+        if p.get("type") == "integer" and isinstance(v, str) and re.fullmatch(r"\s*[+-]?\d+\s*", v):
+            n = int(v)
+            if p.get("minimum", -math.inf) <= n <= p.get("maximum", math.inf):
+                return True
+    return False
 
 
 def run_fuzz(app: Any, *, max_examples: int, derandomize: bool, headers: dict[str, str] | None = None,
@@ -115,6 +142,7 @@ def run_fuzz(app: Any, *, max_examples: int, derandomize: bool, headers: dict[st
 
     register_image_media_types()
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)
+    forms = form_properties(schema.raw_schema)
     checks = all_checks()
     stats: dict[str, dict[str, int]] = {}
     failures: list[dict[str, Any]] = []
@@ -127,7 +155,7 @@ def run_fuzz(app: Any, *, max_examples: int, derandomize: bool, headers: dict[st
             if mode == "positive":
                 assume(not _beyond_json_schema(case))
             else:
-                assume(not _same_bytes_as_a_valid_form(case))
+                assume(not _same_bytes_as_a_valid_form(case, forms.get(case.path, {})))
             r = case.call(headers=headers)
             key = f"{op.label} [{mode}]"
             stats.setdefault(key, {})
