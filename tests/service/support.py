@@ -9,6 +9,7 @@ once per test run by the session fixture ``service_env`` (tests/conftest.py).
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import shutil
 import signal
@@ -148,3 +149,12 @@ class UvicornProcess:
         self.log.close()
         with contextlib.suppress(OSError):
             os.unlink(self.log.name)
+
+
+def png_bytes(color: tuple[int, int, int] = (30, 200, 30), size: tuple[int, int] = (48, 32)) -> bytes:
+    """A small solid-colour PNG, for the image routes."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", size, color).save(buf, format="PNG")
+    return buf.getvalue()

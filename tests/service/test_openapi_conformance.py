@@ -23,7 +23,7 @@ from fastapi.testclient import TestClient
 
 from gare_serve.app import create_app
 from tests.service.openapi_fuzz import PIL_FORMATS, assert_clean, run_fuzz
-from tests.service.support import copy_index, settings
+from tests.service.support import copy_index, png_bytes, settings
 
 ADMIN = "conformance-admin-key"
 SEARCH = "conformance-search-key"
@@ -142,7 +142,7 @@ def test_query_pattern_means_the_servers_blank_in_json_schemas_own_regex_dialect
 def test_an_image_form_field_sent_twice_is_refused(client):
     """The document says `candidates` is one integer; two parts named candidates are an array, which the form
     parser used to reduce to one of them (200). Now 422 naming the field."""
-    png = _png_bytes()
+    png = png_bytes()
     r = client.post("/v1/search/image", files=[("image", ("a.png", png, "image/png"))],
                     data={"candidates": ["20", "30"]})
     assert r.status_code == 422 and "candidates" in r.text, r.text
@@ -152,12 +152,3 @@ def test_an_image_form_field_sent_twice_is_refused(client):
     assert client.post("/v1/search/image", files={"image": ("a.png", png, "image/png")},
                        data={"candidates": "20"}).status_code == 200
 
-
-def _png_bytes() -> bytes:
-    import io
-
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.new("RGB", (48, 32), (30, 200, 30)).save(buf, format="PNG")
-    return buf.getvalue()

@@ -79,11 +79,12 @@ def server(service_env, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(server):
     """The in-process service's answers on the same (first) index version."""
-    _, idx, sh = server
-    # at the server's thread count (UvicornProcess runs it with GARE_TORCH_THREADS=1): a float tower's bits hold per
+    srv, idx, sh = server
+    # at the server's thread count (UvicornProcess sets GARE_TORCH_THREADS): a float tower's bits hold per
     # thread count (gare.text_fixed), and on some CPUs (AVX-512 EPYC) a short caption's embedding differs in its
     # last bits between 1 and 2 threads; the process's own count is put back for the tests that follow
-    s = settings(idx, device="cpu", index_poll_s=0, recall_sample_rate=0, torch_threads=1)
+    s = settings(idx, device="cpu", index_poll_s=0, recall_sample_rate=0,
+                 torch_threads=int(srv.env["GARE_TORCH_THREADS"]))
     threads = torch.get_num_threads()
 
     async def go():

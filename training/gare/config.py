@@ -134,7 +134,7 @@ register_model(
 # gare-cpu-demo-cnn below; bench/compose_e2e's trainer still uses it). Smaller than
 # gare-cpu-small where the synthetic clips allow it (32 px frames, 4 per clip, width 64, two blocks per
 # tower, one temporal block), but with room for the whole caption (32 tokens: a third of the synthetic
-# captions are longer than 20). Measured choice: docs/quickstart-times.md.
+# captions are longer than 20).
 register_model(
     "gare-cpu-demo",
     ModelConfig(
@@ -152,16 +152,4 @@ register_model(
 # bottleneck block a stage, width 16, attention pooling; open_clip builds it when vision layers is a list) in place
 # of the 2-block ViT. With ~600 training videos a from-scratch ViT missed shape and motion within the right colour
 # and background; the convolutions' locality fixes most of that (measurements: gare_demo.demo).
-register_model(
-    "gare-cpu-demo-cnn",
-    ModelConfig(
-        backbone="gare-cpu-demo-cnn",
-        pretrained="none",
-        embed_dim=64,
-        max_words=32,
-        max_frames=4,
-        image_size=32,
-        temporal_layers=1,
-        video_framerate=2.0,
-    ),
-)
+register_model("gare-cpu-demo-cnn", get_model_config("gare-cpu-demo").replace(backbone="gare-cpu-demo-cnn"))

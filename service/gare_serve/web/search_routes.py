@@ -52,7 +52,9 @@ from gare_serve.web.schemas import (
     make_request_models,
 )
 
-IMAGE_FORM_FIELDS = ("image", "k", "candidates", "filter")  # the image route's form fields
+# The image route's form fields: a field given twice is refused; other fields are ignored (the document allows
+# them), an array among them too
+IMAGE_FORM_FIELDS = ("image", "k", "candidates", "filter")
 
 
 def ms(seconds: float) -> float:
