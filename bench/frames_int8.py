@@ -194,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         render_saved(args.render, markdown)
         return 0
     run = start(__name__, MEASURES)
+    run.add_inputs(args.checkpoint, args.corpus)
     data = measure(args)
     data.update({"command": "python -m bench.frames_int8 " + " ".join(argv if argv is not None else sys.argv[1:]),
                  "commit": git_commit(), "cpu": cpu_name(), "cores": os.cpu_count(),

@@ -13,7 +13,10 @@ JSON's ``"run"`` key, holds
 - ``command``: the command line, as ``python -m bench.NAME ARGS``;
 - ``machine``: CPU model, the ``avx2`` / ``avx512_bf16`` flags, cores, and the load average before and after;
 - ``started`` / ``finished`` (UTC, ISO 8601) and ``elapsed_s``;
-- ``script`` and ``measures``: the script that wrote the report and the product paths it declares.
+- ``script`` and ``measures``: the script that wrote the report and the product paths it declares;
+- ``inputs``: the sha256 of every input file the script named with :meth:`Run.add_inputs` (a checkpoint; a corpus
+  folder is hashed as the sorted list of its files' paths and hashes), so a figure names the exact model and data
+  it came from.
 
 ``--render`` (:func:`add_render_arg`, :func:`render_saved`) re-renders a report's markdown from its saved JSON
 without running anything.
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -172,6 +176,12 @@ class Run:
         self.started = time.time()
         self.load_before = loadavg()
         self.state = STATE_AT_START
+        self.inputs: dict[str, str] = {}
+
+    def add_inputs(self, *paths: str | Path) -> None:
+        """Record the sha256 of each input (a file, or a folder: :func:`sha256_of`) under its path as given."""
+        for p in paths:
+            self.inputs[str(p)] = sha256_of(Path(p))
 
     def record(self) -> dict[str, Any]:
         """The provenance block (see the module docstring), with the load and time at this call as the end."""
@@ -183,7 +193,28 @@ class Run:
             "machine": {"cpu": cpu_name(), "flags": cpu_flags(), "cores": os.cpu_count(),
                         "load_before": self.load_before, "load_after": loadavg()},
             "started": _utc(self.started), "finished": _utc(finished), "elapsed_s": round(finished - self.started, 1),
+            **({"inputs": dict(self.inputs)} if self.inputs else {}),
         }
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_of(path: Path) -> str:
+    """A file's sha256; for a folder, the sha256 of the lines ``RELPATH SHA256`` of every file under it, sorted by
+    path (so a renamed, added, removed or changed file changes it). A missing path is an error that names it."""
+    if path.is_file():
+        return _file_sha256(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"benchmark input {path} does not exist")
+    lines = [f"{f.relative_to(path).as_posix()} {_file_sha256(f)}\n"
+             for f in sorted(path.rglob("*")) if f.is_file()]
+    return hashlib.sha256("".join(lines).encode()).hexdigest()
 
 
 def script_path(module: str) -> str:
@@ -211,7 +242,8 @@ def provenance_md(data: dict[str, Any]) -> str:
     return (f"Run: `{r['command']}` at commit {commit}{state}, {r['started']} to {r['finished']} "
             f"({r['elapsed_s']:.0f} s). Machine: {m['cpu']} ({flags}), {m['cores']} cores, load "
             f"{'/'.join(map(str, m['load_before']))} before and {'/'.join(map(str, m['load_after']))} after. "
-            f"Measures: {', '.join(f'`{p}`' for p in r['measures'])}.\n")
+            f"Measures: {', '.join(f'`{p}`' for p in r['measures'])}."
+            + ("".join(f" Input `{p}`: sha256 {h[:16]}." for p, h in r.get("inputs", {}).items())) + "\n")
 
 
 def with_provenance(render: Callable[[dict[str, Any]], str]) -> Callable[[dict[str, Any]], str]:
@@ -275,6 +307,21 @@ def render_saved(json_path: Path, render: Callable[[dict[str, Any]], str], md_pa
     md = md_path or json_path.with_suffix(".md")
     md.write_text(render(data), encoding="utf-8")
     log.info("rendered %s from %s", md, json_path)
+    return md
+
+
+def stamp_product_report(json_path: Path, run: Run, extra: dict[str, Any] | None = None) -> Path:
+    """Give a report that a product command wrote (``gare-train eval``, ``gare-index compare``: their own JSON and
+    markdown, which know nothing of bench/) this run's record: the JSON gains ``"run"`` (and ``extra``), and the
+    markdown beside it (same name, .md) gains :func:`provenance_md` under its title. Returns the markdown's path."""
+    data = json.loads(json_path.read_text(encoding="utf-8"))
+    data.update(extra or {})
+    data["run"] = run.record()
+    write_json(json_path, data)
+    md = json_path.with_suffix(".md")
+    lines = md.read_text(encoding="utf-8").split("\n")
+    at = next((i + 1 for i, line in enumerate(lines) if line.startswith("# ")), 0)
+    md.write_text("\n".join([*lines[:at], "", provenance_md(data).rstrip("\n"), *lines[at:]]), encoding="utf-8")
     return md
 
 

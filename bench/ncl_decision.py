@@ -48,6 +48,7 @@ def main() -> None:
     from gare_index.store import open_index
 
     run = start(__name__, MEASURES)
+    run.add_inputs(args.checkpoint, *args.synth)
     rows: list[list[Any]] = []
     data: dict[str, Any] = {}
     for corpus in args.synth:

@@ -92,6 +92,7 @@ def main() -> None:
     from gare.sinkhorn_sparse import normalization_error_scores
 
     run = start(__name__, MEASURES)
+    run.add_inputs(args.checkpoint, args.synth)
     model, _ = load_model(args.checkpoint)
     rs = _test_set(args.synth, args.all_captions)
     enc = encode_set(model, rs, batch_size=16, num_workers=1, progress=True)

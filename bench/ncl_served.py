@@ -104,6 +104,7 @@ def accuracy(args: argparse.Namespace) -> None:
     )
 
     run = start(__name__, MEASURES)
+    run.add_inputs(args.checkpoint, args.synth)
     model, enc, queue = _load(args)
     if args.queue_limit:
         queue = queue[-args.queue_limit:]
@@ -219,6 +220,7 @@ def explain(args: argparse.Namespace) -> None:
     from gare.sinkhorn_sparse import normalization_error_scores
 
     run = start(__name__, MEASURES)
+    run.add_inputs(args.checkpoint, args.synth)
     model, enc, queue = _load(args)
     queue = queue.float()
     gamma_model = float(1.0 / model.clip.logit_scale.detach().exp())
@@ -312,6 +314,7 @@ def cost(args: argparse.Namespace) -> None:
     from gare.sinkhorn_sparse import sinkhorn_biases_sparse, stage1_candidates
 
     run = start(__name__, MEASURES)
+    run.add_inputs(args.checkpoint)
     torch.set_num_threads(args.threads)
     model, _ = load_model(args.checkpoint)
     d, f = model.cfg.embed_dim, model.cfg.max_frames

@@ -150,6 +150,7 @@ def main() -> None:
     add_render_arg(ap, RESULTS / "ncl_served/table_bench.json")
     args = ap.parse_args()
     run = start(__name__, MEASURES)
+    run.add_inputs(*(spec.partition("=")[2] for spec in args.checkpoints), args.synth)
     rows: list[list[Any]] = []
     data: dict[str, Any] = {}
     for spec in args.checkpoints:

@@ -322,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     run = start(__name__, MEASURES, argv)
+    run.add_inputs(*(p for p in (args.checkpoint, args.corpus) if p is not None))
     res: dict[str, Any] = {
         "commit": git_commit(),
         "command": run.command,

@@ -212,3 +212,42 @@ print(json.dumps({"first": first, "again": md.read_text(), "run": json.loads((ou
     lines = got["first"].splitlines()
     assert lines[0] == "# Title" and lines[2].startswith(f"Run: `python -m bench.fake --a 1` at commit {run['commit'][:12]}")
     assert lines[-1] == "body 7"
+
+
+def test_harness_records_the_sha256_of_each_input_file_and_folder(tmp_path):
+    """add_inputs records a file's sha256 as `sha256sum` gives it and a folder's over its files' paths and hashes:
+    a changed byte or a renamed file in the folder changes the folder's hash; the markdown names each input."""
+    ckpt = tmp_path / "best.safetensors"
+    ckpt.write_bytes(b"weights" * 1000)
+    corpus = tmp_path / "corpus"
+    (corpus / "videos").mkdir(parents=True)
+    (corpus / "test.csv").write_text("video_id\nv1\n")
+    (corpus / "videos" / "v1.mp4").write_bytes(b"\x00mp4")
+    code = """
+import json, sys
+from pathlib import Path
+from bench import harness
+
+run = harness.start("bench.fake", ["pkg/"], [])
+run.add_inputs(*sys.argv[1:])
+rec = run.record()
+print(json.dumps({"inputs": rec["inputs"], "md": harness.provenance_md({"run": rec})}))
+"""
+
+    def inputs() -> dict:
+        out = run_py("-c", code, str(ckpt), str(corpus))
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    first = inputs()
+    want = subprocess.run(["sha256sum", str(ckpt)], capture_output=True, text=True, check=True).stdout.split()[0]
+    assert first["inputs"][str(ckpt)] == want
+    assert f"Input `{ckpt}`: sha256 {want[:16]}." in first["md"]
+    (corpus / "videos" / "v1.mp4").write_bytes(b"\x01mp4")
+    changed = inputs()["inputs"][str(corpus)]
+    (corpus / "videos" / "v1.mp4").rename(corpus / "videos" / "v2.mp4")
+    renamed = inputs()["inputs"][str(corpus)]
+    assert len({first["inputs"][str(corpus)], changed, renamed}) == 3
+    assert inputs()["inputs"][str(corpus)] == renamed  # the same folder hashes the same
+    missing = run_py("-c", code, str(tmp_path / "absent"))
+    assert missing.returncode != 0 and "absent does not exist" in missing.stderr
