@@ -20,9 +20,9 @@ FastAPI app, and one deployment per shard.
 Arguments (``serve run ... key=value`` or the dict): ``index`` (required, a sharded INDEX root, on storage every
 node sees), ``checkpoint`` (optional, as gare-serve), ``shard_replicas`` (default 1), ``ingress_replicas``
 (default 1), ``allow_partial`` (default false: a shard that does not answer is a 503; true: the answer of the
-others, flagged ``partial`` with ``missing_shards``), ``shard_timeout_s`` (default 10: how long the ingress waits
-for a shard before counting it as not answering). Every other setting comes from the ``GARE_*`` variables
-gare-serve reads (``gare_serve.settings``), in the ingress and in every shard replica.
+others, flagged ``partial`` with ``missing_shards``), ``shard_timeout_s`` (default ``SHARD_TIMEOUT_S``, 10 s:
+how long the ingress waits for a shard before counting it as not answering). Every other setting comes from the
+``GARE_*`` variables gare-serve reads (``gare_serve.settings``), in the ingress and in every shard replica.
 
 Ray binds every interface unless told otherwise: start each node with ``python -m gare_serve.ray_serve.ray_node``
 (``ray start`` with every listener on the node address, and gare-serve's HTTP limits in Serve's proxy:
@@ -56,9 +56,10 @@ from gare_serve.settings import load_settings
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AppArgs", "RayShards", "ShardServer", "Ingress", "build_app"]
+__all__ = ["AppArgs", "RayShards", "ShardServer", "Ingress", "build_app", "SHARD_TIMEOUT_S"]
 
 INGRESS_NAME = "gare-ingress"
+SHARD_TIMEOUT_S = 10.0  # build_app's default shard_timeout_s: how long the ingress waits for a shard
 
 
 def shard_deployment_name(shard: int) -> str:
@@ -81,7 +82,7 @@ class AppArgs:
         self.shard_replicas = self._int(args, "shard_replicas", 1)
         self.ingress_replicas = self._int(args, "ingress_replicas", 1)
         self.allow_partial = self._bool(args, "allow_partial", False)
-        self.shard_timeout_s = float(args.get("shard_timeout_s", 10.0))
+        self.shard_timeout_s = float(args.get("shard_timeout_s", SHARD_TIMEOUT_S))
         if not self.shard_timeout_s > 0:
             raise ValueError(f"shard_timeout_s must be > 0, got {args.get('shard_timeout_s')!r}")
 
