@@ -1,20 +1,30 @@
-"""CPU text encoder benchmark: fp32 vs int8 (per-token int8, exact int32 sums) vs ONNX Runtime (fp32, int8).
+"""CPU text encoder benchmark: the text towers a CPU search can run, side by side.
 
     python -m bench.text_encoder --checkpoint runs/tq-train/best.safetensors --corpus runs/tq-corpus
 
-Measured in one run, side by side (rounds interleave the encoders so that load from other processes on
-a shared machine hits all of them alike; the median of the rounds is reported):
-1. speed, on the ViT-B/32 text tower (open_clip 'ViT-B-32', random weights: speed does not depend on
-   them): one query and batches of 8 and 32 (tokens trimmed after the longest query, as the service did; every
-   encoder is batch-invariant since issue 24, each text computed at its own length whatever the padding),
-   with 1 thread and with all threads; ms per call and the speed-up over the model's own fp32 encoder;
-2. fidelity on a TRAINED checkpoint (``--checkpoint``): cosine of each encoder's embedding with the fp32
-   embedding (min / mean) over the corpus captions, and retrieval R@1 / R@10 (dual tower and + psi) on the
-   corpus splits with the video side fixed (fp32), so only the text encoder changes;
-   plus the cosine on the random-weight ViT-B/32 (labelled as such: random weights are not representative);
+The towers are the product's CPU options, each built by the service's own factory
+(``gare_search.text_encoder.load_query_encoder(model, kind, "cpu", "fp32")``) and run as the service runs it,
+texts -> t (``QueryEncoder.encode``: the model's tokenizer, then the tower):
+- ``fp32``: the model's own tower (``GARE.encode_text``, each text alone at its own length), the reference;
+- ``int8``: ``gare.text_quant``'s int8 tower (per-token int8, exact int32 sums, packed rows);
+- ``fp32-packed``: the model's float32 weights on packed rows (``gare.text_packed``); where this machine's GEMM
+  fails the tower's row-independence check at build, the product runs it one text at a time, and the report
+  names the scheme each tower ran with.
+The list is ``gare.text_quant.TEXT_ENCODERS`` less ``CUDA_TEXT_ENCODERS`` (fp16 is a CUDA tower: bench/gpu_bench.py).
+
+Measured in one run, side by side (rounds interleave the towers so that load from other processes on a shared
+machine hits all of them alike; the median of the rounds is reported):
+1. speed, on the ViT-B/32 text tower (open_clip 'ViT-B-32', random weights: speed does not depend on them): one
+   query and batches of 8 and 32, with 1 thread and with all threads; ms per call (tokenizing included, and
+   also timed on its own) and the speed-up over fp32; plus the cosine with fp32 on these random weights
+   (labelled as such: random weights are not representative);
+2. fidelity on a TRAINED checkpoint (``--checkpoint``, ``--corpus``): cosine of each tower's embedding with the
+   fp32 embedding (min / mean) over the corpus captions, and retrieval R@1 / R@10 (dual tower and + psi) on the
+   corpus splits with the video side fixed (fp32), so only the text tower changes;
 3. query-cache hit rates of Zipf query streams (bench/zipf_queries.py) for a few cache sizes.
-Writes bench/results/text_encoder.{md,json} with commit, command, date and CPU. The CPU default recorded
-in gare/text_quant.py is chosen from section 1 and 2 by the rule printed in the report.
+Writes bench/results/text_encoder.{md,json} (``--out``) with the run's record (bench/harness.py). The report
+applies the rule below to this run's numbers and sets its winner beside the product's
+``DEFAULT_CPU_TEXT_ENCODER``, saying whether they agree; without a fidelity section it chooses nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,62 +45,66 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench import harness  # noqa: E402
 from bench.harness import cpu_name, git_commit, start, with_provenance  # noqa: E402
 from bench.zipf_queries import hit_rates, vocabulary, zipf_stream  # noqa: E402
+from gare.text_packed import token_lengths  # noqa: E402
+from gare.text_quant import CUDA_TEXT_ENCODERS, DEFAULT_CPU_TEXT_ENCODER, TEXT_ENCODERS  # noqa: E402
 
 # the product code this script's reports measure (bench/harness.py; `python -m bench.stale` reads it)
 MEASURES: tuple[str, ...] = (
     "training/gare/text_quant.py",
-    "training/gare/text_*.py",
+    "training/gare/text_packed.py",
+    "training/gare/text_fixed.py",
     "training/gare/model.py",
     "training/gare/backbone.py",
     "indexer/gare_search/query.py",
+    "indexer/gare_search/text_encoder.py",
 )
 
-
-KINDS = ("int8",)  # the CPU towers gare.text_quant offers besides the model's own (model-fp32)
-# Rule for choosing int8 as the CPU default (issue 14): >= 1.7x faster than fp32 at one query on one
-# thread AND with all threads, and t2v R@1 (+psi) within 0.5 point on every evaluated split.
+REFERENCE = "fp32"  # the model's own tower: the search's "fp32" option, and the reference of every ratio
+# the CPU towers gare.text_quant builds besides the model's own, in its order
+KINDS: tuple[str, ...] = tuple(k for k in TEXT_ENCODERS if k not in CUDA_TEXT_ENCODERS)
+# Rule for the CPU default (issue 14's, kept): a tower other than fp32 qualifies if it is >= SPEEDUP_MIN x faster
+# than fp32 at one query on one thread AND with all threads, and its t2v R@1 (+psi) is within R1_MAX_DROP point of
+# fp32's on every evaluated split; of several that qualify, the one whose smaller one-query speed-up is the
+# largest; none qualifies: fp32. Without a fidelity section no tower can qualify, and the run chooses nothing.
 SPEEDUP_MIN, R1_MAX_DROP = 1.7, 0.5
+RULE = (f"a tower other than fp32 qualifies if it is >= {SPEEDUP_MIN}x faster than fp32 for one query with 1 thread "
+        f"and with all threads, and its t2v R@1 (+psi) is within {R1_MAX_DROP} point of fp32's on every split; of "
+        "several that qualify, the one whose smaller one-query speed-up is the largest; if none qualifies, fp32. "
+        "A run without the fidelity section chooses nothing.")
 
 
 def make_queries(n: int, seed: int = 0) -> list[str]:
     return vocabulary(n, seed)
 
 
-def build_encoders(model, kinds, threads: int) -> dict[str, Any]:
-    from gare.text_quant import build_text_encoder, encode_each
+def build_encoders(model, kinds) -> dict[str, Any]:
+    """{kind: the service's QueryEncoder}: fp32 (the model's own tower) first, then ``kinds``, each built by
+    ``gare_search.text_encoder.load_query_encoder`` on the CPU at fp32 (at the current torch thread count: the
+    fp32-packed tower checks its GEMM at build)."""
+    from gare_search.text_encoder import load_query_encoder
 
-    encs: dict[str, Any] = {}
-
-    def model_fp32(tokens: torch.Tensor) -> torch.Tensor:
-        # the model's own encoder as the service runs it (gare_search.query.encode_queries): each text alone
-        with torch.inference_mode():
-            return encode_each(model.encode_text, tokens)
-
-    encs["model-fp32"] = model_fp32
-    for k in kinds:
-        encs[k] = build_text_encoder(model, k)
-    return encs
+    return {k: load_query_encoder(model, k, "cpu", "fp32") for k in (REFERENCE, *kinds)}
 
 
-def time_side_by_side(encs: dict[str, Any], tokens: torch.Tensor, rounds: int, per_round: int) -> dict[str, float]:
-    """Median over rounds of the mean ms per call; the encoders take turns within every round."""
-    for e in encs.values():  # warm-up (ORT and oneDNN pick kernels on first calls)
+def time_side_by_side(calls: dict[str, Callable[[], Any]], rounds: int, per_round: int) -> dict[str, float]:
+    """Median over rounds of the mean ms per call; the callables take turns within every round (in reversed
+    order every other round)."""
+    for c in calls.values():  # warm-up (oneDNN / MKL pick and cache kernels on the first calls)
         for _ in range(2):
-            e(tokens)
-    samples: dict[str, list[float]] = {k: [] for k in encs}
+            c()
+    samples: dict[str, list[float]] = {k: [] for k in calls}
     for r in range(rounds):
-        order = list(encs) if r % 2 == 0 else list(reversed(list(encs)))
+        order = list(calls) if r % 2 == 0 else list(reversed(list(calls)))
         for k in order:
             t0 = time.perf_counter()
             for _ in range(per_round):
-                encs[k](tokens)
+                calls[k]()
             samples[k].append((time.perf_counter() - t0) / per_round * 1e3)
     return {k: statistics.median(v) for k, v in samples.items()}
 
@@ -97,29 +112,35 @@ def time_side_by_side(encs: dict[str, Any], tokens: torch.Tensor, rounds: int, p
 def speed_section(args) -> dict[str, Any]:
     from gare.config import get_model_config
     from gare.model import GARE
-    from gare_search.query import trim_tokens
 
     torch.manual_seed(0)
     model = GARE.build(get_model_config("gare-vit-b-32"), pretrained="none").eval()
     queries = make_queries(64, seed=1)
-    out: dict[str, Any] = {"model": "gare-vit-b-32 (open_clip ViT-B-32 text tower, random weights)", "rows": []}
+    out: dict[str, Any] = {"model": "gare-vit-b-32 (open_clip ViT-B-32 text tower, random weights)",
+                           "reference": REFERENCE, "towers": [REFERENCE, *args.kinds], "schemes": {}, "rows": []}
     all_threads = torch.get_num_threads()
     thread_settings = sorted(set(args.threads or [1, all_threads]))
-    tok_all = model.tokenize(queries)
     for th in thread_settings:
         torch.set_num_threads(th)
-        encs = build_encoders(model, args.kinds, th)
+        encs = build_encoders(model, args.kinds)
+        out["schemes"][str(th)] = {k: e.describe() for k, e in encs.items()}
+        print(f"threads={th}: " + "; ".join(out["schemes"][str(th)].values()), flush=True)
         # fidelity on random weights (not representative; the trained-model section is the one that counts)
-        ref = encs["model-fp32"](trim_tokens(tok_all))
-        cos_rand = {k: F.cosine_similarity(encs[k](trim_tokens(tok_all)), ref).numpy() for k in args.kinds}
-        out.setdefault("cos_random_weights", {k: {"min": float(v.min()), "mean": float(v.mean())} for k, v in cos_rand.items()})
+        ref = encs[REFERENCE].encode(queries)
+        cos_rand = {k: F.cosine_similarity(encs[k].encode(queries), ref).numpy() for k in args.kinds}
+        out.setdefault("cos_random_weights", {k: {"min": float(v.min()), "mean": float(v.mean())}
+                                              for k, v in cos_rand.items()})
         for b in args.batches:
-            tokens = trim_tokens(tok_all[:b])
-            ms = time_side_by_side(encs, tokens, args.rounds, max(1, args.calls // b))
-            row = {"threads": th, "batch": b, "L": int(tokens.shape[1]), "ms": ms,
-                   "speedup_vs_model_fp32": {k: ms["model-fp32"] / v for k, v in ms.items()}}
+            texts = queries[:b]
+            calls = {k: (lambda e=e, t=texts: e.encode(t)) for k, e in encs.items()}
+            calls["tokenize"] = lambda t=texts: model.tokenize(t)
+            ms = time_side_by_side(calls, args.rounds, max(1, args.calls // b))
+            tok_ms = ms.pop("tokenize")
+            row = {"threads": th, "batch": b, "L": max(token_lengths(model.tokenize(texts))), "ms": ms,
+                   "tokenize_ms": tok_ms, "speedup_vs_fp32": {k: ms[REFERENCE] / v for k, v in ms.items()}}
             out["rows"].append(row)
-            print(f"threads={th} batch={b} L={tokens.shape[1]}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()), flush=True)
+            print(f"threads={th} batch={b} L={row['L']}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items())
+                  + f" (tokenize {tok_ms:.2f} ms)", flush=True)
         del encs
     torch.set_num_threads(all_threads)
     out["threads_all"] = all_threads
@@ -144,32 +165,23 @@ def fidelity_section(args) -> dict[str, Any]:
     from gare.annotations import load_dataset
     from gare.checkpoint import file_sha256, load_model
     from gare.encoded_set import encode_set
-    from gare_search.query import trim_tokens
 
-    torch.set_num_threads(torch.get_num_threads())
     model, _ = load_model(args.checkpoint, "cpu")
-    encs = build_encoders(model, args.kinds, torch.get_num_threads())
+    encs = build_encoders(model, args.kinds)
     out: dict[str, Any] = {"checkpoint": str(args.checkpoint), "checkpoint_sha256": file_sha256(args.checkpoint),
-                           "model": model.cfg.backbone, "splits": {}}
-    cos_all: dict[str, list[np.ndarray]] = {k: [] for k in args.kinds}
+                           "model": model.cfg.backbone, "reference": REFERENCE, "threads": torch.get_num_threads(),
+                           "schemes": {k: e.describe() for k, e in encs.items()}, "splits": {}}
     for split in args.splits:
         rs = load_dataset({"kind": "synth", "root": str(args.corpus)}, split)
         enc = encode_set(model, rs, batch_size=16, num_workers=1, progress=True)
         if enc.failed:  # then encode_set would have dropped captions; keep the comparison simple
             raise RuntimeError(f"{len(enc.failed)} corpus videos failed to decode: {enc.failed[:3]}")
         texts = list(rs.captions)
-        ts: dict[str, torch.Tensor] = {}
-        for k, e in encs.items():
-            rows = []
-            for s in range(0, len(texts), 64):
-                rows.append(e(trim_tokens(model.tokenize(texts[s:s + 64]))).float())
-            ts[k] = torch.cat(rows)
-        ref = ts["model-fp32"]
+        ts = {k: torch.cat([e.encode(texts[s:s + 64]) for s in range(0, len(texts), 64)]) for k, e in encs.items()}
+        ref = ts[REFERENCE]
         split_out: dict[str, Any] = {"n_captions": len(texts), "n_videos": int(enc.vbar.shape[0]), "encoders": {}}
         for k, t in ts.items():
             cos = F.cosine_similarity(t, ref).numpy()
-            if k in cos_all:
-                cos_all[k].append(cos)
             split_out["encoders"][k] = {"cos_min": float(cos.min()), "cos_mean": float(cos.mean()),
                                         **retrieval(t, model, enc, enc.caption_clip)}
         out["splits"][split] = split_out
@@ -188,41 +200,70 @@ def zipf_section(args) -> dict[str, Any]:
     return out
 
 
-def choose(speed: dict[str, Any], fid: dict[str, Any] | None) -> dict[str, Any]:
-    """The CPU default by the rule above, from this run's numbers only."""
-    reasons = []
-    best = "fp32"
-    # every tower the run measured, in its order (a report rendered again keeps the towers it measured then)
-    for cand in [k for k in speed["rows"][0]["ms"] if k not in ("model-fp32", "fp32")]:
-        single = [r for r in speed["rows"] if r["batch"] == 1]
-        sp = [r["speedup_vs_model_fp32"][cand] for r in single]
-        fast = all(x >= SPEEDUP_MIN for x in sp)
+def choose(speed: dict[str, Any], fid: dict[str, Any] | None, product_default: str) -> dict[str, Any]:
+    """The CPU default by :data:`RULE`, from this run's numbers only, beside ``product_default`` (the product's
+    DEFAULT_CPU_TEXT_ENCODER when the run started): ``default`` None when the run cannot choose (no fidelity
+    section), ``agrees`` None then, else whether the winner is the product's default."""
+    ref = speed["reference"]
+    single = [r for r in speed["rows"] if r["batch"] == 1]
+    threads_needed = {1, speed["threads_all"]}
+    threads_run = {r["threads"] for r in single}
+    reasons, qualified = [], {}
+    for cand in [k for k in speed["towers"] if k != ref]:
+        sp = [r["speedup_vs_fp32"][cand] for r in single]
+        fast = threads_needed <= threads_run and all(x >= SPEEDUP_MIN for x in sp)
         drops = []
         if fid is not None:
             for split, so in fid["splits"].items():
-                base = so["encoders"]["model-fp32"]["psi"]["R1"]
-                drops.append((split, base - so["encoders"][cand]["psi"]["R1"]))
-        faithful = fid is not None and all(d <= R1_MAX_DROP for _, d in drops)
+                if cand in so["encoders"]:
+                    drops.append((split, so["encoders"][ref]["psi"]["R1"] - so["encoders"][cand]["psi"]["R1"]))
+        faithful = (fid is not None and bool(fid["splits"]) and len(drops) == len(fid["splits"])
+                    and all(d <= R1_MAX_DROP for _, d in drops))
+        speed_txt = (", ".join(f"{x:.2f}x" for x in sp) + f" (threads {', '.join(str(r['threads']) for r in single)})"
+                     if sp else "not measured")
+        if not threads_needed <= threads_run:
+            speed_txt += f"; the rule needs threads {', '.join(map(str, sorted(threads_needed)))}"
         reasons.append(
-            f"{cand}: speed-up at one query {', '.join(f'{x:.2f}x' for x in sp)} (threads {', '.join(str(r['threads']) for r in single)}), "
-            f"need >= {SPEEDUP_MIN}x: {'yes' if fast else 'no'}; R@1 (+psi) drop "
-            f"{', '.join(f'{s} {d:+.2f}' for s, d in drops) or 'not measured'} (need <= {R1_MAX_DROP}): {'yes' if faithful else 'no'}"
-        )
-        if fast and faithful and best == "fp32":
-            best = cand
-    return {"default": best, "reasons": reasons}
+            f"{cand}: speed-up over fp32 at one query {speed_txt}, need >= {SPEEDUP_MIN}x: {'yes' if fast else 'no'}; "
+            f"R@1 (+psi) drop {', '.join(f'{s} {d:+.2f}' for s, d in drops) or 'not measured'} "
+            f"(need <= {R1_MAX_DROP} on every split): {'yes' if faithful else 'no'}")
+        if fast and faithful:
+            qualified[cand] = min(sp)
+    if fid is None:
+        default = None
+    else:
+        default = max(qualified, key=qualified.__getitem__) if qualified else ref
+    return {"rule": RULE, "default": default, "qualified": qualified, "reasons": reasons,
+            "product_default": product_default, "agrees": None if default is None else default == product_default}
 
 
 def write_report(res: dict[str, Any], out_dir: Path) -> None:
     harness.write_report(out_dir / "text_encoder.json", res, markdown)
 
 
+def _choice_md(ch: dict[str, Any]) -> list[str]:
+    L = ["## Choice of the CPU default", "", f"Rule (bench/text_encoder.py, `RULE`): {ch['rule']}", ""]
+    L += [f"- {r}" for r in ch["reasons"]]
+    prod = f"`{ch['product_default']}` (`gare.text_quant.DEFAULT_CPU_TEXT_ENCODER` at the run's commit)"
+    if ch["default"] is None:
+        L += ["", "**No choice from this run**: it measured no fidelity on a trained checkpoint (`--checkpoint`), which "
+              f"the rule needs. The product's CPU default is {prod}; this run neither confirms nor contradicts it.", ""]
+    elif ch["agrees"]:
+        L += ["", f"**Default from this run: `{ch['default']}`**, the product's CPU default {prod}.", ""]
+    else:
+        L += ["", f"**Default from this run: `{ch['default']}`. This DISAGREES with the product's CPU default {prod}**: "
+              "by this run's numbers the product does not serve the tower its rule picks.", ""]
+    return L
+
+
 @with_provenance
 def markdown(res: dict[str, Any]) -> str:
+    sp = res["speed"]
+    ref, towers = sp["reference"], sp["towers"]
     L = [
-        "# CPU text encoder: the model's fp32 tower vs the int8 tower (issue 14)", "",
+        f"# CPU text towers: {' vs '.join(towers)}", "",
         f"- commit `{res['commit']}`, date {res['date']}, CPU: {res['cpu']} ({res['cores']} logical cores visible, "
-        f"torch {res['torch']}" + (f", onnxruntime {res['onnxruntime']}" if res.get("onnxruntime") else "") + ")",
+        f"torch {res['torch']})",
         f"- command: `{res['command']}`",
         f"- note: {res['note']}",
         *([f"- fidelity and Zipf sections from an earlier run on the same machine: commit `{res['sections_from']['commit']}`, "
@@ -231,26 +272,30 @@ def markdown(res: dict[str, Any]) -> str:
            f"command `{res['zipf_from']['command']}`"] if res.get("zipf_from") else []),
         "",
         "## Speed (ViT-B/32 text tower, random weights)", "",
-        "ms per call, median of interleaved rounds; speed-up = model fp32 / encoder. `model-fp32` is "
-        "`GARE.encode_text` run on each text alone (the service's path, `gare_search.query.encode_queries`); `fp32` is "
-        "the stand-alone tower in text_quant.", "",
+        "Each tower as the service builds and runs it (`gare_search.text_encoder.load_query_encoder(model, kind, "
+        "\"cpu\", \"fp32\").encode(texts)`: tokenizing, then the tower). ms per call, median of interleaved rounds; "
+        f"speed-up = {ref} / tower. `{ref}` is the model's own tower (`GARE.encode_text`, each text alone); "
+        "`tokenize` is the tokenizing alone, included in every tower's time. L: the longest text's tokens. The "
+        "scheme each tower ran with:", "",
     ]
-    sp = res["speed"]
-    kinds = list(sp["rows"][0]["ms"])
-    L.append("| threads | batch | L | " + " | ".join(kinds) + " | " + " | ".join(f"x {k}" for k in kinds[1:]) + " |")
-    L.append("|---:|---:|---:|" + "---:|" * (2 * len(kinds) - 1))
+    for th, schemes in sp["schemes"].items():
+        L.append(f"- {th} thread{'s' if th != '1' else ''}: " + "; ".join(schemes.values()))
+    others = [k for k in towers if k != ref]
+    L += ["", "| threads | batch | L | " + " | ".join(towers) + " | tokenize | " + " | ".join(f"x {k}" for k in others) + " |",
+          "|---:|---:|---:|" + "---:|" * (len(towers) + 1 + len(others))]
     for r in sp["rows"]:
-        L.append(f"| {r['threads']} | {r['batch']} | {r['L']} | " + " | ".join(f"{r['ms'][k]:.2f}" for k in kinds) + " | "
-                 + " | ".join(f"{r['speedup_vs_model_fp32'][k]:.2f}" for k in kinds[1:]) + " |")
-    L += ["", "Cosine with the fp32 embedding on the random-weight ViT-B/32 (64 queries; NOT representative of trained weights):", "",
-          "| encoder | min | mean |", "|---|---:|---:|"]
+        L.append(f"| {r['threads']} | {r['batch']} | {r['L']} | " + " | ".join(f"{r['ms'][k]:.2f}" for k in towers)
+                 + f" | {r['tokenize_ms']:.2f} | " + " | ".join(f"{r['speedup_vs_fp32'][k]:.2f}" for k in others) + " |")
+    L += ["", f"Cosine with the {ref} embedding on the random-weight ViT-B/32 (64 queries; NOT representative of trained "
+          "weights):", "", "| tower | min | mean |", "|---|---:|---:|"]
     for k, v in sp["cos_random_weights"].items():
         L.append(f"| {k} | {v['min']:.5f} | {v['mean']:.5f} |")
     fid = res.get("fidelity")
     if fid:
         L += ["", f"## Fidelity on a trained checkpoint ({fid['model']})", "",
-              f"Checkpoint `{fid['checkpoint']}` (sha256 {fid['checkpoint_sha256'][:12]}…). {res.get('fidelity_note', '')}", "",
-              "| split | captions | videos | encoder | cos min | cos mean | R@1 dual | R@10 dual | R@1 +psi | R@10 +psi |",
+              f"Checkpoint `{fid['checkpoint']}` (sha256 {fid['checkpoint_sha256'][:12]}…), {fid['threads']} threads; "
+              f"towers: {'; '.join(fid['schemes'].values())}. Video side fixed ({ref}). {res.get('fidelity_note', '')}", "",
+              "| split | captions | videos | tower | cos min | cos mean | R@1 dual | R@10 dual | R@1 +psi | R@10 +psi |",
               "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
         for split, so in fid["splits"].items():
             for k, e in so["encoders"].items():
@@ -267,13 +312,17 @@ def markdown(res: dict[str, Any]) -> str:
         for r in z["rows"]:
             L.append(f"| {r['s']} | " + " | ".join(
                 f"{100 * r['by_entries'][e]['hit_rate']:.1f}% ({100 * r['by_entries'][e]['hit_rate_second_half']:.1f}%)" for e in ents) + " |")
-    ch = res["choice"]
-    L += ["", "## Choice of the CPU default", "",
-          f"Rule: an encoder other than fp32 becomes the default only if it is >= {SPEEDUP_MIN}x faster than model fp32 for one query "
-          f"with 1 thread and with all threads, and its t2v R@1 (+psi) is within {R1_MAX_DROP} point of fp32 on every split.", ""]
-    L += [f"- {r}" for r in ch["reasons"]]
-    L += ["", f"**Default from this run: `{ch['default']}`.**", ""]
+    L += ["", *_choice_md(res["choice"])]
     return "\n".join(L)
+
+
+def _current(data: dict[str, Any], what: str, section: str) -> None:
+    """Refuse a section written before the towers were the product's (its reference was the removed stand-alone
+    fp32 tower beside "model-fp32", and it measured towers the product no longer has): rerun instead."""
+    sec = data.get(section)
+    if sec is not None and sec.get("reference") != REFERENCE:
+        raise SystemExit(f"{what}: its {section} section predates the current CPU towers ({', '.join((REFERENCE, *KINDS))}); "
+                         "rerun python -m bench.text_encoder instead of re-rendering it")
 
 
 def _merge(res: dict[str, Any], prev: dict[str, Any]) -> None:
@@ -283,22 +332,32 @@ def _merge(res: dict[str, Any], prev: dict[str, Any]) -> None:
     res["sections_from"] = {k: prev[k] for k in ("commit", "command", "date", "cpu")}
 
 
+def _say(ch: dict[str, Any], out: Path) -> None:
+    if ch["default"] is None:
+        verdict = f"no choice (no fidelity section); the product's default is {ch['product_default']}"
+    else:
+        verdict = (f"default {ch['default']}, " + ("the product's default" if ch["agrees"] else
+                   f"DISAGREES with the product's default {ch['product_default']}"))
+    print(f"{verdict}; wrote {out / 'text_encoder.md'}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", type=Path, help="a trained GARE checkpoint for the fidelity section")
     ap.add_argument("--corpus", type=Path, help="the synth corpus the checkpoint was trained on")
     ap.add_argument("--splits", nargs="+", default=["test", "train"])
     ap.add_argument("--fidelity-note", default="")
-    ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS,
+                    help="the CPU towers measured beside fp32, the model's own (default: all of them)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--threads", type=int, nargs="+", help="torch/ORT thread counts (default: 1 and all)")
+    ap.add_argument("--threads", type=int, nargs="+", help="torch thread counts (default: 1 and all)")
     ap.add_argument("--fidelity-json", type=Path,
                     help="take the fidelity and zipf sections from this earlier run's JSON (its provenance is kept)")
     ap.add_argument("--zipf-json", type=Path, help="take the zipf section from this run's JSON instead")
     ap.add_argument("--render", type=Path, metavar="SPEED_JSON",
                     help="run nothing: re-render the report from a speed run's text_encoder.json (with --fidelity-json)")
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--calls", type=int, default=32, help="texts per round and encoder (calls = calls // batch)")
+    ap.add_argument("--calls", type=int, default=32, help="texts per round and tower (calls = calls // batch)")
     ap.add_argument("--zipf-distinct", type=int, default=100_000)
     ap.add_argument("--zipf-n", type=int, default=200_000)
     ap.add_argument("--zipf-s", type=float, nargs="+", default=[0.8, 1.0, 1.2])
@@ -307,18 +366,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", nargs="*", default=[], choices=["speed", "fidelity", "zipf"])
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = ap.parse_args(argv)
+    if args.checkpoint is not None and args.corpus is None and "fidelity" not in args.skip:
+        ap.error("--checkpoint needs --corpus (the synth corpus the checkpoint was trained on)")
 
     if args.render is not None:
         res = json.loads(args.render.read_text())
+        _current(res, str(args.render), "speed")
         if args.fidelity_json is not None:
-            _merge(res, json.loads(args.fidelity_json.read_text()))
+            prev = json.loads(args.fidelity_json.read_text())
+            _current(prev, str(args.fidelity_json), "fidelity")
+            _merge(res, prev)
         if args.zipf_json is not None:
             z = json.loads(args.zipf_json.read_text())
             res["zipf"] = z["zipf"]
             res["zipf_from"] = {k: z[k] for k in ("commit", "command", "date", "cpu")}
-        res["choice"] = choose(res["speed"], res["fidelity"])
+        res["choice"] = choose(res["speed"], res["fidelity"], res["product_default"])
         write_report(res, args.out)
-        print(f"default: {res['choice']['default']}; wrote {args.out / 'text_encoder.md'}")
+        _say(res["choice"], args.out)
         return 0
 
     run = start(__name__, MEASURES, argv)
@@ -331,17 +395,20 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "note": "timings are ratios measured side by side in one run; absolute ms depend on the machine's load",
         "fidelity_note": args.fidelity_note,
+        "product_default": DEFAULT_CPU_TEXT_ENCODER,  # what `text_encoder: auto` serves on the CPU at this commit
     }
     res["speed"] = speed_section(args) if "speed" not in args.skip else None
     res["fidelity"] = fidelity_section(args) if args.checkpoint and "fidelity" not in args.skip else None
     res["zipf"] = zipf_section(args) if "zipf" not in args.skip else None
     if args.fidelity_json is not None:
-        _merge(res, json.loads(args.fidelity_json.read_text()))
+        prev = json.loads(args.fidelity_json.read_text())
+        _current(prev, str(args.fidelity_json), "fidelity")
+        _merge(res, prev)
     res["run"] = run.record()
     if res["speed"] is not None:
-        res["choice"] = choose(res["speed"], res["fidelity"])
+        res["choice"] = choose(res["speed"], res["fidelity"], res["product_default"])
         write_report(res, args.out)
-        print(f"default: {res['choice']['default']}; wrote {args.out / 'text_encoder.md'}")
+        _say(res["choice"], args.out)
     else:
         harness.write_json(args.out / "text_encoder_fidelity.json", res)
         print(json.dumps(res, indent=1, default=str))
