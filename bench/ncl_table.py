@@ -163,6 +163,14 @@ def main() -> None:
             and m["R1"] >= d["t2v"]["off"]["R1"] and m["R5"] >= d["t2v"]["off"]["R5"]]
     sig = [f"{lab}: {k}" for lab, d in data.items() for k, m in d["t2v"].items() if k != "off"
            and m["dR1_ci"][0] > 0]
+    # the other side of the reading: changes whose interval excludes 0 downwards, in t2v and v2t, and v2t's wins
+    worse = {dirn: [f"{lab}: {k} (R@{r} Δ [{m[f'dR{r}_ci'][0]:+.1f}, {m[f'dR{r}_ci'][1]:+.1f}])"
+                    for lab, d in data.items() for k, m in d[dirn].items() if k != "off"
+                    for r in (1, 5) if m[f"dR{r}_ci"][1] < 0]
+             for dirn in ("t2v", "v2t")}
+    v2t_wins = [f"{lab}: {k}" for lab, d in data.items() for k, m in d["v2t"].items() if k != "off"
+                and m["R1"] >= d["v2t"]["off"]["R1"] and m["R5"] >= d["v2t"]["off"]["R5"]]
+    has_v2t = any(k != "off" for d in data.values() for k in d["v2t"])
     body = (
         f"Corpus `{args.synth}`: {any_d['n_videos']} test videos, {any_d['n_captions']} captions (every caption of each "
         f"test video). Biases dense on the psi score (Sinkhorn, {N_ITERS} iterations). Cells: value [95% bootstrap "
@@ -175,11 +183,17 @@ def main() -> None:
         + table(["model", "direction", "biases", "queue", "gamma", "R@1", "R@5", "R@10"], rows)
         + "\nt2v configurations with psi + b >= psi alone in both R@1 and R@5: "
         + (", ".join(wins) if wins else "none")
-        + ". With an R@1 gain whose interval excludes 0: " + (", ".join(sig) if sig else "none") + ".\n"
+        + ". With an R@1 gain whose interval excludes 0: " + (", ".join(sig) if sig else "none")
+        + ". t2v changes whose interval lies below 0: " + (", ".join(worse["t2v"]) if worse["t2v"] else "none") + ".\n"
+        + ("\nv2t configurations with psi + a >= psi alone in both R@1 and R@5: "
+           + (", ".join(v2t_wins) if v2t_wins else "none") + ". v2t changes whose interval lies below 0: "
+           + (", ".join(worse["v2t"]) if worse["v2t"] else "none") + ".\n"
+           if has_v2t else "\nv2t: no checkpoint here has a video queue, so no v2t biases were fitted.\n")
     )
     (RESULTS / "ncl_served").mkdir(parents=True, exist_ok=True)
     write_results(f"ncl_served/table_{args.name}", f"NCL configurations: {args.name}", body,
                   {"corpus": args.synth, "models": data, "gamma2": args.gamma2, "wins": wins, "significant_r1": sig,
+                   "significantly_worse": worse, "v2t_wins": v2t_wins,
                    "commit": git_commit()}, run)
 
 
