@@ -69,8 +69,15 @@ def main() -> None:
                 raise SystemExit(f"gare-index build failed on {corpus} (exit {rc})")
             m = open_index(idx).manifest
             d, st, q = m["biases"]["default"], m["stage1"] or {}, m["biases"]["queue"]
-        rows.append([corpus, f"{q['kind']} ({q['n']})", d["n_captions"], f"{d['psi']['R1']:.1f} / {d['psi_biases']['R1']:.1f}",
-                     f"{d['psi']['R5']:.1f} / {d['psi_biases']['R5']:.1f}", f"{d['psi']['R10']:.1f} / {d['psi_biases']['R10']:.1f}",
+        g = d.get("gamma") or {}
+        ci = d.get("intervals") or {}
+        rows.append([corpus, f"{q['kind']} ({q['n']})", d["n_captions"],
+                     f"{g['chosen']:.4g} ({g['chosen'] / g['checkpoint_gamma']:g} x)" if g else "-",
+                     f"{d['psi']['R1']:.1f} / {d['psi_biases']['R1']:.1f}",
+                     "[{:+.1f}, {:+.1f}]".format(*ci["dR1"]) if "dR1" in ci else "-",
+                     f"{d['psi']['R5']:.1f} / {d['psi_biases']['R5']:.1f}",
+                     "[{:+.1f}, {:+.1f}]".format(*ci["dR5"]) if "dR5" in ci else "-",
+                     f"{d['psi']['R10']:.1f} / {d['psi_biases']['R10']:.1f}",
                      "**on**" if d["on"] else "**off**", st.get("default_candidates"), st.get("ncl_default"), round(secs)])
         data[corpus] = {"default": d, "stage1_default_candidates": st.get("default_candidates"),
                         "stage1_ncl_default": st.get("ncl_default"), "queue": q, "build_s": secs}
@@ -78,10 +85,19 @@ def main() -> None:
     body = (
         f"Checkpoint `{args.checkpoint}`; for each corpus: `gare-index build` over its test videos with `--bias-queue "
         f"{args.bias_queue} --ncl-val CORPUS` (the test split's captions, one per video, through the served search: "
-        "stage-1 top 256, psi, + b). Rule: on iff psi + biases >= psi alone in R@1 and R@5.\n\n"
-        + table(["corpus", "queue", "validation captions", "R@1 psi / + b", "R@5 psi / + b", "R@10 psi / + b",
-                 "biases by default", "stage-1 K", "K tuned for psi + b"], [r[:-1] for r in rows])
-        + "\nReasons recorded in the manifests:\n\n"
+        "stage-1 top 256, psi, + b). gamma is chosen among multiples of the checkpoint's on the even validation "
+        "captions and the default decided on the odd ones (the decision never sees the captions that chose gamma; "
+        "with too few captions gamma is not chosen). Rule, as each manifest records it: "
+        + "; ".join(sorted({v["default"].get("rule", "?") for v in data.values()})) + ".\n\n"
+        + table(["corpus", "queue", "captions decided on", "gamma chosen", "R@1 psi / + b", "R@1 Δ 95%",
+                 "R@5 psi / + b", "R@5 Δ 95%", "R@10 psi / + b", "biases by default", "stage-1 K",
+                 "K tuned for psi + b"], [r[:-1] for r in rows])
+        + "\ngamma's choice, as recorded (every candidate with its R@1 / R@5 on the choosing captions):\n\n"
+        + "\n".join(f"- `{c}`: " + ("; ".join(f"{t['gamma']:.4g}: {t['R1']:.1f} / {t['R5']:.1f}"
+                                             for t in v["default"]["gamma"].get("tried", []))
+                                   or v["default"]["gamma"].get("rule", "-")) + f" ({v['default']['gamma'].get('rule')})"
+                     if v["default"].get("gamma") else f"- `{c}`: not chosen" for c, v in data.items())
+        + "\n\nReasons recorded in the manifests:\n\n"
         + "\n".join(f"- `{c}`: {v['default']['reason']}" for c, v in data.items()) + "\n"
     )
     (RESULTS / "ncl_served").mkdir(parents=True, exist_ok=True)
