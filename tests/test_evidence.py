@@ -160,3 +160,18 @@ def test_ncl_default_follows_the_served_bias_measurements():
         verdicts[name] = served["R1"] >= psi["R1"] and served["R5"] >= psi["R5"]
         assert data["served_dense_ge_psi"] == verdicts[name], name  # the report's verdict is its rows'
     assert NCL_DEFAULT == all(verdicts.values()), verdicts
+
+
+def test_the_committed_ray_fault_campaign_is_the_targets_and_its_verdict_is_its_observations():
+    """bench/results/ray_faults.json (linked from the README's Ray section) ran the campaign of issue 41's target:
+    two replicas per shard, one replica killed at a time every <= 10 s, the product's shard timeout; its verdict is
+    PASS exactly when every recorded check held, and the answers it counted agree with those checks."""
+    from gare_serve.ray_serve.deployment import SHARD_TIMEOUT_S  # Ray is a test requirement (tests/serve_ray)
+
+    data = _json(RESULTS / "ray_faults.json")
+    cfg, verdict, summary = data["config"], data["verdict"], data["summary"]
+    assert cfg["replicas"] >= 2 and cfg["kill"] == "one" and cfg["kill_every"] <= 10.0
+    assert cfg["shard_timeout_s"] == SHARD_TIMEOUT_S
+    assert verdict["verdict"] == ("PASS" if all(c["ok"] for c in verdict["checks"]) else "FAILED")
+    checks = {c["what"]: c["observed"] for c in verdict["checks"]}
+    assert checks["wrong answers"] == summary["wrong"] and checks["partial answers"] == summary["partial"]
