@@ -184,9 +184,9 @@ def main() -> None:
         + "\nt2v configurations with psi + b >= psi alone in both R@1 and R@5: "
         + (", ".join(wins) if wins else "none")
         + ". With an R@1 gain whose interval excludes 0: " + (", ".join(sig) if sig else "none")
-        + ". t2v changes whose interval lies below 0: " + (", ".join(worse["t2v"]) if worse["t2v"] else "none") + ".\n"
+        + ". t2v R@1 / R@5 changes whose interval lies below 0: " + (", ".join(worse["t2v"]) if worse["t2v"] else "none") + ".\n"
         + ("\nv2t configurations with psi + a >= psi alone in both R@1 and R@5: "
-           + (", ".join(v2t_wins) if v2t_wins else "none") + ". v2t changes whose interval lies below 0: "
+           + (", ".join(v2t_wins) if v2t_wins else "none") + ". v2t R@1 / R@5 changes whose interval lies below 0: "
            + (", ".join(worse["v2t"]) if worse["v2t"] else "none") + ".\n"
            if has_v2t else "\nv2t: no checkpoint here has a video queue, so no v2t biases were fitted.\n")
     )
