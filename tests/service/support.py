@@ -158,3 +158,28 @@ def png_bytes(color: tuple[int, int, int] = (30, 200, 30), size: tuple[int, int]
     buf = io.BytesIO()
     Image.new("RGB", size, color).save(buf, format="PNG")
     return buf.getvalue()
+
+
+def _answers(s, calls: list[tuple[str, dict[str, Any]]], timeout_s: float) -> list[dict]:
+    import asyncio
+
+    from gare_serve.app import create_app
+
+    async def go() -> list[dict]:
+        async with running_app(create_app(s)) as c:
+            return [(await c.post(path, **kw)).json() for path, kw in calls]
+
+    return asyncio.run(asyncio.wait_for(go(), timeout_s))
+
+
+def answers_in_a_fresh_process(s, calls: list[tuple[str, dict[str, Any]]], timeout_s: float) -> list[dict]:
+    """The in-process app's JSON answers to ``calls`` (``(path, httpx post keywords)``, in order) for settings ``s``,
+    computed in a fresh spawned interpreter. A reference for bitwise comparisons must run at one thread count in
+    every OS thread: torch keeps a thread's intra-op count from the first parallel op that thread ran, so in a long
+    test process a reused pool thread may still run at a count an earlier test set, whatever the process's
+    count is now."""
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
+        return ex.submit(_answers, s, calls, timeout_s).result(timeout=timeout_s)

@@ -8,7 +8,6 @@ the supervisor's restarted engine answers again.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures as cf
 import io
 import os
@@ -20,10 +19,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-import torch
 
-from gare_serve.app import create_app
-from tests.service.support import UvicornProcess, copy_index, running_app, settings
+from tests.service.support import UvicornProcess, answers_in_a_fresh_process, copy_index, settings
 
 KEY = "engine-workers-key"
 HANG_S = 600  # hang guards: an engine start (torch import, model, kernel compile) on a busy 2-core machine
@@ -82,23 +79,14 @@ def reference(server):
     srv, idx, sh = server
     # at the server's thread count (UvicornProcess sets GARE_TORCH_THREADS): a float tower's bits hold per
     # thread count (gare.text_fixed), and on some CPUs (AVX-512 EPYC) a short caption's embedding differs in its
-    # last bits between 1 and 2 threads; the process's own count is put back for the tests that follow
+    # last bits between 1 and 2 threads; in a fresh process (support.answers_in_a_fresh_process says why)
     s = settings(idx, device="cpu", index_poll_s=0, recall_sample_rate=0,
                  torch_threads=int(srv.env["GARE_TORCH_THREADS"]))
-    threads = torch.get_num_threads()
-
-    async def go():
-        async with running_app(create_app(s)) as c:
-            texts = [(await c.post("/v1/search", json={"query": q, "k": 5})).json() for q in sh["captions"]]
-            example = (await c.post("/v1/search", json={"video_ids": [2, 3], "k": 4})).json()
-            image = (await c.post("/v1/search/image", files={"image": ("a.png", _png(), "image/png")},
-                                  data={"k": "5"})).json()
-            return texts, example, image
-
-    try:
-        return asyncio.run(asyncio.wait_for(go(), HANG_S))
-    finally:
-        torch.set_num_threads(threads)
+    calls = [("/v1/search", {"json": {"query": q, "k": 5}}) for q in sh["captions"]]
+    calls += [("/v1/search", {"json": {"video_ids": [2, 3], "k": 4}}),
+              ("/v1/search/image", {"files": {"image": ("a.png", _png(), "image/png")}, "data": {"k": "5"}})]
+    out = answers_in_a_fresh_process(s, calls, HANG_S)
+    return out[:-2], out[-2], out[-1]
 
 
 def _ready(srv) -> dict:

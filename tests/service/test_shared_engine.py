@@ -14,7 +14,6 @@ import os
 import signal
 
 import pytest
-import torch
 
 from gare.text_clean import clean_lower
 from gare_search import search as S
@@ -25,7 +24,7 @@ from gare_serve.engine.prometheus import Metrics
 from gare_serve.engine.remote_state import EngineClientState, MetadataVersion
 from gare_serve.engine.versions import VersionHandle
 from gare_serve.processes.engine_process import EngineProcess, resolve_engine
-from tests.service.support import copy_index, running_app, settings
+from tests.service.support import answers_in_a_fresh_process, copy_index, running_app, settings
 
 KEY = "shared-engine-key"
 HANG_S = 300  # hang guards: the engine starts in seconds (a spawned interpreter importing torch on a busy machine)
@@ -147,20 +146,17 @@ def test_answers_equal_the_in_process_ones(env):
     texts = env["captions"][:6]
     png = _png()
 
+    calls = [("/v1/search", {"json": {"query": q, "k": 5}}) for q in texts]
+    calls += [("/v1/search/batch", {"json": {"queries": texts[:4], "k": 4}}),
+              ("/v1/search", {"json": {"video_ids": [1, 2], "k": 4}}),
+              ("/v1/search/image", {"files": {"image": ("a.png", png, "image/png")}, "data": {"k": "5"}})]
+
     async def answers(s):
         async with running_app(create_app(s)) as c:
-            out = [(await c.post("/v1/search", json={"query": q, "k": 5})).json() for q in texts]
-            out.append((await c.post("/v1/search/batch", json={"queries": texts[:4], "k": 4})).json())
-            out.append((await c.post("/v1/search", json={"video_ids": [1, 2], "k": 4})).json())
-            out.append((await c.post("/v1/search/image", files={"image": ("a.png", png, "image/png")},
-                                     data={"k": "5"})).json())
-            return out
+            return [(await c.post(path, **kw)).json() for path, kw in calls]
 
-    threads = torch.get_num_threads()
-    try:  # the in-process service sets the process's thread count: put it back for the tests that follow
-        local = _run(answers(env["local"]))
-    finally:
-        torch.set_num_threads(threads)
+    # the reference in a fresh process at the engine's thread count (support.answers_in_a_fresh_process says why)
+    local = answers_in_a_fresh_process(env["local"], calls, HANG_S)
     shared = _run(answers(env["worker"]))
     for a, b in zip(local, shared, strict=True):
         assert a.get("index_version") == b.get("index_version") == "v000001"
