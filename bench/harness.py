@@ -253,12 +253,15 @@ def with_provenance(render: Callable[[dict[str, Any]], str]) -> Callable[[dict[s
     @functools.wraps(render)
     def rendered(data: dict[str, Any]) -> str:
         md = render(data)
-        if not data.get("run"):
-            return md
-        lines = md.split("\n")
-        at = next((i + 1 for i, line in enumerate(lines) if line.startswith("# ")), 0)
-        return "\n".join([*lines[:at], "", provenance_md(data).rstrip("\n"), *lines[at:]])
+        return _under_title(md, data) if data.get("run") else md
     return rendered
+
+
+def _under_title(md: str, data: dict[str, Any]) -> str:
+    """``md`` with :func:`provenance_md` of ``data`` after its title (its first ``# `` line)."""
+    lines = md.split("\n")
+    at = next((i + 1 for i, line in enumerate(lines) if line.startswith("# ")), 0)
+    return "\n".join([*lines[:at], "", provenance_md(data).rstrip("\n"), *lines[at:]])
 
 
 def write_json(path: Path, data: dict[str, Any]) -> Path:
@@ -319,9 +322,7 @@ def stamp_product_report(json_path: Path, run: Run, extra: dict[str, Any] | None
     data["run"] = run.record()
     write_json(json_path, data)
     md = json_path.with_suffix(".md")
-    lines = md.read_text(encoding="utf-8").split("\n")
-    at = next((i + 1 for i, line in enumerate(lines) if line.startswith("# ")), 0)
-    md.write_text("\n".join([*lines[:at], "", provenance_md(data).rstrip("\n"), *lines[at:]]), encoding="utf-8")
+    md.write_text(_under_title(md.read_text(encoding="utf-8"), data), encoding="utf-8")
     return md
 
 

@@ -160,7 +160,8 @@ def png_bytes(color: tuple[int, int, int] = (30, 200, 30), size: tuple[int, int]
     return buf.getvalue()
 
 
-def _answers(s, calls: list[tuple[str, dict[str, Any]]], timeout_s: float) -> list[dict]:
+def answers_here(s, calls: list[tuple[str, dict[str, Any]]], timeout_s: float) -> list[dict]:
+    """The in-process app's JSON answers to ``calls`` (``(path, httpx post keywords)``, in order) for settings ``s``."""
     import asyncio
 
     from gare_serve.app import create_app
@@ -173,13 +174,12 @@ def _answers(s, calls: list[tuple[str, dict[str, Any]]], timeout_s: float) -> li
 
 
 def answers_in_a_fresh_process(s, calls: list[tuple[str, dict[str, Any]]], timeout_s: float) -> list[dict]:
-    """The in-process app's JSON answers to ``calls`` (``(path, httpx post keywords)``, in order) for settings ``s``,
-    computed in a fresh spawned interpreter. A reference for bitwise comparisons must run at one thread count in
-    every OS thread: torch keeps a thread's intra-op count from the first parallel op that thread ran, so in a long
-    test process a reused pool thread may still run at a count an earlier test set, whatever the process's
-    count is now."""
+    """:func:`answers_here`, computed in a fresh spawned interpreter. A reference for bitwise comparisons must run at
+    one thread count in every OS thread: torch keeps a thread's intra-op count from the first parallel op that thread
+    ran, so in a long test process a reused pool thread may still run at a count an earlier test set, whatever the
+    process's count is now."""
     import concurrent.futures
     import multiprocessing
 
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
-        return ex.submit(_answers, s, calls, timeout_s).result(timeout=timeout_s)
+        return ex.submit(answers_here, s, calls, timeout_s).result(timeout=timeout_s)

@@ -24,7 +24,7 @@ from gare_serve.engine.prometheus import Metrics
 from gare_serve.engine.remote_state import EngineClientState, MetadataVersion
 from gare_serve.engine.versions import VersionHandle
 from gare_serve.processes.engine_process import EngineProcess, resolve_engine
-from tests.service.support import answers_in_a_fresh_process, copy_index, running_app, settings
+from tests.service.support import answers_here, answers_in_a_fresh_process, copy_index, running_app, settings
 
 KEY = "shared-engine-key"
 HANG_S = 300  # hang guards: the engine starts in seconds (a spawned interpreter importing torch on a busy machine)
@@ -151,13 +151,9 @@ def test_answers_equal_the_in_process_ones(env):
               ("/v1/search", {"json": {"video_ids": [1, 2], "k": 4}}),
               ("/v1/search/image", {"files": {"image": ("a.png", png, "image/png")}, "data": {"k": "5"}})]
 
-    async def answers(s):
-        async with running_app(create_app(s)) as c:
-            return [(await c.post(path, **kw)).json() for path, kw in calls]
-
     # the reference in a fresh process at the engine's thread count (support.answers_in_a_fresh_process says why)
     local = answers_in_a_fresh_process(env["local"], calls, HANG_S)
-    shared = _run(answers(env["worker"]))
+    shared = answers_here(env["worker"], calls, HANG_S)
     for a, b in zip(local, shared, strict=True):
         assert a.get("index_version") == b.get("index_version") == "v000001"
         if "results" in a and a["results"] and "rank" not in a["results"][0]:  # the batch: one response per query
