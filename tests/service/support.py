@@ -174,10 +174,9 @@ def answers_here(s, calls: list[tuple[str, dict[str, Any]]], timeout_s: float) -
 
 
 def answers_in_a_fresh_process(s, calls: list[tuple[str, dict[str, Any]]], timeout_s: float) -> list[dict]:
-    """:func:`answers_here`, computed in a fresh spawned interpreter. A reference for bitwise comparisons must run at
-    one thread count in every OS thread: torch keeps a thread's intra-op count from the first parallel op that thread
-    ran, so in a long test process a reused pool thread may still run at a count an earlier test set, whatever the
-    process's count is now."""
+    """:func:`answers_here`, computed in a fresh spawned interpreter: nothing an earlier test left in this process
+    reaches a reference for bitwise comparisons (the rerank's kept query folds, or a pool thread's torch intra-op
+    count, which torch keeps from the first parallel op that thread ran, whatever the process's count is now)."""
     import concurrent.futures
     import multiprocessing
 

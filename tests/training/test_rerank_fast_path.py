@@ -56,6 +56,21 @@ def test_compiled_query_fold_refuses_mismatched_shapes():
         pfcq.fold_query_rows(np.zeros((1, 8), np.float32), np.zeros((8, 16), np.float32))
 
 
+@pytest.mark.parametrize("d", [16, 33, 512])
+def test_compiled_query_fold_gives_a_row_the_same_bits_alone_or_beside_others(d):
+    # a query's fold must not depend on its batch: the served rerank folds a query alone or in a micro-batch,
+    # and a fresh process may meet it either way (the sums |t|² and Σt once took a vector or a scalar path by
+    # where the arrays lay, which failed CI's engine-versus-in-process comparison in its last bit)
+    rng = np.random.default_rng(d)
+    qmap = rng.standard_normal((d, 2 * d + 3)).astype(np.float32)
+    t = rng.standard_normal((70, d)).astype(np.float32)
+    alone = [pfcq.fold_query_rows(t[i : i + 1].copy(), qmap) for i in range(70)]
+    for a, off in ((2, 0), (3, 1), (17, 5), (64, 0), (70, 0)):
+        u, sc = pfcq.fold_query_rows(t[off : off + a], qmap)
+        for i in range(a):
+            assert np.array_equal(u[i], alone[off + i][0][0]) and np.array_equal(sc[i], alone[off + i][1][0]), (a, off, i)
+
+
 @pytest.mark.parametrize("with_vbar", [False, True])
 def test_scores_on_checked_arrays_equal_pair_scores_and_the_reference(with_vbar):
     psi = random_psi(16, 2)
@@ -123,3 +138,19 @@ def test_fold_one_shares_the_cache_with_fold_and_equals_it():
     assert cache.hits == 2 and np.array_equal(u1[0], got.u[1].numpy())
     with pytest.raises(ValueError, match=r"t must be float32 \(16,\), got float64 \(16,\)"):
         cache.fold_one(t[0].double().numpy(), fold, 0.5)
+
+
+def test_a_row_kept_from_a_large_batch_has_the_bits_of_the_row_alone():
+    # a batch past KERNEL_ROWS is folded by a torch product elsewhere (fold_queries); the cache keeps the rows
+    # the one-query fold would compute, so a query's psi scores do not depend on the batch that first met it
+    psi = random_psi(16, 3)
+    fold = pfq.as_fold(psi)
+    t = torch.randn(pfq.KERNEL_ROWS + 6, 16, generator=torch.Generator().manual_seed(4))
+    big = pfq.QueryFoldCache(256)
+    got = big.fold(t, fold, 0.5)
+    for i in (0, pfq.KERNEL_ROWS - 1, pfq.KERNEL_ROWS, pfq.KERNEL_ROWS + 5):
+        alone_u, alone_sc = pfq.QueryFoldCache(4).fold_one(t[i].numpy(), fold, 0.5)
+        kept_u, kept_sc = big.fold_one(t[i].numpy(), fold, 0.5)
+        assert np.array_equal(kept_u, alone_u) and np.array_equal(kept_sc, alone_sc), i
+        assert np.array_equal(got.u[i].numpy(), alone_u[0]) and np.array_equal(got.sc[i].numpy(), alone_sc[0]), i
+    assert big.hits == 4 and big.misses == t.shape[0]

@@ -369,13 +369,17 @@ def fold_rows(t, qmap, u, sc):
             for j in range(n):
                 y[j] += tk * qmap[k, j]
             k += 1
+        for k in range(d):
+            u[i, 0, k] = t[i, k]
+            u[i, 1, k] = y[k]
+            u[i, 2, k] = y[d + k]
+        # the sums in loops of their own, with no store: a loop that stores is versioned by LLVM on a run-time
+        # check of its pointers, and the version taken (vector or scalar sum, another rounding) varied with the
+        # number of rows in the call, so a query folded beside others had other bits than alone
         tt = np.float32(0.0)
         ts = np.float32(0.0)
         for k in range(d):
             x = t[i, k]
-            u[i, 0, k] = x
-            u[i, 1, k] = y[k]
-            u[i, 2, k] = y[d + k]
             tt += x * x
             ts += x
         mean = ts / np.float32(d)

@@ -104,12 +104,26 @@ def fold_arrays(fold: PsiFold) -> FoldArrays:
 _FOLD_ARRAYS_LOCK = threading.Lock()
 
 
+def _fold_kept(rows: torch.Tensor, fold: PsiFold, temp: float) -> QueryVectors:
+    """`fold_queries` of CPU rows a cache keeps: in chunks of at most KERNEL_ROWS, so that each kept row has the
+    bits the one-query fold (`QueryFoldCache.fold_one`) gives it. A larger batch in one call would take the torch
+    product, whose rounding differs; the cached row would then make a query's psi scores depend on the batch that
+    first met it. rows (a, d) -> QueryVectors (a rows)."""
+    if rows.shape[0] <= KERNEL_ROWS:
+        return fold_queries(rows, fold, temp)
+    parts = [fold_queries(rows[i : i + KERNEL_ROWS], fold, temp) for i in range(0, rows.shape[0], KERNEL_ROWS)]
+    p0 = parts[0]
+    return QueryVectors(u=torch.cat([p.u for p in parts]), sc=torch.cat([p.sc for p in parts]), wsc=p0.wsc,
+                        eps=p0.eps, inv_temp=p0.inv_temp, fingerprint=p0.fingerprint)
+
+
 class QueryFoldCache:
     """The query side of the fold, kept per query text embedding (bounded LRU, thread-safe): a query met
     again (the service's query-embedding cache hands back the same t) skips its (d, 2d + 3) product.
 
-    Keys are (psi fingerprint, temperature, the float32 bytes of t's row), so a hit is exactly the vectors
-    `fold_queries` would compute. CPU tensors only; others go straight to `fold_queries`."""
+    Keys are (psi fingerprint, temperature, the float32 bytes of t's row), and a kept row is what `fold_one`
+    computes for it alone (`_fold_kept`), so a hit is exactly the vectors a miss would give, whatever batch
+    first met the query. CPU tensors only; others go straight to `fold_queries`."""
 
     def __init__(self, max_entries: int = 4096) -> None:
         if max_entries < 0:
@@ -146,7 +160,7 @@ class QueryFoldCache:
         self.hits += len(keys) - len(miss)
         self.misses += len(miss)
         if miss:
-            q = fold_queries(rows if len(miss) == len(keys) else rows[miss], fold, temp)
+            q = _fold_kept(rows if len(miss) == len(keys) else rows[miss], fold, temp)
             qu, qs = q.u.numpy(), q.sc.numpy()
             with self._lock:
                 for j, i in enumerate(miss):
