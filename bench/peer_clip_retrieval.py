@@ -27,14 +27,28 @@ downloads M-CLIP from the Hugging Face hub) and ``--provide_aesthetic_embeddings
 embeddings from GitHub). Its Flask server binds 0.0.0.0 (no option changes that), so the whole measurement runs in
 a private network namespace with only loopback (``unshare -n``; the script re-executes itself there when root).
 
-Measured, one server at a time, in one run (``--measure``): clip-retrieval's back end, gare-serve two-stage with the
-fp32 text towers (``--text-encoder fp32``: the model's own, one text at a time; ``fp32-packed``: the same weights,
-a micro-batch's texts in shared GEMMs) and gare-serve with its defaults (int8 tower), each with ``--workers 2
---worker-sockets reuseport``, caches off (distinct queries: every request runs the encoder). Closed-loop clients
-(threads, one keep-alive HTTP/1.1 connection each, requests back to back, k = 10) run ``--duration`` s with 1
-client, then ``--runs`` times with 32; each run records q/s, client-side p50/p99, the load average before it, each
-worker's CPU seconds per second and (gare) how many requests each worker answered. Results:
-bench/results/peer_clip_retrieval.{json,md} (+ .png when matplotlib is there).
+Measured, one server at a time (each at most in memory: the peer holds its 2.3 GB HNSW in RAM, gare-serve maps
+12 GB of frames), at matched recall:
+
+1. Recall. ``--recall-queries`` held-out texts (not in the tuning bank, not in the timed streams): each server's
+   exact top-10 is computed offline on the same vectors (gare: psi's exhaustive scores of every entry with the
+   model's fp32 tower, ``gare_search.rerank.exhaustive_psi``; the peer: inner products of its own open_clip
+   embedding with every unit vector), and each server's answers over HTTP are scored against it (recall@10 of
+   the exact top-10). The peer's efSearch for the *matched* row is the smallest whose recall (FAISS on the peer's
+   index file, its embeddings of the same texts) reaches gare-serve's served recall with its fp32 tower
+   (``fp32-packed``); its autofaiss default (tuned by autofaiss for a latency, not a recall) is the other row.
+   A copy of the peer's index file holds the matched efSearch (``faiss.ParameterSpace``, the parameter autofaiss
+   itself sets and ``write_index`` keeps); clip-retrieval serves it as any index folder.
+2. Speed. ``--runs`` rounds; each round starts every server in turn (the order alternates from round to round),
+   fills the page cache with its files first (resident shares recorded), warms it with requests, then runs
+   closed-loop clients (threads, one keep-alive HTTP/1.1 connection each, requests back to back, k = 10) for
+   ``--duration`` s with 1 client and with ``--clients``; every request a distinct text, the same stream for every
+   server of a round (a new stream each round). Each run records q/s, client-side p50/p99, the load average before
+   it and each process's CPU seconds per second. gare-serve runs ``--workers 2 --worker-sockets reuseport`` with
+   caches off and its int8 default tower, then its ``fp32-packed`` tower. The targets (issue 41) compare each
+   round's gare-serve q/s with the matched peer's q/s of the same round.
+
+Results: bench/results/peer_clip_retrieval.{json,md} (+ .png when matplotlib is there).
 """
 
 from __future__ import annotations
@@ -53,6 +67,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -333,6 +349,165 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK  # utime + stime
 
 
+# ------------------------------------------------------------------------------------------ recall
+def recall_texts(n: int, tune_queries: int = 200) -> list[str]:
+    """The texts recall is measured on: held out from the tuning bank (the ``tune_queries`` texts before the
+    warm-up set) and from the timed streams (which stop before them)."""
+    held = 500 + max(200, tune_queries)
+    return distinct_queries(seed=1)[-(held + n):-held]
+
+
+def top10(scores: np.ndarray) -> np.ndarray:
+    """scores (a, n) -> the rows of each query's 10 best, best first (a, 10)."""
+    part = np.argpartition(-scores, 9, axis=1)[:, :10]
+    order = np.argsort(-np.take_along_axis(scores, part, 1), axis=1, kind="stable")
+    return np.take_along_axis(part, order, 1)
+
+
+def exact_answers(work: Path, index: Path, ck: Path, texts: list[str]) -> dict[str, Any]:
+    """Each server's exact top-10 of `texts` over the same n vectors, computed offline (cached in `work`):
+    gare: psi's exhaustive scores of every entry with the model's fp32 tower (what the served two-stage search
+    approximates); the peer: inner products of its own tower's unit embedding (open_clip, 77 tokens, as its
+    `compute_query`) with every unit vector (what its HNSW approximates). Also keeps the peer's embeddings
+    (`peer_queries.npy`) for the choice of its efSearch."""
+    import hashlib
+
+    import open_clip
+    import torch
+
+    from gare.backbone import load_clip_weights
+    from gare.checkpoint import load_model
+    from gare_index.store import open_index
+    from gare_search.query import encode_queries
+    from gare_search.rerank import exhaustive_psi
+
+    key = hashlib.sha256("\n".join(texts).encode()).hexdigest()[:16]
+    cache = work / f"exact-{key}.json"
+    if cache.exists():
+        return json.loads(cache.read_text())
+    t0 = time.perf_counter()
+    ref = open_clip.create_model(OPEN_CLIP_ARCH, pretrained=None).eval()
+    load_clip_weights(ref, str(work / WEIGHTS))
+    with torch.no_grad():
+        q = ref.encode_text(open_clip.get_tokenizer(OPEN_CLIP_ARCH)(texts)).float().numpy()
+    q /= np.linalg.norm(q, axis=1, keepdims=True)
+    np.save(work / "peer_queries.npy", q.astype(np.float32))
+    with open_index(index) as v:
+        units = np.load(v.path / "units.npy", mmap_mode="r")  # (n, 512) float32, the peer's vectors too
+        best = np.full((len(texts), 10), -np.inf, np.float32)
+        rows = np.zeros((len(texts), 10), np.int64)
+        for s0 in range(0, units.shape[0], 1 << 16):  # running top-10 of q · units, block by block
+            sc = q @ np.asarray(units[s0 : s0 + (1 << 16)]).T
+            both = np.concatenate([best, sc], 1)
+            ids = np.concatenate([rows, np.arange(s0, s0 + sc.shape[1])[None].repeat(len(texts), 0)], 1)
+            pick = top10(both)
+            best, rows = np.take_along_axis(both, pick, 1), np.take_along_axis(ids, pick, 1)
+        peer_exact = rows
+        peer_s = round(time.perf_counter() - t0, 1)
+        t1 = time.perf_counter()
+        model, _ = load_model(ck, "cpu")
+        t = encode_queries(model, texts)  # the model's own fp32 tower, as gare-serve's --text-encoder fp32
+        psi = exhaustive_psi(model, v, t, progress=True)  # (a, n) in row order
+        gare_exact = np.asarray(v.ids)[top10(psi)]
+    out = {"texts": len(texts), "key": key, "gare": gare_exact.tolist(), "peer": peer_exact.tolist(),
+           "peer_s": peer_s, "gare_s": round(time.perf_counter() - t1, 1)}
+    cache.write_text(json.dumps(out))
+    return out
+
+
+def recall_at_10(got: list[list[int]], exact: list[list[int]]) -> float:
+    """Mean share of each query's exact top-10 found among its 10 answers."""
+    return round(float(np.mean([len(set(g) & set(e)) / 10 for g, e in zip(got, exact, strict=True)])), 4)
+
+
+def choose_ef(work: Path, exact_peer: list[list[int]], target: float) -> dict[str, Any]:
+    """The smallest efSearch of the peer's HNSW whose recall@10 (FAISS on its index file, its own embeddings of
+    the recall texts) reaches `target`, and the index file's own (autofaiss's) efSearch with its recall; writes the
+    matched copy of the index (`peer_index_matched/`, metadata linked) that clip-retrieval then serves."""
+    import faiss
+
+    index = faiss.read_index(str(work / "peer_index" / "image.index"))
+    hnsw = faiss.downcast_index(index.index if isinstance(index, faiss.IndexPreTransform) else index)
+    default = int(hnsw.hnsw.efSearch)
+    q = np.load(work / "peer_queries.npy")
+    ps = faiss.ParameterSpace()
+    seen: dict[int, float] = {}
+
+    def rec(ef: int) -> float:
+        if ef not in seen:
+            ps.set_index_parameters(index, f"efSearch={ef}")
+            _, ids = index.search(q, 10)
+            seen[ef] = recall_at_10(ids.tolist(), exact_peer)
+        return seen[ef]
+
+    grid = sorted({e for e in (10, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
+                   if e < default} | {default})
+    lo, hi = 0, None  # lo: largest tried below the target; hi: smallest tried reaching it
+    for ef in grid:
+        if rec(ef) >= target:
+            hi = ef
+            break
+        lo = ef
+    if hi is None:  # not even the default reaches it: go past it
+        ef = default
+        while hi is None and ef < 16 * default:
+            ef *= 2
+            if rec(ef) >= target:
+                hi = ef
+    if hi is not None:
+        while hi - lo > 1:  # bisection between a miss and a hit (recall rises with efSearch, nearly always)
+            mid = (lo + hi) // 2
+            if rec(mid) >= target:
+                hi = mid
+            else:
+                lo = mid
+    matched = hi if hi is not None else max(seen)
+    folder = work / "peer_index_matched"
+    folder.mkdir(exist_ok=True)
+    ps.set_index_parameters(index, f"efSearch={matched}")
+    tmp = folder / "image.index.tmp"
+    faiss.write_index(index, str(tmp))
+    os.replace(tmp, folder / "image.index")
+    meta = folder / "metadata"
+    if not meta.exists():
+        meta.symlink_to(work / "peer_index" / "metadata", target_is_directory=True)
+    return {"target": target, "default_ef": default, "default_recall": rec(default), "matched_ef": matched,
+            "matched_recall": seen[matched], "reached": hi is not None,
+            "curve": [[e, seen[e]] for e in sorted(seen)]}
+
+
+def served_answers(port: int, request_ids: Callable[[http.client.HTTPConnection, str], list[int]],
+                   texts: list[str]) -> list[list[int]]:
+    """One client's answers (ids, best first) to `texts`, over HTTP."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        return [request_ids(conn, t) for t in texts]
+    finally:
+        conn.close()
+
+
+def gare_ids(conn: http.client.HTTPConnection, q: str) -> list[int]:
+    conn.request("POST", "/v1/search", json.dumps({"query": q, "k": 10}), {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    body = r.read()
+    if r.status != 200:
+        raise RuntimeError(f"gare-serve answered {r.status} to {q!r}: {body[:300]!r}")
+    return [int(h["id"]) for h in json.loads(body)["results"]]
+
+
+def peer_ids(indice: str) -> Callable[[http.client.HTTPConnection, str], list[int]]:
+    def ask(conn: http.client.HTTPConnection, q: str) -> list[int]:
+        conn.request("POST", "/knn-service", json.dumps({"text": q, "modality": "image", "num_images": 10,
+                                                          "indice_name": indice}), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        body = r.read()
+        if r.status != 200:
+            raise RuntimeError(f"clip-retrieval answered {r.status} to {q!r}: {body[:300]!r}")
+        return [int(h["id"]) for h in json.loads(body)]
+
+    return ask
+
+
 # ------------------------------------------------------------------------------------------ servers
 class Server:
     """A server in a child process on 127.0.0.1:<port>, ready when `ready_path` answers 200."""
@@ -369,10 +544,10 @@ class Server:
         stop_process(self.proc)
 
 
-def peer_args(peer_venv: Path, work: Path, port: int) -> list[str]:
+def peer_args(peer_venv: Path, work: Path, port: int, indices: str = "indices_paths.json") -> list[str]:
     """`clip-retrieval back` with its defaults except the three offline options (see the module docstring)."""
     return [str(peer_venv / "bin" / "clip-retrieval"), "back", "--port", str(port),
-            "--indices_paths", str(work / "indices_paths.json"),
+            "--indices_paths", str(work / indices),
             "--clip_model", f"open_clip:{OPEN_CLIP_ARCH}/{work / WEIGHTS}",
             "--enable_mclip_option", "False", "--provide_aesthetic_embeddings", "False"]
 
@@ -389,21 +564,22 @@ def worker_requests(url: str) -> dict[int, float]:
     return wr(url)
 
 
-def measure_server(srv: Server, request: Request, queries: list[str], warm: list[str], duration: float, runs: int,
-                   gare: bool) -> list[dict[str, Any]]:
-    """1 client once, then `runs` times 32 clients; the same query stream (from its start) for every server."""
-    closed_loop(srv.port, request, warm, 2, min(5.0, duration))  # warm-up (first requests of each worker), not counted
+def measure_server(srv: Server, request: Request, stream: list[str], warm: list[str], duration: float, clients: int,
+                   gare: bool, rnd: int) -> list[dict[str, Any]]:
+    """A warm-up (not counted), then 1 client and `clients` clients for `duration` s each, on `stream` from its
+    start (the same stream for every server of round `rnd`)."""
+    closed_loop(srv.port, request, warm, 2, min(5.0, duration))  # first requests of each worker, not counted
     out: list[dict[str, Any]] = []
     pos = 0
-    for run, clients in enumerate([1] + [32] * runs):
+    for c in (1, clients):
         load = loadavg()
         before = worker_requests(srv.url) if gare else {}
         c0 = {p: cpu_seconds(p) for p in srv.pids}
         t0 = time.perf_counter()
-        r = closed_loop(srv.port, request, queries[pos:], clients, duration)
+        r = closed_loop(srv.port, request, stream[pos:], c, duration)
         dt = time.perf_counter() - t0
         pos += r["queries_used"]
-        r.update(server=srv.name, run=run if clients > 1 else 0, load_before=load,
+        r.update(server=srv.name, run=rnd, load_before=load,
                  worker_cpu=[round((cpu_seconds(p) - c0[p]) / dt, 2) for p in srv.pids])
         if gare:
             after = worker_requests(srv.url)
@@ -457,152 +633,163 @@ def same_tower_check(work: Path, texts: list[str]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------ summary and report
-SERVERS = ("clip-retrieval", "gare-serve fp32", "gare-serve fp32-packed", "gare-serve int8 (default)")
-TEXT_ENCODER = {"gare-serve fp32": "fp32", "gare-serve fp32-packed": "fp32-packed", "gare-serve int8 (default)": "auto"}
-FP32_SERVERS = ("gare-serve fp32", "gare-serve fp32-packed")  # the fp32 towers: the model's own, and packed
+PEER_MATCHED, PEER_DEFAULT = "clip-retrieval matched", "clip-retrieval default"
+GARE_INT8, GARE_PACKED = "gare-serve int8 (default)", "gare-serve fp32-packed"
+SERVERS = (PEER_MATCHED, PEER_DEFAULT, GARE_INT8, GARE_PACKED)
+TEXT_ENCODER = {GARE_INT8: "auto", GARE_PACKED: "fp32-packed"}
+PEER_INDICES = {PEER_MATCHED: "indices_paths_matched.json", PEER_DEFAULT: "indices_paths.json"}
+# issue 41's targets: gare-serve's q/s over the matched peer's, in every round: (32 clients, 1 client)
+TARGETS = {GARE_INT8: (5.0, 2.0), GARE_PACKED: (3.0, 1.2)}
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per server: the 1-client run and the 32-client runs' q/s, p50 and p99 (min / median / max)."""
+    """Per server and client count: q/s per round, min / median / max, median p50 and p99, errors."""
     out: dict[str, Any] = {}
     for name in SERVERS:
-        one = [r for r in runs if r["server"] == name and r["clients"] == 1]
-        many = [r for r in runs if r["server"] == name and r["clients"] > 1]
-        if not one and not many:
-            continue
         s: dict[str, Any] = {}
-        if one:
-            s["one"] = {k: one[0][k] for k in ("qps", "p50_ms", "p99_ms", "errors")}
-        if many:
-            q = [r["qps"] for r in many]
-            s["many"] = {"runs": len(many), "qps": q, "qps_min": min(q), "qps_median": statistics.median(q), "qps_max": max(q),
-                         "p50_ms_median": statistics.median(r["p50_ms"] for r in many),
-                         "p99_ms_median": statistics.median(r["p99_ms"] for r in many),
-                         "errors": sum(r["errors"] for r in many)}
-            shares = [min(r["requests_per_worker"]) / max(1, sum(r["requests_per_worker"])) for r in many if r.get("requests_per_worker")]
+        for key, many in (("one", False), ("many", True)):
+            rs = sorted((r for r in runs if r["server"] == name and (r["clients"] > 1) == many), key=lambda r: r["run"])
+            if not rs:
+                continue
+            q = [r["qps"] for r in rs]
+            s[key] = {"clients": rs[0]["clients"], "runs": len(rs), "qps": q, "qps_min": min(q),
+                      "qps_median": round(statistics.median(q), 2), "qps_max": max(q),
+                      "p50_ms_median": round(statistics.median(r["p50_ms"] for r in rs), 1),
+                      "p99_ms_median": round(statistics.median(r["p99_ms"] for r in rs), 1),
+                      "errors": sum(r["errors"] for r in rs)}
+            shares = [min(r["requests_per_worker"]) / max(1, sum(r["requests_per_worker"])) for r in rs
+                      if r.get("requests_per_worker")]
             if shares:
-                s["many"]["smallest_worker_share"] = [round(x, 3) for x in shares]
-        out[name] = s
+                s[key]["smallest_worker_share"] = [round(x, 3) for x in shares]
+        if s:
+            out[name] = s
     return out
 
 
-def targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 29's targets from this run's numbers, for each fp32 tower (met None = the run lacks the figure)."""
-    peer = summary.get("clip-retrieval", {})
+def paired_ratios(runs: list[dict[str, Any]], name: str, peer: str, many: bool) -> list[float]:
+    """gare-serve's q/s over the peer's, round by round (the two ran in the same round)."""
+    def by_round(n: str) -> dict[int, float]:
+        return {r["run"]: r["qps"] for r in runs if r["server"] == n and (r["clients"] > 1) == many}
+
+    g, p = by_round(name), by_round(peer)
+    return [round(g[k] / p[k], 2) for k in sorted(g) if k in p and p[k] > 0]
+
+
+def targets(d: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 41's targets from this run: each round's ratio to the matched peer, every round at or above the
+    target (met None = the run lacks the figure); and the recall match they rest on."""
+    runs, rounds = d["runs"], d["runs_requested"]
     out: list[dict[str, Any]] = []
-    for name in FP32_SERVERS:
-        fp32 = summary.get(name, {})
-        if not fp32:
-            continue
-        pm, gm = peer.get("many"), fp32.get("many")
-        if pm and gm:
-            per_run = [round(g / p, 2) for g, p in zip(gm["qps"], pm["qps"], strict=False)]
-            worst = round(gm["qps_min"] / pm["qps_max"], 2)
-            out.append({"target": f"{name} (two-stage, fp32 tower), 32 clients: q/s >= 5x clip-retrieval's in every run",
-                        "measured": f"run by run x{', x'.join(map(str, per_run))}; slowest gare-serve run / fastest "
-                                    f"clip-retrieval run x{worst}",
-                        "met": bool(len(per_run) == len(pm["qps"]) and worst >= 5)})
-        else:
-            out.append({"target": f"{name} >= 5x clip-retrieval at 32 clients", "measured": "-", "met": None})
-        po, go = peer.get("one"), fp32.get("one")
-        r1 = round(go["qps"] / po["qps"], 2) if po and go and po["qps"] else None
-        out.append({"target": f"{name} (two-stage, fp32 tower), 1 client: q/s >= 1.5x clip-retrieval's",
-                    "measured": f"x{r1}" if r1 is not None else "-", "met": None if r1 is None else r1 >= 1.5})
-    for name in SERVERS[1:]:
-        sh = summary.get(name, {}).get("many", {}).get("smallest_worker_share")
-        if sh is None and name not in summary:
-            continue
-        out.append({"target": f"{name}, 32 clients: no run where a worker idles (each of the 2 answers >= 25%)",
-                    "measured": "smallest worker share per run: " + (", ".join(map(str, sh)) if sh else "-"),
-                    "met": None if not sh else min(sh) >= 0.25})
+    rc = d.get("recall", {})
+    pk, pm = rc.get(GARE_PACKED), rc.get(PEER_MATCHED)
+    out.append({"target": "the matched peer's served recall@10 of its exact top-10 >= gare-serve fp32-packed's",
+                "measured": f"{pm} vs {pk}" if pm is not None and pk is not None else "-",
+                "met": None if pm is None or pk is None else pm >= pk})
+    for name, (t_many, t_one) in TARGETS.items():
+        for many, t in ((True, t_many), (False, t_one)):
+            ratios = paired_ratios(runs, name, PEER_MATCHED, many)
+            clients = d["clients"] if many else 1
+            out.append({"target": f"{name}, {clients} client{'s' if clients > 1 else ''}: q/s >= {t}x the matched "
+                                  f"peer's in every one of {rounds} rounds",
+                        "measured": ("round by round x" + ", x".join(map(str, ratios))) if ratios else "-",
+                        "met": None if len(ratios) < rounds else all(x >= t for x in ratios)})
     return out
 
 
-def ratio_lines(summary: dict[str, Any]) -> list[str]:
-    peer = summary.get("clip-retrieval", {})
+def ratio_lines(d: dict[str, Any]) -> list[str]:
     L = []
-    for name in SERVERS[1:]:
-        s = summary.get(name, {})
-        if peer.get("one") and s.get("one"):
-            L.append(f"- {name} / clip-retrieval, 1 client: q/s x{s['one']['qps'] / peer['one']['qps']:.2f}, "
-                     f"p50 x{s['one']['p50_ms'] / peer['one']['p50_ms']:.2f}")
-        if peer.get("many") and s.get("many"):
-            L.append(f"- {name} / clip-retrieval, 32 clients: median q/s x{s['many']['qps_median'] / peer['many']['qps_median']:.2f} "
-                     f"(per run {', '.join(f'x{g / p:.2f}' for g, p in zip(s['many']['qps'], peer['many']['qps'], strict=False))}), "
-                     f"median p99 x{s['many']['p99_ms_median'] / peer['many']['p99_ms_median']:.2f}")
+    for name in (GARE_INT8, GARE_PACKED):
+        for peer in (PEER_MATCHED, PEER_DEFAULT):
+            for many in (False, True):
+                r = paired_ratios(d["runs"], name, peer, many)
+                if r:
+                    L.append(f"- {name} / {peer}, {d['clients'] if many else 1} client{'s' if many else ''}: q/s "
+                             f"x{statistics.median(r):.2f} median (round by round {', '.join(f'x{x}' for x in r)})")
     return L
 
 
 @with_provenance
 def markdown(d: dict[str, Any]) -> str:
-    prep, pv = d["prepare"], d["peer_versions"]
+    prep, pv, ef = d["prepare"], d["peer_versions"], d["peer_ef"]
     g = prep.get("gallery", {})
     ai = prep.get("peer_index", {}).get("autofaiss_infos", {})
-    L = ["# A peer side by side: clip-retrieval's back end vs gare-serve two-stage over HTTP", "",
-         f"Generated by `{d['command']}` at commit `{d['commit']}` on {d['date']}.", "",
-         f"CPU: {d['cpu']} ({d['cores']} cores, shared with other jobs); Linux {d['kernel']}. Load average (1/5/15 min) "
-         f"at the start: {d['load_start']}, at the end: {d['load_end']}; before each run: in the table. Run inside a private "
-         f"network namespace with only loopback: {d['netns']}.", "",
+    tune = prep.get("gare_tune")
+    L = ["# A peer at matched recall: clip-retrieval's back end vs gare-serve two-stage over HTTP", "",
+         f"CPU: {d['cpu']} ({d['cores']} cores); Linux {d['kernel']}. Load average (1/5/15 min) at the start: "
+         f"{d['load_start']}, at the end: {d['load_end']}; before each run: in the table. Run inside a private network "
+         f"namespace with only loopback: {d['netns']}.", "",
          f"Index: {d['n']:,} entries, the same unit vectors (d = 512) in both. gare-serve: its index format "
          f"(`bench/serve_bench.write_gallery`: 12 fp16 frames per entry, psi fold constants), stage 1 "
-         f"`{json.dumps(prep.get('gare_ann_params', {}))}`; built in {g.get('total_s', '-')} s"
-         + (f", then tuned by `{prep['gare_tune']['command']}` in {prep['gare_tune']['s']} s ({prep['gare_tune']['setting']}: "
-            f"held-out recall {prep['gare_tune']['recall']} of the exact top-10 at p50 {prep['gare_tune']['p50_ms']} ms, "
-            f"met {prep['gare_tune']['met']}; ANN tuning {prep['gare_tune']['tuning_s']} s, psi coverage "
-            f"{prep['gare_tune']['coverage_s']} s; default candidates {prep['gare_tune']['default_candidates']})"
-            if prep.get("gare_tune") else "") + ". clip-retrieval: "
+         f"`{json.dumps(prep.get('gare_ann_params', {}))}`; written in {g.get('total_s', '-')} s"
+         + (f", then tuned by `{tune['command']}` in {tune['s']} s ({tune['setting']}: the tuner's held-out recall "
+            f"{tune['recall']} of psi's exact top-10 at p50 {tune['p50_ms']} ms, met {tune['met']})" if tune else "")
+         + ". clip-retrieval: "
          f"`{prep.get('peer_index', {}).get('command', '-')}` (autofaiss with its defaults), index "
          f"`{ai.get('index_key', '-')}`, search parameters `{ai.get('index_param', '-')}`; built in "
          f"{prep.get('peer_index', {}).get('build_s', '-')} s.", "",
          f"Text tower: one open_clip {OPEN_CLIP_ARCH} weights file with random weights (`{WEIGHTS}`); the GARE checkpoint "
-         f"was built from it. Same embedding from both towers on {d['tower_check']['texts']} query texts: max |diff| "
-         f"{d['tower_check']['max_abs_diff']:.2e}, min cosine {d['tower_check']['min_cosine']:.6f} (texts of "
-         f"{d['tower_check']['tokens_per_text_min']}-{d['tower_check']['tokens_per_text_max']} tokens with SOT/EOT)"
-         + (f"; gare's fp32-packed tower vs the peer's: max |diff| {d['tower_check']['packed_max_abs_diff']:.2e}, min cosine "
-            f"{d['tower_check']['packed_min_cosine']:.6f}." if "packed_max_abs_diff" in d["tower_check"] else "."), "",
+         f"was built from it. The same embedding from both towers on {d['tower_check']['texts']} query texts: max |diff| "
+         f"{d['tower_check']['max_abs_diff']:.2e}, min cosine {d['tower_check']['min_cosine']:.6f}; gare's fp32-packed "
+         f"tower vs the peer's: max |diff| {d['tower_check']['packed_max_abs_diff']:.2e}, min cosine "
+         f"{d['tower_check']['packed_min_cosine']:.6f}.", "",
          f"Peer: clip-retrieval {pv.get('clip-retrieval')} (open_clip_torch {pv.get('open_clip_torch')}, torch {pv.get('torch')}, "
          f"faiss-cpu {pv.get('faiss-cpu')}, flask {pv.get('flask')}, numpy {pv.get('numpy')}) in its own venv; project: torch "
          f"{d['torch']}, faiss {d['faiss']}, uvicorn {d['uvicorn']}.", "",
-         "Commands (one server at a time; caches off on gare-serve so that every request runs every stage):", ""]
+         "## Recall of the exact top-10", "",
+         f"{d['exact']['texts']} held-out texts (in neither the tuning bank nor the timed streams). Exact answers offline "
+         f"on the same vectors: gare, psi's exhaustive scores of all {d['n']:,} entries with the model's fp32 tower "
+         f"({d['exact']['gare_s']} s); the peer, its own embedding's inner products with every unit vector "
+         f"({d['exact']['peer_s']} s). Served answers over HTTP, k = 10, one client, after the warm-up of round 0.", "",
+         "| server | setting | recall@10 of its exact top-10 (served) |", "|---|---|---:|"]
+    for name in SERVERS:
+        setting = (f"efSearch={ef['matched_ef']}" if name == PEER_MATCHED else f"efSearch={ef['default_ef']} (autofaiss)"
+                   if name == PEER_DEFAULT else f"--text-encoder {TEXT_ENCODER[name]}")
+        L.append(f"| {name} | {setting} | {d['recall'].get(name, '-')} |")
+    L += ["", f"The matched efSearch: the smallest whose recall (FAISS on the peer's index file, its embeddings of the "
+          f"same texts) reaches gare-serve fp32-packed's served recall ({ef['target']}): efSearch {ef['matched_ef']} "
+          f"gives {ef['matched_recall']}{'' if ef['reached'] else ' (NOT reached: the largest tried)'}; the file's own "
+          f"{ef['default_ef']} gives {ef['default_recall']}. gare-serve int8's recall is against the fp32 tower's exact "
+          "answer, so it also counts the int8 tower's own deviation. Recall by efSearch (FAISS, offline): "
+          + ", ".join(f"{e}: {r}" for e, r in ef["curve"]) + ".", "",
+          "## Speed", "",
+          "Commands (one server at a time; caches off on gare-serve so that every request runs every stage):", ""]
     for name, cmd in d["server_commands"].items():
         L.append(f"- {name}: `{cmd}`")
-    L += ["", f"Closed loop: each client one keep-alive HTTP/1.1 connection, requests back to back for {d['duration_s']} s, "
-          "k = 10, every request a distinct text (the same stream, from its start, for every server); 1 client once, "
-          f"then 32 clients {d['runs_requested']} times. q/s = answers / wall time; latency client side.", "",
-          "| server | clients | run | load before | q/s | p50 ms | p99 ms | errors | CPU/s per process | requests per worker |",
-          "|---|---:|---:|---|---:|---:|---:|---:|---|---|"]
+    L += ["", f"{d['runs_requested']} rounds; in each every server starts, its files are read into the page cache, a "
+          f"warm-up of 5 s runs, then 1 client and {d['clients']} clients for {d['duration_s']} s each, on the round's "
+          "stream of distinct texts (the same for every server of a round); the server order alternates from round to "
+          "round. Each client holds one keep-alive HTTP/1.1 connection and sends requests back to back, k = 10; q/s = "
+          "answers / wall time; latency client side.", "",
+          "| round | server | clients | load before | q/s | p50 ms | p99 ms | errors | CPU/s per process | requests per worker |",
+          "|---:|---|---:|---|---:|---:|---:|---:|---|---|"]
     for r in d["runs"]:
-        L.append(f"| {r['server']} | {r['clients']} | {r['run']} | {', '.join(map(str, r['load_before']))} | {r['qps']} | "
+        L.append(f"| {r['run']} | {r['server']} | {r['clients']} | {', '.join(map(str, r['load_before']))} | {r['qps']} | "
                  f"{r['p50_ms']} | {r['p99_ms']} | {r['errors']} | {', '.join(map(str, r['worker_cpu']))} | "
                  f"{' / '.join(map(str, r.get('requests_per_worker', []))) or '-'} |")
-    L += ["", "| server | 1 client q/s | p50 ms | p99 ms | 32 clients q/s min / median / max | median p50 ms | median p99 ms |",
-          "|---|---:|---:|---:|---|---:|---:|"]
+    L += ["", "Server order by round: " + "; ".join(f"{i}: {', '.join(o)}" for i, o in enumerate(d["orders"])) + ".", "",
+          f"| server | 1 client q/s min / median / max | p50 ms | p99 ms | {d['clients']} clients q/s min / median / max "
+          "| median p50 ms | median p99 ms |", "|---|---|---:|---:|---|---:|---:|"]
     for name, s in d["summary"].items():
         o, m = s.get("one", {}), s.get("many", {})
-        L.append(f"| {name} | {o.get('qps', '-')} | {o.get('p50_ms', '-')} | {o.get('p99_ms', '-')} | "
+        L.append(f"| {name} | {o.get('qps_min', '-')} / {o.get('qps_median', '-')} / {o.get('qps_max', '-')} | "
+                 f"{o.get('p50_ms_median', '-')} | {o.get('p99_ms_median', '-')} | "
                  f"{m.get('qps_min', '-')} / {m.get('qps_median', '-')} / {m.get('qps_max', '-')} | "
                  f"{m.get('p50_ms_median', '-')} | {m.get('p99_ms_median', '-')} |")
-    L += ["", "Ratios (this run):", "", *ratio_lines(d["summary"]), ""]
-    loads = {}
-    for r in d["runs"]:
-        loads.setdefault(r["server"], []).append(r["load_before"][0])
-    L += ["1-minute load average before the runs of each server (other jobs share the machine; the servers ran one "
-          "after another): " + "; ".join(f"{k} {min(v)}-{max(v)}" for k, v in loads.items()) + ".", ""]
+    L += ["", "Ratios (this run, paired by round):", "", *ratio_lines(d), ""]
+    L += ["Page cache before each server's runs (share of the file resident before the script read it; the read's "
+          "seconds): " + "; ".join(f"{k}: {v}" for k, v in d["warm"].items()) + ".", ""]
     if d.get("gare_stage_ms"):
-        L += ["gare-serve's own stage timings (`timings_ms`, median over one client's requests after the runs, ms):", "",
-              "| server | " + " | ".join(k for k in next(iter(d["gare_stage_ms"].values())) if k != "n") + " | n |",
-              "|---|" + "---:|" * len(next(iter(d["gare_stage_ms"].values())))]
+        first = next(iter(d["gare_stage_ms"].values()))
+        L += ["gare-serve's own stage timings (`timings_ms`, median over one client's requests after round 0's runs, ms):",
+              "", "| server | " + " | ".join(k for k in first if k != "n") + " | n |", "|---|" + "---:|" * len(first)]
         for name, st in d["gare_stage_ms"].items():
             L.append(f"| {name} | " + " | ".join(str(v) for k, v in st.items() if k != "n") + f" | {st['n']} |")
         L.append("")
-    L += ["## Targets (issue 29), from this run", "", "| target | measured | met |", "|---|---|---|"]
+    L += ["## Targets (issue 41), from this run", "", "| target | measured | met |", "|---|---|---|"]
     for t in d["targets"]:
         L.append(f"| {t['target']} | {t['measured']} | {'yes' if t['met'] else 'NO' if t['met'] is not None else 'not measured'} |")
     if d["n"] < 1_000_000:
-        L += ["", f"Size: {d['n']:,} entries, not the 1M issue 29 asks for: writing a 1M gallery in gare's format (psi's fold "
-              "constants for every entry) takes 30-60 min on these 2 shared cores, more than this run had; disk and RAM "
-              "would have allowed 1M (12 GB of frames). Stage 1 of both grows with n (gare's IVF scans nprobe/nlist of "
-              "the entries; the HNSW's cost grows slowly), the encoder's cost does not."]
+        L += ["", f"Size: {d['n']:,} entries, not the 1M issue 41 asks for."]
     if d.get("plot"):
         L += ["", f"![q/s per server]({d['plot']})"]
     L += ["", NOTES.strip(), ""]  # the renderer's prose (a JSON written before a change of it may hold older words)
@@ -612,50 +799,49 @@ def markdown(d: dict[str, Any]) -> str:
 NOTES = """
 ## What was adapted for clip-retrieval to run offline
 
-Nothing of its code was patched; three of its own options, and a local weights file:
+Nothing of its code was patched; three of its own options, a local weights file, and (the matched row) a copy of its
+index file with another efSearch:
 
 - `--clip_model open_clip:ViT-B-32-quickgelu/<path of the weights file>`: all_clip (its model loader) passes what
   follows the model name's first `/` to open_clip as `pretrained`, and open_clip loads a local file (by default it
   would download ViT-B/32's OpenAI weights). QuickGELU because GARE's ViT-B/32 uses it (as OpenAI's weights do).
 - `--enable_mclip_option False`: by default it loads M-CLIP (multilingual) from the Hugging Face hub at start.
 - `--provide_aesthetic_embeddings False`: by default it downloads aesthetic embeddings from GitHub at start.
+- efSearch: clip-retrieval has no option for it; it serves the index file as autofaiss wrote it, with the efSearch
+  autofaiss chose for a query time. The matched row serves a copy of that file whose efSearch was set by
+  `faiss.ParameterSpace` (what autofaiss itself calls) and written by `faiss.write_index`, which keeps it.
 - Its Flask server listens on 0.0.0.0 (`app.run(host="0.0.0.0")`, no option), so the script runs every server and
   client in a private network namespace with only loopback (`unshare -n`), which also shows that nothing was
   downloaded during the run. Its index is built by its own `clip-retrieval index` from the gallery's unit vectors
   (`img_emb/img_emb_0.npy`, a link to gare's `units.npy`) and a parquet file of paths (`metadata/`).
 - Installed in its own venv: `pip install clip-retrieval==2.45.0 torch==2.14.1 torchvision==0.29.1` (pip chose
   the rest within clip-retrieval's pins: numpy < 2, open-clip-torch < 3, ...), then `pip install "setuptools<81"`:
-  its dependency clip-anytorch imports `pkg_resources`, which the newest setuptools no longer ships (without the pin
-  `clip-retrieval index` and `back` fail at import).
+  its dependency clip-anytorch imports `pkg_resources`, which the newest setuptools no longer ships.
 
 ## What differs in the work each does
 
 - **Rerank.** clip-retrieval answers from the ANN alone (its `/knn-service`: encode, FAISS `search_and_reconstruct`
-  of the 10 nearest, metadata of each hit from a pandas frame); gare-serve runs stage 1 for K candidates and psi's
-  rerank of them (reading their 12 fp16 frames each) before ranking the top 10: more work per query.
-- **Stage 1.** Each with its own default index over the same vectors: autofaiss's choice for clip-retrieval
-  (above), gare's IVF for gare-serve (above). Their recalls differ and are not measured here.
+  of the 10 nearest, metadata of each hit); gare-serve runs stage 1 for K candidates and psi's rerank of them
+  (reading their 12 fp16 frames each) before ranking the top 10: more work per query, and each is scored against
+  its own exact answer (above).
 - **Token length.** clip-retrieval's open_clip tokenizer pads every text to 77 tokens and the tower runs all 77
-  positions; gare-serve trims the padding after the longest text of a micro-batch (the range above), which is
-  exact for CLIP's causal text tower (the tower check above) and costs ~5x fewer positions here.
-- **Precision.** Both fp32 in the fp32 rows; gare-serve's default is its int8 (dynamic quantization) tower.
-- **Batching.** gare-serve gathers concurrent requests into micro-batches, but what a batch saves depends on the
-  tower. `fp32` runs the model's own tower on each text alone at its own length (`gare.text_quant.encode_each`, so
-  that a text's embedding is the same bits alone or in any batch, issue 24): at 32 clients it costs per query what
-  it costs at one client. `fp32-packed` (the same fp32 weights and arithmetic, `gare.text_packed`) and the int8
-  tower pack the batch's texts into shared GEMMs, each text's rows computed on their own (fp32-packed: checked on
-  the machine when the tower is built; see the module). clip-retrieval encodes each request alone (both cores
-  inside one process).
+  positions; gare-serve trims the padding after the longest text of a micro-batch, which is exact for CLIP's causal
+  text tower (the tower check above).
+- **Precision.** The peer and gare-serve fp32-packed run fp32 towers; gare-serve's default is its int8 (dynamic
+  quantization) tower, whose recall above counts its deviation from the fp32 answer.
+- **Batching.** gare-serve gathers concurrent requests into micro-batches; `fp32-packed` and the int8 tower pack a
+  batch's texts into shared GEMMs (each text's rows computed on their own). clip-retrieval encodes each request
+  alone (torch using every core inside one process).
 - **Web server and processes.** clip-retrieval runs Flask's development server (werkzeug, one process, a thread per
-  request, torch using every core inside one process); gare-serve runs uvicorn with 2 worker processes (a
-  SO_REUSEPORT socket each, 1 torch thread each). Neither is tuned beyond its defaults here.
-- **Same machine.** The clients (Python threads) share the 2 cores with the servers, and other jobs ran on the
-  machine (load averages above): compare the servers within this run only.
+  request); gare-serve runs uvicorn with 2 worker processes (a SO_REUSEPORT socket each, 1 torch thread each).
+  Neither is tuned beyond its defaults here.
+- **Same machine.** The clients (Python threads) share the 2 cores with the servers: compare the servers within this
+  run only.
 """
 
 
 def plot(d: dict[str, Any], path: Path) -> bool:
-    """q/s per server at 1 and 32 clients (32: each run a dot, the median a bar); False without matplotlib."""
+    """q/s per server at 1 and many clients (each round a dot, the median a bar); False without matplotlib."""
     try:
         import matplotlib
 
@@ -665,17 +851,18 @@ def plot(d: dict[str, Any], path: Path) -> bool:
         return False
     names = list(d["summary"])
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, title in ((axes[0], "one", "1 client"), (axes[1], "many", "32 clients")):
-        vals = [d["summary"][n].get(key, {}).get("qps" if key == "one" else "qps_median", 0) for n in names]
-        ax.bar(range(len(names)), vals, color=["#999999", "#1f77b4", "#ff7f0e", "#2ca02c"][: len(names)])
-        if key == "many":
-            for i, n in enumerate(names):
-                qs = d["summary"][n].get("many", {}).get("qps", [])
-                ax.plot([i] * len(qs), qs, "k.", ms=5)
-        ax.set_xticks(range(len(names)), [n.replace(" (default)", "\n(default)") for n in names], fontsize=8)
+    for ax, key, title in ((axes[0], "one", "1 client"), (axes[1], "many", f"{d['clients']} clients")):
+        vals = [d["summary"][n].get(key, {}).get("qps_median", 0) for n in names]
+        ax.bar(range(len(names)), vals, color=["#999999", "#cccccc", "#2ca02c", "#ff7f0e"][: len(names)])
+        for i, n in enumerate(names):
+            qs = d["summary"][n].get(key, {}).get("qps", [])
+            ax.plot([i] * len(qs), qs, "k.", ms=5)
+        ax.set_xticks(range(len(names)), [n.replace(" (default)", "\n(default)").replace(" ", "\n", 1) for n in names],
+                      fontsize=8)
         ax.set_ylabel("q/s")
         ax.set_title(title)
-    fig.suptitle(f"{d['n']:,} entries, ViT-B/32 text tower, HTTP on loopback ({d['cpu']}, {d['cores']} cores)", fontsize=9)
+    fig.suptitle(f"{d['n']:,} entries at matched recall, ViT-B/32 text tower, HTTP on loopback ({d['cpu']}, "
+                 f"{d['cores']} cores)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -707,11 +894,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=1_000_000, help="index entries")
     ap.add_argument("--duration", type=float, default=15.0, help="seconds per run")
-    ap.add_argument("--runs", type=int, default=5, help="runs of 32 clients per server")
+    ap.add_argument("--runs", type=int, default=5, help="rounds (each: every server, 1 client then --clients)")
     ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--recall-queries", type=int, default=100, help="held-out texts recall is measured on")
     ap.add_argument("--work", default="/tmp/gare-peer", help="weights, checkpoint, gallery and peer index (reused when there)")
     ap.add_argument("--peer-venv", default=str(Path.home() / ".cache" / "gare" / "peer-venv"))
-    ap.add_argument("--tune-queries", type=int, default=0,
+    ap.add_argument("--tune-queries", type=int, default=200,
                     help="re-tune gare's stage 1 with `gare-index tune --from-bank` on this many queries (0: the gallery's own)")
     ap.add_argument("--prepare-only", action="store_true", help="build what both serve in --work, measure nothing")
     ap.add_argument("--keep", action="store_true", help="keep --work at the end (default: removed)")
@@ -743,51 +931,85 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_name(), "cores": os.cpu_count(),
         "kernel": os.uname().release, "torch": torch.__version__, "faiss": faiss.__version__, "uvicorn": uvicorn.__version__,
         "load_start": loadavg(), "netns": in_private_netns(), "n": args.n, "duration_s": args.duration,
-        "runs_requested": args.runs, "runs": [],
+        "runs_requested": args.runs, "clients": args.clients, "runs": [], "orders": [], "recall": {}, "warm": {},
     }
     t_all = time.perf_counter()
     d["prepare"] = prepare(work, args.n, peer_venv, args.tune_queries)
     d["prepare_s"] = round(time.perf_counter() - t_all, 1)
     d["peer_versions"] = peer_versions(peer_venv)
     queries = distinct_queries(seed=1)
-    warm, stream = queries[-500:], queries[:-500]
+    warm = queries[-500:]
+    rtexts = recall_texts(args.recall_queries, args.tune_queries)
+    held = len(queries) - 500 - max(200, args.tune_queries) - len(rtexts)  # the timed streams stop before these
+    per_round = held // args.runs
     d["tower_check"] = same_tower_check(work, queries[:64])
     print(json.dumps(d["tower_check"]), flush=True)
     index = work / "g" / "index"
+    ck = work / "gare-vit-b-32-from-weights.safetensors"
+    print(f"exact answers of {len(rtexts)} recall texts (psi over every entry: minutes at 1M)", flush=True)
+    d["exact"] = exact_answers(work, index, ck, rtexts)
+    (work / "indices_paths.json").write_text(json.dumps({INDICE: str(work / "peer_index")}))
+    (work / "indices_paths_matched.json").write_text(json.dumps({INDICE: str(work / "peer_index_matched")}))
     d["server_commands"], d["startup_s"], d["gare_stage_ms"] = {}, {}, {}
     frames = next(index.glob("versions/*/frames.npy"))
-    try:
-        for name in SERVERS:
-            port = free_port()
-            log = work / f"{name.split()[0]}-{port}.log"
-            if name == "clip-retrieval":
-                a, env, ready, req, gare = peer_args(peer_venv, work, port), peer_env(), "/indices-list", peer_request, False
+    gare_files = [frames, *(f for f in frames.parent.iterdir() if f.name in ("units.npy", "ann.faiss", "psi_consts.npy"))]
+
+    def serve(name: str, rnd: int, stream: list[str] | None) -> None:
+        """Start `name`, fill the page cache with its files, measure (round `rnd`; recall when `stream` is None)."""
+        port = free_port()
+        log = work / f"{name.split()[0]}-{rnd}-{port}.log"
+        if name in PEER_INDICES:
+            a, env, ready, gare = peer_args(peer_venv, work, port, PEER_INDICES[name]), peer_env(), "/indices-list", False
+            folder = work / ("peer_index_matched" if name == PEER_MATCHED else "peer_index")
+            files = [folder / "image.index"]
+        else:
+            a, ready, gare = gare_args(index, port, TEXT_ENCODER[name]), "/readyz", True
+            env = {**os.environ, "PYTHONPATH": CHECKOUT_PATH, "GARE_WORKER_HEALTHCHECK_S": "900"}
+            env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+            files = gare_files
+        # both answer from memory: the peer reads its whole index into RAM, gare-serve maps its files; read them
+        # into the page cache first, recording the share that was cached before
+        d["warm"].setdefault(name, []).append(
+            {f.name: [resident_fraction(f), round(warm_file(f), 1)] for f in files})
+        d["server_commands"][name] = shlex.join([Path(a[0]).name if i == 0 else x for i, x in enumerate(a)])
+        srv = Server(name, a, env, port, ready, log)
+        try:
+            d["startup_s"].setdefault(name, []).append(round(srv.wait_ready(), 1))
+            print(f"{name} (round {rnd}): ready in {d['startup_s'][name][-1]} s, pids {srv.pids}", flush=True)
+            if stream is None:
+                closed_loop(srv.port, gare_request if gare else peer_request, warm, 2, 5.0)
+                got = served_answers(port, gare_ids if gare else peer_ids(INDICE), rtexts)
+                d["recall"][name] = recall_at_10(got, d["exact"]["gare" if gare else "peer"])
+                print(f"{name}: served recall@10 {d['recall'][name]}", flush=True)
             else:
-                enc = TEXT_ENCODER[name]
-                a, ready, req, gare = gare_args(index, port, enc), "/readyz", gare_request, True
-                env = {**os.environ, "PYTHONPATH": CHECKOUT_PATH, "GARE_WORKER_HEALTHCHECK_S": "900"}
-                env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-                # the peer holds its whole index in RAM; gare-serve maps its frames: read them into the page cache
-                # first (both then answer from memory), recording the share that was cached before
-                d.setdefault("frames_resident_before", {})[name] = resident_fraction(frames)
-                d.setdefault("frames_warm_s", {})[name] = round(warm_file(frames), 1)
-            d["server_commands"][name] = shlex.join([Path(a[0]).name if i == 0 else x for i, x in enumerate(a)])
-            srv = Server(name, a, env, port, ready, log)
-            try:
-                d["startup_s"][name] = round(srv.wait_ready(), 1)
-                print(f"{name}: ready in {d['startup_s'][name]} s, pids {srv.pids}", flush=True)
-                d["runs"] += measure_server(srv, req, stream, warm, args.duration, args.runs, gare)
-                if gare:
+                d["runs"] += measure_server(srv, gare_request if gare else peer_request, stream, warm, args.duration,
+                                            args.clients, gare, rnd)
+                if gare and rnd == 0:
                     d["gare_stage_ms"][name] = gare_stage_times(srv.url, warm[:100])
-            finally:
-                srv.stop()
+        finally:
+            srv.stop()
+
+    try:
+        # recall first: gare-serve's served recall sets the peer's matched efSearch
+        for name in (GARE_PACKED, GARE_INT8):
+            serve(name, 0, None)
+        d["peer_ef"] = choose_ef(work, d["exact"]["peer"], d["recall"][GARE_PACKED])
+        print(json.dumps(d["peer_ef"]), flush=True)
+        for name in (PEER_MATCHED, PEER_DEFAULT):
+            serve(name, 0, None)
+        for rnd in range(args.runs):
+            order = list(SERVERS) if rnd % 2 == 0 else list(reversed(SERVERS))
+            d["orders"].append(order)
+            stream = queries[rnd * per_round : (rnd + 1) * per_round]
+            for name in order:
+                serve(name, rnd, stream)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     d["load_end"] = loadavg()
     d["total_s"] = round(time.perf_counter() - t_all, 1)
     d["summary"] = summarize(d["runs"])
-    d["targets"] = targets(d["summary"])
+    d["targets"] = targets(d)
     out.parent.mkdir(parents=True, exist_ok=True)
     if plot(d, out.with_suffix(".png")):
         d["plot"] = out.with_suffix(".png").name
