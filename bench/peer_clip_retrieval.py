@@ -274,21 +274,34 @@ def pct(xs: list[float], q: float) -> float:
 Request = Callable[[http.client.HTTPConnection, str], bool]
 
 
-def gare_request(conn: http.client.HTTPConnection, q: str) -> bool:
-    """gare-serve: two-stage text search (its defaults: ANN top-K, psi rerank), k = 10."""
-    conn.request("POST", "/v1/search", json.dumps({"query": q, "k": 10}), {"Content-Type": "application/json"})
+def _post(conn: http.client.HTTPConnection, path: str, body: dict[str, Any]) -> Any:
+    """POST `body` as JSON on a kept-alive connection -> the parsed answer, None when the status is not 200."""
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
     r = conn.getresponse()
-    body = r.read()
-    return r.status == 200 and len(json.loads(body)["results"]) == 10
+    data = r.read()
+    return json.loads(data) if r.status == 200 else None
+
+
+def gare_ids(conn: http.client.HTTPConnection, q: str) -> list[int] | None:
+    """gare-serve: two-stage text search (its defaults: ANN top-K, psi rerank), k = 10 -> the ids, best first."""
+    got = _post(conn, "/v1/search", {"query": q, "k": 10})
+    return None if got is None else [int(h["id"]) for h in got["results"]]
+
+
+def peer_ids(conn: http.client.HTTPConnection, q: str) -> list[int] | None:
+    """clip-retrieval: POST /knn-service as its front end sends a text query (image index, 10 results) -> the ids."""
+    got = _post(conn, "/knn-service", {"text": q, "modality": "image", "num_images": 10, "indice_name": INDICE})
+    return None if got is None else [int(h["id"]) for h in got]
+
+
+def gare_request(conn: http.client.HTTPConnection, q: str) -> bool:
+    ids = gare_ids(conn, q)
+    return ids is not None and len(ids) == 10
 
 
 def peer_request(conn: http.client.HTTPConnection, q: str) -> bool:
-    """clip-retrieval: POST /knn-service as its front end sends a text query (image index, 10 results)."""
-    conn.request("POST", "/knn-service", json.dumps({"text": q, "modality": "image", "num_images": 10,
-                                                      "indice_name": INDICE}), {"Content-Type": "application/json"})
-    r = conn.getresponse()
-    body = r.read()
-    return r.status == 200 and len(json.loads(body)) == 10
+    ids = peer_ids(conn, q)
+    return ids is not None and len(ids) == 10
 
 
 def closed_loop(port: int, request: Request, queries: list[str], clients: int, duration: float) -> dict[str, Any]:
@@ -476,36 +489,20 @@ def choose_ef(work: Path, exact_peer: list[list[int]], target: float) -> dict[st
             "curve": [[e, seen[e]] for e in sorted(seen)]}
 
 
-def served_answers(port: int, request_ids: Callable[[http.client.HTTPConnection, str], list[int]],
+def served_answers(port: int, ask: Callable[[http.client.HTTPConnection, str], list[int] | None],
                    texts: list[str]) -> list[list[int]]:
-    """One client's answers (ids, best first) to `texts`, over HTTP."""
+    """One client's answers (ids, best first) to `texts`, over HTTP; a failed request fails the run."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     try:
-        return [request_ids(conn, t) for t in texts]
+        out = []
+        for t in texts:
+            ids = ask(conn, t)
+            if ids is None:
+                raise RuntimeError(f"no answer to {t!r} on port {port}")
+            out.append(ids)
+        return out
     finally:
         conn.close()
-
-
-def gare_ids(conn: http.client.HTTPConnection, q: str) -> list[int]:
-    conn.request("POST", "/v1/search", json.dumps({"query": q, "k": 10}), {"Content-Type": "application/json"})
-    r = conn.getresponse()
-    body = r.read()
-    if r.status != 200:
-        raise RuntimeError(f"gare-serve answered {r.status} to {q!r}: {body[:300]!r}")
-    return [int(h["id"]) for h in json.loads(body)["results"]]
-
-
-def peer_ids(indice: str) -> Callable[[http.client.HTTPConnection, str], list[int]]:
-    def ask(conn: http.client.HTTPConnection, q: str) -> list[int]:
-        conn.request("POST", "/knn-service", json.dumps({"text": q, "modality": "image", "num_images": 10,
-                                                          "indice_name": indice}), {"Content-Type": "application/json"})
-        r = conn.getresponse()
-        body = r.read()
-        if r.status != 200:
-            raise RuntimeError(f"clip-retrieval answered {r.status} to {q!r}: {body[:300]!r}")
-        return [int(h["id"]) for h in json.loads(body)]
-
-    return ask
 
 
 # ------------------------------------------------------------------------------------------ servers
@@ -978,7 +975,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name} (round {rnd}): ready in {d['startup_s'][name][-1]} s, pids {srv.pids}", flush=True)
             if stream is None:
                 closed_loop(srv.port, gare_request if gare else peer_request, warm, 2, 5.0)
-                got = served_answers(port, gare_ids if gare else peer_ids(INDICE), rtexts)
+                got = served_answers(port, gare_ids if gare else peer_ids, rtexts)
                 d["recall"][name] = recall_at_10(got, d["exact"]["gare" if gare else "peer"])
                 print(f"{name}: served recall@10 {d['recall'][name]}", flush=True)
             else:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import faiss
 import numpy as np
 import pytest
 
@@ -200,8 +201,6 @@ def test_the_matched_ef_is_the_smallest_reaching_the_target_and_the_copy_serves_
     x /= np.linalg.norm(x, axis=1, keepdims=True)
     q = rng.standard_normal((40, 32)).astype(np.float32)
     q /= np.linalg.norm(q, axis=1, keepdims=True)
-    import faiss
-
     index = faiss.IndexHNSWFlat(32, 8, faiss.METRIC_INNER_PRODUCT)  # few links: recall rises visibly with efSearch
     index.add(x)
     index.hnsw.efSearch = 400  # the file's own ("autofaiss's") setting
