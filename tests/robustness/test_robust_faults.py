@@ -39,7 +39,7 @@ import pytest
 
 from gare.checkpoint import file_sha256
 from gare_build.build import BuildOptions, build
-from gare_index.store import current_version_name, list_versions, open_index, verify_index
+from gare_index.store import current_version_name, list_versions, open_index, switch_current, verify_index
 from tests.conftest import require
 from tests.forked_cli import ForkServer
 from tests.indexer.support import cli_env, copy_videos
@@ -482,6 +482,19 @@ def _new_version(idx: Path) -> str:
     return recompute_biases(str(idx)).version
 
 
+def _staged_version(idx: Path, scratch: Path) -> str:
+    """The next version of ``idx``, written but not published: it is built in a copy of the index under
+    ``scratch`` and moved into ``idx/versions`` with CURRENT left alone. A live server follows CURRENT by itself
+    (``index_poll_s``), so a version published first and damaged after may be taken while still whole; here the
+    test damages the version and then publishes it, as a torn copy would appear."""
+    copy = shutil.copytree(idx, scratch / "copy", symlinks=True)
+    name = _new_version(copy)
+    assert not (idx / "versions" / name).exists(), name
+    os.rename(copy / "versions" / name, idx / "versions" / name)
+    shutil.rmtree(copy)
+    return name
+
+
 def test_tampered_files_are_detected_and_refused(robust_env, tmp_path):
     """Every file x {truncated, altered}: verify fails naming it; reload refuses it (truncated: always;
     altered: with verify_index) and the service keeps answering from the version it had."""
@@ -527,13 +540,14 @@ def test_tampered_files_are_detected_and_refused(robust_env, tmp_path):
             asyncio.run(go(rehash, how))
 
 
-def test_live_server_refuses_a_truncated_version(live):
+def test_live_server_refuses_a_truncated_version(live, tmp_path):
     srv, idx, _ = live
     assert _reload(srv).status_code == 200
     served = _search(srv).json()["index_version"]
-    name = _new_version(idx)
+    name = _staged_version(idx, tmp_path)
     target = idx / "versions" / name / "frames.npy"
     original = _tamper(target, "truncated")
+    switch_current(idx, name)  # published only now, damaged: the server's own poll may meet it before the reload
     with recording("tamper_live", served_before=served, file="frames.npy") as fig:
         try:
             r = _reload(srv)
