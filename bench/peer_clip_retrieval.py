@@ -212,14 +212,14 @@ def tune_stage1(work: Path, index: Path, ck: Path, n_queries: int) -> dict[str, 
 
     from gare.checkpoint import load_model
     from gare.text_quant import build_text_encoder
-    from gare_search.query import encode_queries, unit_rows
+    from gare_search.query import encode_queries
 
     texts = distinct_queries(seed=1)[-(500 + n_queries):-500]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the packed tower batches at one thread (gare.text_packed's check)
     try:
         model, _ = load_model(ck, "cpu")
-        bank = unit_rows(encode_queries(model, texts, tower=build_text_encoder(model, "fp32-packed")))
+        bank = encode_queries(model, texts, tower=build_text_encoder(model, "fp32-packed")).numpy()  # t, as served
     finally:
         torch.set_num_threads(threads)
     np.save(work / "tune_bank.npy", bank.astype(np.float32))
@@ -234,6 +234,7 @@ def tune_stage1(work: Path, index: Path, ck: Path, n_queries: int) -> dict[str, 
         st = dict(v.manifest.get("stage1", {}) or {})
     return {"command": f"gare-index tune --index INDEX --from-bank BANK --tune-queries {n_queries}", "queries": n_queries,
             "s": round(time.perf_counter() - t0, 1),
+            "coverage_at_k": (st.get("coverage") or {}).get(str(st.get("default_candidates"))),
             **{k: st.get(k) for k in ("setting", "recall", "recall_target", "p50_ms", "latency_budget_ms", "met",
                                       "default_candidates", "tuning_s", "coverage_s")}}
 
@@ -719,7 +720,10 @@ def markdown(d: dict[str, Any]) -> str:
          f"(`bench/serve_bench.write_gallery`: 12 fp16 frames per entry, psi fold constants), stage 1 "
          f"`{json.dumps(prep.get('gare_ann_params', {}))}`; written in {g.get('total_s', '-')} s"
          + (f", then tuned by `{tune['command']}` in {tune['s']} s ({tune['setting']}: the tuner's held-out recall "
-            f"{tune['recall']} of psi's exact top-10 at p50 {tune['p50_ms']} ms, met {tune['met']})" if tune else "")
+            f"{tune['recall']} of the exact cosine top-10 at p50 {tune['p50_ms']} ms"
+            + (f"; default K {tune['default_candidates']}, holding {tune['coverage_at_k']} of psi's exact top-10 on the "
+               "tuning queries" if tune.get("coverage_at_k") is not None else "")
+            + f", met {tune['met']})" if tune else "")
          + ". clip-retrieval: "
          f"`{prep.get('peer_index', {}).get('command', '-')}` (autofaiss with its defaults), index "
          f"`{ai.get('index_key', '-')}`, search parameters `{ai.get('index_param', '-')}`; built in "

@@ -50,14 +50,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def make_gallery(work: Path, n: int, n_queries: int) -> tuple[Path, Path]:
-    """A fresh gallery of n entries and a bank of n_queries unit query rows; (index, bank)."""
+    """A fresh gallery of n entries and a bank of n_queries query rows as the service writes them (t, |t| kept);
+    (index, bank)."""
     from gare.checkpoint import load_model
     from gare.text_quant import build_text_encoder
-    from gare_search.query import encode_queries, unit_rows
+    from gare_search.query import encode_queries
 
     ck = write_random_gallery(work, n)
     model, _ = load_model(ck, "cpu")
-    bank = unit_rows(encode_queries(model, make_queries(n_queries, seed=5), tower=build_text_encoder(model, "int8")))
+    bank = encode_queries(model, make_queries(n_queries, seed=5), tower=build_text_encoder(model, "int8")).numpy()
     np.save(work / "bank.npy", bank.astype(np.float32))
     return work / "g" / "index", work / "bank.npy"
 
@@ -76,17 +77,18 @@ def side_by_side(index: Path, bank: np.ndarray, n_videos: int, reps: int) -> dic
         ids = np.asarray(v.ids)
         n = min(n_videos, ids.shape[0])
         gids = ids[:n].copy()
-        scorers = {
-            "stored constants (kernel)": psi_fold_scorer(model, v.frames, v.masks, np.asarray(v.biases), ids, bank, bank,
+        unit = np.ascontiguousarray(bank / np.linalg.norm(bank, axis=1, keepdims=True), dtype=np.float32)
+        scorers = {  # psi scores the bank's rows at their |t|; the scorers are called with their unit rows
+            "stored constants (kernel)": psi_fold_scorer(model, v.frames, v.masks, np.asarray(v.biases), ids, unit, bank,
                                                          stored=stored),
-            "fold every video (before)": psi_fold_scorer(model, v.frames, v.masks, np.asarray(v.biases), ids, bank, bank),
+            "fold every video (before)": psi_fold_scorer(model, v.frames, v.masks, np.asarray(v.biases), ids, unit, bank),
         }
-        out = {name: sc(bank[:2], gids[:64]) for name, sc in scorers.items()}  # compile the kernel, touch the pages
+        out = {name: sc(unit[:2], gids[:64]) for name, sc in scorers.items()}  # compile the kernel, touch the pages
         times: dict[str, list[float]] = {name: [] for name in scorers}
         for r in range(reps):
             for name in (list(scorers) if r % 2 == 0 else list(scorers)[::-1]):
                 t0 = time.perf_counter()
-                out[name] = scorers[name](bank, gids)
+                out[name] = scorers[name](unit, gids)
                 times[name].append(time.perf_counter() - t0)
     a, b = out.values()
     med = {name: statistics.median(t) for name, t in times.items()}
@@ -156,7 +158,7 @@ def main() -> None:
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--index", help="an existing index (default: write a gallery of --n entries)")
-    ap.add_argument("--bank", help="query bank .npy of unit rows (with --index)")
+    ap.add_argument("--bank", help="query bank .npy of served query rows (with --index)")
     ap.add_argument("--n", type=int, default=20_000)
     ap.add_argument("--tune-queries", type=int, default=200)
     ap.add_argument("--side-videos", type=int, default=8192)
@@ -171,7 +173,7 @@ def main() -> None:
     load_before = loadavg()
     if args.index:
         if not args.bank:
-            raise SystemExit("--index needs --bank (a query bank .npy of unit rows)")
+            raise SystemExit("--index needs --bank (a query bank .npy of served query rows)")
         index, bank_path = Path(args.index), Path(args.bank)
     else:
         index, bank_path = make_gallery(Path(args.work), args.n, args.tune_queries)

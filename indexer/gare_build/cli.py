@@ -53,8 +53,9 @@ log = logging.getLogger(__name__)
 
 def _stage1_options(args: argparse.Namespace) -> Stage1Options:
     """The stage-1 tuning options of build/add/tune."""
-    if args.recall_target > 1:
-        raise ValueError(f"--recall-target must be in (0, 1], got {args.recall_target}")
+    for flag, value in (("--recall-target", args.recall_target), ("--coverage-target", args.coverage_target)):
+        if value > 1:
+            raise ValueError(f"{flag} must be in (0, 1], got {value}")
     bank = getattr(args, "from_bank", None)
     if bank is not None and args.tune_captions:
         raise ValueError("--from-bank and --tune-captions are two sources of tuning queries: give one")
@@ -62,7 +63,7 @@ def _stage1_options(args: argparse.Namespace) -> Stage1Options:
                          candidates=DEFAULT_CANDIDATES, latency_budget_ms=args.latency_budget_ms,
                          latency_ceiling_ms=args.latency_ceiling_ms, spread=args.tune_spread,
                          n_queries=max(2, args.tune_queries), coverage_queries=getattr(args, "coverage_queries", None),
-                         bank=bank)
+                         coverage_target=args.coverage_target, bank=bank)
 
 
 def _caption_texts(source: str | None) -> list[str] | None:
@@ -324,8 +325,11 @@ def _cmd_stats(args: argparse.Namespace) -> int:
             print(f"{k:<{width}}  {v:.4g}" if isinstance(v, float) else f"{k:<{width}}  {v}")
     s1 = st.get("stage1")
     if s1:  # the stage-1 promise measured at build time (the manifest's `stage1`, docs/index-format.md)
-        print(f"{'stage1':<{width}}  recall@{s1.get('recall_at')} of the exact top-{s1.get('k', 10)} "
-              f"{s1.get('recall')} (target {s1.get('recall_target')}), p50 {s1.get('p50_ms')} ms, "
+        verdict = {True: "met", False: "NOT met"}.get(s1.get("met"), "")
+        print(f"{'stage1':<{width}}  {verdict + ': ' if verdict else ''}recall@{s1.get('recall_at')} of the exact "
+              f"cosine top-{s1.get('recall_k', 10)} {s1.get('recall')} (target {s1.get('recall_target')}), p50 "
+              f"{s1.get('p50_ms')} ms, default K={s1.get('default_candidates')} (psi coverage target "
+              f"{s1.get('coverage_target')}), "
               "psi coverage " + ", ".join(f"K={k}: {v}" for k, v in sorted((s1.get("coverage") or {}).items(),
                                                                             key=lambda kv: int(kv[0])))
               + f", queries: {s1.get('query_source')}")

@@ -251,6 +251,10 @@ def _add_tune_args(p: argparse.ArgumentParser, *, tune_cmd: bool = False) -> Non
     g.add_argument("--recall-target", type=_positive_float, default=0.995, metavar="R",
                    help="recall@K of the exact cosine top-10 the ANN must reach on held-out sample queries, K = the "
                         "service's default candidates (default 0.995)")
+    g.add_argument("--coverage-target", type=_positive_float, default=0.995, metavar="C",
+                   help="share of psi's exact top-10 that the ANN top-K must hold: the default K is the smallest K "
+                        "reaching it (up to 2048, the service's most candidates); when none does, the K of the best "
+                        "measured coverage, and stage 1 is recorded as NOT met (default 0.995)")
     g.add_argument("--latency-budget-ms", type=_positive_float, default=5.0, metavar="MS",
                    help="single-query p50 on one thread the ANN may take (default 5)")
     g.add_argument("--latency-ceiling-ms", type=_positive_float, default=100.0, metavar="MS",

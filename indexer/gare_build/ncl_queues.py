@@ -3,8 +3,9 @@
 training captions re-encoded with the final text tower, instead of the embeddings pushed during training, most of
 them by model states far from the final one: docs/postprocessing.md).
 
-:func:`load_query_bank` validates a float32 (n, d) file of unit query embeddings written by gare-serve's query bank
-(never unpickled); :func:`mix_queues` mixes it with the checkpoint's training queue so that a given fraction of the
+:func:`load_query_bank` validates a float32 (n, d) file of query embeddings written by gare-serve's query bank
+(never unpickled): the text tower's raw t, as psi scores it (banks written before the bank kept |t| hold unit rows,
+which :func:`served_norms` scales to a reference |t|); :func:`mix_queues` mixes it with the checkpoint's training queue so that a given fraction of the
 queue NCL fits the biases to is traffic (seeded: same inputs, same queue). ``gare-index tune --from-bank`` reads
 the same files (:func:`gare_build.tuning.queries.bank_queries`).
 """
@@ -31,8 +32,10 @@ BIAS_QUEUES = ("fresh", "stale")  # the queue NCL fits to: training captions re-
 FRESH_SEED = 0
 DEFAULT_QUEUE_SIZE = 16384  # NCL's queue size, when the checkpoint does not say its own
 
-__all__ = ["TRAFFIC_SEED", "MAX_BANK_ROWS", "BIAS_QUEUES", "load_query_bank", "mix_queues", "training_captions",
-           "FreshQueueUnavailable"]
+UNIT_TOL = 1e-2  # a bank row whose |t| is within this of 1 is a unit row (written without its norm)
+
+__all__ = ["TRAFFIC_SEED", "MAX_BANK_ROWS", "BIAS_QUEUES", "UNIT_TOL", "load_query_bank", "served_norms", "mix_queues",
+           "training_captions", "FreshQueueUnavailable"]
 
 
 class FreshQueueUnavailable(ValueError):
@@ -86,8 +89,11 @@ def fresh_rows(n: int, size: int, seed: int = FRESH_SEED) -> np.ndarray:
 
 
 def load_query_bank(path: str | os.PathLike, d: int, *, max_rows: int = MAX_BANK_ROWS) -> tuple[np.ndarray, dict[str, Any]]:
-    """A validated bank of served query embeddings: float32 (n, d), finite, non-zero rows (re-normalised).
+    """A validated bank of served query embeddings: float32 (n, d) as stored, finite, non-zero rows.
 
+    The rows are the text tower's raw t (gare_serve.engine.traffic_bank), the vectors psi scores; stage 1 and the
+    dual-tower score use their directions. ``info["unit_rows"]`` counts the rows of unit length: a bank written
+    before the service kept |t| holds only those, and :func:`served_norms` gives them a norm before psi scores them.
     Never unpickles (``allow_pickle=False``); any problem raises ValueError with the reason."""
 
     p = Path(path).expanduser().absolute()
@@ -102,7 +108,7 @@ def load_query_bank(path: str | os.PathLike, d: int, *, max_rows: int = MAX_BANK
     if not isinstance(arr, np.ndarray):
         raise ValueError(f"--from-traffic {p}: an .npy array is expected, not an .npz archive")
     if arr.dtype != np.float32:
-        raise ValueError(f"--from-traffic {p}: dtype {arr.dtype}, expected float32 (unit query embeddings)")
+        raise ValueError(f"--from-traffic {p}: dtype {arr.dtype}, expected float32 (query embeddings)")
     if arr.ndim != 2 or arr.shape[1] != d:
         raise ValueError(f"--from-traffic {p}: shape {arr.shape}, expected (n, {d}) for this index (d={d})")
     n = int(arr.shape[0])
@@ -117,11 +123,35 @@ def load_query_bank(path: str | os.PathLike, d: int, *, max_rows: int = MAX_BANK
     norms = np.linalg.norm(x, axis=1)
     if np.any(norms < 1e-6):
         raise ValueError(f"--from-traffic {p}: {int((norms < 1e-6).sum())} rows are zero vectors")
-    far = int((np.abs(norms - 1.0) > 1e-2).sum())
-    if far:
-        log.warning("%s: %d of %d query embeddings are not unit length; they are normalised", p, far, n)
-    info = {"file": str(p), "sha256": file_sha256(p), "rows": n, "non_unit_rows": far}
-    return (x / norms[:, None]).astype(np.float32), info
+    unit = int((np.abs(norms - 1.0) <= UNIT_TOL).sum())
+    info = {"file": str(p), "sha256": file_sha256(p), "rows": n, "unit_rows": unit, "non_unit_rows": n - unit}
+    return x, info
+
+
+def served_norms(x: np.ndarray, reference: float | None) -> tuple[np.ndarray, dict[str, Any]]:
+    """Bank rows (n, d) as psi scores them, and the record of what was done to them.
+
+    psi is not scale-invariant (q = v̄ - t), so a row must carry the |t| the service served it with. Rows of raw t
+    are kept. Unit rows (a bank written before the service kept |t|) are scaled to the mean |t| of the bank's own
+    raw rows when it has some, else to ``reference`` (the mean |t| of the same text tower's caption embeddings:
+    the checkpoint's training queue), else left at |t| = 1, which the record says. The tower's |t| varies little
+    from text to text, so a mean is close; the record names the scale (``bank_scale``) and where it came from."""
+    norms = np.linalg.norm(x, axis=1)
+    unit = np.abs(norms - 1.0) <= UNIT_TOL
+    m = int(unit.sum())
+    if m == 0:
+        return x, {"unit_rows": 0}
+    if m < x.shape[0]:
+        scale, src = float(norms[~unit].mean()), "the mean |t| of the bank's served rows"
+    elif reference is not None and reference > 0:
+        scale, src = float(reference), "the mean |t| of the checkpoint's training queue"
+    else:
+        log.warning("%d query-bank rows are unit vectors and nothing gives their |t|: psi scores them at |t| = 1, "
+                    "which no served query has", m)
+        return x, {"unit_rows": m, "bank_scale": 1.0, "bank_scale_from": "none: psi scores these rows at |t| = 1"}
+    out = x.copy()
+    out[unit] *= np.float32(scale)
+    return out, {"unit_rows": m, "bank_scale": round(scale, 6), "bank_scale_from": src}
 
 
 def _subsample(n: int, k: int, rng: np.random.Generator) -> np.ndarray:

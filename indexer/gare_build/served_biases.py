@@ -12,8 +12,9 @@ of psi (gare.psi_fold, equal to ``model.score`` to float32 rounding; the tests c
 reference); any exact psi implementation with that signature plugs in.
 
 Queries: psi needs the un-normalised text embedding t (the gap v̄ - t and the pooling softmax(t·F / temp)
-depend on |t|). The checkpoint's queue stores t as trained; a bank of served queries stores unit rows only,
-so its rows are scaled to the training queue's mean |t| (recorded as ``bank_scale`` in the manifest).
+depend on |t|). The checkpoint's queue stores t as trained and a bank of served queries t as served; the unit
+rows of banks written before the service kept |t| are scaled to a reference |t| (gare_build.ncl_queues.served_norms,
+recorded as ``bank_scale`` in the manifest).
 """
 
 from __future__ import annotations

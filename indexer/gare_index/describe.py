@@ -50,8 +50,13 @@ def describe_stage1(st: Mapping[str, Any] | None) -> str:
         return "stage 1: not tuned"
     K = st.get("default_candidates")
     cov = (st.get("coverage") or {}).get(str(K)) if K else None
-    tail = (f"psi top-{st.get('coverage_top')} coverage {cov:.4f} at the default K={K}" if K else
-            f"no measured K reached psi coverage {st.get('coverage_target')}")
+    if not K:
+        tail = f"no measured K reached psi coverage {st.get('coverage_target')}"
+    elif st.get("coverage_met") is False:  # the best measured K: users get this share of psi's answers
+        tail = (f"NOT met: psi top-{st.get('coverage_top')} coverage {cov:.4f} < target {st.get('coverage_target')} "
+                f"at the default K={K}, the best measured")
+    else:
+        tail = f"psi top-{st.get('coverage_top')} coverage {cov:.4f} at the default K={K}"
     dv = st.get("deviation")
     dev = (f"; Δ deviation mean {dv['delta_mean_abs']:.4f}, 95th percentile {dv['delta_p95_abs']:.4f} "
            f"(authors: {dv['authors']})" if dv else "")

@@ -61,13 +61,15 @@ def test_biases_from_traffic_end_to_end(postprocess_env, tmp_path, capsys):
     t = b["traffic"]
     assert (t["file"], t["rows"], t["traffic_queries"], t["train_queries"], t["traffic_weight"]) == (str(bank), 50, 50, 50, 0.5)
     assert len(t["sha256"]) == 64 and set(t) <= {"file", "sha256", "rows", "non_unit_rows", "traffic_weight", "traffic_queries",
-                                                 "train_queries", "weight_effective", "seed", "note", "bank_scale"}  # no content
+                                                 "train_queries", "weight_effective", "seed", "note", "bank_scale",
+                                                 "bank_scale_from", "unit_rows"}  # no content
     # the biases are Sinkhorn's against the mixed queue, fitted to the served psi score (issue 17): the raw
     # training queue texts and the bank's unit rows scaled to the queue's mean |t| (psi needs |t|)
     ck = read_checkpoint(sh["checkpoint"])
     raw = ck.queues["text"].float().numpy()
     scale = float(np.linalg.norm(raw, axis=1).mean())
     assert t["bank_scale"] == pytest.approx(scale, rel=1e-5) and b["score"] == "served"
+    assert t["unit_rows"] == 50 and t["bank_scale_from"] == "the mean |t| of the checkpoint's training queue"
     mixed, _ = mix_queues(raw, np.load(bank) * np.float32(scale), 0.5)
     gamma = float(1 / torch.exp(ck.state_dict["clip.logit_scale"]))
     assert b["served"]["form"] == "dense"  # the gallery is smaller than K: every entry is an exact psi score
@@ -154,3 +156,28 @@ def test_bad_banks_fail_cleanly_and_change_nothing(postprocess_env, tmp_path, ca
             main(["biases", "--out", str(out), "--from-traffic", str(tmp_path / "f64.npy"), "--traffic-weight", w])
         assert e.value.code == 2
     assert verify_index(out) == []
+
+
+def test_served_norms_keep_served_rows_and_give_unit_rows_a_norm():
+    """psi scores bank rows at their |t|: rows of raw t (banks the service writes now) stay as they are; unit rows
+    (banks written before the service kept |t|) take the mean |t| of the bank's own raw rows, else the reference."""
+    from gare_build.ncl_queues import served_norms
+
+    rng = np.random.default_rng(3)
+    raw = rng.standard_normal((6, D)).astype(np.float32) * 3.0  # |t| about 3 sqrt(D)
+    units = unit(rng.standard_normal((4, D)))
+    out, rec = served_norms(raw, 10.0)
+    assert out is raw and rec == {"unit_rows": 0}
+    out, rec = served_norms(units, 10.0)  # an old bank: the reference norm
+    np.testing.assert_allclose(np.linalg.norm(out, axis=1), 10.0, rtol=1e-6)
+    np.testing.assert_allclose(out / 10.0, units, rtol=1e-6)  # same directions
+    assert rec["unit_rows"] == 4 and rec["bank_scale"] == 10.0 and "training queue" in rec["bank_scale_from"]
+    mixed = np.concatenate([units, raw])  # an old bank the upgraded service went on writing
+    out, rec = served_norms(mixed, 10.0)
+    want = float(np.linalg.norm(raw, axis=1).mean())
+    np.testing.assert_allclose(np.linalg.norm(out[:4], axis=1), want, rtol=1e-5)
+    np.testing.assert_array_equal(out[4:], raw)
+    assert rec["bank_scale"] == pytest.approx(want, rel=1e-6) and "served rows" in rec["bank_scale_from"]
+    out, rec = served_norms(units, None)  # nothing gives a norm: left at |t| = 1, and the record says so
+    np.testing.assert_array_equal(out, units)
+    assert rec["bank_scale"] == 1.0 and "|t| = 1" in rec["bank_scale_from"]

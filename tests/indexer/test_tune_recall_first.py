@@ -143,7 +143,16 @@ def test_spread_queries_cover_every_topic():
     assert parts is not None and (parts == CAPTION_PART).sum() == 200 and (parts == SPREAD_PART).sum() == 200
     assert source.startswith("ncl-queue (200 queries) + spread-gallery (200 queries")
     np.testing.assert_allclose(np.linalg.norm(unit_q, axis=1), 1.0, rtol=1e-5)
-    np.testing.assert_array_equal(raw[parts == SPREAD_PART], unit_q[parts == SPREAD_PART])
+    # psi scores the spread rows (made here, unit) at the tower's |t|, the caption rows as given
+    np.testing.assert_array_equal(raw[parts == CAPTION_PART],
+                                  queue.astype(np.float32)[np.sort(np.random.default_rng(0).choice(300, 200, replace=False))])
+    np.testing.assert_array_equal(raw[parts == SPREAD_PART], unit_q[parts == SPREAD_PART])  # norm None: |t| = 1
+    _, _, raw7, _ = build_sample(x, queue, None, n=400, seed=0, norm=7.0)
+    np.testing.assert_allclose(raw7[parts == SPREAD_PART], 7.0 * unit_q[parts == SPREAD_PART], rtol=1e-6)
+    np.testing.assert_array_equal(raw7[parts == CAPTION_PART], raw[parts == CAPTION_PART])
+    _, _, raw_all, p_all = build_sample(x, None, None, n=40, seed=0, norm=7.0)  # no caption part: every row made
+    assert p_all is None
+    np.testing.assert_allclose(np.linalg.norm(raw_all, axis=1), 7.0, rtol=1e-5)
     near = np.argmax(unit_q @ cu.T, axis=1)
     assert (near[parts == CAPTION_PART] == 0).all()
     spread_topics = near[parts == SPREAD_PART]

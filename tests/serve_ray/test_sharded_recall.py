@@ -8,7 +8,7 @@ gare_serve.ray_serve.shard_replica.LocalShards, the 2-shard index `gare-index bu
 - the generation's target is its lowest shard target, measured at the shards' recall_at;
 - the alarm goes off on the sharded state (ERROR line, gauge, counter) and clears when a new generation is served,
   with no query needed;
-- the query bank holds exactly the unit vectors of the text queries served, and `gare-index tune --from-bank` on
+- the query bank holds exactly the embeddings t of the text queries served (|t| kept), and `gare-index tune --from-bank` on
   the sharded root takes it and writes a new generation, which the ingress then serves by itself.
 """
 
@@ -249,11 +249,11 @@ def test_bank_on_the_ingress_feeds_a_sharded_tune_the_ingress_then_serves(shard_
             assert rc == 0
             assert await wait_for(lambda: app.state.gare.handle.version.name == "g000002")
             answer = (await client.post("/v1/search", json={"query": texts[0], "k": 3})).json()
-            return written, unit_rows(encode_queries(model, texts)), answer
+            return written, encode_queries(model, texts).numpy(), answer  # t as served, |t| kept
 
     written, want, answer = asyncio.run(go())
     assert written.shape == (12, want.shape[1]) and written.dtype == np.float32
-    np.testing.assert_allclose(written, want, atol=1e-5)  # the served text queries, in order; no image query
+    np.testing.assert_allclose(written, want, rtol=1e-5, atol=1e-5)  # the served text queries, in order; no image query
     assert texts[0].encode() not in bank.read_bytes()  # embeddings only
     gen = current_generation(root)
     assert gen.number == 2 and answer["index_version"] == "g000002"

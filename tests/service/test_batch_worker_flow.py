@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from gare_search import search as S
-from gare_search.query import unit_rows
 from gare_serve.engine.batch_worker import BatchSearch, Job, run_batch
 from gare_serve.engine.query_cache import QueryCache
 from gare_serve.engine.traffic_bank import QueryBank
@@ -73,14 +72,16 @@ def test_one_search_per_version_results_in_job_order(tmp_path):
     assert not any(r.cached for r in out)
 
 
-def test_the_search_gets_the_embeddings_the_worker_made_and_the_bank_their_unit_rows(tmp_path):
+def test_the_search_gets_the_embeddings_the_worker_made_and_the_bank_them_too(tmp_path):
     bs, enc, search = _search(tmp_path, bank=True)
     texts = ["a dog", "a red circle", "a dog"]
     run_batch(bs, [Job("v", q, S.SearchOptions()) for q in texts])
     (call,) = search.calls
     assert torch.equal(call["t"], FakeEncoder().encode(texts))
     assert enc.encoded == texts  # no query cache: every text through the encoder, once
-    np.testing.assert_array_equal(bs.query_bank.snapshot(), unit_rows(call["t"]))
+    # the bank keeps t as served, |t| included (psi is not scale-invariant; the tuner and the biases score these rows)
+    np.testing.assert_array_equal(bs.query_bank.snapshot(), call["t"].numpy())
+    assert not np.allclose(np.linalg.norm(call["t"].numpy(), axis=1), 1.0)  # unit rows would fail the line above
 
 
 def test_query_cache_hits_skip_the_encoder_and_report_no_encode_time(tmp_path):

@@ -26,6 +26,7 @@ from gare_build.ncl_queues import (
     fresh_rows,
     load_query_bank,
     mix_queues,
+    served_norms,
     training_captions,
 )
 from gare_build.pipeline.options import RunReport
@@ -160,11 +161,12 @@ def traffic_binfo(binfo: dict[str, Any], tinfo: dict[str, Any]) -> dict[str, Any
 def _mixed_queue(queue: np.ndarray | None, bank_path: str | os.PathLike, weight: float, d: int
                  ) -> tuple[np.ndarray, dict[str, Any]]:
     bank, info = load_query_bank(bank_path, d)
-    # the bank holds unit rows; psi needs |t|: scale them to the training queue's mean norm (no effect on the
+    # psi needs the served |t|: rows of older banks are unit vectors, scaled to a reference norm (no effect on the
     # dual-tower biases, which normalise every row)
-    scale = float(np.linalg.norm(queue, axis=1).mean()) if queue is not None and len(queue) else 1.0
-    mixed, minfo = mix_queues(queue, bank * np.float32(scale), weight)
-    return mixed, {**info, **minfo, "bank_scale": round(scale, 6)}
+    ref = float(np.linalg.norm(queue, axis=1).mean()) if queue is not None and len(queue) else None
+    bank, ninfo = served_norms(bank, ref)
+    mixed, minfo = mix_queues(queue, bank, weight)
+    return mixed, {**info, **minfo, **ninfo}
 
 
 def carried_traffic(queue: np.ndarray | None, prev_binfo: dict[str, Any], d: int, report: RunReport

@@ -8,6 +8,12 @@ queue holds) and adds the matching raw rows psi scores, each row labelled with i
 recall on each part and keeps the lower); :func:`bank_queries` reads the distinct served queries of a query bank
 (``gare-index tune --from-bank``), which replace the mix. The source is recorded with every sample; every source
 is subsampled the same way (:func:`pick_rows`).
+
+Every sample has two forms: unit rows, which stage 1 searches with, and the raw rows psi scores. psi is not
+scale-invariant (q = v̄ - t; the pooling softmax(t·F / temp)), so a raw row must carry the |t| a served query has:
+caption rows are the tower's raw t, bank rows are t as served, and the rows made here (spread and perturbed
+queries, unit by construction) are scaled to the text tower's mean |t| (``norm``:
+:func:`gare_build.tuning.version_tuning.tower_norm`).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Any
 import faiss
 import numpy as np
 
-from gare_build.ncl_queues import load_query_bank
+from gare_build.ncl_queues import load_query_bank, served_norms
 from gare_build.tuning.measure import exact_topk
 from gare_index.ann_eval import perturbed_queries
 
@@ -133,14 +139,18 @@ def spread_queries(units: np.ndarray, n: int, *, captions: np.ndarray | None = N
 
 
 def build_sample(units: np.ndarray, queue: np.ndarray | None, captions: np.ndarray | None, *, n: int, seed: int,
-                 spread: float = SPREAD_SHARE) -> tuple[np.ndarray, str, np.ndarray, np.ndarray | None]:
+                 spread: float = SPREAD_SHARE, norm: float | None = None
+                 ) -> tuple[np.ndarray, str, np.ndarray, np.ndarray | None]:
     """(unit queries (m, d), source, the matching raw rows psi scores (m, d), part labels (m,) or None).
 
     The caption part is the queue, else the captions, else nothing (:func:`sample_queries`' order); ``spread``
     of the ``n`` queries (rounded; 0 turns it off) are :func:`spread_queries` over the gallery, the caption part
     takes up to the rest. The labels are CAPTION_PART / SPREAD_PART, None when the sample has one part only (no
     caption source: all ``n`` queries are spread; ``spread`` 0: the caption part alone, or perturbed gallery
-    vectors without one, as before the mix)."""
+    vectors without one, as before the mix).
+
+    Raw rows: the caption part's rows as given (the tower's t); the rows made here are unit vectors scaled to
+    ``norm``, the tower's mean |t| (:func:`gare_build.tuning.version_tuning.tower_norm`; None: left at |t| = 1)."""
     if not 0.0 <= spread < 1.0:
         raise ValueError(f"spread share must be in [0, 1), got {spread}")
     raw = None
@@ -154,9 +164,9 @@ def build_sample(units: np.ndarray, queue: np.ndarray | None, captions: np.ndarr
     if raw is None:
         if spread <= 0.0:
             unit_q, source = sample_queries(units, n=n, seed=seed)
-            return unit_q, source, unit_q, None
-        unit_q, source = spread_queries(units, n, seed=seed)
-        return unit_q, source, unit_q, None
+        else:
+            unit_q, source = spread_queries(units, n, seed=seed)
+        return unit_q, source, _scaled(unit_q, norm), None
     is_queue = queue is not None and len(queue) > 0
     unit_c, source = sample_queries(units, queue=raw if is_queue else None, captions=None if is_queue else raw,
                                     n=raw.shape[0], seed=seed)
@@ -164,20 +174,27 @@ def build_sample(units: np.ndarray, queue: np.ndarray | None, captions: np.ndarr
         return unit_c, source, raw, None
     unit_s, s_source = spread_queries(units, n_spread, captions=unit_c, seed=seed)
     unit_q = np.concatenate([unit_c, unit_s])
-    raw_q = np.concatenate([raw, unit_s])  # spread rows are unit vectors: psi scores them with |t| = 1
+    raw_q = np.concatenate([raw, _scaled(unit_s, norm)])
     parts = np.array([CAPTION_PART] * unit_c.shape[0] + [SPREAD_PART] * n_spread)
     return unit_q, f"{source} + {s_source}", raw_q, parts
 
 
-def bank_queries(path: str | os.PathLike, d: int, *, n: int = 1000, seed: int = 0
-                 ) -> tuple[np.ndarray, str, dict[str, Any]]:
-    """(unit queries (m, d) float32, query source, the manifest's ``query_bank`` record) from a served-query bank.
+def _scaled(unit_q: np.ndarray, norm: float | None) -> np.ndarray:
+    """The raw rows psi scores for unit rows made here: scaled to ``norm`` (None: left at |t| = 1)."""
+    return unit_q if norm is None else np.ascontiguousarray(unit_q * np.float32(norm))
+
+
+def bank_queries(path: str | os.PathLike, d: int, *, n: int = 1000, seed: int = 0, norm: float | None = None
+                 ) -> tuple[np.ndarray, str, dict[str, Any], np.ndarray]:
+    """(unit queries (m, d) float32, query source, the manifest's ``query_bank`` record, raw rows (m, d)) from a
+    served-query bank.
 
     The bank is read as ``gare-index biases --from-traffic`` reads it (:func:`gare_build.ncl_queues.load_query_bank`:
-    no pickle, float32 (rows, d), finite, non-zero rows, re-normalised). Repeated queries (the same text gives the
-    same embedding) are kept once, so that the tuner's held-out half holds no query of its tuning half; at most
-    ``n`` distinct rows are used (a seeded sample, as the other sources). Bank rows are unit vectors: the psi
-    coverage and the deviation figure score them with |t| = 1, as they do perturbed-gallery queries."""
+    no pickle, float32 (rows, d), finite, non-zero rows). Its rows are t as served, which psi scores as they are;
+    the unit rows of a bank written before the service kept |t| are scaled to the bank's own served |t|, else to
+    ``norm`` (:func:`gare_build.ncl_queues.served_norms`). Repeated queries (the same text gives the same embedding)
+    are kept once, so that the tuner's held-out half holds no query of its tuning half; at most ``n`` distinct rows
+    are used (a seeded sample, as the other sources)."""
     try:
         x, info = load_query_bank(path, d)
     except ValueError as e:
@@ -189,13 +206,16 @@ def bank_queries(path: str | os.PathLike, d: int, *, n: int = 1000, seed: int = 
         raise ValueError(f"--from-bank {info['file']}: {distinct} distinct queries; the tuner needs at least 2 (half tune, "
                          "half held out)")
     keep = pick_rows(distinct, n, seed)
-    q = np.ascontiguousarray(x if keep is None else x[keep], dtype=np.float32)
+    raw = np.ascontiguousarray(x if keep is None else x[keep], dtype=np.float32)
+    raw, ninfo = served_norms(raw, norm)
+    q = np.ascontiguousarray(raw / np.linalg.norm(raw, axis=1, keepdims=True), dtype=np.float32)
     m = int(q.shape[0])
     if m < 100:
         log.warning("--from-bank: only %d distinct served queries; the held-out recall (%d queries) is a coarse estimate",
                     m, m - m // 2)
     record = {"file": info["file"], "sha256": info["sha256"], "rows": info["rows"], "distinct": distinct, "used": m,
-              "non_unit_rows": info["non_unit_rows"],
-              "note": "unit query embeddings served by gare-serve (gare_serve.engine.traffic_bank); psi coverage scores them with |t| = 1"}
+              "unit_rows": ninfo["unit_rows"], **{k: v for k, v in ninfo.items() if k != "unit_rows"},
+              "note": "query embeddings served by gare-serve (gare_serve.engine.traffic_bank): stage 1 searches their "
+                      "directions, psi scores them at their served |t|"}
     source = f"query-bank ({m} queries; {distinct} distinct of {info['rows']} served)"
-    return q, source, record
+    return q, source, record, raw

@@ -8,8 +8,8 @@ optional query cache, query bank and recall watch), a snapshot the service takes
 Control flows one way: the worker embeds the texts itself (the query cache in front of the encoder,
 ``gare_serve.engine.query_cache``, else ``gare_search.text_encoder``), hands the embeddings to one
 ``gare_search.search.search_batch`` call per index version (that function takes them through its ``encoder``
-argument, here a function that returns them), then feeds the query bank with the queries' unit vectors
-(``gare_search.query.unit_rows``, what the search's stage 1 ranks with). The one thing that still reaches back is
+argument, here a function that returns them), then feeds the query bank with the queries' embeddings t as served
+(their |t| included: psi is not scale-invariant, and the tuner and the biases score the bank's rows with psi). The one thing that still reaches back is
 the recall watch's view of the version (``gare_serve.engine.recall_watch.RecallWatch.wrap``): the stage-1
 candidate lists it samples are not part of a search result, so it observes the version's stage-1 calls.
 """
@@ -26,7 +26,6 @@ import torch
 from gare.model import GARE
 from gare_index.store import IndexVersion
 from gare_search import search as S
-from gare_search.query import unit_rows
 from gare_search.text_encoder import QueryEncoder
 from gare_serve.engine.query_cache import QueryCache
 from gare_serve.engine.recall_watch import RecallWatch
@@ -98,7 +97,8 @@ def run_batch(search: BatchSearch, jobs: Sequence[Job]) -> list[S.QueryResult]:
             encoder=lambda _texts, t=t: t,  # the embeddings computed above (the search's way to take them)
         )
         if search.query_bank is not None:
-            search.query_bank.push(unit_rows(t))  # (a, d) unit rows, as stage 1 searched with
+            # (a, d) t as served: psi scored these rows at their |t|, which the tuner and the biases must score at too
+            search.query_bank.push(t.detach().to("cpu", torch.float32).numpy())
         for i, r, hit in zip(members, res, from_cache, strict=True):
             timings = {**r.timings, "total": r.timings.get("total", 0.0) + embed_s}
             timings["encode"] = 0.0 if hit else r.timings.get("encode", 0.0) + embed_s

@@ -1,7 +1,7 @@
 """The adaptive query bank (NCL's limitations section): a bounded rolling queue of served query embeddings.
 
-Opt-in (`GARE_QUERY_BANK_SIZE` > 0 and `GARE_QUERY_BANK_PATH`). It keeps unit text embeddings only, never the
-query text, at most `size` of them (oldest dropped first), and writes them atomically to a float32 .npy file
+Opt-in (`GARE_QUERY_BANK_SIZE` > 0 and `GARE_QUERY_BANK_PATH`). It keeps the served text embeddings t only (as
+the rerank scored them, |t| included: psi is not scale-invariant), never the query text, at most `size` of them (oldest dropped first), and writes them atomically to a float32 .npy file
 (no pickle) every `flush_every` queries and at shutdown. `gare-index biases --from-traffic BANK.npy` then
 recomputes the NCL biases from this bank mixed with the checkpoint's training queue, so the biases follow
 the queries users actually send.
@@ -52,18 +52,19 @@ class QueryBank:
         self._ptr = len(old) % self.size
         log.info("query bank: %d embeddings loaded from %s", self._n, self.path)
 
-    def push(self, units: np.ndarray) -> None:
-        """units (q, d): unit query embeddings of served queries."""
-        units = np.asarray(units, dtype=np.float32)[-self.size:]
-        if units.ndim != 2 or units.shape[1] != self.dim:
-            raise ValueError(f"query bank expects (q, {self.dim}) embeddings, got {units.shape}")
+    def push(self, rows: np.ndarray) -> None:
+        """rows (q, d): the embeddings t of served queries (banks written before |t| was kept hold unit rows; the
+        readers give those a norm, gare_build.ncl_queues.served_norms)."""
+        rows = np.asarray(rows, dtype=np.float32)[-self.size:]
+        if rows.ndim != 2 or rows.shape[1] != self.dim:
+            raise ValueError(f"query bank expects (q, {self.dim}) embeddings, got {rows.shape}")
         flush = False
         with self._lock:
-            idx = (self._ptr + np.arange(len(units))) % self.size
-            self._buf[idx] = units
-            self._ptr = int((self._ptr + len(units)) % self.size)
-            self._n = min(self.size, self._n + len(units))
-            self._since_flush += len(units)
+            idx = (self._ptr + np.arange(len(rows))) % self.size
+            self._buf[idx] = rows
+            self._ptr = int((self._ptr + len(rows)) % self.size)
+            self._n = min(self.size, self._n + len(rows))
+            self._since_flush += len(rows)
             if self._since_flush >= self.flush_every:
                 self._since_flush = 0
                 flush = True
