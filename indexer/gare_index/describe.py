@@ -62,9 +62,14 @@ def describe_stage1(st: Mapping[str, Any] | None) -> str:
            f"(authors: {dv['authors']})" if dv else "")
     past = (f" (above the latency budget {st.get('latency_budget_ms')} ms: recall first, ceiling "
             f"{st.get('latency_ceiling_ms')} ms)" if st.get("outcome") == "above-budget" else "")
+    effort = st.get("coverage_effort") or {}
+    if effort.get("raised"):  # the recall was measured at the tuned effort; the index serves the raised one
+        how = (f"with {st.get('index_type')} {effort.get('from')}, p50 {st.get('p50_ms'):.3f} ms{past}; search effort "
+               f"raised for psi's coverage to {st.get('setting')}, p50 {st.get('p50_ms_default_k'):.3f} ms at K={K}")
+    else:
+        how = f"with {st.get('index_type')} {st.get('setting')}, p50 {st.get('p50_ms'):.3f} ms{past}"
     return (f"stage 1: recall@{st.get('recall_at')} of the exact top-{st.get('recall_k')} {st.get('recall'):.4f} "
-            f"(target {st.get('recall_target')}) with {st.get('index_type')} {st.get('setting')}, p50 "
-            f"{st.get('p50_ms'):.3f} ms{past}; {tail}{dev}; queries: {st.get('query_source')}")
+            f"(target {st.get('recall_target')}) {how}; {tail}{dev}; queries: {st.get('query_source')}")
 
 
 def describe_biases(binfo: dict[str, Any] | None) -> str:

@@ -2,8 +2,10 @@
 
 :func:`coverage_at_k` measures that share for several K for any ``scorer(queries, ids) -> scores`` callable:
 :func:`psi_fold_scorer` (the exact folded psi of :mod:`gare.psi_fold` with the index's NCL biases, what the
-search ranks by) or :func:`cosine_scorer` (the dual tower); :func:`choose_candidates` picks the smallest K
-reaching a target (the index's default candidates).
+search ranks by) or :func:`cosine_scorer` (the dual tower); it is :func:`psi_truth` (the exhaustive top-10, the
+costly part) then :func:`ann_coverage` (one ANN search), so a tuner can measure other search efforts against
+the same truth, and :func:`exact_coverage` gives the exact stage 1's share, the bound no effort passes.
+:func:`choose_candidates` picks the smallest K reaching a target (the index's default candidates).
 """
 
 from __future__ import annotations
@@ -22,12 +24,12 @@ from gare.psi_fold import exhaustive
 from gare.psi_fold_queries import fold_queries
 from gare.psi_fold_videos import VideoConstants, fold_videos
 from gare.psi_fold_weights import fold_weights
-from gare_build.tuning.measure import recall_of_topk
+from gare_build.tuning.measure import exact_topk, recall_of_topk
 from gare_index.ann import AnnIndex
 from gare_index.frame_quant import QuantFrames
 
-__all__ = ["Scorer", "CoverageResult", "StoredConsts", "cosine_scorer", "psi_fold_scorer", "coverage_at_k",
-           "choose_candidates"]
+__all__ = ["Scorer", "CoverageResult", "StoredConsts", "cosine_scorer", "psi_fold_scorer", "psi_truth", "ann_coverage",
+           "exact_coverage", "coverage_at_k", "choose_candidates"]
 
 # scorer(queries (b, d) float32, ids (m,) int64) -> scores (b, m): what the exhaustive ranking sorts by
 Scorer = Callable[[np.ndarray, np.ndarray], np.ndarray]
@@ -152,30 +154,15 @@ def psi_fold_scorer(model: Any, frames: np.ndarray, masks: np.ndarray, biases: n
     return score
 
 
-def coverage_at_k(
-    ann: AnnIndex,
-    queries: np.ndarray,
-    scorer: Scorer,
-    gallery_ids: np.ndarray,
-    ks: Sequence[int] = (16, 32, 64, 128, 256, 512),
-    *,
-    top: int = 10,
-    block: int = 65_536,
-    query_batch: int = 64,
-    query_source: str = "",
-    target: float | None = None,
-    progress: bool = False,
-) -> CoverageResult:
-    """Share of the exhaustive ``scorer`` top-``top`` found inside the ANN top-K, for each K in ``ks``.
+def psi_truth(queries: np.ndarray, scorer: Scorer, gallery_ids: np.ndarray, *, top: int = 10, block: int = 65_536,
+              query_batch: int = 64, progress: bool = False) -> np.ndarray:
+    """(a, top) gallery ids: each query's exhaustive ``scorer`` top-``top``, best first.
 
     ``scorer(q (b, d), ids (m,)) -> (b, m)`` scores the queries against gallery ids exactly as the exhaustive
     ranking does (the folded psi with biases; :func:`cosine_scorer` for the dual tower); it is called on
     ``gallery_ids`` in blocks of ``block`` ids and ``query_batch`` queries.  Ties at the top-``top`` boundary
-    are broken by the lower position in ``gallery_ids``.  With ``target`` the result's ``chosen_K`` is
-    :func:`choose_candidates`. ``progress``: a progress bar over the gallery's blocks on stderr (minutes at 1M)."""
-    ks = sorted({int(k) for k in ks})
-    if not ks or ks[0] < 1:
-        raise ValueError(f"ks must be positive, got {ks}")
+    are broken by the lower position in ``gallery_ids``. ``progress``: a progress bar over the gallery's blocks
+    on stderr (minutes at 1M)."""
     gallery_ids = np.asarray(gallery_ids, dtype=np.int64)
     q = np.ascontiguousarray(queries, dtype=np.float32)
     nq, n = q.shape[0], gallery_ids.shape[0]
@@ -198,10 +185,49 @@ def coverage_at_k(
             bar.update(1)
         truth[s:e] = gallery_ids[best_p]
     bar.close()
+    return truth
+
+
+def ann_coverage(ann: AnnIndex, queries: np.ndarray, truth: np.ndarray, ks: Sequence[int]) -> dict[int, float]:
+    """{K: share of ``truth`` (a, top) inside the ANN top-K} for each K: one search of the largest K."""
+    ks = sorted({int(k) for k in ks})
     kmax = min(ks[-1], max(1, ann.ntotal))
-    _, got = ann.search(q, kmax)
-    cov = {k: recall_of_topk(got[:, : min(k, kmax)], truth) for k in ks}
-    res = CoverageResult(cov, top, nq, query_source)
+    _, got = ann.search(np.ascontiguousarray(queries, dtype=np.float32), kmax)
+    return {k: recall_of_topk(got[:, : min(k, kmax)], truth) for k in ks}
+
+
+def exact_coverage(units: Any, ids: np.ndarray, queries: np.ndarray, truth: np.ndarray,
+                   ks: Sequence[int]) -> dict[int, float]:
+    """{K: share of ``truth`` inside the *exact* stage-1 top-K} (inner products with ``units`` (n, d), row i has id
+    ``ids[i]``): what a perfect ANN would hold, the dual tower's own bound at K. No search effort beats it; a
+    larger K does."""
+    ks = sorted({int(k) for k in ks})
+    _, rows = exact_topk(units, queries, min(ks[-1], units.shape[0]))
+    got = np.asarray(ids, dtype=np.int64)[rows]
+    return {k: recall_of_topk(got[:, :k], truth) for k in ks}
+
+
+def coverage_at_k(
+    ann: AnnIndex,
+    queries: np.ndarray,
+    scorer: Scorer,
+    gallery_ids: np.ndarray,
+    ks: Sequence[int] = (16, 32, 64, 128, 256, 512),
+    *,
+    top: int = 10,
+    block: int = 65_536,
+    query_batch: int = 64,
+    query_source: str = "",
+    target: float | None = None,
+    progress: bool = False,
+) -> CoverageResult:
+    """Share of the exhaustive ``scorer`` top-``top`` (:func:`psi_truth`) found inside the ANN top-K, for each K in
+    ``ks`` (:func:`ann_coverage`). With ``target`` the result's ``chosen_K`` is :func:`choose_candidates`."""
+    ks = sorted({int(k) for k in ks})
+    if not ks or ks[0] < 1:
+        raise ValueError(f"ks must be positive, got {ks}")
+    truth = psi_truth(queries, scorer, gallery_ids, top=top, block=block, query_batch=query_batch, progress=progress)
+    res = CoverageResult(ann_coverage(ann, queries, truth, ks), truth.shape[1], truth.shape[0], query_source)
     if target is not None:
         res.target = target
         res.chosen_K = choose_candidates(res, target)
